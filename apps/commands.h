@@ -1,0 +1,11 @@
+// The winnow command line tool's subcommands.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace winnow::apps {
+
+void add_info_command(CLI::App& app);
+void add_demo_command(CLI::App& app);
+
+}  // namespace winnow::apps

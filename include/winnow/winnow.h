@@ -1,0 +1,8 @@
+// Everything a C++ caller needs: include this one header and link winnow::winnow.
+#pragma once
+
+#include "winnow/attention.h"
+#include "winnow/error.h"
+#include "winnow/softmax.h"
+#include "winnow/stick_breaking.h"
+#include "winnow/tensor.h"

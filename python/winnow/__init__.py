@@ -1,0 +1,102 @@
+"""winnow: causal attention that selects instead of spreading.
+
+This package loads winnow's LibTorch operator library and exposes its operators as plain
+functions. The operators themselves live in ``torch.ops.winnow`` once loaded, so C++ and
+Python callers share one implementation and one autograd definition.
+
+The library is found, in order, at ``$WINNOW_LIBRARY``, inside this package
+(``winnow/lib/libwinnow_torch.so``), or in the repository's ``build/`` folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "library_path",
+    "softmax_attention",
+    "stick_breaking_attention",
+]
+
+
+def _candidates():
+    env = os.environ.get("WINNOW_LIBRARY")
+    if env:
+        yield Path(env)
+    here = Path(__file__).resolve().parent
+    yield here / "lib" / "libwinnow_torch.so"
+    yield here.parent.parent / "build" / "libwinnow_torch.so"
+
+
+def _load() -> Path:
+    tried = []
+    for path in _candidates():
+        tried.append(str(path))
+        if path.is_file():
+            torch.ops.load_library(str(path))
+            return path
+    raise ImportError(
+        "winnow: the operator library libwinnow_torch.so was not found; build it "
+        "(`make build`) or set WINNOW_LIBRARY. Looked at: " + ", ".join(tried)
+    )
+
+
+library_path: Path = _load()
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    attend_current: bool = True,
+) -> torch.Tensor:
+    """Causal softmax attention, differentiable in q, k and v.
+
+    Shapes: q (B, Lq, Hq, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv) with Lq <= Lk (the
+    queries are the last Lq positions) and Hq a multiple of Hkv (grouped-query attention);
+    or packed (T, H, D) tensors with ``cu_seqlens_q`` (int32, B + 1 offsets) and optionally
+    ``cu_seqlens_k``. Any strides. ``scale`` defaults to 1 / sqrt(D). Returns out
+    (B, Lq, Hq, Dv); a query that sees no key outputs zero.
+    """
+    return torch.ops.winnow.softmax_attention(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
+        attend_current=attend_current)
+
+
+def stick_breaking_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    attend_current: bool = False,
+    halt_cutoff: float = 0.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal stick-breaking attention (Tan et al., seed 002), differentiable in q, k, v.
+
+    Each visible key, from the most recent backwards, takes a sigmoid(z) share of the stick
+    that is left: A_ij = sigmoid(z_ij) prod_{i < k < j} (1 - sigmoid(z_kj)), o_j = sum_i A_ij v_i.
+    By default query j sees keys i < j (the paper's choice); ``attend_current=True`` adds
+    key j. Shapes and ``scale`` as in :func:`softmax_attention`.
+
+    ``halt_cutoff`` > 0 enables early halting: key tiles further left are skipped once every
+    row of a query tile has less than exp(-halt_cutoff) of its stick left (results are then
+    exact stick-breaking over the keys kept). 0 (default) disables it.
+
+    Returns ``(out, rem)``: out (B, Lq, Hq, Dv) and rem (B, Lq, Hq), the stick left
+    unallocated, 1 - sum_i A_ij; both are differentiable (the remainder-bias option of the
+    paper adds rem * r to out).
+    """
+    return torch.ops.winnow.stick_breaking_attention(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
+        attend_current=attend_current, halt_cutoff=halt_cutoff)

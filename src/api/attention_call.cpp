@@ -1,0 +1,274 @@
+#include "api/attention_call.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace winnow::detail {
+namespace {
+
+std::string describe(const TensorView& t) {
+  std::ostringstream s;
+  s << to_string(t.dtype) << ' ' << t.shape_string() << " on " << to_string(t.device);
+  return s.str();
+}
+
+std::string shape_string(const std::int64_t* shape, int ndim) {
+  TensorView t;
+  t.ndim = ndim;
+  for (int d = 0; d < ndim; ++d) t.shape[d] = shape[d];
+  return t.shape_string();
+}
+
+bool dtype_runs_on(DType dtype, Route route) {
+  switch (route) {
+    case Route::reference: return dtype == DType::float64;
+    case Route::cpu: return dtype == DType::float32 || dtype == DType::float64;
+    case Route::cuda:
+      return dtype == DType::float16 || dtype == DType::bfloat16 || dtype == DType::float32;
+  }
+  return false;
+}
+
+const char* dtypes_of(Route route) {
+  switch (route) {
+    case Route::reference: return "float64 (the reference backend)";
+    case Route::cpu: return "float32 or float64 on the CPU";
+    case Route::cuda: return "float16, bfloat16 or float32 on CUDA";
+  }
+  return "";
+}
+
+}  // namespace
+
+AttentionCall::AttentionCall(const char* op, const AttentionInputs& in, const ExecContext& ctx)
+    : op_(op), in_(in), ctx_(ctx) {
+  varlen_ = in.cu_seqlens_q.has_value();
+  if (!varlen_ && in.cu_seqlens_k.has_value()) {
+    fail("cu_seqlens_k", "absent unless cu_seqlens_q is given", "a tensor without cu_seqlens_q");
+  }
+  check_operand("q", in.q);
+  check_operand("k", in.k);
+  check_operand("v", in.v);
+
+  const TensorView &q = in.q, &k = in.k, &v = in.v;
+  const int rank = varlen_ ? 3 : 4;
+  const char* layout = varlen_ ? "(T, H, D) with cu_seqlens" : "(B, L, H, D)";
+  if (q.ndim != rank) fail("q", std::to_string(rank) + " dimensions " + layout, describe(q));
+  if (k.ndim != rank) fail("k", std::to_string(rank) + " dimensions " + layout, describe(k));
+  if (v.ndim != rank) fail("v", std::to_string(rank) + " dimensions " + layout, describe(v));
+
+  if (ctx.backend == Backend::reference) {
+    route_ = Route::reference;
+    if (q.device.kind != DeviceKind::cpu) {
+      fail("q", "a CPU tensor (the reference backend runs on the CPU)", describe(q));
+    }
+  } else {
+    route_ = q.device.kind == DeviceKind::cuda ? Route::cuda : Route::cpu;
+  }
+  if (!dtype_runs_on(q.dtype, route_)) fail("q", dtypes_of(route_), describe(q));
+  for (const auto* name : {"k", "v"}) {
+    const TensorView& t = name[0] == 'k' ? k : v;
+    if (t.dtype != q.dtype) fail(name, std::string(to_string(q.dtype)) + " like q", describe(t));
+    if (t.device != q.device) fail(name, "on " + to_string(q.device) + " like q", describe(t));
+  }
+
+  const int row = varlen_ ? 0 : 1;  // index of the L (or T) dimension
+  const int head = row + 1, dim = row + 2;
+  if (!varlen_ && k.shape[0] != q.shape[0]) {
+    fail("k", "batch size " + std::to_string(q.shape[0]) + " like q", describe(k));
+  }
+  if (!varlen_ && v.shape[0] != q.shape[0]) {
+    fail("v", "batch size " + std::to_string(q.shape[0]) + " like q", describe(v));
+  }
+  if (v.shape[row] != k.shape[row]) {
+    fail("v", std::to_string(k.shape[row]) + " rows like k", describe(v));
+  }
+  if (k.shape[dim] != q.shape[dim]) {
+    fail("k", "head dimension " + std::to_string(q.shape[dim]) + " like q", describe(k));
+  }
+  if (v.shape[head] != k.shape[head]) {
+    fail("v", std::to_string(k.shape[head]) + " heads like k", describe(v));
+  }
+  if (q.shape[head] < 1 || k.shape[head] < 1 || q.shape[head] % k.shape[head] != 0) {
+    fail("k", "a number of heads >= 1 dividing q's " + std::to_string(q.shape[head]) +
+                  " (grouped-query attention)",
+         describe(k));
+  }
+  if (q.shape[dim] < 1) fail("q", "head dimension >= 1", describe(q));
+  if (v.shape[dim] < 1) fail("v", "head dimension >= 1", describe(v));
+
+  AttentionParams& p = params_;
+  p.dtype = q.dtype;
+  p.heads_q = q.shape[head];
+  p.heads_kv = k.shape[head];
+  p.dim_qk = q.shape[dim];
+  p.dim_v = v.shape[dim];
+  p.q = operand(q, row);
+  p.k = operand(k, row);
+  p.v = operand(v, row);
+  p.num_threads = ctx.num_threads;
+  p.deterministic = ctx.deterministic;
+  p.cuda_stream = ctx.cuda_stream;
+
+  if (!varlen_) {
+    p.num_seqs = q.shape[0];
+    p.len_q = q.shape[1];
+    p.len_k = k.shape[1];
+    if (p.len_q > p.len_k) {
+      fail("q", "at most as many rows as k (queries are the last positions of the keys)",
+           describe(q) + " against k " + describe(k));
+    }
+    p.max_len_q = p.len_q;
+    p.max_len_k = p.len_k;
+    return;
+  }
+
+  const TensorView& cu_q = *in.cu_seqlens_q;
+  const TensorView& cu_k = in.cu_seqlens_k ? *in.cu_seqlens_k : cu_q;
+  check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0]);
+  check_cu_seqlens(in.cu_seqlens_k ? "cu_seqlens_k" : "cu_seqlens_q (used for k)", cu_k,
+                   k.shape[0]);
+  if (cu_k.shape[0] != cu_q.shape[0]) {
+    fail("cu_seqlens_k", std::to_string(cu_q.shape[0]) + " entries like cu_seqlens_q",
+         describe(cu_k));
+  }
+  p.num_seqs = cu_q.shape[0] - 1;
+  p.cu_seqlens_q = static_cast<const std::int32_t*>(cu_q.data);
+  p.cu_seqlens_k = static_cast<const std::int32_t*>(cu_k.data);
+  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
+    const SequenceExtent s = p.sequence(b);
+    if (s.q_len > s.k_len) {
+      fail("cu_seqlens_q", "sequence lengths at most those of cu_seqlens_k",
+           "sequence " + std::to_string(b) + " with " + std::to_string(s.q_len) +
+               " queries and " + std::to_string(s.k_len) + " keys");
+    }
+    p.max_len_q = std::max(p.max_len_q, s.q_len);
+    p.max_len_k = std::max(p.max_len_k, s.k_len);
+  }
+}
+
+void AttentionCall::fail(const std::string& arg, const std::string& expected,
+                         const std::string& got, ErrorKind kind) const {
+  throw Error(kind, std::string(op_) + ": argument '" + arg + "': expected " + expected +
+                        ", got " + got);
+}
+
+void AttentionCall::check_operand(const char* name, const TensorView& t) const {
+  if (t.ndim < 0 || t.ndim > TensorView::kMaxDims) {
+    fail(name, "between 0 and 4 dimensions", std::to_string(t.ndim) + " dimensions");
+  }
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0) fail(name, "non-negative sizes", t.shape_string());
+  }
+  if (t.data == nullptr && t.numel() > 0) fail(name, "a data pointer", "nullptr");
+}
+
+void AttentionCall::check_cu_seqlens(const char* name, const TensorView& t,
+                                     std::int64_t total_rows) const {
+  check_operand(name, t);
+  if (t.dtype != DType::int32) fail(name, "int32", describe(t));
+  if (t.ndim != 1 || t.shape[0] < 1) fail(name, "a 1-D tensor of B + 1 offsets", describe(t));
+  if (t.device != in_.q.device) fail(name, "on " + to_string(in_.q.device) + " like q", describe(t));
+  if (t.shape[0] > 1 && t.stride[0] != 1) {
+    fail(name, "contiguous", "stride " + std::to_string(t.stride[0]));
+  }
+  if (t.device.kind != DeviceKind::cpu) {
+    fail(name, "a CPU tensor (CUDA varlen attention is not built yet)", describe(t),
+         ErrorKind::unsupported);
+  }
+  const auto* cu = static_cast<const std::int32_t*>(t.data);
+  if (cu[0] != 0) fail(name, "cu_seqlens[0] == 0", std::to_string(cu[0]));
+  for (std::int64_t b = 1; b < t.shape[0]; ++b) {
+    if (cu[b] < cu[b - 1]) {
+      fail(name, "non-decreasing offsets",
+           "cu_seqlens[" + std::to_string(b) + "] = " + std::to_string(cu[b]) + " < cu_seqlens[" +
+               std::to_string(b - 1) + "] = " + std::to_string(cu[b - 1]));
+    }
+  }
+  if (cu[t.shape[0] - 1] != total_rows) {
+    fail(name, "last offset == " + std::to_string(total_rows) + " (rows of the packed tensor)",
+         std::to_string(cu[t.shape[0] - 1]));
+  }
+}
+
+void AttentionCall::check_shape(const char* name, const TensorView& t, const std::int64_t* shape,
+                                int ndim, const char* layout) const {
+  check_operand(name, t);
+  bool same = t.ndim == ndim;
+  for (int d = 0; same && d < ndim; ++d) same = t.shape[d] == shape[d];
+  if (!same) fail(name, "shape " + shape_string(shape, ndim) + " " + layout, describe(t));
+  if (t.device != in_.q.device) fail(name, "on " + to_string(in_.q.device) + " like q", describe(t));
+}
+
+Operand AttentionCall::operand(const TensorView& t, int row_dim) const {
+  Operand o;
+  o.data = t.data;
+  o.batch = row_dim == 1 ? t.stride[0] : 0;
+  o.row = t.stride[row_dim];
+  o.head = t.stride[row_dim + 1];
+  o.dim = row_dim + 2 < t.ndim ? t.stride[row_dim + 2] : 0;
+  return o;
+}
+
+void AttentionCall::require_writable(const char* name, const TensorView& t) const {
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] > 1 && t.stride[d] == 0) {
+      fail(name, "a writable tensor (no zero stride on dimensions of size > 1)",
+           "stride 0 on dimension " + std::to_string(d) + " of " + describe(t));
+    }
+  }
+}
+
+Operand AttentionCall::like_q(const char* name, const TensorView& t, bool value_dim) const {
+  std::int64_t shape[4];
+  const int n = in_.q.ndim;
+  for (int d = 0; d < n; ++d) shape[d] = in_.q.shape[d];
+  if (value_dim) shape[n - 1] = in_.v.shape[n - 1];
+  check_shape(name, t, shape, n, value_dim ? "(q's shape with v's head dimension)" : "(like q)");
+  if (t.dtype != in_.q.dtype) fail(name, std::string(to_string(in_.q.dtype)) + " like q", describe(t));
+  return operand(t, varlen_ ? 0 : 1);
+}
+
+Operand AttentionCall::like_k(const char* name, const TensorView& t, bool value_dim) const {
+  const TensorView& ref = value_dim ? in_.v : in_.k;
+  check_shape(name, t, ref.shape, ref.ndim, value_dim ? "(like v)" : "(like k)");
+  if (t.dtype != in_.q.dtype) fail(name, std::string(to_string(in_.q.dtype)) + " like q", describe(t));
+  return operand(t, varlen_ ? 0 : 1);
+}
+
+Operand AttentionCall::row_stats(const char* name, const TensorView& t) const {
+  std::int64_t shape[3];
+  const int n = in_.q.ndim - 1;
+  for (int d = 0; d < n; ++d) shape[d] = in_.q.shape[d];
+  check_shape(name, t, shape, n, varlen_ ? "(T, H) per query row" : "(B, L, H) per query row");
+  if (t.dtype != stats_dtype()) fail(name, to_string(stats_dtype()), describe(t));
+  Operand o;
+  o.data = t.data;
+  o.batch = varlen_ ? 0 : t.stride[0];
+  o.row = t.stride[varlen_ ? 0 : 1];
+  o.head = t.stride[varlen_ ? 1 : 2];
+  return o;
+}
+
+void AttentionCall::check_scale(const std::optional<double>& scale) const {
+  if (scale && !std::isfinite(*scale)) {
+    fail("scale", "a finite number", std::to_string(*scale));
+  }
+}
+
+void AttentionCall::check_option(const char* name, bool ok, const std::string& expected,
+                                 const std::string& got) const {
+  if (!ok) fail(name, expected, got);
+}
+
+AttentionParams AttentionCall::params(const std::optional<double>& scale,
+                                      bool attend_current) const {
+  check_scale(scale);
+  AttentionParams p = params_;
+  p.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(p.dim_qk));
+  p.attend_current = attend_current;
+  return p;
+}
+
+}  // namespace winnow::detail

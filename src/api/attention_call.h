@@ -1,0 +1,60 @@
+// Argument checking shared by every attention entry point. An AttentionCall validates the
+// inputs once, then checks each output or gradient against the shape it must have, and
+// finally hands out the filled AttentionParams. Every failure throws winnow::Error naming
+// the operation, the argument, what was expected and what arrived, before any work starts.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "core/params.h"
+#include "winnow/attention.h"
+#include "winnow/error.h"
+
+namespace winnow::detail {
+
+enum class Route { reference, cpu, cuda };
+
+class AttentionCall {
+ public:
+  AttentionCall(const char* op, const AttentionInputs& in, const ExecContext& ctx);
+
+  [[noreturn]] void fail(const std::string& arg, const std::string& expected,
+                         const std::string& got,
+                         ErrorKind kind = ErrorKind::invalid_argument) const;
+
+  // out / dq / dk / dv / dout: same dtype and device as q, the given role's shape.
+  Operand like_q(const char* name, const TensorView& t, bool value_dim) const;
+  Operand like_k(const char* name, const TensorView& t, bool value_dim) const;
+  // Per-row statistics: (B, Lq, Hq) or (Tq, Hq), stats_dtype().
+  Operand row_stats(const char* name, const TensorView& t) const;
+  // Outputs must not overlap themselves (no broadcast strides on dimensions of size > 1).
+  void require_writable(const char* name, const TensorView& t) const;
+
+  void check_scale(const std::optional<double>& scale) const;
+  void check_option(const char* name, bool ok, const std::string& expected,
+                    const std::string& got) const;
+
+  DType stats_dtype() const { return params_.dtype == DType::float64 ? DType::float64 : DType::float32; }
+  Route route() const { return route_; }
+  const char* op() const { return op_; }
+
+  // Fills scale (default 1 / sqrt(D)) and the causal flag; outputs are bound by the caller.
+  AttentionParams params(const std::optional<double>& scale, bool attend_current) const;
+
+ private:
+  void check_operand(const char* name, const TensorView& t) const;
+  void check_cu_seqlens(const char* name, const TensorView& t, std::int64_t total_rows) const;
+  void check_shape(const char* name, const TensorView& t, const std::int64_t* shape, int ndim,
+                   const char* layout) const;
+  Operand operand(const TensorView& t, int row_dim) const;
+
+  const char* op_;
+  const AttentionInputs& in_;
+  const ExecContext& ctx_;
+  bool varlen_ = false;
+  Route route_ = Route::cpu;
+  AttentionParams params_;
+};
+
+}  // namespace winnow::detail

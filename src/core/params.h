@@ -1,0 +1,87 @@
+// The plain structs every attention kernel family receives. They hold raw pointers, sizes
+// and strides only: the API layer validates the caller's TensorViews and fills them, and
+// kernels (CPU or CUDA) never see a TensorView, a framework tensor or an option that was
+// left unresolved.
+#pragma once
+
+#include <cstdint>
+
+#include "math/host_device.h"
+#include "winnow/tensor.h"
+
+namespace winnow::detail {
+
+// Element (sequence b, row r, head h, feature d) lives at
+//   data + b * batch + (row_start_b + r) * row + h * head + d * dim
+// where row_start_b is 0 for batched inputs and cu_seqlens[b] for packed ones (whose batch
+// stride is 0). Per-row statistics use the same scheme with dim unused.
+struct Operand {
+  void* data = nullptr;
+  std::int64_t batch = 0, row = 0, head = 0, dim = 0;
+
+  template <class T>
+  WINNOW_HD T* at(std::int64_t b, std::int64_t abs_row, std::int64_t h) const {
+    return static_cast<T*>(data) + b * batch + abs_row * row + h * head;
+  }
+};
+
+// Rows of one sequence: queries occupy the last q_len of its k_len positions.
+struct SequenceExtent {
+  std::int64_t q_start = 0, q_len = 0;  // rows of q / out / stats
+  std::int64_t k_start = 0, k_len = 0;  // rows of k / v
+  // Absolute position of query row r is r + q_offset.
+  WINNOW_HD std::int64_t q_offset() const { return k_len - q_len; }
+};
+
+struct AttentionParams {
+  DType dtype = DType::float32;  // of q, k, v, out (and of the gradients)
+  std::int64_t num_seqs = 0, heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
+  std::int64_t len_q = 0, len_k = 0;  // batched mode
+  // Packed mode when non-null: B + 1 offsets, readable by the device that runs the kernel.
+  const std::int32_t* cu_seqlens_q = nullptr;
+  const std::int32_t* cu_seqlens_k = nullptr;
+  std::int64_t max_len_q = 0, max_len_k = 0;
+
+  Operand q, k, v, out;
+  Operand stats;  // float32, or float64 for float64 inputs
+
+  double scale = 1.0;
+  bool attend_current = true;
+
+  int num_threads = 0;
+  bool deterministic = false;
+  void* cuda_stream = nullptr;
+
+  WINNOW_HD SequenceExtent sequence(std::int64_t b) const {
+    SequenceExtent s;
+    if (cu_seqlens_q != nullptr) {
+      s.q_start = cu_seqlens_q[b];
+      s.q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+      s.k_start = cu_seqlens_k[b];
+      s.k_len = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+    } else {
+      s.q_len = len_q;
+      s.k_len = len_k;
+    }
+    return s;
+  }
+  WINNOW_HD std::int64_t kv_head(std::int64_t hq) const { return hq / (heads_q / heads_kv); }
+  WINNOW_HD std::int64_t group_size() const { return heads_q / heads_kv; }
+  // Last key index visible to the query at absolute position j (-1: none).
+  WINNOW_HD std::int64_t last_visible_key(std::int64_t j) const {
+    return attend_current ? j : j - 1;
+  }
+};
+
+// Backward-only operands: the incoming gradients and the outputs' gradients.
+struct GradientParams {
+  Operand dout;
+  Operand dstats;  // gradient of the per-row statistic; data == nullptr means zero
+  Operand dq, dk, dv;
+};
+
+struct StickBreakingConfig {
+  double halt_cutoff = 0.0;  // 0: never halt
+};
+
+}  // namespace winnow::detail

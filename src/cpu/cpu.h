@@ -1,0 +1,16 @@
+// Streaming CPU kernels: tiled like the GPU kernels, O(L) extra memory, multithreaded with
+// OpenMP, float32 and float64.
+#pragma once
+
+#include "core/params.h"
+
+namespace winnow::cpu {
+
+void softmax_forward(const detail::AttentionParams& p);
+void softmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g);
+
+void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig& cfg);
+void stick_breaking_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                             const detail::StickBreakingConfig& cfg);
+
+}  // namespace winnow::cpu

@@ -1,0 +1,27 @@
+// Lets one function body serve the CPU (scalars and Eigen arrays) and CUDA device code.
+#pragma once
+
+#include <type_traits>
+
+#if defined(__CUDACC__)
+#define WINNOW_HD __host__ __device__ __forceinline__
+#else
+#define WINNOW_HD inline
+#endif
+
+namespace winnow::math {
+
+// The element type of X: X itself for a scalar, X::Scalar for an Eigen array expression.
+// Lets a formula write its constants once for both.
+template <class X, class = void>
+struct scalar_of {
+  using type = X;
+};
+template <class X>
+struct scalar_of<X, std::void_t<typename X::Scalar>> {
+  using type = typename X::Scalar;
+};
+template <class X>
+using scalar_of_t = typename scalar_of<X>::type;
+
+}  // namespace winnow::math

@@ -1,0 +1,23 @@
+// Softmax attention, per element (spec/softmax.md).
+#pragma once
+
+#include <cmath>
+
+#include "math/host_device.h"
+
+namespace winnow::math::softmax {
+
+// p_ij from the row's log-sum-exp.
+template <class X, class R>
+WINNOW_HD auto probability(const X& z, const R& lse) {
+  using std::exp;
+  return exp(z - lse);
+}
+
+// dz_ij = p_ij (dp_ij - delta_j), delta_j = <do_j, o_j> = sum_i p_ij dp_ij.
+template <class P, class DP, class R>
+WINNOW_HD auto grad_logit(const P& p, const DP& dp, const R& delta) {
+  return p * (dp - delta);
+}
+
+}  // namespace winnow::math::softmax

@@ -1,0 +1,37 @@
+// Stick-breaking attention, per element (spec/stick-breaking.md).
+//
+// In log space a row's weights need only softplus sums to the right of each key:
+//   log A_ij = z_ij - sum_{k >= i} softplus(z_kj).
+// Kernels visit keys in tiles from the diagonal leftwards, carrying
+//   carry_j = -sum of softplus over the keys already visited (all to the right),
+// so inside a tile log A_ij = z_ij - (in-tile inclusive suffix sum of softplus) + carry_j.
+// At the end carry_j = -S_j = log rem_j.
+#pragma once
+
+#include <cmath>
+
+#include "math/elementwise.h"
+#include "math/host_device.h"
+
+namespace winnow::math::stick_breaking {
+
+// Each key's share of the stick it breaks off: softplus(z) = -log(1 - sigmoid(z)).
+template <class X>
+WINNOW_HD auto stick_cost(const X& z) {
+  return softplus(z);
+}
+
+// log A_ij from the logit, the in-tile suffix cost (including key i) and the row's carry.
+template <class X, class C, class R>
+WINNOW_HD auto log_weight(const X& z, const C& suffix_cost, const R& carry) {
+  return z - suffix_cost + carry;
+}
+
+// dz_ij = g_ij - sigmoid(z_ij) * (sum_{i' <= i} g_i'j + dlog_rem_j), g_ij = A_ij <do_j, v_i>.
+// The dlog_rem term is d(log rem_j)/dz_ij = -sigmoid(z_ij) times the incoming gradient.
+template <class G, class X, class P>
+WINNOW_HD auto grad_logit(const G& g, const X& z, const P& prefix_g_plus_dlog_rem) {
+  return g - sigmoid(z) * prefix_g_plus_dlog_rem;
+}
+
+}  // namespace winnow::math::stick_breaking

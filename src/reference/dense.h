@@ -1,0 +1,40 @@
+// What the reference implementations share: dense float64 matrices per (sequence, head),
+// gathered from and scattered to strided operands, and the two drivers that loop over
+// sequences and heads so each mechanism only states its row formulas.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "core/params.h"
+
+namespace winnow::reference {
+
+struct Dense {
+  std::int64_t rows = 0, cols = 0;
+  std::vector<double> a;
+  Dense(std::int64_t r, std::int64_t c) : rows(r), cols(c), a(static_cast<std::size_t>(r * c), 0.0) {}
+  double& operator()(std::int64_t r, std::int64_t c) { return a[static_cast<std::size_t>(r * cols + c)]; }
+  double operator()(std::int64_t r, std::int64_t c) const { return a[static_cast<std::size_t>(r * cols + c)]; }
+};
+
+// One (sequence, query head) problem: scores over the visible keys.
+struct HeadProblem {
+  Dense z;                      // Lq x Lk scaled scores (0 where not visible)
+  std::vector<std::int64_t> n;  // visible keys of each row: 0 .. n[r]-1
+  explicit HeadProblem(std::int64_t lq, std::int64_t lk) : z(lq, lk), n(static_cast<std::size_t>(lq), 0) {}
+};
+
+// Fills w (Lq x Lk weights, 0 off the visible set) and stat (per row) from the scores.
+using ForwardRows = std::function<void(const HeadProblem&, Dense& w, std::vector<double>& stat)>;
+// Gives dz (Lq x Lk) from the scores, dw = dout v^T, and the per-row stat gradient (may be
+// all zero). w is filled by the mechanism's own forward rows.
+using BackwardRows = std::function<void(const HeadProblem&, const Dense& w, const Dense& dw,
+                                        const std::vector<double>& dstat, Dense& dz)>;
+
+void run_forward(const detail::AttentionParams& p, const ForwardRows& rows);
+void run_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                  const ForwardRows& forward_rows, const BackwardRows& backward_rows);
+
+}  // namespace winnow::reference

@@ -1,0 +1,19 @@
+// The float64 oracle: materializing implementations written straight from spec/, slow on
+// purpose. Each one builds the full L x L weight matrix of every (sequence, head) and applies
+// the spec's formulas to it; tests compare every fast path against these.
+#pragma once
+
+#include "core/params.h"
+
+namespace winnow::reference {
+
+void softmax_forward(const detail::AttentionParams& p);
+void softmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g);
+
+// The reference is exact stick-breaking: it ignores cfg.halt_cutoff, whose effect on any
+// weight is below exp(-halt_cutoff).
+void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig& cfg);
+void stick_breaking_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                             const detail::StickBreakingConfig& cfg);
+
+}  // namespace winnow::reference

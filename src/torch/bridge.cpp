@@ -1,0 +1,72 @@
+#include "torch/bridge.h"
+
+#ifdef WINNOW_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace winnow::torch_ops {
+namespace {
+
+[[noreturn]] void reject(const char* op, const char* name, const std::string& expected,
+                         const at::Tensor& t) {
+  throw Error(ErrorKind::invalid_argument,
+              std::string(op) + ": argument '" + name + "': expected " + expected + ", got " +
+                  std::string(c10::toString(t.scalar_type())) + " tensor of " +
+                  std::to_string(t.dim()) + " dimensions on " + t.device().str());
+}
+
+}  // namespace
+
+TensorView view_of(const at::Tensor& t, const char* op, const char* name) {
+  if (!t.defined()) {
+    throw Error(ErrorKind::invalid_argument,
+                std::string(op) + ": argument '" + name + "': expected a tensor, got None");
+  }
+  TensorView v;
+  switch (t.scalar_type()) {
+    case at::kHalf: v.dtype = DType::float16; break;
+    case at::kBFloat16: v.dtype = DType::bfloat16; break;
+    case at::kFloat: v.dtype = DType::float32; break;
+    case at::kDouble: v.dtype = DType::float64; break;
+    case at::kInt: v.dtype = DType::int32; break;
+    case at::kLong: v.dtype = DType::int64; break;
+    default: reject(op, name, "a float16/bfloat16/float32/float64 or int32/int64 tensor", t);
+  }
+  if (t.is_cpu()) {
+    v.device = Device::cpu();
+  } else if (t.is_cuda()) {
+    v.device = Device::cuda(t.device().index());
+  } else {
+    reject(op, name, "a CPU or CUDA tensor", t);
+  }
+  if (t.dim() > TensorView::kMaxDims) reject(op, name, "at most 4 dimensions", t);
+  v.ndim = static_cast<int>(t.dim());
+  for (int d = 0; d < v.ndim; ++d) {
+    v.shape[d] = t.size(d);
+    v.stride[d] = t.stride(d);
+  }
+  v.data = t.numel() > 0 ? t.data_ptr() : nullptr;
+  return v;
+}
+
+std::optional<TensorView> view_of(const c10::optional<at::Tensor>& t, const char* op,
+                                  const char* name) {
+  if (!t.has_value() || !t->defined()) return std::nullopt;
+  return view_of(*t, op, name);
+}
+
+ExecContext context_for(const at::Tensor& q, bool deterministic, bool reference) {
+  ExecContext ctx;
+  ctx.deterministic = deterministic;
+  ctx.backend = reference ? Backend::reference : Backend::automatic;
+#ifdef WINNOW_TORCH_CUDA
+  if (q.is_cuda()) ctx.cuda_stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+#endif
+  return ctx;
+}
+
+at::ScalarType stats_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace winnow::torch_ops

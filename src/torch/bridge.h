@@ -1,0 +1,41 @@
+// The only place where LibTorch tensors meet winnow: views of at::Tensor, and the translation
+// of winnow::Error into the exceptions PyTorch users expect.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+#include "winnow/winnow.h"
+
+namespace winnow::torch_ops {
+
+// A view of t's memory (no copy). `op` and `name` label the error if t cannot be viewed.
+TensorView view_of(const at::Tensor& t, const char* op, const char* name);
+std::optional<TensorView> view_of(const c10::optional<at::Tensor>& t, const char* op,
+                                  const char* name);
+
+// How a kernel call on tensors of this device runs: the current CUDA stream for CUDA tensors.
+ExecContext context_for(const at::Tensor& q, bool deterministic, bool reference);
+
+// Per-row statistics dtype: float64 for float64 inputs, float32 otherwise.
+at::ScalarType stats_dtype(const at::Tensor& q);
+
+// Runs fn, turning winnow::Error into c10 errors (ValueError / NotImplementedError /
+// RuntimeError in Python) with the same message.
+template <class Fn>
+auto translate_errors(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Error& e) {
+    switch (e.kind()) {
+      case ErrorKind::invalid_argument: TORCH_CHECK_VALUE(false, e.what());
+      case ErrorKind::unsupported: TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
+      case ErrorKind::runtime: TORCH_CHECK(false, e.what());
+    }
+    throw;
+  }
+}
+
+}  // namespace winnow::torch_ops

@@ -1,0 +1,268 @@
+// torch.ops.winnow.*: the LibTorch operators. One thin layer: tensors become views, outputs are
+// allocated here, the C++ API checks every argument, and a torch::autograd::Function ties each
+// mechanism's forward to its backward.
+//
+// Per mechanism there are three operators:
+//   <name>            the differentiable one users call (CompositeImplicitAutograd);
+//   <name>_forward    one forward kernel call, returning the outputs and the per-row statistic;
+//   <name>_backward   one backward kernel call.
+// The last two take reference=True to run the float64 oracle instead: tests compare through
+// the same binding.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include <tuple>
+
+#include "torch/bridge.h"
+
+namespace winnow::torch_ops {
+namespace {
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+template <class T>
+using Opt = std::optional<T>;
+#else
+template <class T>
+using Opt = c10::optional<T>;
+#endif
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::optional<double> std_opt(const Opt<double>& x) {
+  return x.has_value() ? std::optional<double>(*x) : std::nullopt;
+}
+
+AttentionInputs inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+                       const Opt<at::Tensor>& cu_k) {
+  AttentionInputs in;
+  in.q = view_of(q, op, "q");
+  in.k = view_of(k, op, "k");
+  in.v = view_of(v, op, "v");
+  in.cu_seqlens_q = view_of(cu_q, op, "cu_seqlens_q");
+  in.cu_seqlens_k = view_of(cu_k, op, "cu_seqlens_k");
+  return in;
+}
+
+// Outputs are allocated from q and v before the API checks them (it reports a wrong rank or
+// shape itself); these never throw for defined tensors.
+std::vector<int64_t> out_shape(const at::Tensor& q, const at::Tensor& v) {
+  std::vector<int64_t> shape = q.sizes().vec();
+  if (!shape.empty() && v.dim() > 0) shape.back() = v.size(-1);
+  return shape;
+}
+
+std::vector<int64_t> stats_shape(const at::Tensor& q) {
+  std::vector<int64_t> shape = q.sizes().vec();
+  if (!shape.empty()) shape.pop_back();
+  return shape;
+}
+
+AttentionGrads grad_views(const char* op, const at::Tensor& dq, const at::Tensor& dk,
+                          const at::Tensor& dv) {
+  return {view_of(dq, op, "dq"), view_of(dk, op, "dk"), view_of(dv, op, "dv")};
+}
+
+// ------------------------------------------------------------------ softmax
+
+std::tuple<at::Tensor, at::Tensor> softmax_forward_op(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v,
+                                                      const Opt<at::Tensor>& cu_q,
+                                                      const Opt<at::Tensor>& cu_k,
+                                                      Opt<double> scale, bool attend_current,
+                                                      bool reference) {
+  constexpr const char* op = "winnow.softmax_attention_forward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor out = at::empty(out_shape(q, v), q.options());
+    at::Tensor lse = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    softmax::Options options{std_opt(scale), attend_current};
+    softmax::forward(in, options, view_of(out, op, "out"), view_of(lse, op, "lse"),
+                     context_for(q, false, reference));
+    return std::make_tuple(out, lse);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, bool deterministic,
+    bool reference) {
+  constexpr const char* op = "winnow.softmax_attention_backward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    softmax::Options options{std_opt(scale), attend_current};
+    softmax::backward(in, options, view_of(out, op, "out"), view_of(lse, op, "lse"),
+                      view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
+                      context_for(q, deterministic, reference));
+    return std::make_tuple(dq, dk, dv);
+  });
+}
+
+struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+                               const Opt<at::Tensor>& cu_k, Opt<double> scale,
+                               bool attend_current) {
+    auto [out, lse] = softmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, false);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
+    ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
+    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+    ctx->saved_data["attend_current"] = attend_current;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
+    Opt<at::Tensor> cu_q, cu_k;
+    if (!ctx->saved_data["cu_q"].isNone()) cu_q = ctx->saved_data["cu_q"].toTensor();
+    if (!ctx->saved_data["cu_k"].isNone()) cu_k = ctx->saved_data["cu_k"].toTensor();
+    Opt<double> scale;
+    if (!ctx->saved_data["scale"].isNone()) scale = ctx->saved_data["scale"].toDouble();
+    auto [dq, dk, dv] = softmax_backward_op(
+        saved[0], saved[1], saved[2], saved[3], saved[4], dout, cu_q, cu_k, scale,
+        ctx->saved_data["attend_current"].toBool(),
+        at::globalContext().deterministicAlgorithms(), false);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                             Opt<double> scale, bool attend_current) {
+  return SoftmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current)[0];
+}
+
+// ------------------------------------------------------------------ stick-breaking
+
+std::tuple<at::Tensor, at::Tensor> stick_breaking_forward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double halt_cutoff,
+    bool reference) {
+  constexpr const char* op = "winnow.stick_breaking_attention_forward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor out = at::empty(out_shape(q, v), q.options());
+    at::Tensor log_rem = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    stick_breaking::Options options{std_opt(scale), attend_current, halt_cutoff};
+    stick_breaking::forward(in, options, view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
+                            context_for(q, false, reference));
+    return std::make_tuple(out, log_rem);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& log_rem, const at::Tensor& dout, const Opt<at::Tensor>& dlog_rem,
+    const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, Opt<double> scale,
+    bool attend_current, double halt_cutoff, bool deterministic, bool reference) {
+  constexpr const char* op = "winnow.stick_breaking_attention_backward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    stick_breaking::Options options{std_opt(scale), attend_current, halt_cutoff};
+    stick_breaking::backward(in, options, view_of(out, op, "out"),
+                             view_of(log_rem, op, "log_rem"), view_of(dout, op, "dout"),
+                             view_of(dlog_rem, op, "dlog_rem"), grad_views(op, dq, dk, dv),
+                             context_for(q, deterministic, reference));
+    return std::make_tuple(dq, dk, dv);
+  });
+}
+
+struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+                               const Opt<at::Tensor>& cu_k, Opt<double> scale,
+                               bool attend_current, double halt_cutoff) {
+    auto [out, log_rem] =
+        stick_breaking_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
+    ctx->save_for_backward({q, k, v, out, log_rem});
+    ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
+    ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
+    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+    ctx->saved_data["attend_current"] = attend_current;
+    ctx->saved_data["halt_cutoff"] = halt_cutoff;
+    return {out, log_rem};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
+    Opt<at::Tensor> dlog_rem;
+    if (grads[1].defined()) dlog_rem = grads[1];
+    Opt<at::Tensor> cu_q, cu_k;
+    if (!ctx->saved_data["cu_q"].isNone()) cu_q = ctx->saved_data["cu_q"].toTensor();
+    if (!ctx->saved_data["cu_k"].isNone()) cu_k = ctx->saved_data["cu_k"].toTensor();
+    Opt<double> scale;
+    if (!ctx->saved_data["scale"].isNone()) scale = ctx->saved_data["scale"].toDouble();
+    auto [dq, dk, dv] = stick_breaking_backward_op(
+        saved[0], saved[1], saved[2], saved[3], saved[4], dout, dlog_rem, cu_q, cu_k, scale,
+        ctx->saved_data["attend_current"].toBool(), ctx->saved_data["halt_cutoff"].toDouble(),
+        at::globalContext().deterministicAlgorithms(), false);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Returns (out, rem) with rem = exp(log_rem): the unallocated stick, differentiable.
+std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double halt_cutoff) {
+  auto outs =
+      StickBreakingFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff);
+  return std::make_tuple(outs[0], outs[1].exp());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(winnow, m) {
+  m.def(
+      "softmax_attention(Tensor q, Tensor k, Tensor v, *, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=True) -> Tensor");
+  m.def(
+      "softmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=True, "
+      "bool reference=False) -> (Tensor out, Tensor lse)");
+  m.def(
+      "softmax_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor dout, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float? scale=None, "
+      "bool attend_current=True, bool deterministic=False, bool reference=False) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "stick_breaking_attention(Tensor q, Tensor k, Tensor v, *, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
+      "float halt_cutoff=0.0) -> (Tensor out, Tensor rem)");
+  m.def(
+      "stick_breaking_attention_forward(Tensor q, Tensor k, Tensor v, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float? scale=None, "
+      "bool attend_current=False, float halt_cutoff=0.0, bool reference=False) "
+      "-> (Tensor out, Tensor log_rem)");
+  m.def(
+      "stick_breaking_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor log_rem, Tensor dout, Tensor? dlog_rem=None, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
+      "float halt_cutoff=0.0, bool deterministic=False, bool reference=False) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+// The kernel calls dispatch on the tensors' device themselves (winnow's API), so one
+// registration serves every backend.
+TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
+  m.impl("softmax_attention_forward", softmax_forward_op);
+  m.impl("softmax_attention_backward", softmax_backward_op);
+  m.impl("stick_breaking_attention_forward", stick_breaking_forward_op);
+  m.impl("stick_breaking_attention_backward", stick_breaking_backward_op);
+}
+
+TORCH_LIBRARY_IMPL(winnow, CompositeImplicitAutograd, m) {
+  m.impl("softmax_attention", softmax_attention);
+  m.impl("stick_breaking_attention", stick_breaking_attention);
+}
+
+}  // namespace winnow::torch_ops

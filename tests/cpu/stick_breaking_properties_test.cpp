@@ -1,0 +1,292 @@
+// The spec's "checks worth having" and edge cases, on the reference and the CPU kernels:
+// weights and remainder, recency, prefix invariance, empty rows, extreme logits, early
+// halting (white-box: it knows the CPU key tile), determinism, explicit scale.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cpu/tile_sizes.h"
+#include "math/elementwise.h"
+#include "support/attention_case.h"
+
+namespace winnow::testing {
+namespace {
+
+struct Backendish {
+  const char* name;
+  Backend backend;
+  DType dtype;
+  double tol;
+};
+const Backendish kBackends[] = {
+    {"reference", Backend::reference, DType::float64, 1e-12},
+    {"cpu_float64", Backend::automatic, DType::float64, 1e-12},
+    {"cpu_float32", Backend::automatic, DType::float32, 2e-6},
+};
+
+// One head, v = identity: each output row is that query's weight row.
+Problem identity_value_problem(std::int64_t len, std::int64_t dim, std::uint64_t seed) {
+  Problem p = Problem::random({"identity_v", {{len, len}}, false, 1, 1, dim, len}, seed);
+  std::vector<double> v(static_cast<std::size_t>(len * len), 0.0);
+  for (std::int64_t i = 0; i < len; ++i) v[static_cast<std::size_t>(i * len + i)] = 1.0;
+  p.v.set_values(v);
+  return p;
+}
+
+TEST(StickBreakingChecks, WeightsAreNonNegativeAndSumToOneMinusRemainder) {
+  const std::int64_t len = 90;
+  const Problem p = identity_value_problem(len, 8, 11);
+  for (const Backendish& b : kBackends) {
+    for (bool current : {false, true}) {
+      RunConfig cfg;
+      cfg.mechanism = Mechanism::stick_breaking;
+      cfg.backend = b.backend;
+      cfg.dtype = b.dtype;
+      cfg.attend_current = current;
+      const Results r = run(p, cfg);
+      for (std::int64_t j = 0; j < len; ++j) {
+        double mass = 0;
+        for (std::int64_t i = 0; i < len; ++i) {
+          const double w = r.out[static_cast<std::size_t>(j * len + i)];
+          EXPECT_GE(w, 0.0) << b.name << " row " << j << " key " << i;
+          if (i > j || (i == j && !current)) EXPECT_EQ(w, 0.0) << "invisible key got weight";
+          mass += w;
+        }
+        const double rem = std::exp(r.stat[static_cast<std::size_t>(j)]);
+        EXPECT_NEAR(mass + rem, 1.0, b.tol * 10) << b.name << " row " << j;
+      }
+    }
+  }
+}
+
+TEST(StickBreakingChecks, EqualLogitsGiveTheLaterKeyAtLeastTheEarliersWeight) {
+  const std::int64_t len = 16;
+  Problem p = identity_value_problem(len, 8, 12);
+  std::vector<double> k = p.k.values();
+  for (int d = 0; d < 8; ++d) k[static_cast<std::size_t>(9 * 8 + d)] = k[static_cast<std::size_t>(3 * 8 + d)];
+  p.k.set_values(k);
+  for (const Backendish& b : kBackends) {
+    RunConfig cfg;
+    cfg.mechanism = Mechanism::stick_breaking;
+    cfg.backend = b.backend;
+    cfg.dtype = b.dtype;
+    cfg.attend_current = false;
+    const Results r = run(p, cfg);
+    for (std::int64_t j = 10; j < len; ++j) {
+      EXPECT_GE(r.out[static_cast<std::size_t>(j * len + 9)], r.out[static_cast<std::size_t>(j * len + 3)])
+          << b.name << " row " << j;
+    }
+  }
+}
+
+// If the keys just before the query take the whole stick, more context further left changes
+// nothing.
+TEST(StickBreakingChecks, PrefixInvarianceOnceTheStickIsGone) {
+  const std::int64_t dim = 4, tail = 30, extra = 45;
+  auto build = [&](std::int64_t prefix) {
+    const std::int64_t len = prefix + tail;
+    Problem p = Problem::random({"prefix", {{1, len}}, false, 1, 1, dim, 3}, 99);
+    std::mt19937_64 prefix_rng(5), tail_rng(6);
+    std::vector<double> k = random_normal(prefix * dim, prefix_rng);
+    std::vector<double> v = random_normal(prefix * 3, prefix_rng);
+    std::vector<double> tail_k = random_normal(tail * dim, tail_rng);
+    const std::vector<double> tail_v = random_normal(tail * 3, tail_rng);
+    // The last five keys the query sees point along it: z = 25 each, rem < exp(-125).
+    for (std::int64_t i = tail - 6; i < tail - 1; ++i) {
+      for (std::int64_t d = 0; d < dim; ++d) {
+        tail_k[static_cast<std::size_t>(i * dim + d)] = d == 0 ? 1.0 : 0.0;
+      }
+    }
+    k.insert(k.end(), tail_k.begin(), tail_k.end());
+    v.insert(v.end(), tail_v.begin(), tail_v.end());
+    p.k.set_values(k);
+    p.v.set_values(v);
+    p.q.set_values({50.0, 0.0, 0.0, 0.0});
+    return p;
+  };
+  const Problem short_ctx = build(0), long_ctx = build(extra);
+  for (const Backendish& b : kBackends) {
+    RunConfig cfg;
+    cfg.mechanism = Mechanism::stick_breaking;
+    cfg.backend = b.backend;
+    cfg.dtype = b.dtype;
+    cfg.attend_current = false;
+    const Results a = run(short_ctx, cfg), c = run(long_ctx, cfg);
+    EXPECT_LT(relative_error(c.out, a.out), b.tol) << b.name;
+    EXPECT_LT(std::exp(a.stat[0]), 1e-40) << "the stick should be exhausted";
+  }
+}
+
+TEST(EdgeCases, QueryWithNoVisibleKeyOutputsZeroAndGetsZeroGradient) {
+  const Problem p = Problem::random({"first", {{5, 5}, {5, 5}}, false, 2, 1, 16, 8}, 21);
+  for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+    for (const Backendish& b : kBackends) {
+      RunConfig cfg;
+      cfg.mechanism = m;
+      cfg.backend = b.backend;
+      cfg.dtype = b.dtype;
+      cfg.attend_current = false;
+      const Results r = run(p, cfg);
+      // Row 0 of every (sequence, head): out is (B, L, H, Dv), stat (B, L, H).
+      for (std::int64_t batch = 0; batch < 2; ++batch) {
+        for (std::int64_t h = 0; h < 2; ++h) {
+          for (std::int64_t d = 0; d < 8; ++d) {
+            EXPECT_EQ(r.out[static_cast<std::size_t>(((batch * 5) * 2 + h) * 8 + d)], 0.0);
+          }
+          for (std::int64_t d = 0; d < 16; ++d) {
+            EXPECT_EQ(r.dq[static_cast<std::size_t>(((batch * 5) * 2 + h) * 16 + d)], 0.0);
+          }
+          const double stat = r.stat[static_cast<std::size_t>((batch * 5) * 2 + h)];
+          if (m == Mechanism::softmax) {
+            EXPECT_TRUE(std::isinf(stat) && stat < 0) << b.name << ": lse " << stat;
+          } else {
+            EXPECT_EQ(stat, 0.0) << b.name << ": log_rem";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(EdgeCases, ExtremeLogitsStayFinite) {
+  // q, k ~ N(0, 100^2), D = 64: |z| ~ 1e4.
+  const Problem p = Problem::random({"extreme", {{150, 150}}, false, 2, 2, 64, 64}, 31, 100.0);
+  for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+    RunConfig ref;
+    ref.mechanism = m;
+    ref.backend = Backend::reference;
+    const Results want = run(p, ref);
+    for (DType dtype : {DType::float32, DType::float64}) {
+      RunConfig cfg = ref;
+      cfg.backend = Backend::automatic;
+      cfg.dtype = dtype;
+      const Results r = run(p, cfg);
+      for (const auto* values : {&r.out, &r.dq, &r.dk, &r.dv}) {
+        for (double x : *values) ASSERT_TRUE(std::isfinite(x)) << name_of(m) << " " << to_string(dtype);
+      }
+      if (dtype == DType::float64) {
+        EXPECT_LT(relative_error(r.out, want.out), 1e-9) << name_of(m);
+        EXPECT_LT(relative_error(r.dv, want.dv), 1e-9) << name_of(m);
+      }
+    }
+  }
+}
+
+TEST(Halting, LargeCutoffChangesNothingMeasurableButSkipsTiles) {
+  const Problem p = Problem::random({"halt", {{300, 300}}, false, 2, 1, 32, 32}, 41);
+  RunConfig ref;
+  ref.mechanism = Mechanism::stick_breaking;
+  ref.attend_current = false;
+  ref.backend = Backend::reference;
+  ref.with_dstat = false;
+  const Results want = run(p, ref);
+  for (DType dtype : {DType::float32, DType::float64}) {
+    RunConfig cfg = ref;
+    cfg.backend = Backend::automatic;
+    cfg.dtype = dtype;
+    cfg.halt_cutoff = 40.0;
+    // log_rem itself reports the kept keys' cost (far from the full one), so its gradient is
+    // left out here; rem = exp(log_rem) and its gradient are negligible either way.
+    cfg.with_dstat = false;
+    const Results got = run(p, cfg);
+    const double tol = dtype == DType::float64 ? 1e-10 : 1e-5;
+    EXPECT_LT(relative_error(got.out, want.out), tol);
+    EXPECT_LT(relative_error(got.dq, want.dq), tol);
+    EXPECT_LT(relative_error(got.dk, want.dk), tol);
+    EXPECT_LT(relative_error(got.dv, want.dv), tol);
+    int halted_rows = 0;
+    for (std::size_t j = 0; j < got.stat.size(); ++j) {
+      EXPECT_GE(got.stat[j], want.stat[j] - 1e-3);  // the kept keys' cost never exceeds the total
+      if (got.stat[j] > want.stat[j] + 1.0) ++halted_rows;
+    }
+    EXPECT_GT(halted_rows, 100) << "random logits exhaust the stick within ~50 keys";
+  }
+}
+
+// With a small cutoff many keys are dropped; what remains must be exactly stick-breaking over
+// the kept keys (the key tiles from the diagonal down to the one where halting happened).
+TEST(Halting, ResultIsExactStickBreakingOverTheKeptKeys) {
+  const std::int64_t len = 300, dim = 16;
+  const double cutoff = 5.0;
+  const Problem p = Problem::random({"decode", {{1, len}}, false, 1, 1, dim, 8}, 51);
+  const std::vector<double> q = p.q.values(), k = p.k.values();
+  // The query sits at position len - 1 and sees keys 0 .. len - 2.
+  const std::int64_t last = len - 2;
+  std::int64_t kept_from = 0;
+  double carry = 0;
+  for (std::int64_t t = last / cpu::kKeyTile; t >= 0; --t) {
+    for (std::int64_t i = std::min(last, (t + 1) * cpu::kKeyTile - 1); i >= t * cpu::kKeyTile; --i) {
+      double dot = 0;
+      for (std::int64_t d = 0; d < dim; ++d) dot += q[static_cast<std::size_t>(d)] * k[static_cast<std::size_t>(i * dim + d)];
+      carry -= math::softplus(dot / std::sqrt(static_cast<double>(dim)));
+    }
+    if (carry < -cutoff) {
+      kept_from = t * cpu::kKeyTile;
+      break;
+    }
+  }
+  ASSERT_GT(kept_from, 0) << "the test needs halting to drop keys";
+
+  Problem truncated = Problem::random({"kept", {{1, len - kept_from}}, false, 1, 1, dim, 8}, 52);
+  truncated.q = p.q;
+  truncated.dout = p.dout;
+  truncated.dstat = p.dstat;
+  const std::vector<double> v = p.v.values();
+  truncated.k.set_values(std::vector<double>(k.begin() + kept_from * dim, k.end()));
+  truncated.v.set_values(std::vector<double>(v.begin() + kept_from * 8, v.end()));
+
+  RunConfig cfg;
+  cfg.mechanism = Mechanism::stick_breaking;
+  cfg.attend_current = false;
+  cfg.halt_cutoff = cutoff;
+  cfg.dtype = DType::float64;
+  const Results got = run(p, cfg);
+  RunConfig ref = cfg;
+  ref.backend = Backend::reference;
+  const Results want = run(truncated, ref);
+
+  EXPECT_LT(relative_error(got.out, want.out), 1e-12);
+  EXPECT_LT(relative_error(got.stat, want.stat), 1e-12);
+  EXPECT_LT(relative_error(got.dq, want.dq), 1e-12);
+  const std::vector<double> dk_kept(got.dk.begin() + kept_from * dim, got.dk.end());
+  const std::vector<double> dv_kept(got.dv.begin() + kept_from * 8, got.dv.end());
+  EXPECT_LT(relative_error(dk_kept, want.dk), 1e-12);
+  EXPECT_LT(relative_error(dv_kept, want.dv), 1e-12);
+  for (std::int64_t i = 0; i < kept_from * dim; ++i) EXPECT_EQ(got.dk[static_cast<std::size_t>(i)], 0.0);
+  for (std::int64_t i = 0; i < kept_from * 8; ++i) EXPECT_EQ(got.dv[static_cast<std::size_t>(i)], 0.0);
+}
+
+TEST(Determinism, CpuBackwardIsBitwiseRepeatable) {
+  const Problem p = Problem::random({"repeat", {{200, 200}}, false, 4, 1, 32, 32}, 61);
+  for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+    RunConfig cfg;
+    cfg.mechanism = m;
+    cfg.dtype = DType::float32;
+    cfg.num_threads = 3;
+    const Results a = run(p, cfg), b = run(p, cfg);
+    EXPECT_EQ(a.dq, b.dq);
+    EXPECT_EQ(a.dk, b.dk);
+    EXPECT_EQ(a.dv, b.dv);
+  }
+}
+
+TEST(Options, ExplicitScaleMatchesReference) {
+  const Problem p = Problem::random({"scale", {{50, 50}}, false, 2, 2, 16, 16}, 71);
+  for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+    RunConfig ref;
+    ref.mechanism = m;
+    ref.scale = 0.37;
+    ref.backend = Backend::reference;
+    RunConfig cfg = ref;
+    cfg.backend = Backend::automatic;
+    const Results want = run(p, ref), got = run(p, cfg);
+    EXPECT_LT(relative_error(got.out, want.out), 1e-10);
+    EXPECT_LT(relative_error(got.dq, want.dq), 1e-10);
+    RunConfig unscaled = ref;
+    unscaled.scale.reset();
+    EXPECT_GT(relative_error(run(p, unscaled).out, want.out), 1e-3) << "scale must matter";
+  }
+}
+
+}  // namespace
+}  // namespace winnow::testing

@@ -1,0 +1,127 @@
+"""The Python package: loading, both operators against composed PyTorch expressions written
+from the spec, float64 gradcheck (finite differences) through autograd, and error messages."""
+
+import math
+
+import pytest
+import torch
+
+import winnow
+
+
+def composed_stick_breaking(q, k, v, attend_current=False):
+    """log A_ij = z_ij - sum_{k >= i visible} softplus(z_kj), on (B, L, H, D) tensors."""
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.repeat_interleave(group, 2).transpose(1, 2)
+    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    lq, lk = q.shape[1], k.shape[1]
+    z = qh @ kh.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    pos_q = torch.arange(lq) + (lk - lq)
+    pos_k = torch.arange(lk)
+    visible = pos_k[None, :] <= pos_q[:, None] if attend_current else pos_k[None, :] < pos_q[:, None]
+    cost = torch.where(visible, torch.nn.functional.softplus(z), torch.zeros_like(z))
+    suffix = cost.flip(-1).cumsum(-1).flip(-1)
+    w = torch.where(visible, torch.exp(z - suffix), torch.zeros_like(z))
+    return (w @ vh).transpose(1, 2), torch.exp(-cost.sum(-1)).transpose(1, 2)
+
+
+def composed_softmax(q, k, v):
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.repeat_interleave(group, 2).transpose(1, 2)
+    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    lq, lk = q.shape[1], k.shape[1]
+    z = qh @ kh.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    visible = torch.arange(lk)[None, :] <= (torch.arange(lq) + lk - lq)[:, None]
+    z = z.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(z, -1) @ vh).transpose(1, 2)
+
+
+def test_library_is_loaded():
+    assert winnow.library_path.is_file()
+    assert hasattr(torch.ops.winnow, "stick_breaking_attention")
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_stick_breaking_matches_composed(attend_current):
+    torch.manual_seed(0)
+    q = torch.randn(2, 19, 4, 16, dtype=torch.float64)
+    k = torch.randn(2, 50, 2, 16, dtype=torch.float64)  # queries are the last 19 positions
+    v = torch.randn(2, 50, 2, 8, dtype=torch.float64)
+    out, rem = winnow.stick_breaking_attention(q, k, v, attend_current=attend_current)
+    ref_out, ref_rem = composed_stick_breaking(q, k, v, attend_current)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rem, ref_rem, rtol=1e-12, atol=1e-12)
+
+
+def test_stick_breaking_float32_close_to_float64():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 130, 2, 64) for _ in range(3))
+    out, rem = winnow.stick_breaking_attention(q, k, v)
+    ref_out, ref_rem = composed_stick_breaking(q.double(), k.double(), v.double())
+    assert (out.double() - ref_out).norm() / ref_out.norm() < 1e-5
+    assert (rem.double() - ref_rem).norm() / ref_rem.norm() < 1e-5
+
+
+def test_softmax_matches_composed():
+    torch.manual_seed(2)
+    q = torch.randn(3, 40, 6, 32, dtype=torch.float64)
+    k = torch.randn(3, 40, 3, 32, dtype=torch.float64)
+    v = torch.randn(3, 40, 3, 16, dtype=torch.float64)
+    torch.testing.assert_close(winnow.softmax_attention(q, k, v), composed_softmax(q, k, v),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_stick_breaking_gradcheck(attend_current):
+    torch.manual_seed(3)
+    q = torch.randn(1, 7, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 9, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 9, 1, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: winnow.stick_breaking_attention(q, k, v, attend_current=attend_current),
+        (q, k, v))
+
+
+def test_softmax_gradcheck_varlen():
+    torch.manual_seed(4)
+    q = torch.randn(9, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(9, 2, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(9, 2, 3, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: winnow.softmax_attention(q, k, v, cu_seqlens_q=cu), (q, k, v))
+
+
+def test_stick_breaking_gradcheck_varlen_suffix_queries():
+    torch.manual_seed(5)
+    q = torch.randn(12, 1, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(20, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(20, 1, 3, dtype=torch.float64, requires_grad=True)
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 8, 20], dtype=torch.int32)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: winnow.stick_breaking_attention(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, halt_cutoff=3.0),
+        (q, k, v))
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    q = torch.randn(1, 8, 2, 16)
+    k = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="argument 'v'.*expected"):
+        winnow.stick_breaking_attention(q, k, torch.randn(1, 7, 2, 16))
+    with pytest.raises(ValueError, match="argument 'halt_cutoff'"):
+        winnow.stick_breaking_attention(q, k, k, halt_cutoff=-1.0)
+    with pytest.raises(ValueError, match="argument 'cu_seqlens_q'"):
+        winnow.softmax_attention(q[0], k[0], k[0], cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32))
+
+
+def test_no_visible_key_gives_zero_and_no_nan():
+    q = torch.randn(1, 1, 1, 8, requires_grad=True)
+    out, rem = winnow.stick_breaking_attention(q, q, q)
+    assert torch.equal(out.detach(), torch.zeros_like(out))
+    assert rem.item() == 1.0
+    (out.sum() + rem.sum()).backward()
+    assert torch.isfinite(q.grad).all()

@@ -1,0 +1,121 @@
+#include "support/attention_case.h"
+
+#include <sstream>
+#include <stdexcept>
+
+namespace winnow::testing {
+
+const char* name_of(Mechanism m) {
+  return m == Mechanism::softmax ? "softmax" : "stick_breaking";
+}
+
+std::string describe(const ProblemShape& s) {
+  std::ostringstream o;
+  o << s.name << " [" << (s.varlen ? "varlen" : "batched") << " Hq=" << s.heads_q
+    << " Hkv=" << s.heads_kv << " D=" << s.dim << " Dv=" << s.dim_v << " seqs=";
+  for (auto [lq, lk] : s.seqs) o << '(' << lq << ',' << lk << ')';
+  o << ']';
+  return o.str();
+}
+
+namespace {
+
+std::vector<std::int64_t> rows_shape(const ProblemShape& s, bool queries, std::int64_t heads,
+                                     std::int64_t dim) {
+  if (s.varlen) {
+    std::int64_t total = 0;
+    for (auto [lq, lk] : s.seqs) total += queries ? lq : lk;
+    return {total, heads, dim};
+  }
+  const auto [lq, lk] = s.seqs.front();
+  return {static_cast<std::int64_t>(s.seqs.size()), queries ? lq : lk, heads, dim};
+}
+
+HostTensor random_tensor(std::vector<std::int64_t> shape, std::mt19937_64& rng, double std) {
+  HostTensor t(std::move(shape), DType::float64);
+  t.set_values(random_normal(t.numel(), rng, std));
+  return t;
+}
+
+std::vector<int> order_for(const HostTensor& t, bool permuted) {
+  if (!permuted) return {};
+  if (t.shape().size() == 4) return {0, 2, 1, 3};
+  if (t.shape().size() == 3) return {1, 0, 2};
+  if (t.shape().size() == 2) return {1, 0};
+  return {};
+}
+
+}  // namespace
+
+Problem Problem::random(const ProblemShape& s, std::uint64_t seed, double input_std) {
+  if (!s.varlen) {
+    for (auto seq : s.seqs) {
+      if (seq != s.seqs.front()) throw std::logic_error("batched shape with unequal sequences");
+    }
+  }
+  std::mt19937_64 rng(seed);
+  Problem p;
+  p.shape = s;
+  p.q = random_tensor(rows_shape(s, true, s.heads_q, s.dim), rng, input_std);
+  p.k = random_tensor(rows_shape(s, false, s.heads_kv, s.dim), rng, input_std);
+  p.v = random_tensor(rows_shape(s, false, s.heads_kv, s.dim_v), rng, 1.0);
+  p.dout = random_tensor(rows_shape(s, true, s.heads_q, s.dim_v), rng, 1.0);
+  std::vector<std::int64_t> stat_shape = p.q.shape();
+  stat_shape.pop_back();
+  p.dstat = random_tensor(stat_shape, rng, 1.0);
+  if (s.varlen) {
+    std::vector<std::int32_t> cq{0}, ck{0};
+    for (auto [lq, lk] : s.seqs) {
+      cq.push_back(cq.back() + static_cast<std::int32_t>(lq));
+      ck.push_back(ck.back() + static_cast<std::int32_t>(lk));
+    }
+    p.cu_q = int32_tensor(cq);
+    p.cu_k = int32_tensor(ck);
+  }
+  return p;
+}
+
+Results run(const Problem& p, const RunConfig& cfg) {
+  const HostTensor q = p.q.converted(cfg.dtype, order_for(p.q, cfg.permuted));
+  const HostTensor k = p.k.converted(cfg.dtype, order_for(p.k, cfg.permuted));
+  const HostTensor v = p.v.converted(cfg.dtype, order_for(p.v, cfg.permuted));
+  const HostTensor dout = p.dout.converted(cfg.dtype, order_for(p.dout, cfg.permuted));
+  const DType stat_dtype = cfg.dtype == DType::float64 ? DType::float64 : DType::float32;
+  const HostTensor dstat = p.dstat.converted(stat_dtype, order_for(p.dstat, cfg.permuted));
+  HostTensor out(p.dout.shape(), cfg.dtype, order_for(p.dout, cfg.permuted));
+  HostTensor stat(p.dstat.shape(), stat_dtype, order_for(p.dstat, cfg.permuted));
+  HostTensor dq(p.q.shape(), cfg.dtype), dk(p.k.shape(), cfg.dtype), dv(p.v.shape(), cfg.dtype);
+  // Poison outputs: a kernel that skips an element must not pass by reading zeros.
+  for (HostTensor* t : {&out, &stat, &dq, &dk, &dv}) t->fill(std::nan(""));
+
+  AttentionInputs in;
+  in.q = q.view();
+  in.k = k.view();
+  in.v = v.view();
+  if (p.cu_q) in.cu_seqlens_q = p.cu_q->view();
+  if (p.cu_k) in.cu_seqlens_k = p.cu_k->view();
+  ExecContext ctx;
+  ctx.backend = cfg.backend;
+  ctx.num_threads = cfg.num_threads;
+  const AttentionGrads grads{dq.view(), dk.view(), dv.view()};
+
+  if (cfg.mechanism == Mechanism::softmax) {
+    softmax::Options opt;
+    opt.scale = cfg.scale;
+    opt.attend_current = cfg.attend_current;
+    softmax::forward(in, opt, out.view(), stat.view(), ctx);
+    softmax::backward(in, opt, out.view(), stat.view(), dout.view(), grads, ctx);
+  } else {
+    stick_breaking::Options opt;
+    opt.scale = cfg.scale;
+    opt.attend_current = cfg.attend_current;
+    opt.halt_cutoff = cfg.halt_cutoff;
+    stick_breaking::forward(in, opt, out.view(), stat.view(), ctx);
+    std::optional<TensorView> dlog_rem;
+    if (cfg.with_dstat) dlog_rem = dstat.view();
+    stick_breaking::backward(in, opt, out.view(), stat.view(), dout.view(), dlog_rem, grads, ctx);
+  }
+  return {out.values(), stat.values(), dq.values(), dk.values(), dv.values()};
+}
+
+}  // namespace winnow::testing

@@ -1,0 +1,58 @@
+// Random attention problems of any layout, run through winnow's C++ API with any backend, so
+// one test can compare a fast path against the float64 reference on the same inputs.
+#pragma once
+
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "support/host_tensor.h"
+#include "winnow/winnow.h"
+
+namespace winnow::testing {
+
+enum class Mechanism { softmax, stick_breaking };
+const char* name_of(Mechanism m);
+
+struct ProblemShape {
+  std::string name;
+  // (q_len, k_len) per sequence. Batched problems need all sequences alike.
+  std::vector<std::pair<std::int64_t, std::int64_t>> seqs;
+  bool varlen = false;
+  std::int64_t heads_q = 1, heads_kv = 1, dim = 16, dim_v = 16;
+};
+
+// The float64 values of one problem: inputs and the incoming gradients.
+struct Problem {
+  ProblemShape shape;
+  HostTensor q, k, v;           // float64, logical layout
+  HostTensor dout, dstat;       // float64
+  std::optional<HostTensor> cu_q, cu_k;
+
+  static Problem random(const ProblemShape& shape, std::uint64_t seed, double input_std = 1.0);
+  std::vector<std::int64_t> q_shape() const { return q.shape(); }
+};
+
+struct RunConfig {
+  Mechanism mechanism = Mechanism::softmax;
+  DType dtype = DType::float64;
+  Backend backend = Backend::automatic;
+  bool attend_current = true;
+  double halt_cutoff = 0.0;
+  std::optional<double> scale;
+  bool with_dstat = true;       // stick-breaking: pass dlog_rem
+  bool permuted = false;        // store (B, L, H, D) as (B, H, L, D) / (T, H, D) as (H, T, D)
+  int num_threads = 0;
+};
+
+struct Results {
+  std::vector<double> out, stat, dq, dk, dv;
+};
+
+Results run(const Problem& p, const RunConfig& cfg);
+
+std::string describe(const ProblemShape& s);
+
+}  // namespace winnow::testing

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the Debian packages winnow builds and tests with, only those missing.
+#   tools/install-deps.sh          build + tests
+#   tools/install-deps.sh bench    also what the CPU benchmark compares against
+set -euo pipefail
+
+packages=(cmake g++ make libeigen3-dev libgtest-dev libcli11-dev nlohmann-json3-dev
+          libtorch-dev python3-torch python3-pytest)
+if [[ "${1:-}" == "bench" ]]; then
+  # An optimized BLAS for LibTorch's composed baseline (Debian's default is the reference BLAS).
+  packages+=(libopenblas0-pthread)
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+echo "installing: ${missing[*]}"
+sudo=""
+[[ $(id -u) -ne 0 ]] && sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
