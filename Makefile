@@ -13,7 +13,7 @@ deps:
 	@tools/install-deps.sh
 
 configure: deps
-	cmake -S . -B $(BUILD) $(CMAKE_ARGS)
+	cmake --preset default -B $(BUILD) $(CMAKE_ARGS)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)

@@ -39,12 +39,12 @@ std::vector<double> weights(const Scenario& s, bool stick_breaking, double* rem)
     stick_breaking::Options opt;
     opt.scale = 1.0;
     opt.attend_current = true;  // same visible keys as softmax
-    stick_breaking::forward(in, opt, o, st);
+    stick_breaking::forward(in, opt, {o, st, std::nullopt});
     *rem = std::exp(stat[0]);
   } else {
     softmax::Options opt;
     opt.scale = 1.0;
-    softmax::forward(in, opt, o, st);
+    softmax::forward(in, opt, {o, st});
   }
   return out;
 }

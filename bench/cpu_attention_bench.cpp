@@ -164,23 +164,23 @@ int main(int argc, char** argv) {
                         },
                         true});
     variants.push_back({"winnow stick_breaking forward", causal_flops, [&] {
-                          winnow::stick_breaking::forward(in, {}, view(out), view(stat), ctx);
+                          winnow::stick_breaking::forward(in, {}, {view(out), view(stat), {}}, ctx);
                         },
                         true});
     variants.push_back({"winnow softmax forward", causal_flops, [&] {
-                          winnow::softmax::forward(in, {}, view(out), view(stat), ctx);
+                          winnow::softmax::forward(in, {}, {view(out), view(stat)}, ctx);
                         },
                         true});
     if (backward) {
       variants.push_back({"winnow stick_breaking backward", 2.5 * causal_flops, [&] {
-                            winnow::stick_breaking::forward(in, {}, view(out), view(stat), ctx);
-                            winnow::stick_breaking::backward(in, {}, view(out), view(stat),
+                            winnow::stick_breaking::forward(in, {}, {view(out), view(stat), {}}, ctx);
+                            winnow::stick_breaking::backward(in, {}, {view(out), view(stat), {}},
                                                              view(dout), std::nullopt, grads, ctx);
                           },
                           false});
       variants.push_back({"winnow softmax backward", 2.5 * causal_flops, [&] {
-                            winnow::softmax::forward(in, {}, view(out), view(stat), ctx);
-                            winnow::softmax::backward(in, {}, view(out), view(stat), view(dout),
+                            winnow::softmax::forward(in, {}, {view(out), view(stat)}, ctx);
+                            winnow::softmax::backward(in, {}, {view(out), view(stat)}, view(dout),
                                                       grads, ctx);
                           },
                           false});

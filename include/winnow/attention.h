@@ -14,6 +14,7 @@
 // dimension, (B, Lq, Hq) or (Tq, Hq), float32 (float64 when the inputs are float64).
 #pragma once
 
+#include <cstddef>
 #include <optional>
 
 #include "winnow/tensor.h"
@@ -39,11 +40,22 @@ enum class Backend {
   reference,  // the float64 materializing oracle written from spec/ (CPU, float64 tensors only)
 };
 
+// Device memory for a call's temporary buffers (the CUDA backward's fp32 accumulators).
+// Frameworks pass their caching allocator; without one winnow uses cudaMallocAsync on the
+// call's stream.
+class DeviceAllocator {
+ public:
+  virtual ~DeviceAllocator() = default;
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void deallocate(void* ptr) = 0;
+};
+
 struct ExecContext {
   Backend backend = Backend::automatic;
   void* cuda_stream = nullptr;  // cudaStream_t for CUDA tensors; nullptr is the default stream
-  bool deterministic = false;   // backward without atomics; CPU paths always are
+  bool deterministic = false;   // backward without atomics: bitwise repeatable results
   int num_threads = 0;          // CPU thread count; 0 uses OpenMP's default
+  DeviceAllocator* allocator = nullptr;
 };
 
 // True when this build contains the CUDA kernels (it may still find no GPU at run time).

@@ -13,14 +13,17 @@ struct Options {
   bool attend_current = true;   // query j sees key j
 };
 
-// Writes out (like q with Dv) and lse, the per-row log-sum-exp of the scaled scores
-// (-inf for a row with no visible key, whose output is zero).
-void forward(const AttentionInputs& in, const Options& options, const TensorView& out,
-             const TensorView& lse, const ExecContext& ctx = {});
+struct Outputs {
+  TensorView out;  // like q with v's head dimension
+  TensorView lse;  // per-row log-sum-exp of the scaled scores; -inf for a row that sees no key
+};
 
-// Gradients of sum(dout * out) with respect to q, k, v; out and lse come from forward.
-void backward(const AttentionInputs& in, const Options& options, const TensorView& out,
-              const TensorView& lse, const TensorView& dout, const AttentionGrads& grads,
-              const ExecContext& ctx = {});
+// Writes outputs.out and outputs.lse. A row with no visible key outputs zero.
+void forward(const AttentionInputs& in, const Options& options, const Outputs& outputs,
+             const ExecContext& ctx = {});
+
+// Gradients of sum(dout * out) with respect to q, k, v; `saved` holds what forward wrote.
+void backward(const AttentionInputs& in, const Options& options, const Outputs& saved,
+              const TensorView& dout, const AttentionGrads& grads, const ExecContext& ctx = {});
 
 }  // namespace winnow::softmax

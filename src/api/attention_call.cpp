@@ -1,5 +1,7 @@
 #include "api/attention_call.h"
 
+#include "core/device_copy.h"
+
 #include <algorithm>
 #include <cmath>
 #include <sstream>
@@ -67,6 +69,10 @@ AttentionCall::AttentionCall(const char* op, const AttentionInputs& in, const Ex
     route_ = q.device.kind == DeviceKind::cuda ? Route::cuda : Route::cpu;
   }
   if (!dtype_runs_on(q.dtype, route_)) fail("q", dtypes_of(route_), describe(q));
+  if (route_ == Route::cuda && !built_with_cuda()) {
+    fail("q", "a CPU tensor (this build of winnow has no CUDA kernels)", describe(q),
+         ErrorKind::unsupported);
+  }
   for (const auto* name : {"k", "v"}) {
     const TensorView& t = name[0] == 'k' ? k : v;
     if (t.dtype != q.dtype) fail(name, std::string(to_string(q.dtype)) + " like q", describe(t));
@@ -104,12 +110,15 @@ AttentionCall::AttentionCall(const char* op, const AttentionInputs& in, const Ex
   p.heads_kv = k.shape[head];
   p.dim_qk = q.shape[dim];
   p.dim_v = v.shape[dim];
+  p.rows_q = varlen_ ? q.shape[0] : q.shape[0] * q.shape[1];
+  p.rows_k = varlen_ ? k.shape[0] : k.shape[0] * k.shape[1];
   p.q = operand(q, row);
   p.k = operand(k, row);
   p.v = operand(v, row);
   p.num_threads = ctx.num_threads;
   p.deterministic = ctx.deterministic;
   p.cuda_stream = ctx.cuda_stream;
+  p.allocator = ctx.allocator;
 
   if (!varlen_) {
     p.num_seqs = q.shape[0];
@@ -126,25 +135,27 @@ AttentionCall::AttentionCall(const char* op, const AttentionInputs& in, const Ex
 
   const TensorView& cu_q = *in.cu_seqlens_q;
   const TensorView& cu_k = in.cu_seqlens_k ? *in.cu_seqlens_k : cu_q;
-  check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0]);
-  check_cu_seqlens(in.cu_seqlens_k ? "cu_seqlens_k" : "cu_seqlens_q (used for k)", cu_k,
-                   k.shape[0]);
+  const std::vector<std::int32_t> offsets_q = check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0]);
+  const std::vector<std::int32_t> offsets_k = check_cu_seqlens(
+      in.cu_seqlens_k ? "cu_seqlens_k" : "cu_seqlens_q (used for k)", cu_k, k.shape[0]);
   if (cu_k.shape[0] != cu_q.shape[0]) {
     fail("cu_seqlens_k", std::to_string(cu_q.shape[0]) + " entries like cu_seqlens_q",
          describe(cu_k));
   }
   p.num_seqs = cu_q.shape[0] - 1;
+  // Kernels read the offsets where they run; the checks below use the host copies.
   p.cu_seqlens_q = static_cast<const std::int32_t*>(cu_q.data);
   p.cu_seqlens_k = static_cast<const std::int32_t*>(cu_k.data);
   for (std::int64_t b = 0; b < p.num_seqs; ++b) {
-    const SequenceExtent s = p.sequence(b);
-    if (s.q_len > s.k_len) {
+    const std::int64_t q_len = offsets_q[b + 1] - offsets_q[b];
+    const std::int64_t k_len = offsets_k[b + 1] - offsets_k[b];
+    if (q_len > k_len) {
       fail("cu_seqlens_q", "sequence lengths at most those of cu_seqlens_k",
-           "sequence " + std::to_string(b) + " with " + std::to_string(s.q_len) +
-               " queries and " + std::to_string(s.k_len) + " keys");
+           "sequence " + std::to_string(b) + " with " + std::to_string(q_len) + " queries and " +
+               std::to_string(k_len) + " keys");
     }
-    p.max_len_q = std::max(p.max_len_q, s.q_len);
-    p.max_len_k = std::max(p.max_len_k, s.k_len);
+    p.max_len_q = std::max(p.max_len_q, q_len);
+    p.max_len_k = std::max(p.max_len_k, k_len);
   }
 }
 
@@ -164,8 +175,8 @@ void AttentionCall::check_operand(const char* name, const TensorView& t) const {
   if (t.data == nullptr && t.numel() > 0) fail(name, "a data pointer", "nullptr");
 }
 
-void AttentionCall::check_cu_seqlens(const char* name, const TensorView& t,
-                                     std::int64_t total_rows) const {
+std::vector<std::int32_t> AttentionCall::check_cu_seqlens(const char* name, const TensorView& t,
+                                                          std::int64_t total_rows) const {
   check_operand(name, t);
   if (t.dtype != DType::int32) fail(name, "int32", describe(t));
   if (t.ndim != 1 || t.shape[0] < 1) fail(name, "a 1-D tensor of B + 1 offsets", describe(t));
@@ -173,23 +184,26 @@ void AttentionCall::check_cu_seqlens(const char* name, const TensorView& t,
   if (t.shape[0] > 1 && t.stride[0] != 1) {
     fail(name, "contiguous", "stride " + std::to_string(t.stride[0]));
   }
-  if (t.device.kind != DeviceKind::cpu) {
-    fail(name, "a CPU tensor (CUDA varlen attention is not built yet)", describe(t),
-         ErrorKind::unsupported);
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(t.shape[0]));
+  if (t.device.kind == DeviceKind::cpu) {
+    const auto* src = static_cast<const std::int32_t*>(t.data);
+    std::copy(src, src + t.shape[0], cu.begin());
+  } else {
+    copy_to_host(cu.data(), t.data, cu.size() * sizeof(std::int32_t), t.device, ctx_.cuda_stream);
   }
-  const auto* cu = static_cast<const std::int32_t*>(t.data);
   if (cu[0] != 0) fail(name, "cu_seqlens[0] == 0", std::to_string(cu[0]));
-  for (std::int64_t b = 1; b < t.shape[0]; ++b) {
+  for (std::size_t b = 1; b < cu.size(); ++b) {
     if (cu[b] < cu[b - 1]) {
       fail(name, "non-decreasing offsets",
            "cu_seqlens[" + std::to_string(b) + "] = " + std::to_string(cu[b]) + " < cu_seqlens[" +
                std::to_string(b - 1) + "] = " + std::to_string(cu[b - 1]));
     }
   }
-  if (cu[t.shape[0] - 1] != total_rows) {
+  if (cu.back() != total_rows) {
     fail(name, "last offset == " + std::to_string(total_rows) + " (rows of the packed tensor)",
-         std::to_string(cu[t.shape[0] - 1]));
+         std::to_string(cu.back()));
   }
+  return cu;
 }
 
 void AttentionCall::check_shape(const char* name, const TensorView& t, const std::int64_t* shape,
@@ -238,11 +252,15 @@ Operand AttentionCall::like_k(const char* name, const TensorView& t, bool value_
 }
 
 Operand AttentionCall::row_stats(const char* name, const TensorView& t) const {
+  return row_stats(name, t, stats_dtype());
+}
+
+Operand AttentionCall::row_stats(const char* name, const TensorView& t, DType dtype) const {
   std::int64_t shape[3];
   const int n = in_.q.ndim - 1;
   for (int d = 0; d < n; ++d) shape[d] = in_.q.shape[d];
   check_shape(name, t, shape, n, varlen_ ? "(T, H) per query row" : "(B, L, H) per query row");
-  if (t.dtype != stats_dtype()) fail(name, to_string(stats_dtype()), describe(t));
+  if (t.dtype != dtype) fail(name, to_string(dtype), describe(t));
   Operand o;
   o.data = t.data;
   o.batch = varlen_ ? 0 : t.stride[0];

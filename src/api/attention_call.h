@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/params.h"
 #include "winnow/attention.h"
@@ -26,8 +27,9 @@ class AttentionCall {
   // out / dq / dk / dv / dout: same dtype and device as q, the given role's shape.
   Operand like_q(const char* name, const TensorView& t, bool value_dim) const;
   Operand like_k(const char* name, const TensorView& t, bool value_dim) const;
-  // Per-row statistics: (B, Lq, Hq) or (Tq, Hq), stats_dtype().
+  // Per-row statistics: (B, Lq, Hq) or (Tq, Hq), of stats_dtype() (or the given dtype).
   Operand row_stats(const char* name, const TensorView& t) const;
+  Operand row_stats(const char* name, const TensorView& t, DType dtype) const;
   // Outputs must not overlap themselves (no broadcast strides on dimensions of size > 1).
   void require_writable(const char* name, const TensorView& t) const;
 
@@ -44,7 +46,9 @@ class AttentionCall {
 
  private:
   void check_operand(const char* name, const TensorView& t) const;
-  void check_cu_seqlens(const char* name, const TensorView& t, std::int64_t total_rows) const;
+  // Checks a cu_seqlens tensor and returns its values (copied to the host if on a device).
+  std::vector<std::int32_t> check_cu_seqlens(const char* name, const TensorView& t,
+                                             std::int64_t total_rows) const;
   void check_shape(const char* name, const TensorView& t, const std::int64_t* shape, int ndim,
                    const char* layout) const;
   Operand operand(const TensorView& t, int row_dim) const;

@@ -2,6 +2,7 @@
 
 #include "api/attention_call.h"
 #include "cpu/cpu.h"
+#include "cuda/cuda.h"
 #include "reference/reference.h"
 
 namespace winnow::softmax {
@@ -9,30 +10,35 @@ namespace winnow::softmax {
 using detail::AttentionCall;
 using detail::Route;
 
-void forward(const AttentionInputs& in, const Options& options, const TensorView& out,
-             const TensorView& lse, const ExecContext& ctx) {
-  AttentionCall call("winnow::softmax::forward", in, ctx);
+namespace {
+
+detail::AttentionParams checked(const AttentionCall& call, const Options& options,
+                                const Outputs& outputs) {
   detail::AttentionParams p = call.params(options.scale, options.attend_current);
-  p.out = call.like_q("out", out, /*value_dim=*/true);
-  p.stats = call.row_stats("lse", lse);
-  call.require_writable("out", out);
-  call.require_writable("lse", lse);
+  p.out = call.like_q("out", outputs.out, /*value_dim=*/true);
+  p.stats = call.row_stats("lse", outputs.lse);
+  return p;
+}
+
+}  // namespace
+
+void forward(const AttentionInputs& in, const Options& options, const Outputs& outputs,
+             const ExecContext& ctx) {
+  AttentionCall call("winnow::softmax::forward", in, ctx);
+  const detail::AttentionParams p = checked(call, options, outputs);
+  call.require_writable("out", outputs.out);
+  call.require_writable("lse", outputs.lse);
   switch (call.route()) {
     case Route::reference: return reference::softmax_forward(p);
     case Route::cpu: return cpu::softmax_forward(p);
-    case Route::cuda:
-      call.fail("q", "a CPU tensor (the CUDA softmax kernel is not built yet)", "a CUDA tensor",
-                ErrorKind::unsupported);
+    case Route::cuda: return cuda::softmax_forward(p);
   }
 }
 
-void backward(const AttentionInputs& in, const Options& options, const TensorView& out,
-              const TensorView& lse, const TensorView& dout, const AttentionGrads& grads,
-              const ExecContext& ctx) {
+void backward(const AttentionInputs& in, const Options& options, const Outputs& saved,
+              const TensorView& dout, const AttentionGrads& grads, const ExecContext& ctx) {
   AttentionCall call("winnow::softmax::backward", in, ctx);
-  detail::AttentionParams p = call.params(options.scale, options.attend_current);
-  p.out = call.like_q("out", out, true);
-  p.stats = call.row_stats("lse", lse);
+  const detail::AttentionParams p = checked(call, options, saved);
   detail::GradientParams g;
   g.dout = call.like_q("dout", dout, true);
   g.dq = call.like_q("dq", grads.dq, false);
@@ -44,9 +50,7 @@ void backward(const AttentionInputs& in, const Options& options, const TensorVie
   switch (call.route()) {
     case Route::reference: return reference::softmax_backward(p, g);
     case Route::cpu: return cpu::softmax_backward(p, g);
-    case Route::cuda:
-      call.fail("q", "a CPU tensor (the CUDA softmax kernel is not built yet)", "a CUDA tensor",
-                ErrorKind::unsupported);
+    case Route::cuda: return cuda::softmax_backward(p, g);
   }
 }
 

@@ -1,9 +1,36 @@
 // Device discovery for builds without the CUDA kernels.
+#include "core/device_copy.h"
+#include "cuda/cuda.h"
 #include "winnow/attention.h"
+#include "winnow/error.h"
 
 namespace winnow {
 
 bool built_with_cuda() { return false; }
 int cuda_device_count() { return 0; }
+
+namespace detail {
+void copy_to_host(void*, const void*, std::size_t, Device device, void*) {
+  throw Error(ErrorKind::unsupported,
+              "winnow: cannot read " + to_string(device) + " memory: this build has no CUDA support");
+}
+}  // namespace detail
+
+// The API refuses CUDA tensors in builds without CUDA before it routes a call; these keep the
+// routing table complete and say the same if reached.
+namespace cuda {
+namespace {
+[[noreturn]] void no_cuda() {
+  throw Error(ErrorKind::unsupported, "winnow: this build has no CUDA kernels");
+}
+}  // namespace
+void softmax_forward(const detail::AttentionParams&) { no_cuda(); }
+void softmax_backward(const detail::AttentionParams&, const detail::GradientParams&) { no_cuda(); }
+void stick_breaking_forward(const detail::AttentionParams&, const detail::StickBreakingConfig&) { no_cuda(); }
+void stick_breaking_backward(const detail::AttentionParams&, const detail::GradientParams&,
+                             const detail::StickBreakingConfig&) {
+  no_cuda();
+}
+}  // namespace cuda
 
 }  // namespace winnow

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "math/host_device.h"
+#include "winnow/attention.h"
 #include "winnow/tensor.h"
 
 namespace winnow::detail {
@@ -36,7 +37,8 @@ struct SequenceExtent {
 struct AttentionParams {
   DType dtype = DType::float32;  // of q, k, v, out (and of the gradients)
   std::int64_t num_seqs = 0, heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
-  std::int64_t len_q = 0, len_k = 0;  // batched mode
+  std::int64_t len_q = 0, len_k = 0;    // batched mode
+  std::int64_t rows_q = 0, rows_k = 0;  // rows of q and k over all sequences (B L or T)
   // Packed mode when non-null: B + 1 offsets, readable by the device that runs the kernel.
   const std::int32_t* cu_seqlens_q = nullptr;
   const std::int32_t* cu_seqlens_k = nullptr;
@@ -51,6 +53,7 @@ struct AttentionParams {
   int num_threads = 0;
   bool deterministic = false;
   void* cuda_stream = nullptr;
+  DeviceAllocator* allocator = nullptr;  // temporary device buffers (launchers only)
 
   WINNOW_HD SequenceExtent sequence(std::int64_t b) const {
     SequenceExtent s;
@@ -82,6 +85,7 @@ struct GradientParams {
 
 struct StickBreakingConfig {
   double halt_cutoff = 0.0;  // 0: never halt
+  Operand kept_from;         // int32 per row; forward writes it, backward reads it (when halting)
 };
 
 }  // namespace winnow::detail

@@ -1,6 +1,10 @@
-// Device discovery for builds with the CUDA kernels.
+// Device discovery, the host copy the argument checks need, and what every launcher shares:
+// the fused-path test and the kernel that stores dk / dv from their fp32 accumulators.
 #include <cuda_runtime.h>
 
+#include "core/device_copy.h"
+#include "cuda/launch.h"
+#include "cuda/tile/ptx.cuh"
 #include "winnow/attention.h"
 
 namespace winnow {
@@ -16,4 +20,78 @@ int cuda_device_count() {
   return count;
 }
 
+namespace detail {
+void copy_to_host(void* dst, const void* src, std::size_t bytes, Device, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  cuda::check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s), "reading cu_seqlens");
+  cuda::check(cudaStreamSynchronize(s), "reading cu_seqlens");
+}
+}  // namespace detail
+
+namespace cuda {
+namespace {
+
+bool aligned_rows(const detail::Operand& op, DType dtype) {
+  const std::size_t bytes = element_size(dtype);
+  return op.dim == 1 && reinterpret_cast<std::uintptr_t>(op.data) % 16 == 0 &&
+         (op.row * bytes) % 16 == 0 && (op.head * bytes) % 16 == 0 && (op.batch * bytes) % 16 == 0;
+}
+
+template <class T>
+__global__ void store_key_grads_kernel(const detail::AttentionParams p, const detail::GradientParams g,
+                                       const float* dk, const float* dv) {
+  const std::int64_t width = p.heads_kv * (p.dim_qk + p.dim_v);
+  const std::int64_t total = p.rows_k * width;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = i / width, rest = i % width;
+    // Packed inputs address rows directly; batched ones split the row into (sequence, key).
+    const std::int64_t b = p.cu_seqlens_k != nullptr ? 0 : row / p.len_k;
+    const std::int64_t key = p.cu_seqlens_k != nullptr ? row : row % p.len_k;
+    if (rest < p.heads_kv * p.dim_qk) {
+      const std::int64_t h = rest / p.dim_qk, d = rest % p.dim_qk;
+      g.dk.at<T>(b, key, h)[d * g.dk.dim] = static_cast<T>(dk[(row * p.heads_kv + h) * p.dim_qk + d]);
+    } else {
+      const std::int64_t r = rest - p.heads_kv * p.dim_qk;
+      const std::int64_t h = r / p.dim_v, d = r % p.dim_v;
+      g.dv.at<T>(b, key, h)[d * g.dv.dim] = static_cast<T>(dv[(row * p.heads_kv + h) * p.dim_v + d]);
+    }
+  }
+}
+
+}  // namespace
+
+bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g) {
+  if (p.dtype != DType::bfloat16 && p.dtype != DType::float16) return false;
+  if (p.dim_qk != p.dim_v || (p.dim_qk != 64 && p.dim_qk != 128)) return false;
+  if (p.num_seqs > 65535 || p.heads_q > 65535) return false;
+  for (const detail::Operand* op : {&p.q, &p.k, &p.v, &p.out}) {
+    if (!aligned_rows(*op, p.dtype)) return false;
+  }
+  if (g != nullptr && (!aligned_rows(g->dout, p.dtype) || !aligned_rows(g->dq, p.dtype))) return false;
+  return true;
+}
+
+void store_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g,
+                     const float* dk, const float* dv) {
+  const std::int64_t total = p.rows_k * p.heads_kv * (p.dim_qk + p.dim_v);
+  if (total == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<std::int64_t>((total + threads - 1) / threads, 65536));
+  switch (p.dtype) {
+    case DType::float32:
+      store_key_grads_kernel<float><<<blocks, threads, 0, stream_of(p)>>>(p, g, dk, dv);
+      break;
+    case DType::float16:
+      store_key_grads_kernel<__half><<<blocks, threads, 0, stream_of(p)>>>(p, g, dk, dv);
+      break;
+    case DType::bfloat16:
+      store_key_grads_kernel<__nv_bfloat16><<<blocks, threads, 0, stream_of(p)>>>(p, g, dk, dv);
+      break;
+    default: throw Error(ErrorKind::unsupported, "winnow: no CUDA kernels for this dtype");
+  }
+  check_launch("store_key_grads");
+}
+
+}  // namespace cuda
 }  // namespace winnow

@@ -14,6 +14,12 @@ WINNOW_HD auto probability(const X& z, const R& lse) {
   return exp(z - lse);
 }
 
+// The same in base 2 (z and lse in log2 units) with the caller's exp2.
+template <class X, class R, class Exp2>
+WINNOW_HD X probability(X z, R lse, Exp2 exp2) {
+  return exp2(z - lse);
+}
+
 // dz_ij = p_ij (dp_ij - delta_j), delta_j = <do_j, o_j> = sum_i p_ij dp_ij.
 template <class P, class DP, class R>
 WINNOW_HD auto grad_logit(const P& p, const DP& dp, const R& delta) {

@@ -21,6 +21,14 @@ WINNOW_HD auto stick_cost(const X& z) {
   return softplus(z);
 }
 
+// The same cost in base 2, log2(1 + 2^x) = max(x, 0) + log2(1 + 2^-|x|), for kernels that
+// keep logits in log2 units (x = z log2 e) to use the hardware's exp2 and log2.
+template <class X, class Exp2, class Log2>
+WINNOW_HD X stick_cost_log2(X x, Exp2 exp2, Log2 log2) {
+  const X a = x < X(0) ? -x : x;
+  return (x + a) * X(0.5) + log2(X(1) + exp2(-a));
+}
+
 // log A_ij from the logit, the in-tile suffix cost (including key i) and the row's carry.
 template <class X, class C, class R>
 WINNOW_HD auto log_weight(const X& z, const C& suffix_cost, const R& carry) {
@@ -29,9 +37,16 @@ WINNOW_HD auto log_weight(const X& z, const C& suffix_cost, const R& carry) {
 
 // dz_ij = g_ij - sigmoid(z_ij) * (sum_{i' <= i} g_i'j + dlog_rem_j), g_ij = A_ij <do_j, v_i>.
 // The dlog_rem term is d(log rem_j)/dz_ij = -sigmoid(z_ij) times the incoming gradient.
+// Kernels that already hold sigmoid(z_ij) (as exp2(z - cost) in log2 units) call this form.
+template <class G, class B, class P>
+WINNOW_HD auto grad_logit_given_sigmoid(const G& g, const B& sigmoid_z,
+                                        const P& prefix_g_plus_dlog_rem) {
+  return g - sigmoid_z * prefix_g_plus_dlog_rem;
+}
+
 template <class G, class X, class P>
 WINNOW_HD auto grad_logit(const G& g, const X& z, const P& prefix_g_plus_dlog_rem) {
-  return g - sigmoid(z) * prefix_g_plus_dlog_rem;
+  return grad_logit_given_sigmoid(g, sigmoid(z), prefix_g_plus_dlog_rem);
 }
 
 }  // namespace winnow::math::stick_breaking

@@ -38,8 +38,17 @@ void stick_breaking_grad_rows(const HeadProblem& hp, const Dense& w, const Dense
 
 }  // namespace
 
-void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig&) {
+void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig& cfg) {
   run_forward(p, stick_breaking_rows);
+  // Exact stick-breaking keeps every key.
+  if (cfg.kept_from.data != nullptr) {
+    for (std::int64_t b = 0; b < p.num_seqs; ++b) {
+      const detail::SequenceExtent s = p.sequence(b);
+      for (std::int64_t r = 0; r < s.q_len; ++r) {
+        for (std::int64_t h = 0; h < p.heads_q; ++h) *cfg.kept_from.at<std::int32_t>(b, s.q_start + r, h) = 0;
+      }
+    }
+  }
 }
 
 void stick_breaking_backward(const detail::AttentionParams& p, const detail::GradientParams& g,

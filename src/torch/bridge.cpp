@@ -1,6 +1,8 @@
 #include "torch/bridge.h"
 
 #ifdef WINNOW_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -55,12 +57,43 @@ std::optional<TensorView> view_of(const c10::optional<at::Tensor>& t, const char
   return view_of(*t, op, name);
 }
 
-ExecContext context_for(const at::Tensor& q, bool deterministic, bool reference) {
+#ifdef WINNOW_TORCH_CUDA
+namespace {
+class CachingAllocator final : public DeviceAllocator {
+ public:
+  void* allocate(std::size_t bytes) override {
+    return c10::cuda::CUDACachingAllocator::raw_alloc(bytes);
+  }
+  void deallocate(void* ptr) override { c10::cuda::CUDACachingAllocator::raw_delete(ptr); }
+};
+CachingAllocator caching_allocator;
+}  // namespace
+#endif
+
+DeviceScope::DeviceScope(const at::Tensor& q) : q_(q) {
+#ifdef WINNOW_TORCH_CUDA
+  if (q.is_cuda()) {
+    previous_device_ = c10::cuda::current_device();
+    c10::cuda::set_device(q.device().index());
+  }
+#endif
+}
+
+DeviceScope::~DeviceScope() {
+#ifdef WINNOW_TORCH_CUDA
+  if (previous_device_ >= 0) c10::cuda::set_device(static_cast<c10::DeviceIndex>(previous_device_));
+#endif
+}
+
+ExecContext DeviceScope::context(bool deterministic, bool reference) const {
   ExecContext ctx;
   ctx.deterministic = deterministic;
   ctx.backend = reference ? Backend::reference : Backend::automatic;
 #ifdef WINNOW_TORCH_CUDA
-  if (q.is_cuda()) ctx.cuda_stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  if (q_.is_cuda()) {
+    ctx.cuda_stream = c10::cuda::getCurrentCUDAStream(q_.device().index()).stream();
+    ctx.allocator = &caching_allocator;
+  }
 #endif
   return ctx;
 }

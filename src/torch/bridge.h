@@ -16,8 +16,20 @@ TensorView view_of(const at::Tensor& t, const char* op, const char* name);
 std::optional<TensorView> view_of(const c10::optional<at::Tensor>& t, const char* op,
                                   const char* name);
 
-// How a kernel call on tensors of this device runs: the current CUDA stream for CUDA tensors.
-ExecContext context_for(const at::Tensor& q, bool deterministic, bool reference);
+// How a kernel call on q's device runs: for CUDA tensors, q's device made current for the
+// scope, its current stream, and LibTorch's caching allocator for temporary buffers.
+class DeviceScope {
+ public:
+  explicit DeviceScope(const at::Tensor& q);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ExecContext context(bool deterministic, bool reference) const;
+
+ private:
+  const at::Tensor& q_;
+  int previous_device_ = -1;
+};
 
 // Per-row statistics dtype: float64 for float64 inputs, float32 otherwise.
 at::ScalarType stats_dtype(const at::Tensor& q);

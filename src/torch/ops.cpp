@@ -80,8 +80,9 @@ std::tuple<at::Tensor, at::Tensor> softmax_forward_op(const at::Tensor& q, const
     at::Tensor out = at::empty(out_shape(q, v), q.options());
     at::Tensor lse = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
     softmax::Options options{std_opt(scale), attend_current};
-    softmax::forward(in, options, view_of(out, op, "out"), view_of(lse, op, "lse"),
-                     context_for(q, false, reference));
+    const DeviceScope scope(q);
+    softmax::forward(in, options, {view_of(out, op, "out"), view_of(lse, op, "lse")},
+                     scope.context(false, reference));
     return std::make_tuple(out, lse);
   });
 }
@@ -96,9 +97,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_backward_op(
     const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
     softmax::Options options{std_opt(scale), attend_current};
-    softmax::backward(in, options, view_of(out, op, "out"), view_of(lse, op, "lse"),
+    const DeviceScope scope(q);
+    softmax::backward(in, options, {view_of(out, op, "out"), view_of(lse, op, "lse")},
                       view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
-                      context_for(q, deterministic, reference));
+                      scope.context(deterministic, reference));
     return std::make_tuple(dq, dk, dv);
   });
 }
@@ -142,7 +144,7 @@ at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 // ------------------------------------------------------------------ stick-breaking
 
-std::tuple<at::Tensor, at::Tensor> stick_breaking_forward_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_forward_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
     const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double halt_cutoff,
     bool reference) {
@@ -151,27 +153,34 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_forward_op(
     const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor out = at::empty(out_shape(q, v), q.options());
     at::Tensor log_rem = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    at::Tensor kept_from = at::empty(stats_shape(q), q.options().dtype(at::kInt));
     stick_breaking::Options options{std_opt(scale), attend_current, halt_cutoff};
-    stick_breaking::forward(in, options, view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
-                            context_for(q, false, reference));
-    return std::make_tuple(out, log_rem);
+    const DeviceScope scope(q);
+    stick_breaking::forward(in, options,
+                            {view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
+                             view_of(kept_from, op, "kept_from")},
+                            scope.context(false, reference));
+    return std::make_tuple(out, log_rem, kept_from);
   });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_backward_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& log_rem, const at::Tensor& dout, const Opt<at::Tensor>& dlog_rem,
-    const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, Opt<double> scale,
+    const at::Tensor& log_rem, const Opt<at::Tensor>& kept_from, const at::Tensor& dout,
+    const Opt<at::Tensor>& dlog_rem, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+    Opt<double> scale,
     bool attend_current, double halt_cutoff, bool deterministic, bool reference) {
   constexpr const char* op = "winnow.stick_breaking_attention_backward";
   return translate_errors([&] {
     const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
     stick_breaking::Options options{std_opt(scale), attend_current, halt_cutoff};
-    stick_breaking::backward(in, options, view_of(out, op, "out"),
-                             view_of(log_rem, op, "log_rem"), view_of(dout, op, "dout"),
-                             view_of(dlog_rem, op, "dlog_rem"), grad_views(op, dq, dk, dv),
-                             context_for(q, deterministic, reference));
+    const DeviceScope scope(q);
+    stick_breaking::backward(in, options,
+                             {view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
+                              view_of(kept_from, op, "kept_from")},
+                             view_of(dout, op, "dout"), view_of(dlog_rem, op, "dlog_rem"),
+                             grad_views(op, dq, dk, dv), scope.context(deterministic, reference));
     return std::make_tuple(dq, dk, dv);
   });
 }
@@ -181,9 +190,10 @@ struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFun
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, Opt<double> scale,
                                bool attend_current, double halt_cutoff) {
-    auto [out, log_rem] =
+    auto [out, log_rem, kept_from] =
         stick_breaking_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
-    ctx->save_for_backward({q, k, v, out, log_rem});
+    ctx->save_for_backward({q, k, v, out, log_rem, kept_from});
+    ctx->mark_non_differentiable({kept_from});
     ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
     ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
     ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
@@ -203,7 +213,7 @@ struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFun
     Opt<double> scale;
     if (!ctx->saved_data["scale"].isNone()) scale = ctx->saved_data["scale"].toDouble();
     auto [dq, dk, dv] = stick_breaking_backward_op(
-        saved[0], saved[1], saved[2], saved[3], saved[4], dout, dlog_rem, cu_q, cu_k, scale,
+        saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, cu_q, cu_k, scale,
         ctx->saved_data["attend_current"].toBool(), ctx->saved_data["halt_cutoff"].toDouble(),
         at::globalContext().deterministicAlgorithms(), false);
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -242,10 +252,11 @@ TORCH_LIBRARY(winnow, m) {
       "stick_breaking_attention_forward(Tensor q, Tensor k, Tensor v, "
       "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float? scale=None, "
       "bool attend_current=False, float halt_cutoff=0.0, bool reference=False) "
-      "-> (Tensor out, Tensor log_rem)");
+      "-> (Tensor out, Tensor log_rem, Tensor kept_from)");
   m.def(
       "stick_breaking_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor log_rem, Tensor dout, Tensor? dlog_rem=None, Tensor? cu_seqlens_q=None, "
+      "Tensor log_rem, Tensor? kept_from, Tensor dout, Tensor? dlog_rem=None, "
+      "Tensor? cu_seqlens_q=None, "
       "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
       "float halt_cutoff=0.0, bool deterministic=False, bool reference=False) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");

@@ -84,38 +84,56 @@ Results run(const Problem& p, const RunConfig& cfg) {
   const HostTensor dstat = p.dstat.converted(stat_dtype, order_for(p.dstat, cfg.permuted));
   HostTensor out(p.dout.shape(), cfg.dtype, order_for(p.dout, cfg.permuted));
   HostTensor stat(p.dstat.shape(), stat_dtype, order_for(p.dstat, cfg.permuted));
+  HostTensor kept(p.dstat.shape(), DType::int32, order_for(p.dstat, cfg.permuted));
   HostTensor dq(p.q.shape(), cfg.dtype), dk(p.k.shape(), cfg.dtype), dv(p.v.shape(), cfg.dtype);
   // Poison outputs: a kernel that skips an element must not pass by reading zeros.
   for (HostTensor* t : {&out, &stat, &dq, &dk, &dv}) t->fill(std::nan(""));
+  kept.fill(-1);
 
+  auto placed = [&](const HostTensor& t) { return cfg.placement ? cfg.placement->place(t) : t.view(); };
   AttentionInputs in;
-  in.q = q.view();
-  in.k = k.view();
-  in.v = v.view();
-  if (p.cu_q) in.cu_seqlens_q = p.cu_q->view();
-  if (p.cu_k) in.cu_seqlens_k = p.cu_k->view();
+  in.q = placed(q);
+  in.k = placed(k);
+  in.v = placed(v);
+  if (p.cu_q) in.cu_seqlens_q = placed(*p.cu_q);
+  if (p.cu_k) in.cu_seqlens_k = placed(*p.cu_k);
+  const TensorView out_v = placed(out), stat_v = placed(stat), kept_v = placed(kept);
+  const TensorView dout_v = placed(dout), dstat_v = placed(dstat);
+  const AttentionGrads grads{placed(dq), placed(dk), placed(dv)};
   ExecContext ctx;
   ctx.backend = cfg.backend;
   ctx.num_threads = cfg.num_threads;
-  const AttentionGrads grads{dq.view(), dk.view(), dv.view()};
+  ctx.deterministic = cfg.deterministic;
 
   if (cfg.mechanism == Mechanism::softmax) {
     softmax::Options opt;
     opt.scale = cfg.scale;
     opt.attend_current = cfg.attend_current;
-    softmax::forward(in, opt, out.view(), stat.view(), ctx);
-    softmax::backward(in, opt, out.view(), stat.view(), dout.view(), grads, ctx);
+    const softmax::Outputs outputs{out_v, stat_v};
+    softmax::forward(in, opt, outputs, ctx);
+    softmax::backward(in, opt, outputs, dout_v, grads, ctx);
   } else {
     stick_breaking::Options opt;
     opt.scale = cfg.scale;
     opt.attend_current = cfg.attend_current;
     opt.halt_cutoff = cfg.halt_cutoff;
-    stick_breaking::forward(in, opt, out.view(), stat.view(), ctx);
+    const stick_breaking::Outputs outputs{out_v, stat_v, kept_v};
+    stick_breaking::forward(in, opt, outputs, ctx);
     std::optional<TensorView> dlog_rem;
-    if (cfg.with_dstat) dlog_rem = dstat.view();
-    stick_breaking::backward(in, opt, out.view(), stat.view(), dout.view(), dlog_rem, grads, ctx);
+    if (cfg.with_dstat) dlog_rem = dstat_v;
+    stick_breaking::backward(in, opt, outputs, dout_v, dlog_rem, grads, ctx);
   }
-  return {out.values(), stat.values(), dq.values(), dk.values(), dv.values()};
+  if (cfg.placement) {
+    cfg.placement->fetch(out_v, out);
+    cfg.placement->fetch(stat_v, stat);
+    cfg.placement->fetch(kept_v, kept);
+    cfg.placement->fetch(grads.dq, dq);
+    cfg.placement->fetch(grads.dk, dk);
+    cfg.placement->fetch(grads.dv, dv);
+  }
+  Results r{out.values(), stat.values(), dq.values(), dk.values(), dv.values(), {}};
+  if (cfg.mechanism == Mechanism::stick_breaking) r.kept_from = kept.values();
+  return r;
 }
 
 }  // namespace winnow::testing

@@ -35,6 +35,16 @@ struct Problem {
   std::vector<std::int64_t> q_shape() const { return q.shape(); }
 };
 
+// Where run() keeps the tensors a call sees: the host by default, or a device through these
+// hooks (tests/cuda implements them with the CUDA runtime).
+class Placement {
+ public:
+  virtual ~Placement() = default;
+  // A device copy of t with the same strides; valid until the Placement is destroyed.
+  virtual TensorView place(const HostTensor& t) = 0;
+  virtual void fetch(const TensorView& placed, HostTensor& t) = 0;
+};
+
 struct RunConfig {
   Mechanism mechanism = Mechanism::softmax;
   DType dtype = DType::float64;
@@ -45,10 +55,13 @@ struct RunConfig {
   bool with_dstat = true;       // stick-breaking: pass dlog_rem
   bool permuted = false;        // store (B, L, H, D) as (B, H, L, D) / (T, H, D) as (H, T, D)
   int num_threads = 0;
+  bool deterministic = false;
+  Placement* placement = nullptr;  // nullptr: host memory
 };
 
 struct Results {
   std::vector<double> out, stat, dq, dk, dv;
+  std::vector<double> kept_from;  // stick-breaking only
 };
 
 Results run(const Problem& p, const RunConfig& cfg);

@@ -7,6 +7,36 @@
 #include <stdexcept>
 
 namespace winnow::testing {
+namespace {
+
+// Round-to-nearest-even conversions for the 16-bit float formats, so host tests can hold
+// bf16 / fp16 data without a GPU toolchain.
+std::uint16_t to_bf16(float x) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (std::isnan(x)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<std::uint16_t>(bits >> 16);
+}
+float from_bf16(std::uint16_t h) {
+  const std::uint32_t bits = static_cast<std::uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+std::uint16_t to_fp16(float x) {
+  const _Float16 h = static_cast<_Float16>(x);
+  std::uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+float from_fp16(std::uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+
+}  // namespace
 
 HostTensor::HostTensor(std::vector<std::int64_t> shape, DType dtype,
                        std::vector<int> physical_order)
@@ -62,6 +92,8 @@ std::vector<double> HostTensor::values() const {
       case DType::float64: out[i] = reinterpret_cast<const double*>(bytes_.data())[o]; break;
       case DType::float32: out[i] = reinterpret_cast<const float*>(bytes_.data())[o]; break;
       case DType::int32: out[i] = reinterpret_cast<const std::int32_t*>(bytes_.data())[o]; break;
+      case DType::bfloat16: out[i] = from_bf16(reinterpret_cast<const std::uint16_t*>(bytes_.data())[o]); break;
+      case DType::float16: out[i] = from_fp16(reinterpret_cast<const std::uint16_t*>(bytes_.data())[o]); break;
       default: throw std::logic_error("HostTensor: dtype not readable on the host");
     }
   }
@@ -81,6 +113,12 @@ void HostTensor::set_values(const std::vector<double>& logical) {
         break;
       case DType::int32:
         reinterpret_cast<std::int32_t*>(bytes_.data())[o] = static_cast<std::int32_t>(logical[i]);
+        break;
+      case DType::bfloat16:
+        reinterpret_cast<std::uint16_t*>(bytes_.data())[o] = to_bf16(static_cast<float>(logical[i]));
+        break;
+      case DType::float16:
+        reinterpret_cast<std::uint16_t*>(bytes_.data())[o] = to_fp16(static_cast<float>(logical[i]));
         break;
       default: throw std::logic_error("HostTensor: dtype not writable on the host");
     }

@@ -28,6 +28,11 @@ class HostTensor {
 
   HostTensor converted(DType dtype, std::vector<int> physical_order = {}) const;
 
+  // The raw storage, for copies to and from a device.
+  void* bytes() { return bytes_.data(); }
+  const void* bytes() const { return bytes_.data(); }
+  std::size_t byte_size() const { return bytes_.size(); }
+
  private:
   std::int64_t offset(std::int64_t logical_index) const;
 

@@ -124,12 +124,12 @@ TEST(TorchOps, ForwardAndBackwardOpsAgreeWithTheReferenceBackend) {
   Tensor dout = torch::randn({21, 2, 16}), dlog_rem = torch::randn({21, 2});
   auto fast = call("winnow::stick_breaking_attention_forward", {q, k, v, cu_q, cu_k});
   auto fast_grads = call("winnow::stick_breaking_attention_backward",
-                         {q, k, v, fast[0], fast[1], dout, dlog_rem, cu_q, cu_k});
+                         {q, k, v, fast[0], fast[1], fast[2], dout, dlog_rem, cu_q, cu_k});
   auto d = [](const Tensor& t) { return t.to(torch::kDouble); };
   auto ref = call("winnow::stick_breaking_attention_forward",
                   {d(q), d(k), d(v), cu_q, cu_k, c10::IValue(), false, 0.0, true});
   auto ref_grads = call("winnow::stick_breaking_attention_backward",
-                        {d(q), d(k), d(v), ref[0], ref[1], d(dout), d(dlog_rem), cu_q, cu_k,
+                        {d(q), d(k), d(v), ref[0], ref[1], ref[2], d(dout), d(dlog_rem), cu_q, cu_k,
                          c10::IValue(), false, 0.0, false, true});
   EXPECT_LT(rel(fast[0].toTensor(), ref[0].toTensor()), 1e-5);
   EXPECT_LT(rel(fast[1].toTensor(), ref[1].toTensor()), 1e-5);

@@ -1,0 +1,243 @@
+// The fused backward kernel shared by the row-wise mechanisms. One block of 8 warps owns 128
+// query rows of one head (16 per warp) and sweeps key tiles of 64 from the left (or from the
+// first key the forward kept) to the diagonal: left to right is the order in which
+// stick-breaking's prefix sums of g accumulate. Per tile:
+//   S = Q K^T, dP = dO V^T                        matrix units, per warp
+//   P, dS = the mechanism's weights and logit gradients (scale folded into dS)
+//   dQ += dS K                                    registers, written once at the end
+//   dV_tile = P^T dO, dK_tile = dS^T Q            the block's 128 rows reduced through
+//                                                 shared memory, then added into fp32
+//                                                 accumulators: atomics, or in the
+//                                                 deterministic mode in a fixed block order
+// A mechanism is a backward Rows policy: constructed from the saved per-row statistics,
+// first_key(half, mask), grads(s, dp, mask).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/forward.cuh"
+
+namespace winnow::cuda {
+
+inline constexpr int kBackwardWarps = 8;
+inline constexpr int kBackwardBQ = 16 * kBackwardWarps;
+inline constexpr int kBackwardBK = 64;
+
+// fp32 accumulators of dk and dv, [key row][kv head][dim] with key row = b * len_k + key
+// (batched) or k_start + key (packed); semaphores for the deterministic order.
+struct KeyGradAccumulators {
+  float* dk = nullptr;
+  float* dv = nullptr;
+  int* order = nullptr;  // per (sequence, kv head, key tile): contributions so far
+  int key_tiles = 0;     // key tiles per sequence (of the longest)
+  bool deterministic = false;
+
+  __device__ __forceinline__ std::int64_t key_row(const AttentionParams& p, std::int64_t b,
+                                                  const SequenceExtent& s, std::int64_t key) const {
+    return p.cu_seqlens_k != nullptr ? s.k_start + key : b * p.len_k + key;
+  }
+};
+
+template <class T, int D>
+struct BackwardSmem {
+  static constexpr int kBQ = kBackwardBQ, kBK = kBackwardBK;
+  // Q, dO (BQ x D); K, V double-buffered (BK x D); P and dS (BQ x BK).
+  static constexpr int kBytes = (2 * kBQ * D + 4 * kBK * D + 2 * kBQ * kBK) * sizeof(T);
+};
+
+// Waits until it is this block's turn on a key tile's accumulators (deterministic mode).
+__device__ __forceinline__ void wait_turn(const int* counter, int rank) {
+  if (threadIdx.x == 0) {
+    int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+    } while (seen != rank);
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void pass_turn(int* counter) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(counter, 1);
+}
+
+template <class T, int D, class Rows, class Config>
+__global__ void __launch_bounds__(32 * kBackwardWarps, 1)
+    attention_backward_kernel(const AttentionParams p, const detail::GradientParams g,
+                              const Config cfg, const KeyGradAccumulators acc) {
+  constexpr int BQ = kBackwardBQ, BK = kBackwardBK, NT = BK / 8, DT = D / 8, KS = D / 16;
+  constexpr int kThreads = 32 * kBackwardWarps;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const tile::SmemTile<T, BQ, D> q_tile{smem}, do_tile{smem + BQ * D};
+  T* const k_base = smem + 2 * BQ * D;
+  T* const v_base = k_base + 2 * BK * D;
+  auto k_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{k_base + buf * BK * D}; };
+  auto v_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{v_base + buf * BK * D}; };
+  T* const kv_base = k_base;
+  const tile::SmemTile<T, BQ, BK> p_tile{kv_base + 4 * BK * D}, ds_tile{kv_base + 4 * BK * D + BQ * BK};
+  __shared__ int block_first_tile;
+
+  const QueryTile<BQ, BK> qt(p);
+  if (qt.empty()) return;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gq = lane / 4, tig = lane % 4;
+  const std::int64_t row0 = qt.r0 + 16 * warp + gq;
+
+  RowMask mask;
+  mask.limit[0] = qt.limit(p, row0);
+  mask.limit[1] = qt.limit(p, row0 + 8);
+  mask.tig = tig;
+  Rows rows(p, g, cfg, qt, row0, tig);
+  mask.first[0] = rows.first_key(0, mask);
+  mask.first[1] = rows.first_key(1, mask);
+
+  // The sweep starts at the key tile of the smallest first key of the block's rows.
+  if (tid == 0) block_first_tile = qt.key_tiles;
+  __syncthreads();
+  for (int half = 0; half < 2; ++half) {
+    if (mask.limit[half] >= 0) atomicMin(&block_first_tile, static_cast<int>(mask.first[half] / BK));
+  }
+  __syncthreads();
+  const int first_tile = block_first_tile;
+
+  auto load_kv = [&](int kt, int buf) {
+    const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
+    k_tile(buf).template load_async<kThreads>(tid, [&](int c) -> const T* {
+      const std::int64_t key = key0 + key_of_column<BK>(c);
+      return key < qt.s.k_len ? p.k.at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
+    });
+    v_tile(buf).template load_async<kThreads>(tid, [&](int c) -> const T* {
+      const std::int64_t key = key0 + key_of_column<BK>(c);
+      return key < qt.s.k_len ? p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
+    });
+  };
+  auto row_src = [&](const detail::Operand& op) {
+    return [&, op](int r) -> const T* {
+      const std::int64_t row = qt.r0 + r;
+      return row < qt.s.q_len ? op.at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
+    };
+  };
+  q_tile.template load_async<kThreads>(tid, row_src(p.q));
+  do_tile.template load_async<kThreads>(tid, row_src(g.dout));
+  if (first_tile < qt.key_tiles) load_kv(first_tile, 0);
+  tile::cp_async_commit();
+
+  // Deterministic mode: this block's rank among the blocks adding into a key tile, in launch
+  // order (query heads of the group ascending, then grid x ascending).
+  const int group_index = static_cast<int>(qt.h - qt.hk * p.group_size());
+  auto rank_and_counter = [&](int kt, int** counter) {
+    // Contributors to key tile kt: query tiles whose last row sees key kt * BK.
+    const std::int64_t q_tiles = (qt.s.q_len + BQ - 1) / BQ;
+    const std::int64_t need_row =
+        static_cast<std::int64_t>(kt) * BK - qt.s.q_offset() + (p.attend_current ? 0 : 1);
+    const std::int64_t first_q = need_row <= 0 ? 0 : (need_row + BQ) / BQ - 1;
+    const int contributors = static_cast<int>(q_tiles - first_q);
+    *counter = acc.order + (qt.b * p.heads_kv + qt.hk) * acc.key_tiles + kt;
+    return group_index * contributors + static_cast<int>(blockIdx.x);
+  };
+  if (acc.deterministic) {
+    // Tiles this block skips (left of its first kept key) still take their turn.
+    for (int kt = 0; kt < first_tile; ++kt) {
+      int* counter;
+      const int rank = rank_and_counter(kt, &counter);
+      wait_turn(counter, rank);
+      pass_turn(counter);
+    }
+  }
+
+  float dq[DT][4];
+  tile::zero(dq);
+
+  for (int kt = first_tile; kt < qt.key_tiles; ++kt) {
+    const int buf = (kt - first_tile) & 1;
+    if (kt + 1 < qt.key_tiles) {
+      load_kv(kt + 1, buf ^ 1);
+      tile::cp_async_commit();
+      tile::cp_async_wait<1>();
+    } else {
+      tile::cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    float s[NT][4], dp[NT][4];
+    tile::zero(s);
+    tile::zero(dp);
+    // Q and dO fragments come from shared memory at every tile: holding them in registers
+    // would spill.
+    tile::mma_smem_a_b_rows<T, KS>(s, q_tile, 16 * warp, k_tile(buf), 0, lane);
+    tile::mma_smem_a_b_rows<T, KS>(dp, do_tile, 16 * warp, v_tile(buf), 0, lane);
+    mask.key0 = static_cast<std::int64_t>(kt) * BK;
+    mask.active = qt.needs_mask(kt) || mask.key0 < mask.first[0] || mask.key0 < mask.first[1];
+    rows.grads(s, dp, mask);  // s <- P, dp <- dS (scaled)
+
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      p_tile.store_c(s[n], 16 * warp, 8 * n, lane);
+      ds_tile.store_c(dp[n], 16 * warp, 8 * n, lane);
+    }
+    std::uint32_t dsa[BK / 16][4];
+    tile::to_operand<T>(dp, dsa);
+    tile::mma_b_cols<T>(dq, dsa, k_tile(buf), 0, lane);
+    __syncthreads();
+
+    // dV and dK of this key tile: warp w owns keys 16 (w % 4) .. +15 and half the columns.
+    // One product at a time, so only one 16 x D/2 accumulator is live next to dq.
+    constexpr int HALF = D / 2, HT = HALF / 8;
+    const int m0 = 16 * (warp % 4), c0 = HALF * (warp / 4);
+    int* counter = nullptr;
+    if (acc.deterministic) {
+      const int rank = rank_and_counter(kt, &counter);
+      wait_turn(counter, rank);
+    }
+    auto reduce_into = [&](const tile::SmemTile<T, BQ, BK>& weights, const tile::SmemTile<T, BQ, D>& rows_tile,
+                           float* dst) {
+      float part[HT][4];
+      tile::zero(part);
+#pragma unroll
+      for (int ks = 0; ks < BQ / 16; ++ks) {
+        std::uint32_t a[4];
+        weights.a_cols(a, m0, 16 * ks, lane);
+#pragma unroll
+        for (int np = 0; np < HT / 2; ++np) {
+          std::uint32_t b[4];
+          rows_tile.b_cols(b, 16 * ks, c0 + 16 * np, lane);
+          tile::mma_16816<T>(part[2 * np], a, b[0], b[1]);
+          tile::mma_16816<T>(part[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const std::int64_t key = mask.key0 + key_of_column<BK>(m0 + gq + 8 * half);
+        if (key >= qt.s.k_len) continue;
+        float* row = dst + (acc.key_row(p, qt.b, qt.s, key) * p.heads_kv + qt.hk) * D + c0 + 2 * tig;
+#pragma unroll
+        for (int n = 0; n < HT; ++n) {
+          if (acc.deterministic) {
+            row[8 * n] += part[n][2 * half];
+            row[8 * n + 1] += part[n][2 * half + 1];
+          } else {
+            tile::red_add2(row + 8 * n, part[n][2 * half], part[n][2 * half + 1]);
+          }
+        }
+      }
+    };
+    reduce_into(p_tile, do_tile, acc.dv);
+    reduce_into(ds_tile, q_tile, acc.dk);
+    if (acc.deterministic) pass_turn(counter);
+    __syncthreads();
+  }
+  tile::cp_async_wait<0>();
+
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t row = row0 + 8 * half;
+    if (row >= qt.s.q_len) continue;
+    T* out = g.dq.at<T>(qt.b, qt.s.q_start + row, qt.h);
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
+          tile::pack2<T>(dq[n][2 * half], dq[n][2 * half + 1]);
+    }
+  }
+}
+
+}  // namespace winnow::cuda

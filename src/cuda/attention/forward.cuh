@@ -1,0 +1,140 @@
+// The fused forward kernel shared by every mechanism that weighs keys row by row: one block
+// of 8 warps owns 128 query rows (16 per warp) of one head; it sweeps key tiles of 64 from
+// the diagonal leftwards, double-buffering K and V through shared memory with cp.async, and
+// per tile computes S = Q K^T on the matrix units, lets the mechanism turn S into weights P
+// (rescaling the running output where it must), and adds P V.
+//
+// A mechanism is a Rows policy holding its per-row running state in registers:
+//   init(), weights(s, o, mask), halted(), finish(o, stat[2]).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/geometry.cuh"
+#include "cuda/tile/fragment.cuh"
+#include "cuda/tile/rows.cuh"
+#include "cuda/tile/smem_tile.cuh"
+
+namespace winnow::cuda {
+
+inline constexpr int kForwardWarps = 8;
+inline constexpr int kForwardBQ = 16 * kForwardWarps;
+inline constexpr int kForwardBK = 64;
+
+// Visibility of one thread's two rows (g and g + 8 of its warp's 16) in the current key tile.
+struct RowMask {
+  std::int64_t limit[2];          // last visible key of each row (-1: none)
+  std::int64_t first[2] = {0, 0};  // first visible key (> 0 where early halting dropped keys)
+  std::int64_t key0;               // first key of the tile
+  bool active;                     // false: every key of the tile is visible to every row
+  int tig;
+
+  template <int BK>
+  __device__ __forceinline__ bool visible(int half, int n, int e) const {
+    const std::int64_t key = key0 + key_of<BK>(tig, n, e);
+    return !active || (key >= first[half] && key <= limit[half]);
+  }
+};
+
+template <class T, int D>
+struct ForwardSmem {
+  static constexpr int kBytes = (kForwardBQ * D + 4 * kForwardBK * D) * sizeof(T);
+};
+
+template <class T, int D, class Rows, class Config>
+__global__ void __launch_bounds__(32 * kForwardWarps, 1)
+    attention_forward_kernel(const AttentionParams p, const Config cfg) {
+  constexpr int BQ = kForwardBQ, BK = kForwardBK, NT = BK / 8, DT = D / 8, KS = D / 16;
+  constexpr int kThreads = 32 * kForwardWarps;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const tile::SmemTile<T, BQ, D> q_tile{smem};
+  // Buffer b of K is at k_base + b * BK * D, of V at v_base + b * BK * D (pointer arithmetic
+  // rather than an array of tiles, which would be indexed at run time from local memory).
+  T* const k_base = smem + BQ * D;
+  T* const v_base = k_base + 2 * BK * D;
+  auto k_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{k_base + buf * BK * D}; };
+  auto v_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{v_base + buf * BK * D}; };
+
+  const QueryTile<BQ, BK> qt(p);
+  if (qt.empty()) return;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
+  const std::int64_t row0 = qt.r0 + 16 * warp + g;  // this thread's rows: row0, row0 + 8
+
+  auto load_kv = [&](int kt, int buf) {
+    const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
+    k_tile(buf).template load_async<kThreads>(tid, [&](int c) -> const T* {
+      const std::int64_t key = key0 + key_of_column<BK>(c);
+      return key < qt.s.k_len ? p.k.at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
+    });
+    v_tile(buf).template load_async<kThreads>(tid, [&](int c) -> const T* {
+      const std::int64_t key = key0 + key_of_column<BK>(c);
+      return key < qt.s.k_len ? p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
+    });
+  };
+
+  q_tile.template load_async<kThreads>(tid, [&](int r) -> const T* {
+    const std::int64_t row = qt.r0 + r;
+    return row < qt.s.q_len ? p.q.at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
+  });
+  if (qt.key_tiles > 0) load_kv(qt.key_tiles - 1, 0);
+  tile::cp_async_commit();
+
+  RowMask mask;
+  mask.limit[0] = qt.limit(p, row0);
+  mask.limit[1] = qt.limit(p, row0 + 8);
+  mask.tig = tig;
+
+  Rows rows(p, cfg);
+  float o[DT][4];
+  tile::zero(o);
+  std::uint32_t qa[KS][4];
+  int kept_from_tile = 0;
+
+  for (int i = 0; i < qt.key_tiles; ++i) {
+    const int kt = qt.key_tiles - 1 - i, buf = i & 1;
+    if (i + 1 < qt.key_tiles) {
+      load_kv(kt - 1, buf ^ 1);
+      tile::cp_async_commit();
+      tile::cp_async_wait<1>();
+    } else {
+      tile::cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (i == 0) tile::load_rows_operand(qa, q_tile, 16 * warp, lane);
+
+    float s[NT][4];
+    tile::zero(s);
+    tile::mma_b_rows<T>(s, qa, k_tile(buf), 0, lane);
+    mask.key0 = static_cast<std::int64_t>(kt) * BK;
+    mask.active = qt.needs_mask(kt);
+    rows.weights(s, o, mask);
+    std::uint32_t pa[BK / 16][4];
+    tile::to_operand<T>(s, pa);
+    tile::mma_b_cols<T>(o, pa, v_tile(buf), 0, lane);
+    kept_from_tile = kt;
+    if (Rows::kCanHalt && rows.can_halt() && __syncthreads_and(rows.halted(mask))) break;
+    __syncthreads();
+  }
+  tile::cp_async_wait<0>();  // a halted sweep may leave a prefetch in flight
+
+  float stat[2];
+  rows.finish(o, stat);
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t row = row0 + 8 * half;
+    if (row >= qt.s.q_len) continue;
+    T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
+          tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+    }
+    if (tig == 0) {
+      *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
+      rows.store_extra(p, cfg, qt.b, qt.s.q_start + row, qt.h,
+                       static_cast<std::int64_t>(kept_from_tile) * BK);
+    }
+  }
+}
+
+}  // namespace winnow::cuda

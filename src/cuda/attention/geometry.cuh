@@ -1,0 +1,66 @@
+// Where a thread block's tiles sit in a sequence, and which (row, key) pairs are visible.
+//
+// Key tiles are stored in shared memory in a permuted row order: score column c (accumulator
+// order: n-tile n = c / 8, thread tig = (c / 2) % 4, element e = c % 2) holds key
+// tig * (BK / 4) + 2n + e of the tile. Each thread then owns BK / 4 consecutive keys of each
+// of its rows, so scans along the keys (stick-breaking's suffix sums) run inside a thread and
+// finish with one quad-level scan. The value tile uses the same order, so P V is unchanged.
+#pragma once
+
+#include <cstdint>
+
+#include "core/params.h"
+
+namespace winnow::cuda {
+
+using detail::AttentionParams;
+using detail::SequenceExtent;
+
+template <int BK>
+__device__ __forceinline__ int key_of_column(int c) {
+  return ((c >> 1) & 3) * (BK / 4) + 2 * (c >> 3) + (c & 1);
+}
+// The key a thread holds for n-tile n, element e.
+template <int BK>
+__device__ __forceinline__ int key_of(int tig, int n, int e) {
+  return tig * (BK / 4) + 2 * n + e;
+}
+
+// One block's query tile: rows [r0, r0 + BQ) of sequence b, query head h.
+template <int BQ, int BK>
+struct QueryTile {
+  std::int64_t b, h, hk, r0;
+  SequenceExtent s;
+  std::int64_t first_limit;  // last key visible to row r0 (clamped to the sequence)
+  int key_tiles;             // key tiles 0 .. key_tiles - 1 hold every visible key
+
+  // Grid: x = query tile, heaviest (rightmost) first; y = query head; z = sequence.
+  __device__ __forceinline__ QueryTile(const AttentionParams& p) {
+    b = blockIdx.z;
+    h = blockIdx.y;
+    hk = p.kv_head(h);
+    s = p.sequence(b);
+    const std::int64_t tiles = (s.q_len + BQ - 1) / BQ;
+    r0 = (tiles - 1 - static_cast<std::int64_t>(blockIdx.x)) * BQ;
+    first_limit = limit(p, r0);
+    const std::int64_t last_row = (r0 + BQ < s.q_len ? r0 + BQ : s.q_len) - 1;
+    const std::int64_t last_key = limit(p, last_row);
+    key_tiles = last_key < 0 ? 0 : static_cast<int>(last_key / BK + 1);
+  }
+  // Blocks past the sequence's last query tile have nothing to do.
+  __device__ __forceinline__ bool empty() const { return r0 < 0 || r0 >= s.q_len; }
+
+  // Last key visible to local row r (-1: none, or r is past the sequence).
+  __device__ __forceinline__ std::int64_t limit(const AttentionParams& p, std::int64_t r) const {
+    if (r < 0 || r >= s.q_len) return -1;
+    const std::int64_t last = p.last_visible_key(r + s.q_offset());
+    return last < s.k_len - 1 ? last : s.k_len - 1;
+  }
+  // Whether some row of the tile misses some key of key tile kt (rows past the sequence see
+  // none).
+  __device__ __forceinline__ bool needs_mask(int kt) const {
+    return static_cast<std::int64_t>(kt + 1) * BK - 1 > first_limit || r0 + BQ > s.q_len;
+  }
+};
+
+}  // namespace winnow::cuda

@@ -1,0 +1,261 @@
+// The simple CUDA path: every dtype (float32 included, computed in fp32), any head
+// dimensions, any strides. Straightforward rather than fast: the forward gives each query
+// row a warp that walks its keys in chunks of 32 (one per lane); the backward gives each
+// (sequence, kv head) one block that walks the query rows in order, so its dk / dv updates
+// need no atomics and are always deterministic. Both use the spec's natural-log formulas from
+// src/math, so they double as a second GPU implementation to check the fused kernels with.
+//
+// Early halting is decided per row at key-tile boundaries of 64 keys, like the other paths.
+#pragma once
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cstdint>
+
+#include "core/params.h"
+#include "math/elementwise.h"
+#include "math/softmax.h"
+#include "math/stick_breaking.h"
+
+namespace winnow::cuda::simple {
+
+using detail::AttentionParams;
+using detail::GradientParams;
+using detail::SequenceExtent;
+
+inline constexpr int kHaltTile = 64;
+inline constexpr int kRowsPerBlock = 4;  // forward: one warp per query row
+inline constexpr int kBackwardThreads = 256;
+
+template <class T>
+__device__ __forceinline__ float load(const T* p) {
+  return static_cast<float>(*p);
+}
+template <>
+__device__ __forceinline__ float load<__nv_bfloat16>(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+template <>
+__device__ __forceinline__ float load<__half>(const __half* p) {
+  return __half2float(*p);
+}
+template <class T>
+__device__ __forceinline__ T from_float(float x) {
+  return static_cast<T>(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+__device__ __forceinline__ std::int64_t row_limit(const AttentionParams& p, const SequenceExtent& s,
+                                                  std::int64_t r) {
+  const std::int64_t last = p.last_visible_key(r + s.q_offset());
+  return last < s.k_len - 1 ? last : s.k_len - 1;
+}
+
+template <class T>
+__device__ __forceinline__ float dot_row(const float* x, const T* y, std::int64_t stride, int n) {
+  float acc = 0.f;
+  for (int d = 0; d < n; ++d) acc += x[d] * load(y + d * stride);
+  return acc;
+}
+
+// Forward. StickBreaking selects the mechanism; stats gets lse or log_rem.
+template <class T, bool StickBreaking>
+__global__ void forward_kernel(const AttentionParams p, float halt_cutoff, detail::Operand kept_from) {
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* q = smem + warp * (p.dim_qk + p.dim_v);
+  float* o = q + p.dim_qk;
+  const std::int64_t b = blockIdx.z, h = blockIdx.y, hk = p.kv_head(h);
+  const SequenceExtent s = p.sequence(b);
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock + warp;
+  if (r >= s.q_len) return;
+  const std::int64_t row = s.q_start + r;
+  const T* q_src = p.q.at<const T>(b, row, h);
+  for (int d = lane; d < p.dim_qk; d += 32) q[d] = load(q_src + d * p.q.dim) * static_cast<float>(p.scale);
+  for (int d = lane; d < p.dim_v; d += 32) o[d] = 0.f;
+  __syncwarp();
+
+  const std::int64_t limit = row_limit(p, s, r);
+  float carry = 0.f;                            // stick-breaking: log stick right of the keys seen
+  float run_max = -INFINITY, run_sum = 0.f;     // softmax
+  std::int64_t kept = 0;
+  for (std::int64_t tile_hi = limit; tile_hi >= 0;) {
+    const std::int64_t tile_lo = tile_hi / kHaltTile * kHaltTile;
+    for (std::int64_t hi = tile_hi; hi >= tile_lo; hi -= 32) {
+      const std::int64_t key = hi - lane;  // lane 0 holds the most recent key of the chunk
+      const bool visible = key >= tile_lo;
+      float z = visible ? dot_row(q, p.k.at<const T>(b, s.k_start + key, hk), p.k.dim, p.dim_qk) : 0.f;
+      float w;
+      if constexpr (StickBreaking) {
+        namespace sb = math::stick_breaking;
+        float suffix = visible ? sb::stick_cost(z) : 0.f;
+        for (int off = 1; off < 32; off *= 2) {
+          const float t = __shfl_up_sync(0xffffffffu, suffix, off);
+          if (lane >= off) suffix += t;
+        }
+        w = visible ? expf(sb::log_weight(z, suffix, carry)) : 0.f;
+        carry -= __shfl_sync(0xffffffffu, suffix, 31);
+      } else {
+        float chunk_max = visible ? z : -INFINITY;
+        for (int off = 16; off > 0; off /= 2) chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, off));
+        const float new_max = fmaxf(run_max, chunk_max);
+        const float rescale = run_max == -INFINITY ? 0.f : expf(run_max - new_max);
+        w = visible ? math::softmax::probability(z, new_max) : 0.f;
+        float chunk_sum = w;
+        for (int off = 16; off > 0; off /= 2) chunk_sum += __shfl_xor_sync(0xffffffffu, chunk_sum, off);
+        run_sum = run_sum * rescale + chunk_sum;
+        for (int d = lane; d < p.dim_v; d += 32) o[d] *= rescale;
+        run_max = new_max;
+      }
+      __syncwarp();
+      for (int j = 0; j < 32; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w, j);
+        const std::int64_t kj = hi - j;
+        if (kj < tile_lo || wj == 0.f) continue;
+        const T* v = p.v.at<const T>(b, s.k_start + kj, hk);
+        for (int d = lane; d < p.dim_v; d += 32) o[d] += wj * load(v + d * p.v.dim);
+      }
+      __syncwarp();
+    }
+    tile_hi = tile_lo - 1;
+    if (StickBreaking && halt_cutoff > 0.f && carry < -halt_cutoff) {
+      kept = tile_lo;
+      break;
+    }
+  }
+  float scale_out = 1.f, stat = carry;
+  if constexpr (!StickBreaking) {
+    scale_out = run_sum > 0.f ? 1.f / run_sum : 0.f;
+    stat = run_sum > 0.f ? run_max + logf(run_sum) : -INFINITY;
+  }
+  T* out = p.out.at<T>(b, row, h);
+  for (int d = lane; d < p.dim_v; d += 32) out[d * p.out.dim] = from_float<T>(o[d] * scale_out);
+  if (lane == 0) {
+    *p.stats.at<float>(b, row, h) = stat;
+    if (StickBreaking && kept_from.data != nullptr) *kept_from.at<std::int32_t>(b, row, h) = static_cast<std::int32_t>(kept);
+  }
+}
+
+// Backward: one block per (sequence, kv head); query heads of the group and their rows in
+// order. Stick-breaking sweeps each row's keys right to left twice: first for the row total
+// G = sum_i g_ij, then for the gradients with prefix sums taken as G minus the suffix so far.
+template <class T, bool StickBreaking>
+__global__ void __launch_bounds__(kBackwardThreads)
+    backward_kernel(const AttentionParams p, const GradientParams g, float halt_cutoff,
+                    detail::Operand kept_from, float* dk_acc, float* dv_acc) {
+  using Scan = cub::BlockScan<float, kBackwardThreads>;
+  using Reduce = cub::BlockReduce<float, kBackwardThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ typename Reduce::TempStorage reduce_storage;
+  __shared__ float broadcast;
+  extern __shared__ float smem[];
+  float* q = smem;                 // dim_qk, unscaled
+  float* dout = q + p.dim_qk;      // dim_v
+  float* dz_of = dout + p.dim_v;   // kBackwardThreads: scaled dz of each thread's key
+  float* dq = dz_of + kBackwardThreads;  // dim_qk accumulator of the current row
+  const int t = threadIdx.x;
+  const std::int64_t b = blockIdx.y, hk = blockIdx.x;
+  const SequenceExtent s = p.sequence(b);
+  const float scale = static_cast<float>(p.scale);
+  auto key_row = [&](std::int64_t key) {
+    return p.cu_seqlens_k != nullptr ? s.k_start + key : b * p.len_k + key;
+  };
+  auto block_sum = [&](float x) {
+    const float total = Reduce(reduce_storage).Sum(x);
+    if (t == 0) broadcast = total;
+    __syncthreads();
+    const float result = broadcast;
+    __syncthreads();
+    return result;
+  };
+
+  for (std::int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
+    for (std::int64_t r = 0; r < s.q_len; ++r) {
+      const std::int64_t row = s.q_start + r;
+      for (int d = t; d < p.dim_qk; d += kBackwardThreads) {
+        q[d] = load(p.q.at<const T>(b, row, h) + d * p.q.dim);
+        dq[d] = 0.f;
+      }
+      for (int d = t; d < p.dim_v; d += kBackwardThreads) dout[d] = load(g.dout.at<const T>(b, row, h) + d * g.dout.dim);
+      __syncthreads();
+      const float stat = *p.stats.at<const float>(b, row, h);
+      const float dlog_rem = g.dstats.data != nullptr ? *g.dstats.at<const float>(b, row, h) : 0.f;
+      const std::int64_t first = StickBreaking && halt_cutoff > 0.f && kept_from.data != nullptr
+                                     ? *kept_from.at<const std::int32_t>(b, row, h)
+                                     : 0;
+      const std::int64_t limit = row_limit(p, s, r);
+      float delta = 0.f;  // softmax: <do, o>
+      if constexpr (!StickBreaking) {
+        float part = 0.f;
+        for (int d = t; d < p.dim_v; d += kBackwardThreads) part += dout[d] * load(p.out.at<const T>(b, row, h) + d * p.out.dim);
+        delta = block_sum(part);
+      }
+      float total_g = 0.f;
+      for (int pass = StickBreaking ? 0 : 1; pass < 2; ++pass) {
+        float carry = 0.f, suffix_g = 0.f;
+        for (std::int64_t hi = limit; hi >= first; hi -= kBackwardThreads) {
+          const std::int64_t key = hi - t;  // thread 0 holds the most recent key of the chunk
+          const bool visible = key >= first;
+          const T* k = visible ? p.k.at<const T>(b, s.k_start + key, hk) : nullptr;
+          const T* v = visible ? p.v.at<const T>(b, s.k_start + key, hk) : nullptr;
+          const float z = visible ? scale * dot_row(q, k, p.k.dim, p.dim_qk) : 0.f;
+          const float dp = visible ? dot_row(dout, v, p.v.dim, p.dim_v) : 0.f;
+          float w = 0.f, dz = 0.f;
+          if constexpr (StickBreaking) {
+            namespace sb = math::stick_breaking;
+            float suffix, cost_total;
+            Scan(scan_storage).InclusiveSum(visible ? sb::stick_cost(z) : 0.f, suffix, cost_total);
+            __syncthreads();
+            w = visible ? expf(sb::log_weight(z, suffix, carry)) : 0.f;
+            carry -= cost_total;
+            const float gk = w * dp;
+            if (pass == 0) {
+              total_g += block_sum(gk);
+              continue;
+            }
+            float g_incl, g_chunk;
+            Scan(scan_storage).InclusiveSum(gk, g_incl, g_chunk);
+            __syncthreads();
+            // sum_{i' <= i} g = G - sum_{i' > i} g
+            const float prefix = total_g - (suffix_g + g_incl - gk);
+            dz = visible ? sb::grad_logit(gk, z, prefix + dlog_rem) : 0.f;
+            suffix_g += g_chunk;
+          } else {
+            w = visible ? math::softmax::probability(z, stat) : 0.f;
+            dz = visible ? math::softmax::grad_logit(w, dp, delta) : 0.f;
+          }
+          dz_of[t] = scale * dz;
+          if (visible) {
+            float* dk_row = dk_acc + (key_row(key) * p.heads_kv + hk) * p.dim_qk;
+            float* dv_row = dv_acc + (key_row(key) * p.heads_kv + hk) * p.dim_v;
+            for (int d = 0; d < p.dim_qk; ++d) dk_row[d] += scale * dz * q[d];
+            for (int d = 0; d < p.dim_v; ++d) dv_row[d] += w * dout[d];
+          }
+          __syncthreads();
+          // dq += sum over the chunk's keys of dz k, one feature per thread, keys in order.
+          for (int d = t; d < p.dim_qk; d += kBackwardThreads) {
+            float acc = dq[d];
+            for (int j = 0; j < kBackwardThreads && hi - j >= first; ++j) {
+              acc += dz_of[j] * load(p.k.at<const T>(b, s.k_start + hi - j, hk) + d * p.k.dim);
+            }
+            dq[d] = acc;
+          }
+          __syncthreads();
+        }
+      }
+      for (int d = t; d < p.dim_qk; d += kBackwardThreads) {
+        *(g.dq.at<T>(b, row, h) + d * g.dq.dim) = from_float<T>(dq[d]);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+}  // namespace winnow::cuda::simple

@@ -1,0 +1,196 @@
+// Stick-breaking as a row policy of the fused forward kernel (spec/stick-breaking.md), in
+// log2 units. Per tile: cost = log2(1 + 2^z) of every visible key, an inclusive suffix sum of
+// the costs along the keys (thread-local over the thread's consecutive keys, then one quad
+// scan), log2 A = z - suffix + carry, and carry -= the tile's cost. The carry is the log2 of
+// the stick left to the right of the tile; at the end it is log2 rem.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/attention/backward.cuh"
+#include "cuda/attention/forward.cuh"
+#include "math/stick_breaking.h"
+
+namespace winnow::cuda {
+
+struct StickBreakingCudaConfig {
+  float halt_cutoff = 0.f;    // natural-log units; 0: never halt
+  detail::Operand kept_from;  // int32 per row; written by the forward when data != nullptr
+};
+
+struct StickBreakingRows {
+  static constexpr bool kCanHalt = true;
+  float scale_log2, cutoff_log2;
+  float carry[2];
+
+  __device__ __forceinline__ StickBreakingRows(const AttentionParams& p,
+                                               const StickBreakingCudaConfig& cfg)
+      : scale_log2(static_cast<float>(p.scale * M_LOG2E)),
+        cutoff_log2(cfg.halt_cutoff * static_cast<float>(M_LOG2E)) {
+    carry[0] = carry[1] = 0.f;
+  }
+
+  template <int NT, int DT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], float (&)[DT][4], const RowMask& mask) {
+    namespace sb = math::stick_breaking;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float cost[NT][2];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& z = s[n][2 * half + e];
+          z *= scale_log2;
+          cost[n][e] = mask.visible<8 * NT>(half, n, e)
+                           ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
+                           : 0.f;
+        }
+      }
+      // Keys of this thread ascend with (n, e): scan from the last one down.
+      float suffix = 0.f;
+#pragma unroll
+      for (int n = NT - 1; n >= 0; --n) {
+#pragma unroll
+        for (int e = 1; e >= 0; --e) {
+          suffix += cost[n][e];
+          cost[n][e] = suffix;
+        }
+      }
+      const tile::QuadScan quad = tile::quad_scan(suffix, mask.tig);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& z = s[n][2 * half + e];
+          const float log2_w = sb::log_weight(z, cost[n][e] + quad.after, carry[half]);
+          z = mask.visible<8 * NT>(half, n, e) ? tile::exp2_fast(log2_w) : 0.f;
+        }
+      }
+      carry[half] -= quad.total;
+    }
+  }
+
+  __device__ __forceinline__ bool can_halt() const { return cutoff_log2 > 0.f; }
+  __device__ __forceinline__ bool halted(const RowMask& mask) const {
+    return (mask.limit[0] < 0 || carry[0] < -cutoff_log2) &&
+           (mask.limit[1] < 0 || carry[1] < -cutoff_log2);
+  }
+
+  template <int DT>
+  __device__ __forceinline__ void finish(float (&)[DT][4], float (&stat)[2]) const {
+    stat[0] = carry[0] * static_cast<float>(M_LN2);
+    stat[1] = carry[1] * static_cast<float>(M_LN2);
+  }
+
+  __device__ __forceinline__ void store_extra(const AttentionParams&,
+                                              const StickBreakingCudaConfig& cfg, std::int64_t b,
+                                              std::int64_t row, std::int64_t h,
+                                              std::int64_t kept_from) const {
+    if (cfg.kept_from.data != nullptr) {
+      *cfg.kept_from.at<std::int32_t>(b, row, h) = static_cast<std::int32_t>(kept_from);
+    }
+  }
+};
+
+// The backward rows, sweeping key tiles left to right. Per row: a = log2 of the stick left to
+// the right of the tiles visited so far, starting from log2 rem (the forward's statistic) and
+// growing by each tile's cost; b = the sum of g_ij = A_ij dP_ij over the keys visited so far.
+// In a tile: log2 A = z - (in-tile suffix cost) + (a + tile cost); the inclusive prefix of g
+// is thread-local over the thread's keys, plus the quad scan, plus b; and
+// dS = scale * (g - sigmoid(z) (prefix + dlog_rem)), sigmoid(z) = exp2(z - cost).
+template <class T>
+struct StickBreakingBackwardRows {
+  float scale_log2, scale;
+  float stick[2], g_sum[2], dlog_rem[2];
+  std::int64_t kept_from[2];
+  int tig;
+
+  template <class Tile>
+  __device__ __forceinline__ StickBreakingBackwardRows(const AttentionParams& p,
+                                                       const detail::GradientParams& g,
+                                                       const StickBreakingCudaConfig& cfg,
+                                                       const Tile& qt, std::int64_t row0, int tig_)
+      : scale_log2(static_cast<float>(p.scale * M_LOG2E)), scale(static_cast<float>(p.scale)), tig(tig_) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      stick[half] = g_sum[half] = dlog_rem[half] = 0.f;
+      kept_from[half] = 0;
+      if (row >= qt.s.q_len) continue;
+      const std::int64_t abs_row = qt.s.q_start + row;
+      stick[half] = *p.stats.at<const float>(qt.b, abs_row, qt.h) * static_cast<float>(M_LOG2E);
+      if (g.dstats.data != nullptr) dlog_rem[half] = *g.dstats.at<const float>(qt.b, abs_row, qt.h);
+      if (cfg.halt_cutoff > 0.f && cfg.kept_from.data != nullptr) {
+        kept_from[half] = *cfg.kept_from.at<const std::int32_t>(qt.b, abs_row, qt.h);
+      }
+    }
+  }
+
+  __device__ __forceinline__ std::int64_t first_key(int half, const RowMask&) const {
+    return kept_from[half];
+  }
+
+  template <int NT>
+  __device__ __forceinline__ void grads(float (&s)[NT][4], float (&dp)[NT][4], const RowMask& mask) {
+    namespace sb = math::stick_breaking;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float cost[NT][2], sigmoid[NT][2], suffix_cost = 0.f;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& z = s[n][2 * half + e];
+          z *= scale_log2;
+          const float c = mask.visible<8 * NT>(half, n, e)
+                              ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
+                              : 0.f;
+          sigmoid[n][e] = tile::exp2_fast(z - c);
+          cost[n][e] = c;
+        }
+      }
+#pragma unroll
+      for (int n = NT - 1; n >= 0; --n) {
+#pragma unroll
+        for (int e = 1; e >= 0; --e) {
+          suffix_cost += cost[n][e];
+          cost[n][e] = suffix_cost;  // now the thread-local inclusive suffix
+        }
+      }
+      const tile::QuadScan costs = tile::quad_scan(suffix_cost, tig);
+      const float stick_right = stick[half] + costs.total;
+      float prefix_g = 0.f;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 2 * half + e;
+          const float w = mask.visible<8 * NT>(half, n, e)
+                              ? tile::exp2_fast(sb::log_weight(s[n][i], cost[n][e] + costs.after, stick_right))
+                              : 0.f;
+          s[n][i] = w;
+          dp[n][i] *= w;  // g
+          prefix_g += dp[n][i];
+          cost[n][e] = prefix_g;  // now the thread-local inclusive prefix of g
+        }
+      }
+      const tile::QuadScan gs = tile::quad_scan(prefix_g, tig);
+      const float carried = g_sum[half] + gs.before + dlog_rem[half];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 2 * half + e;
+          dp[n][i] = mask.visible<8 * NT>(half, n, e)
+                         ? scale * sb::grad_logit_given_sigmoid(dp[n][i], sigmoid[n][e], cost[n][e] + carried)
+                         : 0.f;
+        }
+      }
+      stick[half] = stick_right;
+      g_sum[half] += gs.total;
+    }
+  }
+};
+
+}  // namespace winnow::cuda

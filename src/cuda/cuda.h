@@ -1,0 +1,17 @@
+// Fused CUDA kernels (bf16 / fp16 with fp32 accumulation, head dimensions 64 and 128, any
+// layout with 16-byte aligned rows) and a simple path for everything else (float32 inputs,
+// other head dimensions, unaligned strides).
+#pragma once
+
+#include "core/params.h"
+
+namespace winnow::cuda {
+
+void softmax_forward(const detail::AttentionParams& p);
+void softmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g);
+
+void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig& cfg);
+void stick_breaking_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                             const detail::StickBreakingConfig& cfg);
+
+}  // namespace winnow::cuda

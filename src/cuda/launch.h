@@ -1,0 +1,68 @@
+// Host-side helpers of the CUDA launchers: error checks that become winnow::Error, temporary
+// device buffers from the caller's allocator, and the test that decides between the fused
+// kernels and the simple path.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+#include "core/params.h"
+#include "winnow/error.h"
+
+namespace winnow::cuda {
+
+inline void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw Error(ErrorKind::runtime,
+                std::string("winnow: ") + what + ": " + cudaGetErrorString(status));
+  }
+}
+inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+inline cudaStream_t stream_of(const detail::AttentionParams& p) {
+  return static_cast<cudaStream_t>(p.cuda_stream);
+}
+
+// A temporary device buffer, from the caller's allocator or stream-ordered cudaMallocAsync.
+class DeviceBuffer {
+ public:
+  DeviceBuffer(const detail::AttentionParams& p, std::size_t bytes) : p_(p) {
+    if (bytes == 0) return;
+    if (p.allocator != nullptr) {
+      data_ = p.allocator->allocate(bytes);
+      if (data_ == nullptr) throw Error(ErrorKind::runtime, "winnow: device allocation failed");
+    } else {
+      check(cudaMallocAsync(&data_, bytes, stream_of(p)), "allocating a temporary buffer");
+    }
+  }
+  ~DeviceBuffer() {
+    if (data_ == nullptr) return;
+    if (p_.allocator != nullptr) {
+      p_.allocator->deallocate(data_);
+    } else {
+      cudaFreeAsync(data_, stream_of(p_));
+    }
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  const detail::AttentionParams& p_;
+  void* data_ = nullptr;
+};
+
+// Whether the fused kernels take this call: 16-bit inputs, head dimension 64 or 128 for both
+// keys and values, and every row 16-byte aligned with unit stride along the head dimension.
+bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g);
+
+// dk / dv from the fp32 accumulators [key row][kv head][dim] into the caller's tensors.
+void store_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g,
+                     const float* dk, const float* dv);
+
+}  // namespace winnow::cuda

@@ -1,0 +1,112 @@
+// Launchers shared by the mechanisms: the fused forward and backward kernels and the simple
+// path, instantiated for the short list of (dtype, head dimension) pairs each supports.
+#pragma once
+
+#include <algorithm>
+
+#include "cuda/attention/backward.cuh"
+#include "cuda/attention/forward.cuh"
+#include "cuda/attention/simple.cuh"
+#include "cuda/launch.h"
+
+namespace winnow::cuda {
+
+template <class Kernel>
+void allow_shared_memory(Kernel kernel, int bytes) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        "raising a kernel's shared-memory limit");
+}
+
+template <class T, int D, class Rows, class Config>
+void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg) {
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + kForwardBQ - 1) / kForwardBQ),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.z == 0) return;
+  auto kernel = attention_forward_kernel<T, D, Rows, Config>;
+  const int smem = ForwardSmem<T, D>::kBytes;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, 32 * kForwardWarps, smem, stream_of(p)>>>(p, cfg);
+  check_launch("attention_forward_kernel");
+}
+
+template <class T, int D, class Rows, class Config>
+void launch_fused_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                           const Config& cfg) {
+  KeyGradAccumulators acc;
+  acc.deterministic = p.deterministic;
+  acc.key_tiles = static_cast<int>((p.max_len_k + kBackwardBK - 1) / kBackwardBK);
+  const std::size_t grads = static_cast<std::size_t>(p.rows_k * p.heads_kv * D);
+  const std::size_t order = p.deterministic ? static_cast<std::size_t>(p.num_seqs * p.heads_kv * acc.key_tiles) : 0;
+  const std::size_t bytes = (2 * grads + order) * sizeof(float);
+  DeviceBuffer buffer(p, bytes);
+  if (bytes > 0) check(cudaMemsetAsync(buffer.as<void>(), 0, bytes, stream_of(p)), "clearing accumulators");
+  acc.dk = buffer.as<float>();
+  acc.dv = acc.dk + grads;
+  acc.order = reinterpret_cast<int*>(acc.dv + grads);
+
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + kBackwardBQ - 1) / kBackwardBQ),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  if (grid.x > 0 && grid.z > 0) {
+    auto kernel = attention_backward_kernel<T, D, Rows, Config>;
+    const int smem = BackwardSmem<T, D>::kBytes;
+    allow_shared_memory(kernel, smem);
+    kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc);
+    check_launch("attention_backward_kernel");
+  }
+  store_key_grads(p, g, acc.dk, acc.dv);
+}
+
+template <class T, bool StickBreaking>
+void launch_simple_forward(const detail::AttentionParams& p, float halt_cutoff,
+                           const detail::Operand& kept_from) {
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + simple::kRowsPerBlock - 1) / simple::kRowsPerBlock),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.z == 0) return;
+  const int smem = static_cast<int>(simple::kRowsPerBlock * (p.dim_qk + p.dim_v) * sizeof(float));
+  auto kernel = simple::forward_kernel<T, StickBreaking>;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, 32 * simple::kRowsPerBlock, smem, stream_of(p)>>>(p, halt_cutoff, kept_from);
+  check_launch("simple::forward_kernel");
+}
+
+template <class T, bool StickBreaking>
+void launch_simple_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                            float halt_cutoff, const detail::Operand& kept_from) {
+  const std::size_t dk = static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_qk);
+  const std::size_t dv = static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_v);
+  DeviceBuffer buffer(p, (dk + dv) * sizeof(float));
+  if (dk + dv > 0) check(cudaMemsetAsync(buffer.as<void>(), 0, (dk + dv) * sizeof(float), stream_of(p)), "clearing accumulators");
+  const dim3 grid(static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.num_seqs));
+  if (grid.x > 0 && grid.y > 0) {
+    const int smem = static_cast<int>((2 * p.dim_qk + p.dim_v + simple::kBackwardThreads) * sizeof(float));
+    auto kernel = simple::backward_kernel<T, StickBreaking>;
+    allow_shared_memory(kernel, smem);
+    kernel<<<grid, simple::kBackwardThreads, smem, stream_of(p)>>>(p, g, halt_cutoff, kept_from,
+                                                                   buffer.as<float>(), buffer.as<float>() + dk);
+    check_launch("simple::backward_kernel");
+  }
+  store_key_grads(p, g, buffer.as<float>(), buffer.as<float>() + dk);
+}
+
+// Calls fn.template operator()<T, D>() for the fused path's (dtype, head dimension).
+template <class Fn>
+void dispatch_fused(const detail::AttentionParams& p, Fn&& fn) {
+  const bool bf16 = p.dtype == DType::bfloat16;
+  if (p.dim_qk == 64) {
+    bf16 ? fn.template operator()<__nv_bfloat16, 64>() : fn.template operator()<__half, 64>();
+  } else {
+    bf16 ? fn.template operator()<__nv_bfloat16, 128>() : fn.template operator()<__half, 128>();
+  }
+}
+
+template <class Fn>
+void dispatch_simple(const detail::AttentionParams& p, Fn&& fn) {
+  switch (p.dtype) {
+    case DType::float32: return fn.template operator()<float>();
+    case DType::float16: return fn.template operator()<__half>();
+    case DType::bfloat16: return fn.template operator()<__nv_bfloat16>();
+    default: throw Error(ErrorKind::unsupported, "winnow: no CUDA kernels for this dtype");
+  }
+}
+
+}  // namespace winnow::cuda

@@ -1,0 +1,65 @@
+// Stick-breaking attention on CUDA: the fused kernels with the stick-breaking row policies, or
+// the simple path.
+#include "cuda/attention/stick_breaking_rows.cuh"
+#include "cuda/cuda.h"
+#include "cuda/launch_attention.cuh"
+
+namespace winnow::cuda {
+namespace {
+
+StickBreakingCudaConfig device_config(const detail::StickBreakingConfig& cfg) {
+  StickBreakingCudaConfig c;
+  c.halt_cutoff = static_cast<float>(cfg.halt_cutoff);
+  c.kept_from = cfg.kept_from;
+  return c;
+}
+
+struct FusedForward {
+  const detail::AttentionParams& p;
+  const StickBreakingCudaConfig cfg;
+  template <class T, int D>
+  void operator()() const {
+    launch_fused_forward<T, D, StickBreakingRows>(p, cfg);
+  }
+};
+struct FusedBackward {
+  const detail::AttentionParams& p;
+  const detail::GradientParams& g;
+  const StickBreakingCudaConfig cfg;
+  template <class T, int D>
+  void operator()() const {
+    launch_fused_backward<T, D, StickBreakingBackwardRows<T>>(p, g, cfg);
+  }
+};
+struct SimpleForward {
+  const detail::AttentionParams& p;
+  const StickBreakingCudaConfig cfg;
+  template <class T>
+  void operator()() const {
+    launch_simple_forward<T, true>(p, cfg.halt_cutoff, cfg.kept_from);
+  }
+};
+struct SimpleBackward {
+  const detail::AttentionParams& p;
+  const detail::GradientParams& g;
+  const StickBreakingCudaConfig cfg;
+  template <class T>
+  void operator()() const {
+    launch_simple_backward<T, true>(p, g, cfg.halt_cutoff, cfg.kept_from);
+  }
+};
+
+}  // namespace
+
+void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig& cfg) {
+  if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedForward{p, device_config(cfg)});
+  dispatch_simple(p, SimpleForward{p, device_config(cfg)});
+}
+
+void stick_breaking_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                             const detail::StickBreakingConfig& cfg) {
+  if (fused_path_applies(p, &g)) return dispatch_fused(p, FusedBackward{p, g, device_config(cfg)});
+  dispatch_simple(p, SimpleBackward{p, g, device_config(cfg)});
+}
+
+}  // namespace winnow::cuda

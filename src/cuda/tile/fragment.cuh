@@ -1,0 +1,94 @@
+// Warp-level products on register fragments of the m16n8k16 instruction. A warp owns 16 rows;
+// an accumulator `float acc[NT][4]` covers 16 x (8 NT) fp32 values where thread (g, tig) =
+// (lane / 4, lane % 4) holds, for n-tile n, row g columns 8n + 2tig, +1 in acc[n][0..1] and
+// row g + 8 in acc[n][2..3]. An A operand `uint32_t a[KS][4]` covers 16 x (16 KS).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/tile/ptx.cuh"
+
+namespace winnow::cuda::tile {
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+}
+
+// acc (16 x 8NT) += A (16 x 16KS, registers) * B, B's n index along the rows of `tile`
+// starting at n0 and its k index along the columns starting at 0.
+template <class T, int NT, int KS, class Tile>
+__device__ __forceinline__ void mma_b_rows(float (&acc)[NT][4], const std::uint32_t (&a)[KS][4],
+                                           const Tile& tile, int n0, int lane) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      std::uint32_t b[4];
+      tile.b_rows(b, n0 + 16 * np, 16 * ks, lane);
+      mma_16816<T>(acc[2 * np], a[ks], b[0], b[1]);
+      mma_16816<T>(acc[2 * np + 1], a[ks], b[2], b[3]);
+    }
+  }
+}
+
+// The same with A read from a row-major shared tile (rows m0 .. m0 + 15) one k-step at a time.
+template <class T, int KS, int NT, class ATile, class BTile>
+__device__ __forceinline__ void mma_smem_a_b_rows(float (&acc)[NT][4], const ATile& a_tile, int m0,
+                                                  const BTile& tile, int n0, int lane) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    std::uint32_t a[4];
+    a_tile.a_rows(a, m0, 16 * ks, lane);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      std::uint32_t b[4];
+      tile.b_rows(b, n0 + 16 * np, 16 * ks, lane);
+      mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+      mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc (16 x 8NT) += A (16 x 16KS, registers) * B, B's k index along the rows of `tile`
+// starting at 0 and its n index along the columns starting at n0.
+template <class T, int NT, int KS, class Tile>
+__device__ __forceinline__ void mma_b_cols(float (&acc)[NT][4], const std::uint32_t (&a)[KS][4],
+                                           const Tile& tile, int n0, int lane) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      std::uint32_t b[4];
+      tile.b_cols(b, 16 * ks, n0 + 16 * np, lane);
+      mma_16816<T>(acc[2 * np], a[ks], b[0], b[1]);
+      mma_16816<T>(acc[2 * np + 1], a[ks], b[2], b[3]);
+    }
+  }
+}
+
+// An accumulator (16 x 16KS) re-used as the A operand of the next product (P in P V).
+template <class T, int KS>
+__device__ __forceinline__ void to_operand(const float (&acc)[2 * KS][4], std::uint32_t (&a)[KS][4]) {
+#pragma unroll
+  for (int s = 0; s < KS; ++s) {
+    a[s][0] = pack2<T>(acc[2 * s][0], acc[2 * s][1]);
+    a[s][1] = pack2<T>(acc[2 * s][2], acc[2 * s][3]);
+    a[s][2] = pack2<T>(acc[2 * s + 1][0], acc[2 * s + 1][1]);
+    a[s][3] = pack2<T>(acc[2 * s + 1][2], acc[2 * s + 1][3]);
+  }
+}
+
+// A fragments of a warp's 16 rows of a row-major shared tile, all k-steps.
+template <int KS, class Tile>
+__device__ __forceinline__ void load_rows_operand(std::uint32_t (&a)[KS][4], const Tile& tile,
+                                                  int m0, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) tile.a_rows(a[ks], m0, 16 * ks, lane);
+}
+
+}  // namespace winnow::cuda::tile

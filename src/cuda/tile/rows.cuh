@@ -1,0 +1,36 @@
+// Per-row operations on accumulator fragments. A row's values are spread over the four
+// threads of a quad (lanes 4g .. 4g + 3), so row reductions end with two butterfly shuffles
+// and scans combine a thread-local pass with a quad-level pass.
+#pragma once
+
+namespace winnow::cuda::tile {
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  return x;
+}
+
+// Quad-level scans of one value per thread, in thread order tig = 0 .. 3.
+struct QuadScan {
+  float total;      // sum over the quad
+  float before;     // sum over threads tig' < tig
+  float after;      // sum over threads tig' > tig
+};
+__device__ __forceinline__ QuadScan quad_scan(float x, int tig) {
+  // Inclusive suffix over tig' >= tig.
+  float suffix = x;
+  float t = __shfl_down_sync(0xffffffffu, suffix, 1);
+  if (tig < 3) suffix += t;
+  t = __shfl_down_sync(0xffffffffu, suffix, 2);
+  if (tig < 2) suffix += t;
+  const float total = __shfl_sync(0xffffffffu, suffix, (threadIdx.x & 31) & ~3);
+  return {total, total - suffix, suffix - x};
+}
+
+}  // namespace winnow::cuda::tile
