@@ -17,8 +17,8 @@ def composed_stick_breaking(q, k, v, attend_current=False):
     vh = v.repeat_interleave(group, 2).transpose(1, 2)
     lq, lk = q.shape[1], k.shape[1]
     z = qh @ kh.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    pos_q = torch.arange(lq) + (lk - lq)
-    pos_k = torch.arange(lk)
+    pos_q = torch.arange(lq, device=q.device) + (lk - lq)
+    pos_k = torch.arange(lk, device=q.device)
     visible = pos_k[None, :] <= pos_q[:, None] if attend_current else pos_k[None, :] < pos_q[:, None]
     cost = torch.where(visible, torch.nn.functional.softplus(z), torch.zeros_like(z))
     suffix = cost.flip(-1).cumsum(-1).flip(-1)
@@ -33,7 +33,8 @@ def composed_softmax(q, k, v):
     vh = v.repeat_interleave(group, 2).transpose(1, 2)
     lq, lk = q.shape[1], k.shape[1]
     z = qh @ kh.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    visible = torch.arange(lk)[None, :] <= (torch.arange(lq) + lk - lq)[:, None]
+    visible = (torch.arange(lk, device=q.device)[None, :]
+               <= (torch.arange(lq, device=q.device) + lk - lq)[:, None])
     z = z.masked_fill(~visible, float("-inf"))
     return (torch.softmax(z, -1) @ vh).transpose(1, 2)
 

@@ -1,0 +1,143 @@
+"""GPU attention benchmark: winnow's kernels beside torch SDPA (FlashAttention-2 and cuDNN back
+ends) and, when importable, the stick-breaking paper's Triton kernel, on the same inputs in
+the same run.
+
+Shapes (issue 3): B * L = 16384 tokens, H = 12 at D = 128 and H = 16 at D = 64,
+L in {1024, 4096, 16384}, bf16, causal, (B, L, H, D) layout. Times are medians of CUDA-event
+timings after warm-up; TFLOP/s count causal FLOPs: 4 B H L^2 D / 2 forward, 2.5x that
+backward, 3.5x forward+backward. Writes JSON (--json) and prints a table.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import winnow  # noqa: E402
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # older torch
+    SDPBackend = sdpa_kernel = None
+
+
+def median_ms(fn, warmup=3, repeat=15):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def sdpa(backend):
+    def run(q, k, v):
+        with sdpa_kernel([backend]):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), is_causal=True)
+        return o.transpose(1, 2)
+    return run
+
+
+def methods():
+    m = {}
+    if sdpa_kernel is not None:
+        m["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+        m["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    m["winnow_softmax"] = lambda q, k, v: winnow.softmax_attention(q, k, v)
+    m["winnow_stick_breaking"] = lambda q, k, v: winnow.stick_breaking_attention(q, k, v)[0]
+    m["winnow_stick_breaking_halt40"] = (
+        lambda q, k, v: winnow.stick_breaking_attention(q, k, v, halt_cutoff=40.0)[0])
+    try:  # the stick-breaking paper's public Triton kernel (package stickbreaking_attention)
+        from stickbreaking_attention.sb_attn import sb_attn
+
+        def paper(q, k, v):
+            # Its layout is (B, H, L, D); it returns (out, rem).
+            o, _ = sb_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           inv_temp=1 / math.sqrt(q.shape[-1]))
+            return o.transpose(1, 2)
+        m["sb_paper_triton"] = paper
+    except Exception as e:  # noqa: BLE001
+        print(f"# stick-breaking paper kernel not available: {type(e).__name__}: {e}")
+    return m
+
+
+def measure(name, fn, q, k, v, flops_fwd):
+    row = {"method": name}
+    try:
+        row["fwd_ms"] = median_ms(lambda: fn(q, k, v))
+        out = fn(q, k, v)
+        grad = torch.randn_like(out)
+        row["bwd_ms"] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+        row["fwd_bwd_ms"] = median_ms(
+            lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad))
+        row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+        row["bwd_tflops"] = 2.5 * flops_fwd / row["bwd_ms"] / 1e9
+        row["fwd_bwd_tflops"] = 3.5 * flops_fwd / row["fwd_bwd_ms"] / 1e9
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    results = []
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {props.name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    for dim in args.dims:
+        heads = 12 if dim == 128 else 16
+        for L in args.lengths:
+            B = max(1, args.tokens // L)
+            q, k, v = (torch.randn(B, L, heads, dim, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            flops = 4 * B * heads * L * L * dim / 2
+            rows = {}
+            for name, fn in methods().items():
+                row = measure(name, fn, q, k, v, flops)
+                row.update({"B": B, "L": L, "H": heads, "D": dim})
+                rows[name] = row
+                results.append(row)
+            base = rows.get("sdpa_flash", {})
+            for row in rows.values():
+                for mode in ("fwd", "bwd", "fwd_bwd"):
+                    if f"{mode}_tflops" in row and f"{mode}_tflops" in base:
+                        row[f"{mode}_vs_flash"] = row[f"{mode}_tflops"] / base[f"{mode}_tflops"]
+            torch.cuda.empty_cache()
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props.name, "torch": torch.__version__, "results": results}, f, indent=2)
+    print(f"{'D':>4} {'L':>6} {'method':<30} {'fwd TF/s':>9} {'x flash':>8} {'bwd TF/s':>9} "
+          f"{'x flash':>8} {'f+b TF/s':>9} {'x flash':>8}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} error: {r['error'][:60]}")
+            continue
+        print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} {r['fwd_tflops']:9.1f} "
+              f"{r.get('fwd_vs_flash', float('nan')):8.2f} {r['bwd_tflops']:9.1f} "
+              f"{r.get('bwd_vs_flash', float('nan')):8.2f} {r['fwd_bwd_tflops']:9.1f} "
+              f"{r.get('fwd_bwd_vs_flash', float('nan')):8.2f}")
+
+
+if __name__ == "__main__":
+    main()

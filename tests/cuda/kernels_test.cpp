@@ -1,0 +1,300 @@
+// The CUDA kernels against the float64 reference (run on the same 16-bit-rounded inputs), to
+// spec/conventions.md tolerances: the fused path (bf16 / fp16, D = 64 and 128) and the simple
+// path (float32, other head dimensions), both mechanisms, awkward shapes, atomic and
+// deterministic backward; early halting; repeatability; extreme logits; device-side errors.
+// Label `cuda`: runs only on a machine with a GPU (tools/gpu_check.sh).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "cpu/tile_sizes.h"
+#include "math/elementwise.h"
+#include "support/attention_case.h"
+
+namespace winnow::testing {
+namespace {
+
+void cuda_ok(cudaError_t status, const char* what) {
+  ASSERT_EQ(status, cudaSuccess) << what << ": " << cudaGetErrorString(status);
+}
+
+class CudaPlacement final : public Placement {
+ public:
+  ~CudaPlacement() override {
+    for (void* p : allocations_) cudaFree(p);
+  }
+  TensorView place(const HostTensor& t) override {
+    void* device = nullptr;
+    cuda_ok(cudaMalloc(&device, t.byte_size()), "cudaMalloc");
+    allocations_.push_back(device);
+    cuda_ok(cudaMemcpy(device, t.bytes(), t.byte_size(), cudaMemcpyHostToDevice), "upload");
+    TensorView v = t.view();
+    v.data = device;
+    v.device = Device::cuda(0);
+    return v;
+  }
+  void fetch(const TensorView& placed, HostTensor& t) override {
+    cuda_ok(cudaDeviceSynchronize(), "kernel execution");
+    cuda_ok(cudaMemcpy(t.bytes(), placed.data, t.byte_size(), cudaMemcpyDeviceToHost), "download");
+  }
+
+ private:
+  std::vector<void*> allocations_;
+};
+
+// The problem's inputs rounded to dtype: the reference then sees what the kernel sees.
+Problem rounded(const Problem& p, DType dtype) {
+  Problem r = p;
+  for (HostTensor* t : {&r.q, &r.k, &r.v, &r.dout}) *t = t->converted(dtype).converted(DType::float64);
+  r.dstat = r.dstat.converted(DType::float32).converted(DType::float64);
+  return r;
+}
+
+double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::bfloat16: return 2e-2;
+    case DType::float16: return 5e-3;
+    default: return 1e-5;
+  }
+}
+
+const std::vector<ProblemShape>& shapes() {
+  static const std::vector<ProblemShape> all = {
+      // Fused path: D = Dv in {64, 128}.
+      {"fused_d128_gqa", {{300, 300}, {300, 300}}, false, 8, 2, 128, 128},
+      {"fused_d64_suffix", {{77, 333}}, false, 4, 4, 64, 64},
+      {"fused_single_token", {{1, 1}}, false, 2, 1, 64, 64},
+      {"fused_decode", {{1, 500}, {1, 500}}, false, 4, 1, 128, 128},
+      {"fused_varlen", {{5, 5}, {0, 0}, {200, 200}, {129, 300}, {1, 1}}, true, 4, 2, 64, 64},
+      // Simple path: other head dimensions.
+      {"simple_d16_dv48", {{70, 70}, {70, 70}}, false, 2, 1, 16, 48},
+      {"simple_varlen_d32", {{3, 70}, {0, 10}, {66, 66}}, true, 2, 2, 32, 32},
+  };
+  return all;
+}
+
+using Param = std::tuple<int, Mechanism, DType, bool /*attend_current*/, bool /*deterministic*/>;
+class CudaVsReference : public ::testing::TestWithParam<Param> {};
+
+TEST_P(CudaVsReference, ForwardAndEveryGradientMatch) {
+  const auto [shape_index, mechanism, dtype, attend_current, deterministic] = GetParam();
+  const ProblemShape& shape = shapes()[static_cast<std::size_t>(shape_index)];
+  const Problem problem = Problem::random(shape, 4321 + static_cast<std::uint64_t>(shape_index));
+  CudaPlacement gpu;
+  RunConfig cfg;
+  cfg.mechanism = mechanism;
+  cfg.attend_current = attend_current;
+  cfg.dtype = dtype;
+  cfg.deterministic = deterministic;
+  cfg.permuted = shape_index % 2 == 1;  // half the shapes as (B, H, L, D) views
+  cfg.placement = &gpu;
+  const Results got = run(problem, cfg);
+
+  // The atomic and deterministic variants share one reference run.
+  static std::map<std::string, Results> references;
+  const std::string key = describe(shape) + name_of(mechanism) + to_string(dtype) +
+                          (attend_current ? "current" : "strict");
+  if (references.find(key) == references.end()) {
+    RunConfig ref;
+    ref.mechanism = mechanism;
+    ref.attend_current = attend_current;
+    ref.backend = Backend::reference;
+    references[key] = run(rounded(problem, dtype), ref);
+  }
+  const Results& want = references[key];
+  const double tol = tolerance(dtype);
+  SCOPED_TRACE(describe(shape));
+  EXPECT_LT(relative_error(got.out, want.out), tol) << "out";
+  EXPECT_LT(relative_error(got.stat, want.stat), tol) << "per-row statistic";
+  EXPECT_LT(relative_error(got.dq, want.dq), tol) << "dq";
+  EXPECT_LT(relative_error(got.dk, want.dk), tol) << "dk";
+  EXPECT_LT(relative_error(got.dv, want.dv), tol) << "dv";
+  if (mechanism == Mechanism::stick_breaking) {
+    for (double k : got.kept_from) ASSERT_EQ(k, 0.0) << "no halting: every key is kept";
+  }
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  const auto [shape_index, mechanism, dtype, attend_current, deterministic] = info.param;
+  return shapes()[static_cast<std::size_t>(shape_index)].name + "_" + name_of(mechanism) + "_" +
+         to_string(dtype) + (attend_current ? "_current" : "_strict") +
+         (deterministic ? "_deterministic" : "_atomic");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, CudaVsReference,
+    ::testing::Combine(::testing::Range(0, static_cast<int>(shapes().size())),
+                       ::testing::Values(Mechanism::softmax, Mechanism::stick_breaking),
+                       ::testing::Values(DType::bfloat16, DType::float16, DType::float32),
+                       ::testing::Bool(), ::testing::Bool()),
+    param_name);
+
+// Small problems for compute-sanitizer (tools/gpu_check.sh filters on "Small").
+TEST(CudaSmall, FusedAndSimplePathsBothMechanisms) {
+  const std::vector<ProblemShape> small = {
+      {"fused", {{70, 70}, {3, 20}}, false, 2, 1, 64, 64},
+      {"fused_varlen", {{5, 5}, {0, 0}, {66, 80}}, true, 2, 2, 128, 128},
+      {"simple", {{33, 33}}, false, 2, 1, 16, 24},
+  };
+  for (const ProblemShape& shape : small) {
+    for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+      for (bool deterministic : {false, true}) {
+        const Problem problem = Problem::random(shape, 99);
+        CudaPlacement gpu;
+        RunConfig cfg;
+        cfg.mechanism = m;
+        cfg.dtype = shape.name == std::string("simple") ? DType::float32 : DType::bfloat16;
+        cfg.deterministic = deterministic;
+        cfg.halt_cutoff = m == Mechanism::stick_breaking ? 8.0 : 0.0;
+        cfg.with_dstat = false;
+        cfg.placement = &gpu;
+        const Results got = run(problem, cfg);
+        for (const auto* values : {&got.out, &got.dq, &got.dk, &got.dv}) {
+          for (double x : *values) ASSERT_TRUE(std::isfinite(x)) << shape.name << " " << name_of(m);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaDeterminism, DeterministicBackwardIsBitwiseRepeatable) {
+  const Problem problem = Problem::random({"repeat", {{700, 700}}, false, 8, 2, 128, 128}, 5);
+  for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+    RunConfig cfg;
+    cfg.mechanism = m;
+    cfg.dtype = DType::bfloat16;
+    cfg.deterministic = true;
+    CudaPlacement a_gpu, b_gpu;
+    cfg.placement = &a_gpu;
+    const Results a = run(problem, cfg);
+    cfg.placement = &b_gpu;
+    const Results b = run(problem, cfg);
+    EXPECT_EQ(a.dq, b.dq) << name_of(m);
+    EXPECT_EQ(a.dk, b.dk) << name_of(m);
+    EXPECT_EQ(a.dv, b.dv) << name_of(m);
+  }
+}
+
+TEST(CudaHalting, LargeCutoffChangesNothingMeasurable) {
+  const Problem problem = Problem::random({"halt", {{600, 600}}, false, 4, 2, 128, 128}, 6);
+  for (DType dtype : {DType::bfloat16, DType::float32}) {
+    CudaPlacement gpu;
+    RunConfig cfg;
+    cfg.mechanism = Mechanism::stick_breaking;
+    cfg.dtype = dtype;
+    cfg.halt_cutoff = 40.0;
+    cfg.with_dstat = false;
+    cfg.placement = &gpu;
+    const Results got = run(problem, cfg);
+    RunConfig ref;
+    ref.mechanism = Mechanism::stick_breaking;
+    ref.backend = Backend::reference;
+    ref.with_dstat = false;
+    const Results want = run(rounded(problem, dtype), ref);
+    const double tol = tolerance(dtype);
+    EXPECT_LT(relative_error(got.out, want.out), tol) << to_string(dtype);
+    EXPECT_LT(relative_error(got.dq, want.dq), tol) << to_string(dtype);
+    EXPECT_LT(relative_error(got.dk, want.dk), tol) << to_string(dtype);
+    EXPECT_LT(relative_error(got.dv, want.dv), tol) << to_string(dtype);
+    int halted = 0;
+    for (double k : got.kept_from) halted += k > 0;
+    EXPECT_GT(halted, 1000) << "random logits exhaust the stick within ~50 keys";
+  }
+}
+
+// With a small cutoff many keys are dropped; the result must be exactly stick-breaking over
+// the keys kept (from kept_from on), forward and backward.
+TEST(CudaHalting, ResultIsExactStickBreakingOverTheKeptKeys) {
+  const std::int64_t len = 700, dim = 64;
+  const Problem problem = Problem::random({"decode", {{1, len}}, false, 1, 1, dim, dim}, 7);
+  for (DType dtype : {DType::bfloat16, DType::float32}) {
+    CudaPlacement gpu;
+    RunConfig cfg;
+    cfg.mechanism = Mechanism::stick_breaking;
+    cfg.attend_current = false;
+    cfg.halt_cutoff = 5.0;
+    cfg.dtype = dtype;
+    cfg.placement = &gpu;
+    const Results got = run(problem, cfg);
+    const std::int64_t kept_from = static_cast<std::int64_t>(got.kept_from[0]);
+    ASSERT_GT(kept_from, 0) << "the test needs halting to drop keys";
+    ASSERT_EQ(kept_from % 64, 0) << "halting drops whole key tiles";
+
+    const Problem r = rounded(problem, dtype);
+    Problem truncated = Problem::random({"kept", {{1, len - kept_from}}, false, 1, 1, dim, dim}, 8);
+    truncated.q = r.q;
+    truncated.dout = r.dout;
+    truncated.dstat = r.dstat;
+    const std::vector<double> k = r.k.values(), v = r.v.values();
+    truncated.k.set_values(std::vector<double>(k.begin() + kept_from * dim, k.end()));
+    truncated.v.set_values(std::vector<double>(v.begin() + kept_from * dim, v.end()));
+    RunConfig ref;
+    ref.mechanism = Mechanism::stick_breaking;
+    ref.attend_current = false;
+    ref.backend = Backend::reference;
+    const Results want = run(truncated, ref);
+    const double tol = tolerance(dtype);
+    EXPECT_LT(relative_error(got.out, want.out), tol);
+    EXPECT_LT(relative_error(got.stat, want.stat), tol);
+    EXPECT_LT(relative_error(got.dq, want.dq), tol);
+    EXPECT_LT(relative_error(std::vector<double>(got.dk.begin() + kept_from * dim, got.dk.end()), want.dk), tol);
+    EXPECT_LT(relative_error(std::vector<double>(got.dv.begin() + kept_from * dim, got.dv.end()), want.dv), tol);
+    for (std::int64_t i = 0; i < kept_from * dim; ++i) {
+      ASSERT_EQ(got.dk[static_cast<std::size_t>(i)], 0.0);
+      ASSERT_EQ(got.dv[static_cast<std::size_t>(i)], 0.0);
+    }
+  }
+}
+
+TEST(CudaEdges, ExtremeLogitsStayFiniteAndRowsWithoutKeysAreZero) {
+  const Problem problem = Problem::random({"extreme", {{150, 150}}, false, 2, 2, 64, 64}, 9, 100.0);
+  for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+    for (DType dtype : {DType::bfloat16, DType::float32}) {
+      CudaPlacement gpu;
+      RunConfig cfg;
+      cfg.mechanism = m;
+      cfg.dtype = dtype;
+      cfg.attend_current = false;
+      cfg.placement = &gpu;
+      const Results r = run(problem, cfg);
+      for (const auto* values : {&r.out, &r.dq, &r.dk, &r.dv}) {
+        for (double x : *values) ASSERT_TRUE(std::isfinite(x)) << name_of(m) << " " << to_string(dtype);
+      }
+      // Row 0 (position 0, strict causality) sees no key: zero output, zero dq.
+      for (std::int64_t h = 0; h < 2; ++h) {
+        for (std::int64_t d = 0; d < 64; ++d) {
+          EXPECT_EQ(r.out[static_cast<std::size_t>(h * 64 + d)], 0.0);
+          EXPECT_EQ(r.dq[static_cast<std::size_t>(h * 64 + d)], 0.0);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaErrors, MixedDevicesAndHostOffsetsAreRejected) {
+  const Problem problem = Problem::random({"mixed", {{4, 4}, {6, 6}}, true, 2, 2, 64, 64}, 10);
+  CudaPlacement gpu;
+  const HostTensor q = problem.q.converted(DType::bfloat16), k = problem.k.converted(DType::bfloat16);
+  AttentionInputs in;
+  in.q = gpu.place(q);
+  in.k = gpu.place(k);
+  in.v = gpu.place(k);
+  in.cu_seqlens_q = problem.cu_q->view();  // host offsets with device tensors
+  HostTensor out(problem.q.shape(), DType::bfloat16), stat({10, 2}, DType::float32);
+  try {
+    softmax::forward(in, {}, {gpu.place(out), gpu.place(stat)});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("argument 'cu_seqlens_q'"), std::string::npos) << e.what();
+  }
+  in.cu_seqlens_q = gpu.place(*problem.cu_q);
+  in.v = k.view();  // host v
+  EXPECT_THROW(softmax::forward(in, {}, {gpu.place(out), gpu.place(stat)}), Error);
+}
+
+}  // namespace
+}  // namespace winnow::testing

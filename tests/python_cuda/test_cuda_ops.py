@@ -1,0 +1,77 @@
+"""The operators on CUDA tensors from Python: autograd against composed float64 expressions,
+SDPA agreement for softmax, deterministic mode, and halting. Label `cuda` (GPU machines)."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+import winnow  # noqa: E402
+from test_ops import composed_softmax, composed_stick_breaking  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def grads_of(fn, *inputs, seed=0):
+    torch.manual_seed(seed)
+    out = fn(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    w = torch.randn_like(out)
+    return out, torch.autograd.grad(out, inputs, w)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_stick_breaking_cuda_matches_composed(dtype, tol, dim):
+    torch.manual_seed(1)
+    q = torch.randn(2, 300, 8, dim, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 300, 2, dim, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 300, 2, dim, device="cuda", dtype=dtype, requires_grad=True)
+    out, grads = grads_of(winnow.stick_breaking_attention, q, k, v)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_grads = grads_of(composed_stick_breaking, *ref_in)
+    assert rel(out, ref) < tol
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+def test_softmax_cuda_matches_composed(dtype, tol):
+    torch.manual_seed(2)
+    q = torch.randn(1, 513, 4, 128, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 513, 4, 128, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 513, 4, 128, device="cuda", dtype=dtype, requires_grad=True)
+    out, grads = grads_of(winnow.softmax_attention, q, k, v)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_grads = grads_of(composed_softmax, *ref_in)
+    assert rel(out, ref) < tol
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < tol
+
+
+def test_deterministic_mode_repeats_bitwise():
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 1000, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [grads_of(winnow.stick_breaking_attention, q, k, v)[1] for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_halting_on_cuda_is_negligible_at_40():
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2048, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    full, _ = winnow.stick_breaking_attention(q, k, v)
+    halted, _ = winnow.stick_breaking_attention(q, k, v, halt_cutoff=40.0)
+    assert rel(halted, full) < 1e-2

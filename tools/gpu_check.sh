@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU workflow, run from the repository root on a machine with a GPU and a CUDA build of
+# PyTorch (python3). Stages, in order (default: all):
+#   build      configure against that torch's LibTorch (Hopper, sm_90a), build with all cores
+#   test       CUDA tests (label cuda: C++ kernels vs the float64 reference, Python operators),
+#              then the CPU tests against this LibTorch
+#   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests
+#   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
+#              when $BASELINES has stickbreaking_attention/, winnow)
+# Logs and JSON go to $OUT (default ./gpu-out); a short table is printed last.
+# Header-only dependencies come from .gpudeps (tools/prepare_gpu_deps.sh) when the machine
+# has no Debian packages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+BUILD=${BUILD:-build-gpu}
+BASELINES=${BASELINES:-$PWD/.baselines}
+mkdir -p "$OUT"
+stages=("$@")
+[[ ${#stages[@]} -eq 0 ]] && stages=(build test sanitize bench)
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+
+for stage in "${stages[@]}"; do
+  start=$(date +%s)
+  case "$stage" in
+    build)
+      prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+      deps=()
+      [[ -d .gpudeps ]] && deps=(-DWINNOW_DEPS_DIR="$PWD/.gpudeps")
+      cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+        -DCMAKE_PREFIX_PATH="$prefix" -DWINNOW_CUDA=ON -DWINNOW_TORCH=ON \
+        -DWINNOW_PYTHON="$(command -v python3)" "${deps[@]}" > "$OUT/configure.log" 2>&1 \
+        || { tail -40 "$OUT/configure.log"; note "build: configure FAILED"; break; }
+      if cmake --build "$BUILD" -j "$(nproc)" > "$OUT/build.log" 2>&1; then
+        note "build: ok ($(( $(date +%s) - start )) s)"
+      else
+        grep -E "error|Error" "$OUT/build.log" | head -40
+        note "build: FAILED"
+        break
+      fi
+      ;;
+    test)
+      ctest --test-dir "$BUILD" -L cuda --output-on-failure -j 4 > "$OUT/cuda_tests.log" 2>&1
+      cuda_rc=$?
+      grep -E "tests passed|tests failed" "$OUT/cuda_tests.log" | tail -1
+      grep -E "^\s+[0-9]+ - .*\(Failed\)" "$OUT/cuda_tests.log" | head -30
+      ctest --test-dir "$BUILD" -L cpu --output-on-failure -j 8 > "$OUT/cpu_tests.log" 2>&1
+      cpu_rc=$?
+      note "test: cuda $(grep -E 'tests passed' "$OUT/cuda_tests.log" | tail -1) (rc $cuda_rc); cpu $(grep -E 'tests passed' "$OUT/cpu_tests.log" | tail -1) (rc $cpu_rc) ($(( $(date +%s) - start )) s)"
+      ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --error-exitcode 9 \
+          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*' > "$OUT/sanitize_$tool.log" 2>&1
+        rc=$?
+        note "sanitize $tool: rc $rc, $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+      done
+      ;;
+    bench)
+      export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      [[ -d "$BASELINES" ]] && export PYTHONPATH="$BASELINES${PYTHONPATH:+:$PYTHONPATH}"
+      python3 bench/gpu_attention_bench.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
+      note "bench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
+      ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+echo
+printf '%s\n' "${summary[@]}"

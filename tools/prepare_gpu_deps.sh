@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Copies the header-only libraries and GoogleTest's sources from this machine's Debian
+# packages into .gpudeps/ (ignored by git), for a machine that cannot install packages:
+#   tools/prepare_gpu_deps.sh && <carry .gpudeps> ; cmake -DWINNOW_DEPS_DIR=$PWD/.gpudeps ...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/install-deps.sh
+rm -rf .gpudeps
+mkdir -p .gpudeps/json
+cp -r /usr/include/eigen3 .gpudeps/eigen3
+rm -rf .gpudeps/eigen3/unsupported
+mkdir -p .gpudeps/CLI11 && cp -r /usr/include/CLI .gpudeps/CLI11/CLI
+cp -r /usr/include/nlohmann .gpudeps/json/nlohmann
+cp -r /usr/src/googletest .gpudeps/googletest
+du -sh .gpudeps
