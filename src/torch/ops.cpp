@@ -3,7 +3,7 @@
 // mechanism's forward to its backward.
 //
 // Per mechanism there are three operators:
-//   <name>            the differentiable one users call (CompositeImplicitAutograd);
+//   <name>            the differentiable one users call (registered under Autograd);
 //   <name>_forward    one forward kernel call, returning the outputs and the per-row statistic;
 //   <name>_backward   one backward kernel call.
 // The last two take reference=True to run the float64 oracle instead: tests compare through
@@ -142,6 +142,12 @@ at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return SoftmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current)[0];
 }
 
+at::Tensor softmax_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                     Opt<double> scale, bool attend_current) {
+  return std::get<0>(softmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, false));
+}
+
 // ------------------------------------------------------------------ stick-breaking
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_forward_op(
@@ -229,6 +235,14 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(
   return std::make_tuple(outs[0], outs[1].exp());
 }
 
+std::tuple<at::Tensor, at::Tensor> stick_breaking_attention_no_grad(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double halt_cutoff) {
+  auto [out, log_rem, kept_from] =
+      stick_breaking_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
+  return std::make_tuple(out, log_rem.exp());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(winnow, m) {
@@ -271,9 +285,16 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("stick_breaking_attention_backward", stick_breaking_backward_op);
 }
 
-TORCH_LIBRARY_IMPL(winnow, CompositeImplicitAutograd, m) {
+// The differentiable operators: the autograd kernel records the backward; below autograd
+// (inference mode, or tensors that never need gradients) the plain forward runs.
+TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("softmax_attention", softmax_attention);
   m.impl("stick_breaking_attention", stick_breaking_attention);
+}
+
+TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
+  m.impl("softmax_attention", softmax_attention_no_grad);
+  m.impl("stick_breaking_attention", stick_breaking_attention_no_grad);
 }
 
 }  // namespace winnow::torch_ops
