@@ -4,15 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 
 namespace winnow::detail {
 namespace {
 
 std::string describe(const TensorView& t) {
-  std::ostringstream s;
-  s << to_string(t.dtype) << ' ' << t.shape_string() << " on " << to_string(t.device);
-  return s.str();
+  return std::string(to_string(t.dtype)) + ' ' + t.shape_string() + " on " + to_string(t.device);
 }
 
 std::string shape_string(const std::int64_t* shape, int ndim) {

@@ -1,6 +1,5 @@
 #include "winnow/tensor.h"
 
-#include <sstream>
 
 #include "winnow/error.h"
 
@@ -35,13 +34,14 @@ std::string to_string(Device device) {
   return "cuda:" + std::to_string(device.index);
 }
 
+// Plain string building: no iostreams in the kernel library, whose locale machinery is not
+// safe to use from a library linked against a different C++ runtime than its host process
+// (seen: a static libstdc++ copy crashing inside Python).
 std::string TensorView::shape_string() const {
-  std::ostringstream s;
-  s << '(';
-  for (int d = 0; d < ndim; ++d) s << (d ? ", " : "") << shape[d];
-  if (ndim == 1) s << ',';
-  s << ')';
-  return s.str();
+  std::string s = "(";
+  for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  if (ndim == 1) s += ',';
+  return s + ')';
 }
 
 TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
