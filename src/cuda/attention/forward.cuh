@@ -18,6 +18,11 @@
 namespace winnow::cuda {
 
 inline constexpr int kForwardWarps = 8;
+// Blocks per multiprocessor the forward kernel is compiled for: 2 caps registers at 128 so
+// two blocks share a multiprocessor (more warps to hide latency, some spilling).
+#ifndef WINNOW_FORWARD_MIN_BLOCKS
+#define WINNOW_FORWARD_MIN_BLOCKS 1
+#endif
 inline constexpr int kForwardBQ = 16 * kForwardWarps;
 inline constexpr int kForwardBK = 64;
 
@@ -42,7 +47,7 @@ struct ForwardSmem {
 };
 
 template <class T, int D, class Rows, class Config>
-__global__ void __launch_bounds__(32 * kForwardWarps, 1)
+__global__ void __launch_bounds__(32 * kForwardWarps, WINNOW_FORWARD_MIN_BLOCKS)
     attention_forward_kernel(const AttentionParams p, const Config cfg) {
   constexpr int BQ = kForwardBQ, BK = kForwardBK, NT = BK / 8, DT = D / 8, KS = D / 16;
   constexpr int kThreads = 32 * kForwardWarps;
@@ -88,7 +93,6 @@ __global__ void __launch_bounds__(32 * kForwardWarps, 1)
   Rows rows(p, cfg);
   float o[DT][4];
   tile::zero(o);
-  std::uint32_t qa[KS][4];
   int kept_from_tile = 0;
 
   for (int i = 0; i < qt.key_tiles; ++i) {
@@ -101,14 +105,20 @@ __global__ void __launch_bounds__(32 * kForwardWarps, 1)
       tile::cp_async_wait<0>();
     }
     __syncthreads();
-    if (i == 0) tile::load_rows_operand(qa, q_tile, 16 * warp, lane);
 
     float s[NT][4];
     tile::zero(s);
-    tile::mma_b_rows<T>(s, qa, k_tile(buf), 0, lane);
+    // Q fragments are re-read from shared memory every tile: keeping them in registers would
+    // cost the 32 registers that let two blocks share a multiprocessor.
+    tile::mma_smem_a_b_rows<T, KS>(s, q_tile, 16 * warp, k_tile(buf), 0, lane);
     mask.key0 = static_cast<std::int64_t>(kt) * BK;
     mask.active = qt.needs_mask(kt);
-    rows.weights(s, o, mask);
+    // Tiles off the diagonal (most of them at long context) run without any mask arithmetic.
+    if (mask.active) {
+      rows.template weights<true>(s, o, mask);
+    } else {
+      rows.template weights<false>(s, o, mask);
+    }
     std::uint32_t pa[BK / 16][4];
     tile::to_operand<T>(s, pa);
     tile::mma_b_cols<T>(o, pa, v_tile(buf), 0, lane);

@@ -23,7 +23,9 @@ struct SoftmaxRows {
     sum[0] = sum[1] = 0.f;
   }
 
-  template <int NT, int DT>
+  // The running maximum is kept on raw scores (scale > 0 preserves order), so each weight
+  // costs one fused multiply-add and one exp2: exp2(s * scale log2 e - max * scale log2 e).
+  template <bool Masked, int NT, int DT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], float (&o)[DT][4], const RowMask& mask) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -33,21 +35,21 @@ struct SoftmaxRows {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& z = s[n][2 * half + e];
-          z = mask.visible<8 * NT>(half, n, e) ? z * scale_log2 : -INFINITY;
+          if (Masked && !mask.visible<8 * NT>(half, n, e)) z = -INFINITY;
           tile_max = fmaxf(tile_max, z);
         }
       }
       const float new_max = fmaxf(max[half], tile::quad_max(tile_max));
       // A row that has seen no key keeps max -inf; shifting by 0 keeps exp2(-inf) = 0.
-      const float shift = new_max == -INFINITY ? 0.f : new_max;
-      const float rescale = tile::exp2_fast(max[half] - shift);
+      const float shift = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+      const float rescale = tile::exp2_fast(max[half] * scale_log2 - shift);
       float tile_sum = 0.f;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& z = s[n][2 * half + e];
-          z = math::softmax::probability(z, shift, tile::exp2_fast);
+          z = math::softmax::probability(fmaf(z, scale_log2, -shift), 0.f, tile::exp2_fast);
           tile_sum += z;
         }
       }
@@ -75,8 +77,9 @@ struct SoftmaxRows {
         o[n][2 * half] *= inv;
         o[n][2 * half + 1] *= inv;
       }
-      stat[half] = total > 0.f ? (max[half] + tile::log2_fast(total)) * static_cast<float>(M_LN2)
-                               : -INFINITY;
+      stat[half] = total > 0.f
+                       ? (max[half] * scale_log2 + tile::log2_fast(total)) * static_cast<float>(M_LN2)
+                       : -INFINITY;
     }
   }
 

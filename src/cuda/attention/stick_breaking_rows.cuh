@@ -30,7 +30,7 @@ struct StickBreakingRows {
     carry[0] = carry[1] = 0.f;
   }
 
-  template <int NT, int DT>
+  template <bool Masked, int NT, int DT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], float (&)[DT][4], const RowMask& mask) {
     namespace sb = math::stick_breaking;
 #pragma unroll
@@ -42,7 +42,7 @@ struct StickBreakingRows {
         for (int e = 0; e < 2; ++e) {
           float& z = s[n][2 * half + e];
           z *= scale_log2;
-          cost[n][e] = mask.visible<8 * NT>(half, n, e)
+          cost[n][e] = !Masked || mask.visible<8 * NT>(half, n, e)
                            ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
                            : 0.f;
         }
@@ -64,7 +64,7 @@ struct StickBreakingRows {
         for (int e = 0; e < 2; ++e) {
           float& z = s[n][2 * half + e];
           const float log2_w = sb::log_weight(z, cost[n][e] + quad.after, carry[half]);
-          z = mask.visible<8 * NT>(half, n, e) ? tile::exp2_fast(log2_w) : 0.f;
+          z = !Masked || mask.visible<8 * NT>(half, n, e) ? tile::exp2_fast(log2_w) : 0.f;
         }
       }
       carry[half] -= quad.total;
