@@ -52,43 +52,61 @@ def sdpa(backend):
     return run
 
 
+def same_layout(q, k, v):
+    return q, k, v
+
+
 def methods():
+    """name -> (prepare, run): prepare turns (B, L, H, D) leaves into the method's own input
+    layout outside the timed region; run computes the attention output from them."""
     m = {}
     if sdpa_kernel is not None:
-        m["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
-        m["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
-    m["winnow_softmax"] = lambda q, k, v: winnow.softmax_attention(q, k, v)
-    m["winnow_stick_breaking"] = lambda q, k, v: winnow.stick_breaking_attention(q, k, v)[0]
+        m["sdpa_flash"] = (same_layout, sdpa(SDPBackend.FLASH_ATTENTION))
+        m["sdpa_cudnn"] = (same_layout, sdpa(SDPBackend.CUDNN_ATTENTION))
+    m["winnow_softmax"] = (same_layout, lambda q, k, v: winnow.softmax_attention(q, k, v))
+    m["winnow_stick_breaking"] = (same_layout, lambda q, k, v: winnow.stick_breaking_attention(q, k, v)[0])
     m["winnow_stick_breaking_halt40"] = (
-        lambda q, k, v: winnow.stick_breaking_attention(q, k, v, halt_cutoff=40.0)[0])
-    try:  # the stick-breaking paper's public Triton kernel (package stickbreaking_attention)
+        same_layout, lambda q, k, v: winnow.stick_breaking_attention(q, k, v, halt_cutoff=40.0)[0])
+    try:  # the stick-breaking paper's public Triton kernels (package stickbreaking_attention)
         from stickbreaking_attention.sb_attn import sb_attn
+        from stickbreaking_attention.sb_varlen import sb_attn_varlen
 
-        def paper(q, k, v):
-            # Its layout is (B, H, L, D); it returns (out, rem).
-            o, _ = sb_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           inv_temp=1 / math.sqrt(q.shape[-1]))
-            return o.transpose(1, 2)
-        m["sb_paper_triton"] = paper
+        def paper(q, k, v):  # layout (B, H, L, D); returns (out, rem)
+            return sb_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           inv_temp=1 / math.sqrt(q.shape[-1]))[0].transpose(1, 2)
+
+        def to_varlen(q, k, v):  # layout (H, B L, D), one sequence per batch row
+            B, L, H, D = q.shape
+            return tuple(t.detach().permute(2, 0, 1, 3).reshape(H, B * L, D).contiguous()
+                         .requires_grad_() for t in (q, k, v))
+
+        def paper_varlen(q, k, v):
+            T = q.shape[1]
+            L = paper_varlen.length
+            cu = torch.arange(L, T + 1, L, device=q.device, dtype=torch.int32)
+            return sb_attn_varlen(q, k, v, cu_seqlens=cu, max_seqlens=L,
+                                  inv_temp=1 / math.sqrt(q.shape[-1]), zero_start=False)[0]
+        m["sb_paper_triton"] = (same_layout, paper)
+        m["sb_paper_triton_varlen"] = (to_varlen, paper_varlen)
     except Exception as e:  # noqa: BLE001
-        print(f"# stick-breaking paper kernel not available: {type(e).__name__}: {e}")
+        print(f"# stick-breaking paper kernels not available: {type(e).__name__}: {e}")
     return m
 
 
-def measure(name, fn, q, k, v, flops_fwd):
+def measure(name, prepare, fn, q, k, v, flops_fwd):
     row = {"method": name}
     try:
-        row["fwd_ms"] = median_ms(lambda: fn(q, k, v))
-        out = fn(q, k, v)
+        inputs = prepare(q, k, v)
+        row["fwd_ms"] = median_ms(lambda: fn(*inputs))
+        out = fn(*inputs)
         grad = torch.randn_like(out)
-        row["bwd_ms"] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
-        row["fwd_bwd_ms"] = median_ms(
-            lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad))
+        row["bwd_ms"] = median_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
+        row["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grad))
         row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
         row["bwd_tflops"] = 2.5 * flops_fwd / row["bwd_ms"] / 1e9
         row["fwd_bwd_tflops"] = 3.5 * flops_fwd / row["fwd_bwd_ms"] / 1e9
     except Exception as e:  # noqa: BLE001
-        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return row
 
 
@@ -112,8 +130,10 @@ def main():
                                    requires_grad=True) for _ in range(3))
             flops = 4 * B * heads * L * L * dim / 2
             rows = {}
-            for name, fn in methods().items():
-                row = measure(name, fn, q, k, v, flops)
+            for name, (prepare, fn) in methods().items():
+                if hasattr(fn, "__name__") and fn.__name__ == "paper_varlen":
+                    fn.length = L
+                row = measure(name, prepare, fn, q, k, v, flops)
                 row.update({"B": B, "L": L, "H": heads, "D": dim})
                 rows[name] = row
                 results.append(row)
