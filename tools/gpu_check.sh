@@ -54,7 +54,7 @@ for stage in "${stages[@]}"; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 \
           "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*' > "$OUT/sanitize_$tool.log" 2>&1
         rc=$?
-        note "sanitize $tool: rc $rc, $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+        note "sanitize $tool: rc $rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done
       ;;
     bench)
