@@ -93,16 +93,18 @@ def methods():
     return m
 
 
-def measure(name, prepare, fn, q, k, v, flops_fwd):
+def measure(name, prepare, fn, q, k, v, flops_fwd, forward_only=False):
     row = {"method": name}
     try:
         inputs = prepare(q, k, v)
         row["fwd_ms"] = median_ms(lambda: fn(*inputs))
+        row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+        if forward_only:
+            return row
         out = fn(*inputs)
         grad = torch.randn_like(out)
         row["bwd_ms"] = median_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
         row["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grad))
-        row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
         row["bwd_tflops"] = 2.5 * flops_fwd / row["bwd_ms"] / 1e9
         row["fwd_bwd_tflops"] = 3.5 * flops_fwd / row["fwd_bwd_ms"] / 1e9
     except Exception as e:  # noqa: BLE001
@@ -116,6 +118,8 @@ def main():
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--methods", nargs="+", default=None, help="only these methods (sdpa_flash always)")
+    ap.add_argument("--forward-only", action="store_true", help="time the forward pass alone")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -131,9 +135,11 @@ def main():
             flops = 4 * B * heads * L * L * dim / 2
             rows = {}
             for name, (prepare, fn) in methods().items():
+                if args.methods and name != "sdpa_flash" and name not in args.methods:
+                    continue
                 if hasattr(fn, "__name__") and fn.__name__ == "paper_varlen":
                     fn.length = L
-                row = measure(name, prepare, fn, q, k, v, flops)
+                row = measure(name, prepare, fn, q, k, v, flops, args.forward_only)
                 row.update({"B": B, "L": L, "H": heads, "D": dim})
                 rows[name] = row
                 results.append(row)
@@ -153,10 +159,11 @@ def main():
         if "error" in r:
             print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} error: {r['error'][:60]}")
             continue
+        nan = float("nan")
         print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} {r['fwd_tflops']:9.1f} "
-              f"{r.get('fwd_vs_flash', float('nan')):8.2f} {r['bwd_tflops']:9.1f} "
-              f"{r.get('bwd_vs_flash', float('nan')):8.2f} {r['fwd_bwd_tflops']:9.1f} "
-              f"{r.get('fwd_bwd_vs_flash', float('nan')):8.2f}")
+              f"{r.get('fwd_vs_flash', nan):8.2f} {r.get('bwd_tflops', nan):9.1f} "
+              f"{r.get('bwd_vs_flash', nan):8.2f} {r.get('fwd_bwd_tflops', nan):9.1f} "
+              f"{r.get('fwd_bwd_vs_flash', nan):8.2f}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 # The GPU workflow, run from the repository root on a machine with a GPU and a CUDA build of
 # PyTorch (python3). Stages, in order (default: all):
 #   build      configure against that torch's LibTorch (Hopper, sm_90a), build with all cores
+#              ($BUILD_TARGETS: only these targets)
 #   test       CUDA tests (label cuda: C++ kernels vs the float64 reference, Python operators),
-#              then the CPU tests against this LibTorch
+#              the C++ CUDA tests again with the portable (sm_80) kernels forced on the Hopper
+#              machine, then the CPU tests against this LibTorch
+#   cudatest   only the CUDA tests, both kernel sets
 #   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
 #              when $BASELINES has stickbreaking_attention/, winnow)
@@ -32,7 +35,9 @@ for stage in "${stages[@]}"; do
         -DCMAKE_PREFIX_PATH="$prefix" -DWINNOW_CUDA=ON -DWINNOW_TORCH=ON \
         -DWINNOW_PYTHON="$(command -v python3)" "${deps[@]}" > "$OUT/configure.log" 2>&1 \
         || { tail -40 "$OUT/configure.log"; note "build: configure FAILED"; break; }
-      if cmake --build "$BUILD" -j "$(nproc)" > "$OUT/build.log" 2>&1; then
+      targets=()
+      [[ -n "${BUILD_TARGETS:-}" ]] && targets=(--target $BUILD_TARGETS)
+      if cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}" > "$OUT/build.log" 2>&1; then
         note "build: ok ($(( $(date +%s) - start )) s)"
       else
         grep -E "error|Error" "$OUT/build.log" | head -40
@@ -40,14 +45,21 @@ for stage in "${stages[@]}"; do
         break
       fi
       ;;
-    test)
+    test|cudatest)
       ctest --test-dir "$BUILD" -L cuda --output-on-failure -j 4 > "$OUT/cuda_tests.log" 2>&1
       cuda_rc=$?
       grep -E "tests passed|tests failed" "$OUT/cuda_tests.log" | tail -1
       grep -E "^\s+[0-9]+ - .*\(Failed\)" "$OUT/cuda_tests.log" | head -30
-      ctest --test-dir "$BUILD" -L cpu --output-on-failure -j 8 > "$OUT/cpu_tests.log" 2>&1
-      cpu_rc=$?
-      note "test: cuda $(grep -E 'tests passed' "$OUT/cuda_tests.log" | tail -1) (rc $cuda_rc); cpu $(grep -E 'tests passed' "$OUT/cpu_tests.log" | tail -1) (rc $cpu_rc) ($(( $(date +%s) - start )) s)"
+      WINNOW_PORTABLE_KERNELS=1 "$BUILD/tests/winnow_cuda_tests" --gtest_brief=1 > "$OUT/cuda_tests_portable.log" 2>&1
+      portable_rc=$?
+      grep -E "FAILED|PASSED" "$OUT/cuda_tests_portable.log" | head -20
+      summary_line="test: cuda $(grep -E 'tests passed' "$OUT/cuda_tests.log" | tail -1) (rc $cuda_rc); portable kernels rc $portable_rc"
+      if [[ "$stage" == test ]]; then
+        ctest --test-dir "$BUILD" -L cpu --output-on-failure -j 8 > "$OUT/cpu_tests.log" 2>&1
+        cpu_rc=$?
+        summary_line+="; cpu $(grep -E 'tests passed' "$OUT/cpu_tests.log" | tail -1) (rc $cpu_rc)"
+      fi
+      note "$summary_line ($(( $(date +%s) - start )) s)"
       ;;
     sanitize)
       for tool in memcheck racecheck; do

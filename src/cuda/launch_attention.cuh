@@ -3,9 +3,11 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "cuda/attention/backward.cuh"
 #include "cuda/attention/forward.cuh"
+#include "cuda/attention/forward_sm90.cuh"
 #include "cuda/attention/simple.cuh"
 #include "cuda/launch.h"
 
@@ -17,8 +19,45 @@ void allow_shared_memory(Kernel kernel, int bytes) {
         "raising a kernel's shared-memory limit");
 }
 
+// Whether `kernel` has Hopper code for the current device: its binary was built for sm_90a
+// (compute capability 9.0) and the device is one, and WINNOW_PORTABLE_KERNELS is not set (it
+// forces the portable kernels, for comparison).
+template <class Kernel>
+bool hopper_kernel_runs(Kernel kernel) {
+  static const int binary = [&] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return attr.binaryVersion;
+  }();
+  static const bool portable_forced = std::getenv("WINNOW_PORTABLE_KERNELS") != nullptr;
+  if (binary != 90 || portable_forced) return false;
+  int device = 0, major = 0;
+  check(cudaGetDevice(&device), "querying the device");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "querying the device");
+  return major == 9;
+}
+
+template <class T, int D, class Rows, class Config>
+bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg) {
+  auto kernel = attention_forward_sm90_kernel<T, D, Rows, Config>;
+  if (!hopper_kernel_runs(kernel)) return false;
+  using Shape = Sm90ForwardShape;
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.z == 0) return true;
+  const int smem = Sm90ForwardSmem<T, D>::kBytes;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, cfg);
+  check_launch("attention_forward_sm90_kernel");
+  return true;
+}
+
 template <class T, int D, class Rows, class Config>
 void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg) {
+  if (launch_sm90_forward<T, D, Rows>(p, cfg)) return;
   const dim3 grid(static_cast<unsigned>((p.max_len_q + kForwardBQ - 1) / kForwardBQ),
                   static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
   if (grid.x == 0 || grid.z == 0) return;

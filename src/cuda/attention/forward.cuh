@@ -5,7 +5,10 @@
 // (rescaling the running output where it must), and adds P V.
 //
 // A mechanism is a Rows policy holding its per-row running state in registers:
-//   init(), weights(s, o, mask), halted(), finish(o, stat[2]).
+//   weights<Masked>(s, mask)   scores -> weights in place
+//   rescale(o)                 what the last weights() asks of the output so far (softmax's
+//                              moved maximum), applied once no product is adding into o
+//   halted(mask), finish(o, stat[2]), store_extra(...)
 #pragma once
 
 #include <cstdint>
@@ -116,10 +119,11 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
     mask.active = qt.needs_mask(kt);
     // Tiles off the diagonal (most of them at long context) run without any mask arithmetic.
     if (mask.active) {
-      rows.template weights<true>(s, o, mask);
+      rows.template weights<true>(s, mask);
     } else {
-      rows.template weights<false>(s, o, mask);
+      rows.template weights<false>(s, mask);
     }
+    rows.rescale(o);
     std::uint32_t pa[BK / 16][4];
     tile::to_operand<T>(s, pa);
     tile::mma_b_cols<T>(o, pa, v_tile(buf), 0, lane);

@@ -16,6 +16,7 @@ struct SoftmaxRows {
   static constexpr bool kCanHalt = false;
   float scale_log2;
   float max[2], sum[2];
+  float pending[2] = {1.f, 1.f};  // the output's rescale for the last tile's new maximum
 
   __device__ __forceinline__ SoftmaxRows(const AttentionParams& p, const SoftmaxConfig&)
       : scale_log2(static_cast<float>(p.scale * M_LOG2E)) {
@@ -25,8 +26,10 @@ struct SoftmaxRows {
 
   // The running maximum is kept on raw scores (scale > 0 preserves order), so each weight
   // costs one fused multiply-add and one exp2: exp2(s * scale log2 e - max * scale log2 e).
-  template <bool Masked, int NT, int DT>
-  __device__ __forceinline__ void weights(float (&s)[NT][4], float (&o)[DT][4], const RowMask& mask) {
+  // The output's rescale for a moved maximum is left pending for rescale(o), so a kernel can
+  // apply it once the product that is still adding into o has finished.
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float tile_max = -INFINITY;
@@ -42,7 +45,7 @@ struct SoftmaxRows {
       const float new_max = fmaxf(max[half], tile::quad_max(tile_max));
       // A row that has seen no key keeps max -inf; shifting by 0 keeps exp2(-inf) = 0.
       const float shift = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      const float rescale = tile::exp2_fast(max[half] * scale_log2 - shift);
+      pending[half] = tile::exp2_fast(max[half] * scale_log2 - shift);
       float tile_sum = 0.f;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
@@ -53,13 +56,20 @@ struct SoftmaxRows {
           tile_sum += z;
         }
       }
-      sum[half] = sum[half] * rescale + tile_sum;  // quad-reduced once, in finish()
+      sum[half] = sum[half] * pending[half] + tile_sum;  // quad-reduced once, in finish()
+      max[half] = new_max;
+    }
+  }
+
+  template <int DT>
+  __device__ __forceinline__ void rescale(float (&o)[DT][4]) const {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
 #pragma unroll
       for (int n = 0; n < DT; ++n) {
-        o[n][2 * half] *= rescale;
-        o[n][2 * half + 1] *= rescale;
+        o[n][2 * half] *= pending[half];
+        o[n][2 * half + 1] *= pending[half];
       }
-      max[half] = new_max;
     }
   }
 

@@ -30,46 +30,47 @@ struct StickBreakingRows {
     carry[0] = carry[1] = 0.f;
   }
 
-  template <bool Masked, int NT, int DT>
-  __device__ __forceinline__ void weights(float (&s)[NT][4], float (&)[DT][4], const RowMask& mask) {
+  // One pass from the thread's last key to its first turns each logit into
+  //   z - (its cost + the costs of the thread's keys to its right),
+  // in place, so no second array of costs is live beside the scores; the quad scan then
+  // supplies the costs held by the threads to the right, and the carry the tiles to the right:
+  //   log2 A = z - (in-tile inclusive suffix of costs) + carry   (math::log_weight).
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     namespace sb = math::stick_breaking;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float cost[NT][2];
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& z = s[n][2 * half + e];
-          z *= scale_log2;
-          cost[n][e] = !Masked || mask.visible<8 * NT>(half, n, e)
-                           ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
-                           : 0.f;
-        }
-      }
-      // Keys of this thread ascend with (n, e): scan from the last one down.
-      float suffix = 0.f;
+      float right = 0.f;  // costs of this thread's keys right of the current one
 #pragma unroll
       for (int n = NT - 1; n >= 0; --n) {
 #pragma unroll
         for (int e = 1; e >= 0; --e) {
-          suffix += cost[n][e];
-          cost[n][e] = suffix;
+          float& z = s[n][2 * half + e];
+          z *= scale_log2;
+          const float cost = !Masked || mask.visible<8 * NT>(half, n, e)
+                                 ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
+                                 : 0.f;
+          right += cost;
+          z = sb::log_weight(z, right, 0.f);
         }
       }
-      const tile::QuadScan quad = tile::quad_scan(suffix, mask.tig);
+      const tile::QuadScan quad = tile::quad_scan(right, mask.tig);
+      const float shift = carry[half] - quad.after;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& z = s[n][2 * half + e];
-          const float log2_w = sb::log_weight(z, cost[n][e] + quad.after, carry[half]);
-          z = !Masked || mask.visible<8 * NT>(half, n, e) ? tile::exp2_fast(log2_w) : 0.f;
+          z = !Masked || mask.visible<8 * NT>(half, n, e) ? tile::exp2_fast(z + shift) : 0.f;
         }
       }
       carry[half] -= quad.total;
     }
   }
+
+  // Weights are absolute (no running maximum): the output never needs rescaling.
+  template <int DT>
+  __device__ __forceinline__ void rescale(float (&)[DT][4]) const {}
 
   __device__ __forceinline__ bool can_halt() const { return cutoff_log2 > 0.f; }
   __device__ __forceinline__ bool halted(const RowMask& mask) const {

@@ -1,0 +1,282 @@
+// The fused forward kernel on Hopper (sm_90a), for the same row policies as the portable one
+// (forward.cuh). A block owns 128 query rows of one head and has three warpgroups:
+//   producer   copies Q once, then K and V tiles of 128 keys from the diagonal leftwards into
+//              two rings of shared-memory stages (cp.async: any strides, zero rows past the
+//              sequence, keys permuted so that each thread's scores are consecutive keys; see
+//              geometry.cuh); each stage is handed over by an mbarrier that the copies
+//              themselves complete, so the producer never waits for its own loads;
+//   consumers  two warpgroups of 64 rows each. Per key tile i, one "round" of products,
+//              S_i = Q K_i^T and O += P_{i-1} V_{i-1} (wgmma; Q, K, V from shared memory, P
+//              from registers), then the row policy turns S_i into P_i while the products
+//              run. The consumers take turns for their rounds (two named barriers, ping-pong):
+//              one's exp/log work overlaps the other's products, which is what keeps the
+//              matrix units busy when a mechanism's per-score work is as heavy as its products.
+// Early halting (stick-breaking): a consumer whose 64 rows have all halted stops computing and
+// raises a flag; once both have, the producer stops loading and sends an end marker.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/forward.cuh"
+#include "cuda/tile/hopper.cuh"
+#include "cuda/tile/panel_tile.cuh"
+
+namespace winnow::cuda {
+
+struct Sm90ForwardShape {
+  static constexpr int kBQ = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int kBK = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  // Registers per thread after reallocation: 128 x (24 + 2 x 240) = 64512 of the 65536.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+};
+
+template <class T, int D>
+struct Sm90ForwardSmem {
+  using Shape = Sm90ForwardShape;
+  using QTile = tile::PanelTile<T, Shape::kBQ, D>;
+  using KVTile = tile::PanelTile<T, Shape::kBK, D>;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + QTile::kBytes;  // stage s at kK + s * KVTile::kBytes
+  static constexpr int kV = kK + Shape::kStages * KVTile::kBytes;
+  static constexpr int kSync = kV + Shape::kStages * KVTile::kBytes;
+  // mbarriers k_full, k_empty, v_full, v_empty [stages]; end[stages] (-1: the producer
+  // stopped before this stage's K); halted[2] (per consumer).
+  static constexpr int kSyncBytes = 32 * Shape::kStages + 4 * Shape::kStages + 8;
+  // Dynamic shared memory is only 16-byte aligned; the swizzle needs 1024.
+  static constexpr int kBytes = kSync + kSyncBytes + 1024;
+};
+
+// Named barriers: 1 producer; 2, 3 each consumer's own; 4, 5 the consumers' turns.
+inline constexpr int kProducerBarrier = 1, kConsumerBarrier = 2, kTurnBarrier = 4;
+
+template <class T, int D, class Rows, class Config>
+__global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
+    attention_forward_sm90_kernel(const AttentionParams p, const Config cfg) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Shape = Sm90ForwardShape;
+  using Smem = Sm90ForwardSmem<T, D>;
+  constexpr int BQ = Shape::kBQ, BK = Shape::kBK, S = Shape::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
+  const typename Smem::QTile q_tile{smem + Smem::kQ};
+  auto k_tile = [&](int s) { return typename Smem::KVTile{smem + Smem::kK + s * Smem::KVTile::kBytes}; };
+  auto v_tile = [&](int s) { return typename Smem::KVTile{smem + Smem::kV + s * Smem::KVTile::kBytes}; };
+  std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
+  std::uint64_t* const k_empty = k_full + S;
+  std::uint64_t* const v_full = k_empty + S;
+  std::uint64_t* const v_empty = v_full + S;
+  volatile int* const end = reinterpret_cast<volatile int*>(v_empty + S);
+  volatile int* const halted = end + S;
+
+  const QueryTile<BQ, BK> qt(p);
+  if (qt.empty()) return;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      tile::mbar_init(&k_full[s], 128);   // every producer thread, when its copies land
+      tile::mbar_init(&v_full[s], 128);
+      tile::mbar_init(&k_empty[s], 256);  // every consumer thread
+      tile::mbar_init(&v_empty[s], 256);
+      end[s] = 0;
+    }
+    halted[0] = halted[1] = 0;
+    tile::mbar_init_fence();
+  }
+  __syncthreads();
+
+  bool may_halt = false;
+  if constexpr (Rows::kCanHalt) may_halt = cfg.halt_cutoff > 0.f;
+  const int n_tiles = qt.key_tiles;
+
+  if (tid < 128) {
+    // ---------------------------------------------------------------- producer
+    tile::registers_release<Shape::kProducerRegisters>();
+    const int ptid = tid;
+    using KV = typename Smem::KVTile;
+    // This thread's tile rows r0, r0 + P, ... hold keys key0, key0 + P / 4, ... of each tile
+    // (the permutation of geometry.cuh is affine along such a sequence), so every copy is a
+    // fixed step from the one before.
+    constexpr int P = KV::template row_stride_of<128>();
+    const int r0 = KV::template first_row_of<128>(ptid);
+    const std::int64_t key0 = key_of_column<BK>(r0);
+    const T* const k_base = p.k.at<const T>(qt.b, qt.s.k_start, qt.hk);
+    const T* const v_base = p.v.at<const T>(qt.b, qt.s.k_start, qt.hk);
+    auto keys_valid = [&](int kt) {  // how many of this thread's keys of tile kt exist
+      const std::int64_t left = qt.s.k_len - static_cast<std::int64_t>(kt) * BK - key0;
+      return left <= 0 ? 0 : static_cast<int>(left < BK ? (left + P / 4 - 1) / (P / 4) : BK);
+    };
+    for (int i = 0; i < n_tiles; ++i) {
+      const int s = i % S, kt = n_tiles - 1 - i;
+      if (i >= S) {
+        tile::mbar_wait(&k_empty[s], ((i / S) - 1) & 1);
+        // Both consumers halted: one thread reads the flags so every producer thread agrees.
+        if (may_halt &&
+            tile::named_sync_or(kProducerBarrier, 128, ptid == 0 && halted[0] != 0 && halted[1] != 0)) {
+          if (ptid == 0) end[s] = -1;
+          tile::mbar_arrive(&k_full[s]);
+          return;
+        }
+      }
+      if (i == 0) {
+        using Q = typename Smem::QTile;
+        const int q0 = Q::template first_row_of<128>(ptid);
+        constexpr int QP = Q::template row_stride_of<128>();
+        const std::int64_t left = qt.s.q_len - qt.r0 - q0;
+        q_tile.template load_rows_async<128>(
+            ptid, p.q.at<const T>(qt.b, qt.s.q_start + qt.r0 + q0, qt.h), QP * p.q.row,
+            left <= 0 ? 0 : static_cast<int>(left < BQ ? (left + QP - 1) / QP : BQ));
+      }
+      const std::int64_t row = static_cast<std::int64_t>(kt) * BK + key0;
+      const int valid = keys_valid(kt);
+      k_tile(s).template load_rows_async<128>(ptid, k_base + row * p.k.row, (P / 4) * p.k.row, valid);
+      tile::mbar_arrive_on_copies(&k_full[s]);
+      if (i >= S) tile::mbar_wait(&v_empty[s], ((i / S) - 1) & 1);
+      v_tile(s).template load_rows_async<128>(ptid, v_base + row * p.v.row, (P / 4) * p.v.row, valid);
+      tile::mbar_arrive_on_copies(&v_full[s]);
+    }
+  } else {
+    // ---------------------------------------------------------------- consumers
+    tile::registers_claim<Shape::kConsumerRegisters>();
+    const int ctid = tid - 128, wg = ctid / 128, wtid = ctid % 128;
+    const int warp = wtid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
+    const std::int64_t row0 = qt.r0 + 64 * wg + 16 * warp + g;  // this thread's rows: row0, row0 + 8
+    const int my_turn = kTurnBarrier + wg, other_turn = kTurnBarrier + 1 - wg;
+
+    RowMask mask;
+    mask.limit[0] = qt.limit(p, row0);
+    mask.limit[1] = qt.limit(p, row0 + 8);
+    mask.tig = tig;
+    Rows rows(p, cfg);
+    float o[D / 8][4];
+    tile::zero(o);
+    std::uint32_t pa[BK / 16][4];  // P of the previous tile, waiting for its product with V
+    int kept_from_tile = 0;
+    bool done = false;  // every row of this consumer has halted: its weights are zero from now
+
+    // Products are issued on paths that every thread of the warpgroup takes, decided by the
+    // loop alone: a product under a data-dependent branch makes the compiler serialise all of
+    // them. So the first and last rounds are peeled off the loop, and a halted consumer keeps
+    // multiplying (zero weights) until the producer ends the sweep for both.
+    auto issue_s = [&](float (&sc)[BK / 8][4], int s) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile.k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), true);
+      }
+      tile::wgmma_commit();
+    };
+    auto issue_pv = [&](int s) {
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        tile::wgmma_rs<T, D, 1>(o, pa[ks], v_tile(s).mn_major(16 * ks), true);
+      }
+      tile::wgmma_commit();
+    };
+    // S_i -> P_i (in pa), and what the policy asks of the output.
+    auto weigh = [&](float (&sc)[BK / 8][4], int i) {
+      const int kt = n_tiles - 1 - i;
+      if (!done) {
+        mask.key0 = static_cast<std::int64_t>(kt) * BK;
+        mask.active = qt.needs_mask(kt);
+        if (mask.active) {
+          rows.template weights<true>(sc, mask);
+        } else {
+          rows.template weights<false>(sc, mask);
+        }
+      } else {
+        tile::zero(sc);
+      }
+    };
+    auto after_weights = [&](float (&sc)[BK / 8][4], int i) {
+      if (!done) {
+        rows.rescale(o);
+        kept_from_tile = n_tiles - 1 - i;
+        if (may_halt) {
+          done = tile::named_sync_and(kConsumerBarrier + wg, 128, rows.halted(mask));
+          if (done && wtid == 0) halted[wg] = 1;
+        }
+      }
+      tile::to_operand<T>(sc, pa);
+    };
+
+    if (wg == 1) tile::named_arrive(kTurnBarrier, 256);  // consumer 0 takes the first turn
+    int i = 0;
+    if (n_tiles > 0) {
+      // First round: S_0 alone.
+      tile::mbar_wait(&k_full[0], 0);
+      tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
+      float sc[BK / 8][4];
+      tile::zero(sc);
+      tile::named_sync(my_turn, 256);
+      tile::wgmma_fence();
+      issue_s(sc, 0);
+      tile::named_arrive(other_turn, 256);
+      tile::wgmma_wait<0>();
+      tile::pin(sc);
+      tile::mbar_arrive(&k_empty[0]);
+      weigh(sc, 0);
+      after_weights(sc, 0);
+
+      for (i = 1; i < n_tiles; ++i) {
+        const int s = i % S, prev = (i - 1) % S;
+        tile::mbar_wait(&k_full[s], (i / S) & 1);
+        if (end[s] < 0) break;
+        tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);
+        tile::fence_to_async_proxy();
+        tile::zero(sc);
+        tile::named_sync(my_turn, 256);
+        tile::wgmma_fence();
+        issue_s(sc, s);
+        issue_pv(prev);
+        tile::named_arrive(other_turn, 256);
+        tile::wgmma_wait<1>();
+        tile::pin(sc);
+        tile::mbar_arrive(&k_empty[s]);
+        weigh(sc, i);
+        tile::wgmma_wait<0>();
+        tile::pin(o);
+        tile::mbar_arrive(&v_empty[prev]);
+        after_weights(sc, i);
+      }
+
+      // Last round: the last P with its V. Consumer 1 gives no turn back after it, so every
+      // turn given is taken.
+      const int prev = (i - 1) % S;
+      tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);
+      tile::fence_to_async_proxy();
+      tile::named_sync(my_turn, 256);
+      tile::wgmma_fence();
+      issue_pv(prev);
+      if (wg == 0) tile::named_arrive(other_turn, 256);
+      tile::wgmma_wait<0>();
+      tile::pin(o);
+    } else if (wg == 0) {
+      // No tile at all: take the turn consumer 1 gave, so the barrier is left clean.
+      tile::named_sync(my_turn, 256);
+    }
+
+    float stat[2];
+    rows.finish(o, stat);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      if (row >= qt.s.q_len) continue;
+      T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
+            tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+      }
+      if (tig == 0) {
+        *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
+        rows.store_extra(p, cfg, qt.b, qt.s.q_start + row, qt.h,
+                         static_cast<std::int64_t>(kept_from_tile) * BK);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace winnow::cuda

@@ -1,0 +1,175 @@
+// Hopper (sm_90a) vocabulary: shared-memory operand descriptors and the warpgroup product that
+// reads them, transaction barriers (mbarrier) that hand tiles from producer warps to consumer
+// warps, named barriers, register reallocation between warpgroups, and the proxy fence that
+// makes ordinary shared-memory writes visible to the matrix units.
+//
+// Everything here compiles for any architecture; only kernels built for sm_90a may call it.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/tile/ptx.cuh"
+#include "cuda/tile/wgmma_instructions.cuh"
+
+namespace winnow::cuda::tile {
+
+// ------------------------------------------------------------------ operand descriptors
+// A wgmma operand in shared memory with the 128-byte swizzle: 8-row groups of 128-byte rows
+// (1024 bytes, 1024-aligned), the 16-byte chunk index of each row XOR-ed with row % 8.
+//   K-major (k index contiguous, as Q and K in Q K^T): rows are the M / N index; SBO is the
+//   distance between 8-row groups, LBO is unused.
+//   MN-major (as V in P V, whose rows are the k index): LBO is the distance between 64-wide
+//   column panels, SBO between 8-row groups.
+__device__ __forceinline__ std::uint64_t smem_descriptor(std::uint32_t smem_addr, std::uint32_t lbo_bytes,
+                                                         std::uint32_t sbo_bytes) {
+  std::uint64_t d = 0;
+  d |= static_cast<std::uint64_t>((smem_addr & 0x3FFFF) >> 4);
+  d |= static_cast<std::uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
+  d |= static_cast<std::uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32;
+  d |= static_cast<std::uint64_t>(1) << 62;  // 128-byte swizzle
+  return d;
+}
+
+// ------------------------------------------------------------------ warpgroup products
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of accumulator registers across the
+// asynchronous product that owns them (between issue and wait the hardware writes them).
+template <int N>
+__device__ __forceinline__ void pin(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N, int M>
+__device__ __forceinline__ void pin(float (&r)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) pin(r[i]);
+}
+template <int N>
+__device__ __forceinline__ void pin(std::uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+  }
+}
+
+// The accumulator of a 64 x N product in the kernels' fragment shape float[N / 8][4].
+template <int N>
+__device__ __forceinline__ float (&flat(float (&acc)[N / 8][4]))[N / 2] {
+  return reinterpret_cast<float(&)[N / 2]>(acc);
+}
+
+// acc (64 x N) (+)= A (shared, descriptor) * B (shared, descriptor).
+template <class T, int N, int TransA, int TransB>
+__device__ __forceinline__ void wgmma_ss(float (&acc)[N / 8][4], std::uint64_t a, std::uint64_t b,
+                                         bool accumulate) {
+  if constexpr (N == 64) {
+    wgmma_ss_n64<T, TransA, TransB>(flat<N>(acc), a, b, accumulate);
+  } else {
+    static_assert(N == 128, "key tiles and head dimensions of 64 or 128");
+    wgmma_ss_n128<T, TransA, TransB>(flat<N>(acc), a, b, accumulate);
+  }
+}
+// acc (64 x N) (+)= A (registers, m16n8k16 fragment per warp) * B (shared, descriptor).
+template <class T, int N, int TransB>
+__device__ __forceinline__ void wgmma_rs(float (&acc)[N / 8][4], const std::uint32_t (&a)[4],
+                                         std::uint64_t b, bool accumulate) {
+  if constexpr (N == 64) {
+    wgmma_rs_n64<T, TransB>(flat<N>(acc), a, b, accumulate);
+  } else {
+    static_assert(N == 128, "key tiles and head dimensions of 64 or 128");
+    wgmma_rs_n128<T, TransB>(flat<N>(acc), a, b, accumulate);
+  }
+}
+
+// ------------------------------------------------------------------ barriers
+// mbarrier: a phase completes when `count` arrivals have happened; waiters name the parity of
+// the phase they wait for (0, 1, 0, ...).
+__device__ __forceinline__ void mbar_init(std::uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// The mbarrier receives this thread's arrival once all its earlier cp.async copies have
+// landed; the thread itself goes on at once. (`noinc`: the arrival is one of the `count`.)
+__device__ __forceinline__ void mbar_arrive_on_copies(std::uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
+}
+
+// Named barriers (id 1 .. 15; 0 is __syncthreads) over `threads` threads, whole warps.
+// named_sync waits for the barrier; named_arrive counts towards it without waiting.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// A named barrier that also returns whether `pred` holds in every participating thread.
+__device__ __forceinline__ bool named_sync_and(int id, int threads, bool pred) {
+  std::uint32_t out;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 p, %1, 0;\n"
+      "barrier.red.and.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n"
+      "}\n"
+      : "=r"(out)
+      : "r"(static_cast<std::uint32_t>(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return out != 0;
+}
+__device__ __forceinline__ bool named_sync_or(int id, int threads, bool pred) {
+  std::uint32_t out;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 p, %1, 0;\n"
+      "barrier.red.or.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n"
+      "}\n"
+      : "=r"(out)
+      : "r"(static_cast<std::uint32_t>(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return out != 0;
+}
+
+// Ordinary (generic-proxy) shared-memory writes of this thread, cp.async included, become
+// visible to the matrix units (async proxy) once a barrier follows this fence.
+__device__ __forceinline__ void fence_to_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Register reallocation between warpgroups: producers give registers back, consumers take them.
+template <int Registers>
+__device__ __forceinline__ void registers_release() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Registers));
+}
+template <int Registers>
+__device__ __forceinline__ void registers_claim() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Registers));
+}
+
+}  // namespace winnow::cuda::tile

@@ -1,0 +1,77 @@
+// Shared-memory tiles in the layout the Hopper matrix units read directly: a Rows x Cols tile
+// of 16-bit elements is Cols / 64 column panels one after another, each panel Rows rows of
+// 128 bytes with the 16-byte chunks of row r XOR-swizzled by r % 8 (the 128-byte swizzle).
+// A tile is filled with cp.async (any row order, any strides, zero rows past the operand) and
+// read through descriptors, as a K-major operand (its rows are the product's M or N index) or
+// an MN-major one (its rows are the product's k index).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/tile/hopper.cuh"
+
+namespace winnow::cuda::tile {
+
+template <class T, int Rows, int Cols>
+struct PanelTile {
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  static_assert(Cols % 64 == 0 && Rows % 8 == 0, "whole panels of whole 8-row groups");
+  static constexpr int kPanels = Cols / 64;
+  static constexpr int kPanelBytes = Rows * 128;
+  static constexpr int kBytes = Rows * Cols * 2;
+  static constexpr int kChunks = Cols / 8;  // 16-byte chunks per row
+  unsigned char* data;                      // 1024-byte aligned
+
+  __device__ __forceinline__ int offset(int row, int chunk) const {
+    return (chunk >> 3) * kPanelBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+  }
+
+  // Cooperative asynchronous load. row_src(r) gives the global address of tile row r's first
+  // element, or nullptr for a row outside the operand (zero-filled). Each row's Cols elements
+  // are contiguous in global memory and 16-byte aligned.
+  template <int NThreads, class RowSrc>
+  __device__ __forceinline__ void load_async(int tid, RowSrc&& row_src) const {
+    static_assert((Rows * kChunks) % NThreads == 0, "tile chunks must divide among threads");
+#pragma unroll 4
+    for (int i = 0; i < Rows * kChunks / NThreads; ++i) {
+      const int idx = tid + i * NThreads;
+      const int row = idx / kChunks, chunk = idx % kChunks;
+      const T* src = row_src(row);
+      cp_async_16(data + offset(row, chunk), src ? src + chunk * 8 : nullptr, src != nullptr);
+    }
+  }
+
+  // The cheap cooperative load for rows whose global addresses advance by a fixed step: thread
+  // tid copies chunk tid % kChunks of tile rows r0, r0 + P, r0 + 2 P, ... (r0 = tid / kChunks,
+  // P = NThreads / kChunks). `first` is the global address of row r0's first element, `step`
+  // the distance in elements between its consecutive rows, and rows from `valid` on (counted
+  // in the thread's own sequence) are zero-filled. Three instructions a copy: the producer
+  // warps must leave the issue slots to the warps that compute.
+  template <int NThreads>
+  __device__ __forceinline__ void load_rows_async(int tid, const T* first, std::int64_t step, int valid) const {
+    static_assert(NThreads % kChunks == 0 && Rows % (NThreads / kChunks) == 0, "whole rows per pass");
+    constexpr int P = NThreads / kChunks, J = Rows / P;
+    const int chunk = tid % kChunks;
+    unsigned char* dst = data + offset(tid / kChunks, chunk);
+    const T* src = first + chunk * 8;
+#pragma unroll
+    for (int j = 0; j < J; ++j) cp_async_16(dst + j * P * 128, src + j * step, j < valid);
+  }
+  // The first tile row of thread tid's sequence in load_rows_async, and the sequence's stride.
+  template <int NThreads>
+  static __device__ __forceinline__ int first_row_of(int tid) { return tid / kChunks; }
+  template <int NThreads>
+  static constexpr int row_stride_of() { return NThreads / kChunks; }
+
+  // Rows row0 .. (a multiple of 8) as a K-major operand, at k-step k0 (a multiple of 16).
+  __device__ __forceinline__ std::uint64_t k_major(int row0, int k0) const {
+    const std::uint32_t addr = smem_address(data) + (k0 >> 6) * kPanelBytes + row0 * 128 + (k0 & 63) * 2;
+    return smem_descriptor(addr, 16, 1024);
+  }
+  // The tile as an MN-major operand whose k index runs along the rows, from row k0.
+  __device__ __forceinline__ std::uint64_t mn_major(int k0) const {
+    return smem_descriptor(smem_address(data) + k0 * 128, kPanelBytes, 1024);
+  }
+};
+
+}  // namespace winnow::cuda::tile
