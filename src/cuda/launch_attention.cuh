@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "cuda/attention/backward.cuh"
+#include "cuda/attention/backward_sm90.cuh"
 #include "cuda/attention/forward.cuh"
 #include "cuda/attention/forward_sm90.cuh"
 #include "cuda/attention/simple.cuh"
@@ -71,11 +72,15 @@ void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg) {
 template <class T, int D, class Rows, class Config>
 void launch_fused_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                            const Config& cfg) {
+  auto sm90_kernel = attention_backward_sm90_kernel<T, D, Rows, Config>;
+  const bool sm90 = hopper_kernel_runs(sm90_kernel);
   KeyGradAccumulators acc;
   acc.deterministic = p.deterministic;
   acc.key_tiles = static_cast<int>((p.max_len_k + kBackwardBK - 1) / kBackwardBK);
   const std::size_t grads = static_cast<std::size_t>(p.rows_k * p.heads_kv * D);
-  const std::size_t order = p.deterministic ? static_cast<std::size_t>(p.num_seqs * p.heads_kv * acc.key_tiles) : 0;
+  // Deterministic mode: one counter per (sequence, kv head, key tile), and per accumulator on
+  // Hopper, where dk and dv are added by different warpgroups.
+  const std::size_t order = p.deterministic ? static_cast<std::size_t>(p.num_seqs * p.heads_kv * acc.key_tiles) * (sm90 ? 2 : 1) : 0;
   const std::size_t bytes = (2 * grads + order) * sizeof(float);
   DeviceBuffer buffer(p, bytes);
   if (bytes > 0) check(cudaMemsetAsync(buffer.as<void>(), 0, bytes, stream_of(p)), "clearing accumulators");
@@ -83,14 +88,26 @@ void launch_fused_backward(const detail::AttentionParams& p, const detail::Gradi
   acc.dv = acc.dk + grads;
   acc.order = reinterpret_cast<int*>(acc.dv + grads);
 
-  const dim3 grid(static_cast<unsigned>((p.max_len_q + kBackwardBQ - 1) / kBackwardBQ),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
-  if (grid.x > 0 && grid.z > 0) {
-    auto kernel = attention_backward_kernel<T, D, Rows, Config>;
-    const int smem = BackwardSmem<T, D>::kBytes;
-    allow_shared_memory(kernel, smem);
-    kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc);
-    check_launch("attention_backward_kernel");
+  if (sm90) {
+    using Shape = Sm90BackwardShape;
+    const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
+                    static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+    if (grid.x > 0 && grid.z > 0) {
+      const int smem = Sm90BackwardSmem<T, D>::kBytes;
+      allow_shared_memory(sm90_kernel, smem);
+      sm90_kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, cfg, acc);
+      check_launch("attention_backward_sm90_kernel");
+    }
+  } else {
+    const dim3 grid(static_cast<unsigned>((p.max_len_q + kBackwardBQ - 1) / kBackwardBQ),
+                    static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+    if (grid.x > 0 && grid.z > 0) {
+      auto kernel = attention_backward_kernel<T, D, Rows, Config>;
+      const int smem = BackwardSmem<T, D>::kBytes;
+      allow_shared_memory(kernel, smem);
+      kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc);
+      check_launch("attention_backward_kernel");
+    }
   }
   store_key_grads(p, g, acc.dk, acc.dv);
 }

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     auto issue_s = [&](float (&sc)[BK / 8][4], int s) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile.k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), true);
+        tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile.k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), ks > 0);
       }
       tile::wgmma_commit();
     };
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       tile::mbar_wait(&k_full[0], 0);
       tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
       float sc[BK / 8][4];
-      tile::zero(sc);
+      tile::fresh(sc);
       tile::named_sync(my_turn, 256);
       tile::wgmma_fence();
       issue_s(sc, 0);
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         if (end[s] < 0) break;
         tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);
         tile::fence_to_async_proxy();
-        tile::zero(sc);
+        tile::fresh(sc);
         tile::named_sync(my_turn, 256);
         tile::wgmma_fence();
         issue_s(sc, s);

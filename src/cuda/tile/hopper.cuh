@@ -59,6 +59,18 @@ __device__ __forceinline__ void pin(std::uint32_t (&r)[N][4]) {
   }
 }
 
+// Marks registers as defined without writing them: the accumulator of a product that starts
+// with accumulate = false. (Zeroing it instead lets the compiler share one zero register
+// among the accumulator's elements, and then wait for each product that writes it.)
+template <int N, int M>
+__device__ __forceinline__ void fresh(float (&r)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) asm volatile("" : "=f"(r[i][j]));
+  }
+}
+
 // The accumulator of a 64 x N product in the kernels' fragment shape float[N / 8][4].
 template <int N>
 __device__ __forceinline__ float (&flat(float (&acc)[N / 8][4]))[N / 2] {

@@ -1,0 +1,293 @@
+// The fused backward kernel on Hopper (sm_90a), for the same backward row policies as the
+// portable one (backward.cuh). Like it, a block owns 128 query rows of one head and sweeps key
+// tiles (of 64) left to right, the order in which stick-breaking's prefix sums of g accumulate;
+// dq stays in registers and dk, dv are reduced over the block's rows and added into fp32
+// accumulators in global memory. Three warpgroups:
+//   producer   copies Q and dO once, then K and V tiles into two rings of stages (cp.async,
+//              keys permuted as in geometry.cuh, every copy a fixed step from the one before);
+//   consumers  two warpgroups of 64 rows. Per key tile:
+//                S = Q K^T, dP = dO V^T        wgmma, all operands in shared memory
+//                P, dS                         the row policy, in registers
+//                P, dS -> shared memory        (double-buffered, for the transposed products)
+//                dQ += dS K                    wgmma, dS from registers
+//                -- both consumers' P and dS are in shared memory --
+//                consumer 0: dV_t = P^T dO     wgmma, 64 keys x D over the block's 128 rows
+//                consumer 1: dK_t = dS^T Q
+//                then adds its tile into the fp32 accumulator (atomics, or in the
+//                deterministic mode in a fixed block order, one counter per accumulator).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/backward.cuh"
+#include "cuda/tile/hopper.cuh"
+#include "cuda/tile/panel_tile.cuh"
+
+namespace winnow::cuda {
+
+struct Sm90BackwardShape {
+  static constexpr int kBQ = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int kBK = 64;   // = kBackwardBK: the deterministic mode's counters per tile
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+};
+static_assert(Sm90BackwardShape::kBK == kBackwardBK, "key tiles of the accumulators' counters");
+
+template <class T, int D>
+struct Sm90BackwardSmem {
+  using Shape = Sm90BackwardShape;
+  using RowTile = tile::PanelTile<T, Shape::kBQ, D>;            // Q, dO
+  using KVTile = tile::PanelTile<T, Shape::kBK, D>;             // K, V stages
+  using WeightTile = tile::PanelTile<T, Shape::kBQ, Shape::kBK>;  // P, dS [row][key]
+  static constexpr int kQ = 0;
+  static constexpr int kDO = kQ + RowTile::kBytes;
+  static constexpr int kK = kDO + RowTile::kBytes;
+  static constexpr int kV = kK + Shape::kStages * KVTile::kBytes;
+  static constexpr int kP = kV + Shape::kStages * KVTile::kBytes;  // buffer b at kP + b * 2 * tile
+  static constexpr int kSync = kP + 4 * WeightTile::kBytes;
+  static constexpr int kSyncBytes = 32 * Shape::kStages;
+  static constexpr int kBytes = kSync + kSyncBytes + 1024;
+};
+
+// Named barriers: 1 both consumers; 2, 3 each consumer's own; 4 the whole block, once the
+// consumers have found the first key tile.
+inline constexpr int kBwdConsumersBarrier = 1, kBwdConsumerBarrier = 2, kBwdStartBarrier = 4;
+
+template <class T, int D, class Rows, class Config>
+__global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
+    attention_backward_sm90_kernel(const AttentionParams p, const detail::GradientParams g,
+                                   const Config cfg, const KeyGradAccumulators acc) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Shape = Sm90BackwardShape;
+  using Smem = Sm90BackwardSmem<T, D>;
+  constexpr int BQ = Shape::kBQ, BK = Shape::kBK, S = Shape::kStages, NT = BK / 8;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
+  const typename Smem::RowTile q_tile{smem + Smem::kQ}, do_tile{smem + Smem::kDO};
+  auto k_tile = [&](int s) { return typename Smem::KVTile{smem + Smem::kK + s * Smem::KVTile::kBytes}; };
+  auto v_tile = [&](int s) { return typename Smem::KVTile{smem + Smem::kV + s * Smem::KVTile::kBytes}; };
+  auto p_tile = [&](int b) { return typename Smem::WeightTile{smem + Smem::kP + (2 * b) * Smem::WeightTile::kBytes}; };
+  auto ds_tile = [&](int b) { return typename Smem::WeightTile{smem + Smem::kP + (2 * b + 1) * Smem::WeightTile::kBytes}; };
+  std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
+  std::uint64_t* const k_empty = k_full + S;
+  std::uint64_t* const v_full = k_empty + S;
+  std::uint64_t* const v_empty = v_full + S;
+  __shared__ int block_first_tile;
+
+  const QueryTile<BQ, BK> qt(p);
+  if (qt.empty()) return;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      tile::mbar_init(&k_full[s], 128);
+      tile::mbar_init(&v_full[s], 128);
+      tile::mbar_init(&k_empty[s], 256);
+      tile::mbar_init(&v_empty[s], 256);
+    }
+    block_first_tile = qt.key_tiles;
+    tile::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ---------------------------------------------------------------- producer
+    tile::registers_release<Shape::kProducerRegisters>();
+    tile::named_sync(kBwdStartBarrier, Shape::kThreads);
+    const int first_tile = block_first_tile, n_tiles = qt.key_tiles - first_tile;
+    const int ptid = tid;
+    using KV = typename Smem::KVTile;
+    using RT = typename Smem::RowTile;
+    constexpr int P = KV::template row_stride_of<128>();
+    const std::int64_t key0 = key_of_column<BK>(KV::template first_row_of<128>(ptid));
+    const T* const k_base = p.k.at<const T>(qt.b, qt.s.k_start, qt.hk);
+    const T* const v_base = p.v.at<const T>(qt.b, qt.s.k_start, qt.hk);
+    for (int i = 0; i < n_tiles; ++i) {
+      const int s = i % S, kt = first_tile + i;
+      if (i == 0) {
+        const int q0 = RT::template first_row_of<128>(ptid);
+        constexpr int QP = RT::template row_stride_of<128>();
+        const std::int64_t left = qt.s.q_len - qt.r0 - q0;
+        const int valid = left <= 0 ? 0 : static_cast<int>(left < BQ ? (left + QP - 1) / QP : BQ);
+        const std::int64_t abs_row = qt.s.q_start + qt.r0 + q0;
+        q_tile.template load_rows_async<128>(ptid, p.q.at<const T>(qt.b, abs_row, qt.h), QP * p.q.row, valid);
+        do_tile.template load_rows_async<128>(ptid, g.dout.at<const T>(qt.b, abs_row, qt.h), QP * g.dout.row, valid);
+      }
+      const std::int64_t row = static_cast<std::int64_t>(kt) * BK + key0;
+      const std::int64_t left = qt.s.k_len - row;
+      const int valid = left <= 0 ? 0 : static_cast<int>(left < BK ? (left + P / 4 - 1) / (P / 4) : BK);
+      if (i >= S) tile::mbar_wait(&k_empty[s], ((i / S) - 1) & 1);
+      k_tile(s).template load_rows_async<128>(ptid, k_base + row * p.k.row, (P / 4) * p.k.row, valid);
+      tile::mbar_arrive_on_copies(&k_full[s]);
+      if (i >= S) tile::mbar_wait(&v_empty[s], ((i / S) - 1) & 1);
+      v_tile(s).template load_rows_async<128>(ptid, v_base + row * p.v.row, (P / 4) * p.v.row, valid);
+      tile::mbar_arrive_on_copies(&v_full[s]);
+    }
+  } else {
+    // ---------------------------------------------------------------- consumers
+    tile::registers_claim<Shape::kConsumerRegisters>();
+    const int ctid = tid - 128, wg = ctid / 128, wtid = ctid % 128;
+    const int warp = wtid / 32, lane = tid % 32, gq = lane / 4, tig = lane % 4;
+    const std::int64_t row0 = qt.r0 + 64 * wg + 16 * warp + gq;  // this thread's rows: row0, row0 + 8
+    RowMask mask;
+    mask.limit[0] = qt.limit(p, row0);
+    mask.limit[1] = qt.limit(p, row0 + 8);
+    mask.tig = tig;
+    Rows rows(p, g, cfg, qt, row0, tig);
+    mask.first[0] = rows.first_key(0, mask);
+    mask.first[1] = rows.first_key(1, mask);
+    // The sweep starts at the key tile of the smallest first key of the block's rows (keys
+    // left of a row's first key were dropped by early halting).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (mask.limit[half] >= 0) atomicMin(&block_first_tile, static_cast<int>(mask.first[half] / BK));
+    }
+    tile::named_sync(kBwdStartBarrier, Shape::kThreads);
+    const int first_tile = block_first_tile, n_tiles = qt.key_tiles - first_tile;
+    const int own_barrier = kBwdConsumerBarrier + wg;
+    // Consumer 0 accumulates dV, consumer 1 dK; each has its own order in the deterministic mode.
+    float* const dst_base = wg == 0 ? acc.dv : acc.dk;
+    int* const order_base = wg == 0 ? acc.order : acc.order + p.num_seqs * p.heads_kv * acc.key_tiles;
+
+    // Deterministic mode: this block's rank among those adding into key tile kt (launch order:
+    // query heads of the group ascending, then grid x ascending), as in backward.cuh.
+    const int group_index = static_cast<int>(qt.h - qt.hk * p.group_size());
+    auto rank_and_counter = [&](int kt, int** counter) {
+      const std::int64_t q_tiles = (qt.s.q_len + BQ - 1) / BQ;
+      const std::int64_t need_row =
+          static_cast<std::int64_t>(kt) * BK - qt.s.q_offset() + (p.attend_current ? 0 : 1);
+      const std::int64_t first_q = need_row <= 0 ? 0 : (need_row + BQ) / BQ - 1;
+      const int contributors = static_cast<int>(q_tiles - first_q);
+      *counter = order_base + (qt.b * p.heads_kv + qt.hk) * acc.key_tiles + kt;
+      return group_index * contributors + static_cast<int>(blockIdx.x);
+    };
+    auto wait_turn = [&](const int* counter, int rank) {
+      if (wtid == 0) {
+        int seen;
+        do {
+          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+        } while (seen != rank);
+      }
+      tile::named_sync(own_barrier, 128);
+    };
+    auto pass_turn = [&](int* counter) {
+      __threadfence();
+      tile::named_sync(own_barrier, 128);
+      if (wtid == 0) atomicAdd(counter, 1);
+    };
+    if (acc.deterministic) {
+      for (int kt = 0; kt < first_tile; ++kt) {  // skipped tiles still take their turn
+        int* counter;
+        const int rank = rank_and_counter(kt, &counter);
+        wait_turn(counter, rank);
+        pass_turn(counter);
+      }
+    }
+
+    float dq[D / 8][4];
+    tile::zero(dq);
+    for (int i = 0; i < n_tiles; ++i) {
+      const int s = i % S, kt = first_tile + i, buf = i & 1;
+      tile::mbar_wait(&k_full[s], (i / S) & 1);
+      tile::mbar_wait(&v_full[s], (i / S) & 1);
+      tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
+
+      float sc[NT][4], dp[NT][4];
+      tile::fresh(sc);
+      tile::fresh(dp);
+      tile::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile.k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), ks > 0);
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        tile::wgmma_ss<T, BK, 0, 0>(dp, do_tile.k_major(64 * wg, 16 * ks), v_tile(s).k_major(0, 16 * ks), ks > 0);
+      }
+      tile::wgmma_commit();
+      tile::wgmma_wait<0>();
+      tile::pin(sc);
+      tile::pin(dp);
+      tile::mbar_arrive(&v_empty[s]);
+
+      mask.key0 = static_cast<std::int64_t>(kt) * BK;
+      mask.active = qt.needs_mask(kt) || mask.key0 < mask.first[0] || mask.key0 < mask.first[1];
+      rows.grads(sc, dp, mask);  // sc <- P, dp <- dS (scaled)
+
+      // P and dS of this warp's 16 rows into the block's [row][key] tiles.
+      const typename Smem::WeightTile pt = p_tile(buf), dst = ds_tile(buf);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 64 * wg + 16 * warp + gq + 8 * half;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int at = pt.offset(r, n) + 4 * tig;
+          *reinterpret_cast<std::uint32_t*>(pt.data + at) = tile::pack2<T>(sc[n][2 * half], sc[n][2 * half + 1]);
+          *reinterpret_cast<std::uint32_t*>(dst.data + at) = tile::pack2<T>(dp[n][2 * half], dp[n][2 * half + 1]);
+        }
+      }
+      tile::fence_to_async_proxy();
+      std::uint32_t dsa[BK / 16][4];
+      tile::to_operand<T>(dp, dsa);
+      float kg[D / 8][4];
+      tile::fresh(kg);
+      tile::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        tile::wgmma_rs<T, D, 1>(dq, dsa[ks], k_tile(s).mn_major(16 * ks), true);
+      }
+      tile::wgmma_commit();
+
+      // Every row's P and dS is in shared memory: the key tile's dV (consumer 0) or dK (1).
+      tile::named_sync(kBwdConsumersBarrier, 256);
+      const typename Smem::WeightTile weights = wg == 0 ? pt : dst;
+      const typename Smem::RowTile& rows_tile = wg == 0 ? do_tile : q_tile;
+#pragma unroll
+      for (int ks = 0; ks < BQ / 16; ++ks) {
+        tile::wgmma_ss<T, D, 1, 1>(kg, weights.mn_major(16 * ks), rows_tile.mn_major(16 * ks), ks > 0);
+      }
+      tile::wgmma_commit();
+      tile::wgmma_wait<0>();
+      tile::pin(dq);
+      tile::pin(kg);
+      tile::mbar_arrive(&k_empty[s]);
+
+      int* counter = nullptr;
+      if (acc.deterministic) {
+        const int rank = rank_and_counter(kt, &counter);
+        wait_turn(counter, rank);
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const std::int64_t key = mask.key0 + key_of_column<BK>(16 * warp + gq + 8 * half);
+        if (key >= qt.s.k_len) continue;
+        float* row = dst_base + (acc.key_row(p, qt.b, qt.s, key) * p.heads_kv + qt.hk) * D + 2 * tig;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          if (acc.deterministic) {
+            row[8 * n] += kg[n][2 * half];
+            row[8 * n + 1] += kg[n][2 * half + 1];
+          } else {
+            tile::red_add2(row + 8 * n, kg[n][2 * half], kg[n][2 * half + 1]);
+          }
+        }
+      }
+      if (acc.deterministic) pass_turn(counter);
+    }
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      if (row >= qt.s.q_len) continue;
+      T* out = g.dq.at<T>(qt.b, qt.s.q_start + row, qt.h);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) = tile::pack2<T>(dq[n][2 * half], dq[n][2 * half + 1]);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace winnow::cuda
