@@ -168,7 +168,12 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
     tile::mma_smem_a_b_rows<T, KS>(dp, do_tile, 16 * warp, v_tile(buf), 0, lane);
     mask.key0 = static_cast<std::int64_t>(kt) * BK;
     mask.active = qt.needs_mask(kt) || mask.key0 < mask.first[0] || mask.key0 < mask.first[1];
-    rows.grads(s, dp, mask);  // s <- P, dp <- dS (scaled)
+    // Tiles off the diagonal and right of every row's first kept key need no mask arithmetic.
+    if (mask.active) {
+      rows.template grads<true>(s, dp, mask);  // s <- P, dp <- dS (scaled)
+    } else {
+      rows.template grads<false>(s, dp, mask);
+    }
 
 #pragma unroll
     for (int n = 0; n < NT; ++n) {

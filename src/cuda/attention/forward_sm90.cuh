@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     for (int i = 0; i < n_tiles; ++i) {
       const int s = i % S, kt = n_tiles - 1 - i;
       if (i >= S) {
-        tile::mbar_wait(&k_empty[s], ((i / S) - 1) & 1);
+        tile::mbar_wait_sleepy(&k_empty[s], ((i / S) - 1) & 1);
         // Both consumers halted: one thread reads the flags so every producer thread agrees.
         if (may_halt &&
             tile::named_sync_or(kProducerBarrier, 128, ptid == 0 && halted[0] != 0 && halted[1] != 0)) {
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       const int valid = keys_valid(kt);
       k_tile(s).template load_rows_async<128>(ptid, k_base + row * p.k.row, (P / 4) * p.k.row, valid);
       tile::mbar_arrive_on_copies(&k_full[s]);
-      if (i >= S) tile::mbar_wait(&v_empty[s], ((i / S) - 1) & 1);
+      if (i >= S) tile::mbar_wait_sleepy(&v_empty[s], ((i / S) - 1) & 1);
       v_tile(s).template load_rows_async<128>(ptid, v_base + row * p.v.row, (P / 4) * p.v.row, valid);
       tile::mbar_arrive_on_copies(&v_full[s]);
     }

@@ -132,14 +132,14 @@ struct SoftmaxBackwardRows {
 
   __device__ __forceinline__ std::int64_t first_key(int, const RowMask&) const { return 0; }
 
-  template <int NT>
+  template <bool Masked, int NT>
   __device__ __forceinline__ void grads(float (&s)[NT][4], float (&dp)[NT][4], const RowMask& mask) const {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int half = i / 2, e = i % 2;
-        const float pr = mask.visible<8 * NT>(half, n, e)
+        const float pr = !Masked || mask.visible<8 * NT>(half, n, e)
                              ? math::softmax::probability(s[n][i] * scale_log2, lse_log2[half],
                                                           tile::exp2_fast)
                              : 0.f;

@@ -97,9 +97,14 @@ struct StickBreakingRows {
 // The backward rows, sweeping key tiles left to right. Per row: a = log2 of the stick left to
 // the right of the tiles visited so far, starting from log2 rem (the forward's statistic) and
 // growing by each tile's cost; b = the sum of g_ij = A_ij dP_ij over the keys visited so far.
-// In a tile: log2 A = z - (in-tile suffix cost) + (a + tile cost); the inclusive prefix of g
-// is thread-local over the thread's keys, plus the quad scan, plus b; and
-// dS = scale * (g - sigmoid(z) (prefix + dlog_rem)), sigmoid(z) = exp2(z - cost).
+// Per tile, three passes over the thread's consecutive keys, in place:
+//   right to left   cost, sigmoid(z) = exp2(z - cost), s <- z - (thread-local suffix of costs);
+//                   a quad scan adds the other threads' costs:
+//                   log2 A = z - (in-tile suffix) + (a + tile cost)          (math::log_weight)
+//   left to right   A, g = A dP (into dp), the thread's sum of g; a quad scan of the sums
+//   left to right   the running prefix of g again, dS = scale (g - sigmoid(z) (prefix + drem))
+//                   (math::grad_logit_given_sigmoid)
+// so only the sigmoids need an array of their own.
 template <class T>
 struct StickBreakingBackwardRows {
   float scale_log2, scale;
@@ -132,60 +137,52 @@ struct StickBreakingBackwardRows {
     return kept_from[half];
   }
 
-  template <int NT>
+  template <bool Masked, int NT>
   __device__ __forceinline__ void grads(float (&s)[NT][4], float (&dp)[NT][4], const RowMask& mask) {
     namespace sb = math::stick_breaking;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float cost[NT][2], sigmoid[NT][2], suffix_cost = 0.f;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& z = s[n][2 * half + e];
-          z *= scale_log2;
-          const float c = mask.visible<8 * NT>(half, n, e)
-                              ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
-                              : 0.f;
-          sigmoid[n][e] = tile::exp2_fast(z - c);
-          cost[n][e] = c;
-        }
-      }
+      float sigmoid[NT][2];
+      float right = 0.f;  // costs of this thread's keys from the current one rightwards
 #pragma unroll
       for (int n = NT - 1; n >= 0; --n) {
 #pragma unroll
         for (int e = 1; e >= 0; --e) {
-          suffix_cost += cost[n][e];
-          cost[n][e] = suffix_cost;  // now the thread-local inclusive suffix
+          float& z = s[n][2 * half + e];
+          z *= scale_log2;
+          const float c = !Masked || mask.visible<8 * NT>(half, n, e)
+                              ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
+                              : 0.f;
+          sigmoid[n][e] = tile::exp2_fast(z - c);
+          right += c;
+          z -= right;
         }
       }
-      const tile::QuadScan costs = tile::quad_scan(suffix_cost, tig);
+      const tile::QuadScan costs = tile::quad_scan(right, tig);
       const float stick_right = stick[half] + costs.total;
-      float prefix_g = 0.f;
+      const float shift = stick_right - costs.after;
+      float g_thread = 0.f;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * half + e;
-          const float w = mask.visible<8 * NT>(half, n, e)
-                              ? tile::exp2_fast(sb::log_weight(s[n][i], cost[n][e] + costs.after, stick_right))
-                              : 0.f;
+          const float w = !Masked || mask.visible<8 * NT>(half, n, e) ? tile::exp2_fast(s[n][i] + shift) : 0.f;
           s[n][i] = w;
           dp[n][i] *= w;  // g
-          prefix_g += dp[n][i];
-          cost[n][e] = prefix_g;  // now the thread-local inclusive prefix of g
+          g_thread += dp[n][i];
         }
       }
-      const tile::QuadScan gs = tile::quad_scan(prefix_g, tig);
-      const float carried = g_sum[half] + gs.before + dlog_rem[half];
+      const tile::QuadScan gs = tile::quad_scan(g_thread, tig);
+      float prefix = g_sum[half] + gs.before + dlog_rem[half];
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * half + e;
-          dp[n][i] = mask.visible<8 * NT>(half, n, e)
-                         ? scale * sb::grad_logit_given_sigmoid(dp[n][i], sigmoid[n][e], cost[n][e] + carried)
-                         : 0.f;
+          prefix += dp[n][i];
+          const float ds = scale * sb::grad_logit_given_sigmoid(dp[n][i], sigmoid[n][e], prefix);
+          dp[n][i] = !Masked || mask.visible<8 * NT>(half, n, e) ? ds : 0.f;
         }
       }
       stick[half] = stick_right;

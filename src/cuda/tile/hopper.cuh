@@ -112,6 +112,20 @@ __device__ __forceinline__ void mbar_init_fence() {
 __device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(bar)) : "memory");
 }
+// A waiter that may sleep up to `hint_ns` before checking again (the hardware wakes it when
+// the phase completes): for producer warps, which otherwise spin on the issue slots the
+// computing warps need.
+__device__ __forceinline__ void mbar_wait_sleepy(std::uint64_t* bar, int parity, std::uint32_t hint_ns = 1000000) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(smem_address(bar)),
+      "r"(parity), "r"(hint_ns)
+      : "memory");
+}
 __device__ __forceinline__ void mbar_wait(std::uint64_t* bar, int parity) {
   asm volatile(
       "{\n"

@@ -103,4 +103,15 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #endif
 }
 
+// Four consecutive floats added into global memory by one reduction (sm_90; two of two
+// elsewhere).
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+#else
+  red_add2(p, a, b);
+  red_add2(p + 2, c, d);
+#endif
+}
+
 }  // namespace winnow::cuda::tile
