@@ -28,6 +28,12 @@ WINNOW_HD X stick_cost_log2(X x, Exp2 exp2, Log2 log2) {
   const X a = x < X(0) ? -x : x;
   return (x + a) * X(0.5) + log2(X(1) + exp2(-a));
 }
+// The same for float, where max and |.| are single instructions (or free operand modifiers on
+// a GPU): kernels evaluate this once per score.
+template <class Exp2, class Log2>
+WINNOW_HD float stick_cost_log2(float x, Exp2 exp2, Log2 log2) {
+  return fmaxf(x, 0.f) + log2(1.f + exp2(-fabsf(x)));
+}
 
 // log A_ij from the logit, the in-tile suffix cost (including key i) and the row's carry.
 template <class X, class C, class R>

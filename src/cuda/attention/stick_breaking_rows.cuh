@@ -51,7 +51,7 @@ struct StickBreakingRows {
                                  ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
                                  : 0.f;
           right += cost;
-          z = sb::log_weight(z, right, 0.f);
+          z -= right;  // math::log_weight without the shift, which is added below
         }
       }
       const tile::QuadScan quad = tile::quad_scan(right, mask.tig);
