@@ -7,5 +7,6 @@ namespace winnow::apps {
 
 void add_info_command(CLI::App& app);
 void add_demo_command(CLI::App& app);
+void add_train_command(CLI::App& app);  // builds with LibTorch only (WINNOW_WITH_MODELS)
 
 }  // namespace winnow::apps

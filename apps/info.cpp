@@ -20,7 +20,13 @@ void add_info_command(CLI::App& app) {
                                     : std::string("not built"))
               << "\n"
               << "CUDA devices: " << cuda_device_count() << "\n"
-              << "mechanisms:   softmax, stick_breaking (forward, backward; CPU)\n";
+              << "operators:    softmax, stick_breaking (forward, backward; CPU and CUDA)\n"
+#ifdef WINNOW_WITH_MODELS
+              << "layers:       softmax (rope | nope | alibi, ssmax, gates g1/g2), differential,\n"
+              << "              stick_breaking (remainder bias, head norm)\n"
+              << "training:     winnow train --config FILE\n"
+#endif
+        ;
   });
 }
 
