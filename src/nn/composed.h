@@ -1,7 +1,9 @@
-// The attention mechanisms as plain LibTorch expressions on materialized (L x L) scores:
-// the layers' `composed` implementation, the baseline the fused operators are measured
-// against, and the only implementation of ALiBi's biased softmax for now. Same conventions
-// as the operators: (B, L, H, D) inputs, GQA, queries as the last positions of the keys.
+// The attention mechanisms as plain LibTorch expressions on materialized (Lq x Lk) scores, the
+// way a user would write them without winnow: the layers' `composed` implementation, the
+// baseline the fused operators are measured against, and the only route for configurations no
+// operator covers yet (ALiBi's biased softmax). Same conventions as the operators: (B, L, H, D)
+// inputs, grouped-query attention, queries as the last positions of the keys. Scores are
+// formed in float32 (float64 for float64 inputs); under autocast the products run in its dtype.
 #pragma once
 
 #include <torch/torch.h>
@@ -11,12 +13,12 @@
 
 namespace winnow::nn::composed {
 
-// alibi_slopes (H): adds -slope_h (j - i) to the logits.
+// alibi_slopes (Hq): adds -slope_h (j - i) to the logits.
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, double scale, bool attend_current,
                                 const std::optional<torch::Tensor>& alibi_slopes = std::nullopt);
 
-// Returns (out, rem).
+// Returns (out, rem), rem (B, Lq, Hq) the unallocated stick, float32 (float64 for float64).
 std::pair<torch::Tensor, torch::Tensor> stick_breaking_attention(const torch::Tensor& q,
                                                                  const torch::Tensor& k,
                                                                  const torch::Tensor& v,

@@ -1,13 +1,17 @@
 // The decoder-only language model: token embedding, pre-norm blocks (RMSNorm, the configured
-// attention, SwiGLU or GeLU MLP), final norm, and a head tied to the embedding or its own.
+// attention layer, RMSNorm, SwiGLU or GeLU MLP, each added to the residual stream), a final
+// RMSNorm, and an output head tied to the embedding or its own.
 #pragma once
 
 #include <torch/torch.h>
 
+#include <map>
+#include <string>
 #include <vector>
 
+#include "nn/attention.h"
 #include "nn/config.h"
-#include "nn/layers.h"
+#include "nn/modules.h"
 
 namespace winnow::nn {
 
@@ -21,6 +25,8 @@ class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const ModelConfig& c, std::int64_t layer_index);
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache);
+  AttentionLayer& attention() { return *attention_; }
+  const AttentionLayer& attention() const { return *attention_; }
 
  private:
   RMSNorm attention_norm_{nullptr}, mlp_norm_{nullptr};
@@ -31,12 +37,18 @@ TORCH_MODULE(Block);
 
 class TransformerLMImpl : public torch::nn::Module {
  public:
-  explicit TransformerLMImpl(const ModelConfig& c);
+  // Resolves (and so checks) the config first: a bad value is an error naming its key.
+  explicit TransformerLMImpl(ModelConfig c);
 
-  // tokens (B, L) int64 -> logits (B, L, vocab). With a cache: tokens continue the cached
-  // sequence (decoding), and the cache grows by L.
+  // tokens (B, L) int64 -> logits (B, L, vocab). With a cache the tokens continue the cached
+  // sequence (prefill in chunks, then one token at a time) and the cache grows by L.
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr);
   KVCache new_cache() const { return KVCache{std::vector<LayerCache>(blocks_.size())}; }
+
+  // The auxiliary losses of the last forward pass, summed over layers by name.
+  std::map<std::string, torch::Tensor> aux_losses() const;
+  void set_phase(const std::string& phase);
+
   const ModelConfig& config() const { return config_; }
 
  private:
