@@ -195,6 +195,8 @@ TEST(Cli, KilledRunResumesBitIdentically) {
   const auto step_pos = resumed.output.find("at step ");
   ASSERT_NE(step_pos, std::string::npos);
   const std::int64_t resumed_at = std::stoll(resumed.output.substr(step_pos + 8));
+  std::printf("killed after a checkpoint of step %lld; resumed at step %lld\n",
+              static_cast<long long>(seen), static_cast<long long>(resumed_at));
   EXPECT_GE(resumed_at, 6);
   EXPECT_LT(resumed_at, total) << "the killed run got too far for the comparison to test a resume";
 

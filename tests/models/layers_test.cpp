@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <ostream>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -225,6 +226,9 @@ struct Case {
   int variant;
   std::string implementation;
 };
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << variants()[static_cast<std::size_t>(c.variant)].name << " via " << c.implementation;
+}
 
 std::vector<Case> cases() {
   std::vector<Case> out;
