@@ -7,7 +7,7 @@
 
 namespace winnow::train {
 
-// (label, value) lines: LibTorch version, its CUDA devices, its thread count, the tasks.
+// (label, value) lines: LibTorch's version, CUDA devices and thread count; the tasks.
 std::vector<std::pair<std::string, std::string>> runtime_report();
 
 }  // namespace winnow::train

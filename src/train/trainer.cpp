@@ -530,14 +530,12 @@ nlohmann::json Trainer::train(std::int64_t until_step) {
 }
 
 std::vector<std::pair<std::string, std::string>> runtime_report() {
-  std::vector<std::pair<std::string, std::string>> lines;
-  lines.emplace_back("LibTorch", TORCH_VERSION);
-  lines.emplace_back("LibTorch CUDA", torch::cuda::is_available()
-                                          ? std::to_string(torch::cuda::device_count()) + " device(s)"
-                                          : std::string("no device visible"));
-  lines.emplace_back("LibTorch threads", std::to_string(at::get_num_threads()));
-  lines.emplace_back("tasks", config::join(tasks::task_names()));
-  return lines;
+  const std::string cuda = torch::cuda::is_available()
+                               ? std::to_string(torch::cuda::device_count()) + " CUDA device(s)"
+                               : std::string("no CUDA device");
+  return {{"LibTorch", std::string(TORCH_VERSION) + ", " + cuda + ", " +
+                           std::to_string(at::get_num_threads()) + " intra-op thread(s)"},
+          {"tasks", config::join(tasks::task_names())}};
 }
 
 }  // namespace winnow::train

@@ -315,6 +315,19 @@ TEST(Trainer, MetricsLogHasTrainAndEvalRecords) {
   fs::remove_all(c.train.out_dir);
 }
 
+TEST(Trainer, StepAndEvaluationHooksRun) {
+  ExperimentConfig c = small(scratch("hooks"));
+  c.train.eval_every = 2;
+  Trainer t = quiet_trainer(c);
+  std::vector<std::int64_t> steps;
+  t.step_hooks.push_back([&](Trainer&, std::int64_t step) { steps.push_back(step); });
+  t.eval_hooks.push_back([](Trainer& tr) { return nlohmann::json{{"hooked_step", tr.current_step()}}; });
+  const nlohmann::json last = t.train();
+  EXPECT_EQ(steps, (std::vector<std::int64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(last["hooked_step"], 6);
+  fs::remove_all(c.train.out_dir);
+}
+
 // ------------------------------------------------------------------ checkpoints
 
 TEST(Checkpoints, ResumeGivesBitIdenticalParameters) {
