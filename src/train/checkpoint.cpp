@@ -220,6 +220,8 @@ void restore_checkpoint(const std::string& folder, torch::nn::Module& model,
     } catch (const c10::Error& e) {
       fail("'" + (dir / name).string() + "' does not fit this model and optimizer: " +
            e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      fail("'" + (dir / name).string() + "' does not fit this model and optimizer: " + e.what());
     }
   };
   load("model.pt", [&](torch::serialize::InputArchive& a) { model.load(a); });
