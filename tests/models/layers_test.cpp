@@ -345,6 +345,22 @@ TEST(KvCache, RecordingGradientsConcatenatesInsteadOfWritingInPlace) {
   expect_cache_matches(one_layer, true);
 }
 
+TEST(TransformerLM, GeluMlpAndUntiedHeadDecodeLikeTheFullPass) {
+  ModelConfig c = tiny(variant("stick_breaking_rb"), "kernel");
+  c.mlp = "gelu";
+  c.mlp_hidden = 0;
+  c.tie_embeddings = false;
+  resolve(c);
+  EXPECT_EQ(c.mlp_hidden, 128);
+  TransformerLM model(c);
+  EXPECT_TRUE(model->named_parameters().contains("head.weight"));
+  EXPECT_FALSE(model->named_parameters().contains("block0.mlp.gate.weight"));
+  expect_cache_matches(c, false);
+  TransformerLM tied(tiny(variant("softmax_rope"), "kernel"));
+  EXPECT_FALSE(tied->named_parameters().contains("head.weight"));
+  EXPECT_TRUE(tied->named_parameters().contains("block0.mlp.gate.weight"));
+}
+
 TEST(KvCache, RejectsKeysThatDoNotContinueTheCache) {
   LayerCache cache;
   cache.append(torch::zeros({1, 3, 2, 8}), torch::zeros({1, 3, 2, 8}));
