@@ -7,5 +7,7 @@ namespace winnow::apps {
 
 void add_info_command(CLI::App& app);
 void add_demo_command(CLI::App& app);
+// `train` and `train-bench`; built with LibTorch only (WINNOW_WITH_MODELS).
+void add_train_command(CLI::App& app);
 
 }  // namespace winnow::apps

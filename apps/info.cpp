@@ -1,4 +1,5 @@
-// `winnow info`: what this build contains and which devices it sees.
+// `winnow info`: what this build contains, which devices it sees, and which attention
+// mechanisms the model layer can build.
 #include <omp.h>
 
 #include <iostream>
@@ -7,12 +8,17 @@
 #include "commands.h"
 #include "winnow/winnow.h"
 
+#ifdef WINNOW_WITH_MODELS
+#include "nn/mechanisms.h"
+#include "train/runtime.h"
+#endif
+
 namespace winnow::apps {
 
 void add_info_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("info", "Print the build's backends, devices and mechanisms");
   cmd->callback([] {
-    std::cout << "winnow " << WINNOW_VERSION << "\n"
+    std::cout << "winnow " << WINNOW_VERSION << " (" << WINNOW_BUILD_TYPE << ")\n"
               << "CPU kernels:  yes (float32, float64), " << omp_get_max_threads()
               << " OpenMP threads\n"
               << "CUDA kernels: "
@@ -20,7 +26,27 @@ void add_info_command(CLI::App& app) {
                                     : std::string("not built"))
               << "\n"
               << "CUDA devices: " << cuda_device_count() << "\n"
-              << "mechanisms:   softmax, stick_breaking (forward, backward; CPU)\n";
+              << "operators:    softmax_attention, stick_breaking_attention (forward, backward)\n";
+#ifdef WINNOW_WITH_MODELS
+    for (const auto& [label, value] : train::runtime_report()) {
+      std::cout << label << ":" << std::string(label.size() < 13 ? 13 - label.size() : 1, ' ')
+                << value << "\n";
+    }
+    std::cout << "\nattention layers (model.attention.kind):\n";
+    for (const nn::Mechanism& m : nn::mechanisms()) {
+      std::cout << "  " << m.name << ": " << m.summary << "\n"
+                << "      positions: " << config::join(m.positions) << " (default "
+                << m.positions.front() << "); own keys: "
+                << (m.option_keys.empty() ? std::string("none") : config::join(m.option_keys))
+                << "\n      fused path: " << m.fused_operator << "\n";
+    }
+    std::cout << "  not yet: entmax, sieve, screening, threshold (TRA/TDA), GSA (their operators "
+                 "arrive with their issues)\n"
+              << "\ntraining: winnow train --config FILE [--set key=value ...] (configs/ has "
+                 "examples; --print-config shows every key)\n";
+#else
+    std::cout << "models:       not built (LibTorch was not found)\n";
+#endif
   });
 }
 

@@ -9,6 +9,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   winnow::apps::add_info_command(app);
   winnow::apps::add_demo_command(app);
+#ifdef WINNOW_WITH_MODELS
+  winnow::apps::add_train_command(app);
+#endif
   try {
     CLI11_PARSE(app, argc, argv);
   } catch (const winnow::Error& e) {

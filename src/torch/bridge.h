@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include <optional>
 #include <string>
@@ -10,6 +11,15 @@
 #include "winnow/winnow.h"
 
 namespace winnow::torch_ops {
+
+// The optional type LibTorch's operator schemas bind to (std::optional from 2.4 on).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+template <class T>
+using Opt = std::optional<T>;
+#else
+template <class T>
+using Opt = c10::optional<T>;
+#endif
 
 // A view of t's memory (no copy). `op` and `name` label the error if t cannot be viewed.
 TensorView view_of(const at::Tensor& t, const char* op, const char* name);

@@ -11,22 +11,16 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/version.h>
 
 #include <tuple>
 
 #include "torch/bridge.h"
+#include "torch/ops.h"
 
 namespace winnow::torch_ops {
 namespace {
-
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-template <class T>
-using Opt = std::optional<T>;
-#else
-template <class T>
-using Opt = c10::optional<T>;
-#endif
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -136,9 +130,9 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
   }
 };
 
-at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
-                             Opt<double> scale, bool attend_current) {
+at::Tensor softmax_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                      Opt<double> scale, bool attend_current) {
   return SoftmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current)[0];
 }
 
@@ -227,7 +221,7 @@ struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFun
 };
 
 // Returns (out, rem) with rem = exp(log_rem): the unallocated stick, differentiable.
-std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(
+std::tuple<at::Tensor, at::Tensor> stick_breaking_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
     const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double halt_cutoff) {
   auto outs =
@@ -288,13 +282,40 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
 // The differentiable operators: the autograd kernel records the backward; below autograd
 // (inference mode, or tensors that never need gradients) the plain forward runs.
 TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
-  m.impl("softmax_attention", softmax_attention);
-  m.impl("stick_breaking_attention", stick_breaking_attention);
+  m.impl("softmax_attention", softmax_attention_autograd);
+  m.impl("stick_breaking_attention", stick_breaking_attention_autograd);
 }
 
 TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("softmax_attention", softmax_attention_no_grad);
   m.impl("stick_breaking_attention", stick_breaking_attention_no_grad);
+}
+
+// The C++ entry points (torch/ops.h) call the registered operators through the dispatcher,
+// exactly as Python does.
+at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const AttentionCall& call) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::softmax_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                                         Opt<double>, bool)>();
+  return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current);
+}
+
+std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(const at::Tensor& q,
+                                                            const at::Tensor& k,
+                                                            const at::Tensor& v,
+                                                            const AttentionCall& call,
+                                                            double halt_cutoff) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::stick_breaking_attention", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const Opt<at::Tensor>&, const Opt<at::Tensor>&, Opt<double>, bool,
+                           double)>();
+  return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current,
+                 halt_cutoff);
 }
 
 }  // namespace winnow::torch_ops

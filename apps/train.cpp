@@ -1,0 +1,249 @@
+// `winnow train`: trains the model an experiment file describes.
+// `winnow train-bench`: training throughput (tokens/s) of a 2-layer d = 256 model per attention
+// layer kind at a few sequence lengths, fused operators beside the composed LibTorch
+// expressions; the measurement the models issue asks for on an H100.
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "commands.h"
+#include "train/config.h"
+#include "train/trainer.h"
+#include "winnow/error.h"
+
+namespace winnow::apps {
+namespace {
+namespace fs = std::filesystem;
+
+void add_train(CLI::App& app) {
+  struct Args {
+    std::string config;
+    std::vector<std::string> overrides;
+    bool fresh = false, print_config = false;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand(
+      "train", "Train a model from an experiment file (continues from the checkpoint in "
+               "train.out_dir when there is one)");
+  cmd->add_option("--config", args->config, "experiment file (JSON); see configs/")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--set", args->overrides,
+                  "override a key, e.g. --set train.lr=3e-4 --set model.attention.kind=stick_breaking")
+      ->take_all();
+  cmd->add_flag("--fresh", args->fresh,
+                "delete the checkpoints and metrics in train.out_dir and start over");
+  cmd->add_flag("--print-config", args->print_config,
+                "print the resolved configuration (every default filled in) and exit");
+  cmd->callback([args] {
+    const train::ExperimentConfig config = train::load_experiment(args->config, args->overrides);
+    if (args->print_config) {
+      std::printf("%s\n", train::to_json(config).dump(2).c_str());
+      return;
+    }
+    train::Trainer trainer(config);
+    std::printf("model: %s attention (%s, %s), %lld layers, d_model %lld, %lld parameters; "
+                "device %s\n",
+                config.model.attention.kind.c_str(), config.model.attention.position.c_str(),
+                config.model.attention.implementation.c_str(),
+                static_cast<long long>(config.model.layers),
+                static_cast<long long>(config.model.d_model),
+                static_cast<long long>([&] {
+                  std::int64_t n = 0;
+                  for (const auto& p : trainer.model()->parameters()) n += p.numel();
+                  return n;
+                }()),
+                trainer.device().str().c_str());
+    if (args->fresh) {
+      trainer.clear_outputs();
+    } else {
+      trainer.resume();
+    }
+    trainer.train();
+    std::printf("checkpoint and metrics in %s\n", config.train.out_dir.c_str());
+  });
+}
+
+// ------------------------------------------------------------------ train-bench
+
+struct BenchKind {
+  std::string name;
+  nlohmann::json attention;  // model.attention of the run
+};
+
+const std::vector<BenchKind>& bench_kinds() {
+  static const std::vector<BenchKind> kinds = {
+      {"softmax_rope", {{"kind", "softmax"}, {"position", "rope"}}},
+      {"softmax_nope", {{"kind", "softmax"}, {"position", "nope"}}},
+      {"softmax_alibi", {{"kind", "softmax"}, {"position", "alibi"}}},
+      {"ssmax", {{"kind", "softmax"}, {"ssmax", true}}},
+      {"gated_g1g2", {{"kind", "softmax"}, {"gate", "g1g2"}}},
+      {"differential", {{"kind", "differential"}}},
+      {"stick_breaking", {{"kind", "stick_breaking"}}},
+      {"stick_breaking_rb_gn", {{"kind", "stick_breaking"}, {"remainder_bias", true}, {"head_norm", true}}},
+      {"softmax_rope@composed", {{"kind", "softmax"}, {"position", "rope"}, {"implementation", "composed"}}},
+      {"stick_breaking@composed", {{"kind", "stick_breaking"}, {"implementation", "composed"}}},
+  };
+  return kinds;
+}
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream s(text);
+  std::string item;
+  while (std::getline(s, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+void add_train_bench(CLI::App& app) {
+  struct Args {
+    std::string device = "auto", lengths = "64,1024", kinds, json_path;
+    std::int64_t tokens = 65536, steps = 10, warmup = 3;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand(
+      "train-bench",
+      "Training tokens/s of a 2-layer d=256 model per attention layer kind (fused operators and "
+      "composed LibTorch expressions)");
+  cmd->add_option("--device", args->device, "auto | cpu | cuda | cuda:N")->capture_default_str();
+  cmd->add_option("--lengths", args->lengths, "sequence lengths, comma-separated")->capture_default_str();
+  cmd->add_option("--tokens", args->tokens, "tokens per optimizer step (batch = tokens / length)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--steps", args->steps, "timed steps per run")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--warmup", args->warmup, "untimed steps before them")->capture_default_str()->check(CLI::NonNegativeNumber);
+  std::string kind_names;
+  for (const auto& k : bench_kinds()) kind_names += (kind_names.empty() ? "" : ", ") + k.name;
+  cmd->add_option("--kinds", args->kinds, "subset of: " + kind_names + " (default: all)");
+  cmd->add_option("--json", args->json_path, "also write the results to this file");
+  cmd->callback([args] {
+    std::vector<const BenchKind*> kinds;
+    if (args->kinds.empty()) {
+      for (const auto& k : bench_kinds()) kinds.push_back(&k);
+    } else {
+      for (const std::string& name : split(args->kinds)) {
+        const BenchKind* found = nullptr;
+        for (const auto& k : bench_kinds()) {
+          if (k.name == name) found = &k;
+        }
+        if (found == nullptr) {
+          throw Error(ErrorKind::invalid_argument,
+                      "argument '--kinds': expected names from " + [] {
+                        std::string all;
+                        for (const auto& k : bench_kinds()) all += (all.empty() ? "" : ", ") + k.name;
+                        return all;
+                      }() + ", got '" + name + "'");
+        }
+        kinds.push_back(found);
+      }
+    }
+    std::vector<std::int64_t> lengths;
+    for (const std::string& l : split(args->lengths)) {
+      std::int64_t value = 0;
+      try {
+        value = std::stoll(l);
+      } catch (const std::exception&) {
+        value = 0;
+      }
+      if (value < 1 || value > args->tokens) {
+        throw Error(ErrorKind::invalid_argument,
+                    "argument '--lengths': expected integers in [1, --tokens], got '" + l + "'");
+      }
+      lengths.push_back(value);
+    }
+
+    const fs::path scratch = fs::temp_directory_path() / ("winnow-train-bench-" + std::to_string(::getpid()));
+    nlohmann::json results = nlohmann::json::array();
+    std::string device_name;
+    std::printf("%6s %6s  %-24s %-9s %12s %10s\n", "L", "batch", "kind", "impl", "tokens/s", "ms/step");
+    for (std::int64_t L : lengths) {
+      for (const BenchKind* kind : kinds) {
+        const std::int64_t batch = std::max<std::int64_t>(1, args->tokens / L);
+        nlohmann::json experiment = {
+            {"seed", 1},
+            {"device", args->device},
+            {"model", {{"d_model", 256}, {"layers", 2}, {"attention", kind->attention}}},
+            {"train",
+             {{"steps", args->warmup + args->steps}, {"batch_size", batch}, {"seq_len", L},
+              {"schedule", "constant"}, {"lr", 1e-3}, {"out_dir", scratch.string()}}},
+            {"task", {{"name", "progression"}, {"vocab_size", 64}}}};
+        experiment["model"]["attention"]["heads"] = 4;
+        nlohmann::json record = {{"kind", kind->name}, {"L", L}, {"batch", batch}};
+        try {
+          const train::ExperimentConfig config = train::parse_experiment(experiment);
+          record["implementation"] = config.model.attention.implementation;
+          train::Trainer trainer(config);
+          trainer.quiet = true;
+          device_name = trainer.device().str();
+          for (std::int64_t i = 0; i < args->warmup; ++i) trainer.step();
+          if (trainer.device().is_cuda()) torch::cuda::synchronize();
+          const auto start = std::chrono::steady_clock::now();
+          for (std::int64_t i = 0; i < args->steps; ++i) trainer.step();
+          if (trainer.device().is_cuda()) torch::cuda::synchronize();
+          const double seconds =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          record["tokens_per_s"] = static_cast<double>(args->steps * trainer.tokens_per_step()) / seconds;
+          record["ms_per_step"] = 1e3 * seconds / static_cast<double>(args->steps);
+          std::printf("%6lld %6lld  %-24s %-9s %12.0f %10.2f\n", static_cast<long long>(L),
+                      static_cast<long long>(batch), kind->name.c_str(),
+                      record["implementation"].get<std::string>().c_str(),
+                      record["tokens_per_s"].get<double>(), record["ms_per_step"].get<double>());
+        } catch (const std::exception& e) {
+          std::string what = e.what();
+          if (const auto nl = what.find('\n'); nl != std::string::npos) what = what.substr(0, nl);
+          record["error"] = what;
+          std::printf("%6lld %6lld  %-24s error: %s\n", static_cast<long long>(L),
+                      static_cast<long long>(batch), kind->name.c_str(), what.c_str());
+        }
+        std::fflush(stdout);
+        std::error_code ec;
+        fs::remove_all(scratch, ec);
+        results.push_back(record);
+      }
+    }
+    // Fused over composed, for each kind measured both ways.
+    nlohmann::json ratios = nlohmann::json::array();
+    for (const auto& r : results) {
+      const std::string name = r["kind"];
+      if (name.find('@') != std::string::npos || !r.contains("tokens_per_s")) continue;
+      for (const auto& c : results) {
+        if (c["kind"] == name + "@composed" && c["L"] == r["L"] && c.contains("tokens_per_s")) {
+          const double ratio = r["tokens_per_s"].get<double>() / c["tokens_per_s"].get<double>();
+          ratios.push_back({{"kind", name}, {"L", r["L"]}, {"fused_over_composed", ratio}});
+          std::printf("%s at L = %lld: fused / composed = %.2fx\n", name.c_str(),
+                      static_cast<long long>(r["L"].get<std::int64_t>()), ratio);
+        }
+      }
+    }
+    if (!args->json_path.empty()) {
+      std::ofstream f(args->json_path);
+      f << nlohmann::json({{"device", device_name},
+                           {"model", "2 layers, d_model 256, 4 heads, SwiGLU, vocab 64"},
+                           {"tokens_per_step", args->tokens},
+                           {"timed_steps", args->steps},
+                           {"results", results},
+                           {"fused_over_composed", ratios}})
+               .dump(2)
+        << '\n';
+      if (!f) throw Error(ErrorKind::runtime, "argument '--json': cannot write '" + args->json_path + "'");
+    }
+  });
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  add_train(app);
+  add_train_bench(app);
+}
+
+}  // namespace winnow::apps

@@ -1,0 +1,28 @@
+// The attention mechanisms as plain LibTorch expressions on materialized (Lq x Lk) scores, the
+// way a user would write them without winnow: the layers' `composed` implementation, the
+// baseline the fused operators are measured against, and the only route for configurations no
+// operator covers yet (ALiBi's biased softmax). Same conventions as the operators: (B, L, H, D)
+// inputs, grouped-query attention, queries as the last positions of the keys. Scores are
+// formed in float32 (float64 for float64 inputs); under autocast the products run in its dtype.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <optional>
+#include <utility>
+
+namespace winnow::nn::composed {
+
+// alibi_slopes (Hq): adds -slope_h (j - i) to the logits.
+torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, double scale, bool attend_current,
+                                const std::optional<torch::Tensor>& alibi_slopes = std::nullopt);
+
+// Returns (out, rem), rem (B, Lq, Hq) the unallocated stick, float32 (float64 for float64).
+std::pair<torch::Tensor, torch::Tensor> stick_breaking_attention(const torch::Tensor& q,
+                                                                 const torch::Tensor& k,
+                                                                 const torch::Tensor& v,
+                                                                 double scale,
+                                                                 bool attend_current);
+
+}  // namespace winnow::nn::composed

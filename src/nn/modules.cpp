@@ -1,0 +1,196 @@
+#include "nn/modules.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "winnow/error.h"
+
+namespace winnow::nn {
+
+torch::nn::Linear make_linear(torch::nn::Module& owner, const std::string& name, std::int64_t in,
+                              std::int64_t out, double std, bool bias) {
+  auto linear = owner.register_module(
+      name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)));
+  torch::NoGradGuard no_grad;
+  linear->weight.normal_(0.0, std);
+  if (bias) linear->bias.zero_();
+  return linear;
+}
+
+// ------------------------------------------------------------------ norms
+
+namespace {
+
+// Norm statistics in at least float32: bf16 activations under autocast would lose them.
+torch::ScalarType stats_type(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+}
+
+}  // namespace
+
+RMSNormImpl::RMSNormImpl(std::int64_t dim, double eps) : eps_(eps) {
+  weight_ = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  const torch::Tensor xf = x.to(stats_type(x));
+  const torch::Tensor normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return (normed * weight_).to(x.scalar_type());
+}
+
+HeadNormImpl::HeadNormImpl(std::int64_t heads, std::int64_t dim, double eps, bool centered)
+    : eps_(eps), centered_(centered) {
+  weight_ = register_parameter("weight", torch::ones({heads, dim}));
+  if (centered_) bias_ = register_parameter("bias", torch::zeros({heads, dim}));
+}
+
+torch::Tensor HeadNormImpl::forward(const torch::Tensor& x) {
+  torch::Tensor xf = x.to(stats_type(x));
+  if (centered_) xf = xf - xf.mean(-1, /*keepdim=*/true);
+  torch::Tensor y = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight_;
+  if (centered_) y = y + bias_;
+  return y.to(x.scalar_type());
+}
+
+// ------------------------------------------------------------------ MLP
+
+MLPImpl::MLPImpl(const ModelConfig& c) : swiglu_(c.mlp == "swiglu") {
+  const std::int64_t hidden = c.mlp_hidden;
+  const double out_std = c.init_std / std::sqrt(2.0 * static_cast<double>(c.layers));
+  up_ = make_linear(*this, "up", c.d_model, hidden, c.init_std);
+  if (swiglu_) gate_ = make_linear(*this, "gate", c.d_model, hidden, c.init_std);
+  // Residual-stream outputs shrink with depth (GPT-2's 1 / sqrt(2 layers)) so the stream
+  // starts near unit scale whatever the depth.
+  down_ = make_linear(*this, "down", hidden, c.d_model, out_std);
+}
+
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  if (swiglu_) return down_(torch::silu(gate_(x)) * up_(x));
+  return down_(torch::gelu(up_(x)));
+}
+
+// ------------------------------------------------------------------ RoPE
+
+Rope::Rope(const RopeConfig& config, std::int64_t head_dim, std::int64_t context_len)
+    : config_(config), head_dim_(head_dim), context_len_(context_len) {
+  if (head_dim % 2 != 0) {
+    config::fail("model.attention.head_dim", "an even head dimension for RoPE",
+                 std::to_string(head_dim));
+  }
+}
+
+std::pair<torch::Tensor, torch::Tensor> Rope::compute(std::int64_t offset, std::int64_t len,
+                                                      std::int64_t seen) const {
+  const double d = static_cast<double>(head_dim_);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  const torch::Tensor i = torch::arange(0, head_dim_ / 2, f64);
+  const double factor = config_.factor;
+  double theta = config_.theta, attention_factor = 1.0;
+  torch::Tensor positions = torch::arange(offset, offset + len, f64);
+  if (config_.scaling == "ntk") {
+    // NTK-aware: a larger base stretches the low frequencies by about `factor` and leaves the
+    // highest nearly unchanged.
+    theta *= std::pow(factor, d / (d - 2));
+  } else if (config_.scaling == "dynamic") {
+    const double ratio = static_cast<double>(seen) / static_cast<double>(context_len_);
+    if (ratio > 1) theta *= std::pow(factor * ratio - (factor - 1), d / (d - 2));
+  }
+  torch::Tensor inv_freq = torch::pow(theta, -2.0 * i / d);
+  if (config_.scaling == "linear") {
+    positions = positions / factor;
+  } else if (config_.scaling == "yarn" && factor > 1) {
+    // Frequency index where a dimension completes `rotations` turns over the training context.
+    auto index_of = [&](double rotations) {
+      return d * std::log(static_cast<double>(context_len_) / (rotations * 2 * M_PI)) /
+             (2 * std::log(config_.theta));
+    };
+    const double low = std::max(0.0, std::floor(index_of(config_.yarn_beta_fast)));
+    const double high = std::min(d / 2 - 1, std::ceil(index_of(config_.yarn_beta_slow)));
+    // 0 below `low` (fast dimensions keep their frequency), 1 above `high` (interpolated).
+    const torch::Tensor ramp = ((i - low) / std::max(high - low, 1e-3)).clamp(0, 1);
+    inv_freq = inv_freq * (1 - ramp) + inv_freq / factor * ramp;
+    // Both q and k carry the factor, so logits grow by its square: (0.1 ln s + 1)^2.
+    attention_factor = 0.1 * std::log(factor) + 1.0;
+  }
+  const torch::Tensor angles = torch::outer(positions, inv_freq);
+  const torch::Tensor full = torch::cat({angles, angles}, -1);
+  return {full.cos() * attention_factor, full.sin() * attention_factor};
+}
+
+torch::Tensor Rope::apply(const torch::Tensor& x, std::int64_t offset, std::int64_t seen) const {
+  const std::int64_t len = x.size(1);
+  const torch::ScalarType work = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  const auto options = torch::TensorOptions().dtype(work).device(x.device());
+  torch::Tensor cos, sin;
+  if (length_dependent()) {
+    std::tie(cos, sin) = compute(offset, len, seen);
+    cos = cos.to(options);
+    sin = sin.to(options);
+  } else {
+    if (!cos_.defined() || cos_.size(0) < offset + len || cos_.device() != x.device() ||
+        cos_.scalar_type() != work) {
+      const std::int64_t have = cos_.defined() ? cos_.size(0) : 0;
+      const std::int64_t n = std::max<std::int64_t>({offset + len, 2 * have, 64});
+      auto [c, s] = compute(0, n, n);
+      cos_ = c.to(options);
+      sin_ = s.to(options);
+    }
+    cos = cos_.narrow(0, offset, len);
+    sin = sin_.narrow(0, offset, len);
+  }
+  cos = cos.view({1, len, 1, head_dim_});
+  sin = sin.view({1, len, 1, head_dim_});
+  const torch::Tensor xw = x.to(work);
+  const std::int64_t half = head_dim_ / 2;
+  const torch::Tensor rotated = torch::cat({-xw.narrow(-1, half, half), xw.narrow(-1, 0, half)}, -1);
+  return (xw * cos + rotated * sin).to(x.scalar_type());
+}
+
+// ------------------------------------------------------------------ KV cache
+
+std::pair<torch::Tensor, torch::Tensor> LayerCache::append(const torch::Tensor& k,
+                                                           const torch::Tensor& v) {
+  if (k.dim() != 4 || v.dim() != 4 || k.size(0) != v.size(0) || k.size(1) != v.size(1)) {
+    throw Error(ErrorKind::invalid_argument,
+                "LayerCache::append: arguments 'k' and 'v': expected (B, L, H, D) tensors with "
+                "the same B and L, got " + c10::str(k.sizes()) + " and " + c10::str(v.sizes()));
+  }
+  if (length_ > 0) {
+    auto same = [](const torch::Tensor& a, const torch::Tensor& cached) {
+      return a.size(0) == cached.size(0) && a.size(2) == cached.size(2) &&
+             a.size(3) == cached.size(3) && a.scalar_type() == cached.scalar_type() &&
+             a.device() == cached.device();
+    };
+    if (!same(k, k_) || !same(v, v_)) {
+      throw Error(ErrorKind::invalid_argument,
+                  "LayerCache::append: argument 'k': expected batch, heads, head dimension, "
+                  "dtype and device of the cached keys " + c10::str(k_.sizes()) + ", got " +
+                      c10::str(k.sizes()) + " " + c10::toString(k.scalar_type()));
+    }
+  }
+  const std::int64_t n = k.size(1), total = length_ + n;
+  if (torch::GradMode::is_enabled() && (k.requires_grad() || v.requires_grad())) {
+    k_ = length_ > 0 ? torch::cat({k_.narrow(1, 0, length_), k}, 1) : k;
+    v_ = length_ > 0 ? torch::cat({v_.narrow(1, 0, length_), v}, 1) : v;
+    length_ = total;
+    return {k_, v_};
+  }
+  if (!k_.defined() || k_.size(1) < total) {
+    const std::int64_t capacity =
+        std::max<std::int64_t>(total, k_.defined() ? 2 * k_.size(1) : 0);
+    torch::Tensor nk = torch::empty({k.size(0), capacity, k.size(2), k.size(3)}, k.options());
+    torch::Tensor nv = torch::empty({v.size(0), capacity, v.size(2), v.size(3)}, v.options());
+    if (length_ > 0) {
+      nk.narrow(1, 0, length_).copy_(k_.narrow(1, 0, length_));
+      nv.narrow(1, 0, length_).copy_(v_.narrow(1, 0, length_));
+    }
+    k_ = nk;
+    v_ = nv;
+  }
+  k_.narrow(1, length_, n).copy_(k);
+  v_.narrow(1, length_, n).copy_(v);
+  length_ = total;
+  return {k_.narrow(1, 0, total), v_.narrow(1, 0, total)};
+}
+
+}  // namespace winnow::nn

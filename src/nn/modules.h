@@ -1,0 +1,106 @@
+// The building blocks the layers and the model share: norms, the MLP, rotary position
+// embedding with its extrapolation variants, and the key/value cache for incremental decoding.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "nn/config.h"
+
+namespace winnow::nn {
+
+// A bias-free linear layer (or with a zero bias), weights drawn from Normal(0, std): every
+// layer initializes its own parameters, so nothing needs to recognize them by name later.
+torch::nn::Linear make_linear(torch::nn::Module& owner, const std::string& name, std::int64_t in,
+                              std::int64_t out, double std, bool bias = false);
+
+// RMSNorm over the last dimension with a learned scale.
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(std::int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  torch::Tensor weight_;
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// A norm over each head's output vector of (..., H, Dv) tensors, with a learned scale per
+// channel (H, Dv). centered: GroupNorm with one group per head (mean and variance, plus a
+// learned bias), the head-wise norm of stick-breaking (002 appendix C); otherwise RMSNorm per
+// head, the differential transformer's.
+class HeadNormImpl : public torch::nn::Module {
+ public:
+  HeadNormImpl(std::int64_t heads, std::int64_t dim, double eps, bool centered);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  torch::Tensor weight_, bias_;
+  double eps_;
+  bool centered_;
+};
+TORCH_MODULE(HeadNorm);
+
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const ModelConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  bool swiglu_;
+  torch::nn::Linear up_{nullptr}, gate_{nullptr}, down_{nullptr};
+};
+TORCH_MODULE(MLP);
+
+// Rotary position embedding on (B, L, H, D) tensors, rotating the pairs (i, i + D/2), with the
+// variants of spec/softmax.md: linear position interpolation, NTK-aware base scaling, dynamic
+// NTK (the base grows with the tokens seen once they exceed the training context) and YaRN.
+// Applied outside the attention operators as element-wise LibTorch operations.
+class Rope {
+ public:
+  Rope(const RopeConfig& config, std::int64_t head_dim, std::int64_t context_len);
+
+  // Dynamic scaling depends on how many tokens the sequence holds, so keys rotated earlier
+  // would go stale; the layers cache such keys unrotated and rotate them on every call. (Beyond
+  // the training context the hidden states of earlier tokens also depend on the length at
+  // which they were computed, so a model deeper than one layer decodes differently from a full
+  // pass once the context is exceeded; that is inherent to dynamic scaling.)
+  bool length_dependent() const { return config_.scaling == "dynamic"; }
+
+  // Rotates x whose tokens sit at positions offset .. offset + L - 1 of a sequence that holds
+  // `seen` tokens in all (dynamic scaling's length; ignored by the other variants). Computes in
+  // x's precision, at least float32.
+  torch::Tensor apply(const torch::Tensor& x, std::int64_t offset, std::int64_t seen) const;
+
+ private:
+  // cos and sin (len, D) in float64 on the CPU, YaRN's attention factor included.
+  std::pair<torch::Tensor, torch::Tensor> compute(std::int64_t offset, std::int64_t len,
+                                                  std::int64_t seen) const;
+
+  RopeConfig config_;
+  std::int64_t head_dim_, context_len_;
+  // Tables for positions [0, cached) on the device and dtype last used: RoPE would otherwise
+  // rebuild them on the host for every layer and step.
+  mutable torch::Tensor cos_, sin_;
+};
+
+// One layer's keys and values for incremental decoding, (B, T, Hkv, D) and (B, T, Hkv, Dv).
+// Without gradient recording the cache grows a buffer in place (capacity doubling), so a
+// decoding step copies only its own keys; when gradients are recorded it concatenates, keeping
+// earlier steps' tensors intact for backward.
+class LayerCache {
+ public:
+  std::int64_t length() const { return length_; }
+  // Appends this chunk's keys and values; returns all of them (views of the buffer).
+  std::pair<torch::Tensor, torch::Tensor> append(const torch::Tensor& k, const torch::Tensor& v);
+
+ private:
+  torch::Tensor k_, v_;
+  std::int64_t length_ = 0;
+};
+
+}  // namespace winnow::nn

@@ -1,0 +1,63 @@
+// The decoder-only language model: token embedding, pre-norm blocks (RMSNorm, the configured
+// attention layer, RMSNorm, SwiGLU or GeLU MLP, each added to the residual stream), a final
+// RMSNorm, and an output head tied to the embedding or its own.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "nn/attention.h"
+#include "nn/config.h"
+#include "nn/modules.h"
+
+namespace winnow::nn {
+
+// The cache of a whole model for incremental decoding.
+struct KVCache {
+  std::vector<LayerCache> layers;
+  std::int64_t length() const { return layers.empty() ? 0 : layers.front().length(); }
+};
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(const ModelConfig& c, std::int64_t layer_index);
+  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache);
+  AttentionLayer& attention() { return *attention_; }
+  const AttentionLayer& attention() const { return *attention_; }
+
+ private:
+  RMSNorm attention_norm_{nullptr}, mlp_norm_{nullptr};
+  std::shared_ptr<AttentionLayer> attention_;
+  MLP mlp_{nullptr};
+};
+TORCH_MODULE(Block);
+
+class TransformerLMImpl : public torch::nn::Module {
+ public:
+  // Resolves (and so checks) the config first: a bad value is an error naming its key.
+  explicit TransformerLMImpl(ModelConfig c);
+
+  // tokens (B, L) int64 -> logits (B, L, vocab). With a cache the tokens continue the cached
+  // sequence (prefill in chunks, then one token at a time) and the cache grows by L.
+  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr);
+  KVCache new_cache() const { return KVCache{std::vector<LayerCache>(blocks_.size())}; }
+
+  // The auxiliary losses of the last forward pass, summed over layers by name.
+  std::map<std::string, torch::Tensor> aux_losses() const;
+  void set_phase(const std::string& phase);
+
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  ModelConfig config_;
+  torch::nn::Embedding embedding_{nullptr};
+  std::vector<Block> blocks_;
+  RMSNorm final_norm_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(TransformerLM);
+
+}  // namespace winnow::nn

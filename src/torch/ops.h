@@ -1,0 +1,30 @@
+// The differentiable operators for C++ callers on LibTorch (the model layer, applications):
+// the same torch.ops.winnow.* operators Python calls, reached through the dispatcher.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+#include "torch/bridge.h"
+
+namespace winnow::torch_ops {
+
+struct AttentionCall {
+  Opt<at::Tensor> cu_seqlens_q, cu_seqlens_k;
+  Opt<double> scale;
+  bool attend_current = true;
+};
+
+// (B, Lq, Hq, D), (B, Lk, Hkv, D), (B, Lk, Hkv, Dv) -> (B, Lq, Hq, Dv).
+at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const AttentionCall& call);
+
+// Returns (out, rem); rem (B, Lq, Hq) is the unallocated stick.
+std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(const at::Tensor& q,
+                                                            const at::Tensor& k,
+                                                            const at::Tensor& v,
+                                                            const AttentionCall& call,
+                                                            double halt_cutoff = 0.0);
+
+}  // namespace winnow::torch_ops

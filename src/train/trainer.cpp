@@ -1,0 +1,541 @@
+#include "train/trainer.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <torch/version.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "train/checkpoint.h"
+#include "train/runtime.h"
+#include "winnow/error.h"
+#include "winnow/winnow.h"
+
+namespace winnow::train {
+namespace fs = std::filesystem;
+
+namespace {
+
+// Seed streams of the task's batches: training steps and held-out evaluation never overlap.
+constexpr std::uint64_t kTrainStream = 1, kEvalStream = 2;
+
+torch::Device pick_device(const std::string& name, bool needs_winnow_cuda) {
+  const bool cuda = torch::cuda::is_available();
+  if (name == "cpu" || (name == "auto" && !cuda)) return torch::Device(torch::kCPU);
+  if (!cuda) {
+    config::fail("device", "cpu or auto (this LibTorch sees no CUDA device)", "\"" + name + "\"");
+  }
+  const torch::Device device = name == "auto" ? torch::Device(torch::kCUDA, 0) : torch::Device(name);
+  const std::int64_t index = device.has_index() ? device.index() : 0;
+  if (index >= static_cast<std::int64_t>(torch::cuda::device_count())) {
+    config::fail("device", "cuda:0 .. cuda:" + std::to_string(torch::cuda::device_count() - 1),
+                 "\"" + name + "\"");
+  }
+  if (needs_winnow_cuda && !winnow::built_with_cuda()) {
+    config::fail("device", "cpu (this build of winnow has no CUDA kernels; build with nvcc, or "
+                           "set model.attention.implementation to composed)",
+                 "\"" + name + "\"");
+  }
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+// bf16 autocast on CUDA for the scope of a forward pass (LibTorch's API changed in 2.4).
+class Autocast {
+ public:
+  explicit Autocast(bool on) : on_(on) {
+    if (!on_) return;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+#else
+    at::autocast::set_enabled(true);
+    at::autocast::set_autocast_gpu_dtype(at::kBFloat16);
+#endif
+    at::autocast::increment_nesting();
+  }
+  ~Autocast() {
+    if (!on_) return;
+    // The cast weights are cached for the region; drop them when it closes, as Python does.
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+#else
+    at::autocast::set_enabled(false);
+#endif
+  }
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
+
+ private:
+  bool on_;
+};
+
+std::string duration(double seconds) {
+  char text[32];
+  const long s = static_cast<long>(seconds + 0.5);
+  if (s >= 3600) {
+    std::snprintf(text, sizeof text, "%ldh%02ldm", s / 3600, (s / 60) % 60);
+  } else if (s >= 60) {
+    std::snprintf(text, sizeof text, "%ldm%02lds", s / 60, s % 60);
+  } else {
+    std::snprintf(text, sizeof text, "%lds", s);
+  }
+  return text;
+}
+
+bool contains(const std::string& name, const std::vector<std::string>& patterns) {
+  for (const std::string& p : patterns) {
+    if (name.find(p) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// Sum of the cross entropy over the positions the mask keeps (divided by the caller).
+torch::Tensor masked_cross_entropy_sum(const torch::Tensor& logits, const tasks::Batch& batch) {
+  const torch::Tensor logp = torch::log_softmax(logits.to(torch::kFloat32), -1);
+  const torch::Tensor target = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1);
+  return -(target * batch.loss_mask).sum();
+}
+
+tasks::Batch to_device(tasks::Batch b, const torch::Device& device) {
+  b.inputs = b.inputs.to(device);
+  b.targets = b.targets.to(device);
+  b.loss_mask = b.loss_mask.to(device);
+  return b;
+}
+
+tasks::Batch rows(const tasks::Batch& b, std::int64_t start, std::int64_t count) {
+  return {b.inputs.narrow(0, start, count), b.targets.narrow(0, start, count),
+          b.loss_mask.narrow(0, start, count)};
+}
+
+// Dotted keys and values of a JSON tree, for naming the first difference between two configs.
+void flatten(const nlohmann::json& j, const std::string& prefix,
+             std::map<std::string, nlohmann::json>& out) {
+  if (j.is_object() && !j.empty()) {
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
+    }
+  } else {
+    out[prefix] = j;
+  }
+}
+
+// Settings that may change between a checkpoint and its resumption without changing what the
+// run computes: its length, reporting cadence, output folder, and where it runs.
+bool may_differ_on_resume(const std::string& key) {
+  static const std::set<std::string> free = {
+      "device", "threads", "train.steps", "train.log_every", "train.eval_every",
+      "train.eval_batches", "train.checkpoint_every", "train.keep_checkpoints", "train.out_dir"};
+  return free.count(key) > 0;
+}
+
+}  // namespace
+
+double lr_factor(const TrainConfig& c, std::int64_t step) {
+  if (step < c.warmup) return static_cast<double>(step + 1) / static_cast<double>(c.warmup);
+  if (c.schedule == "constant") return 1.0;
+  const double span = static_cast<double>(std::max<std::int64_t>(c.steps - c.warmup, 1));
+  const double progress = std::min(1.0, static_cast<double>(step - c.warmup) / span);
+  if (c.schedule == "cosine") {
+    return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress));
+  }
+  // wsd: hold the rate, then decay linearly to min_lr_ratio over the last decay_fraction.
+  const double decay_start = 1.0 - c.decay_fraction;
+  if (progress <= decay_start) return 1.0;
+  return 1.0 - (1.0 - c.min_lr_ratio) * (progress - decay_start) / c.decay_fraction;
+}
+
+namespace {
+ExperimentConfig resolved(ExperimentConfig c) {
+  resolve(c);
+  return c;
+}
+}  // namespace
+
+Trainer::Trainer(const ExperimentConfig& config)
+    : config_(resolved(config)),
+      device_(pick_device(config_.device, nn::uses_kernel(config_.model.attention))) {
+  const TrainConfig& t = config_.train;
+  if (config_.threads > 0) at::set_num_threads(static_cast<int>(config_.threads));
+  if (t.dtype == "bfloat16" && !device_.is_cuda()) {
+    config::fail("train.dtype", "auto or float32 on the CPU (winnow's CPU kernels run float32)",
+                 "\"bfloat16\"");
+  }
+  if (t.deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+  autocast_ = device_.is_cuda() && t.dtype != "float32";
+  torch::manual_seed(config_.seed);
+  task_ = tasks::make_task(config_.task);
+  model_ = nn::TransformerLM(config_.model);
+  model_->to(device_);
+
+  const auto named = model_->named_parameters();
+  auto check_patterns = [&](const std::vector<std::string>& patterns, const std::string& key) {
+    for (std::size_t i = 0; i < patterns.size(); ++i) {
+      bool found = false;
+      for (const auto& item : named) found |= item.key().find(patterns[i]) != std::string::npos;
+      if (!found) {
+        config::fail(key + "[" + std::to_string(i) + "]",
+                     "a substring of some parameter name (e.g. " + named[0].key() + ")",
+                     "\"" + patterns[i] + "\"");
+      }
+    }
+  };
+  for (const auto& [pattern, mult] : t.lr_multipliers) {
+    bool found = false;
+    for (const auto& item : named) found |= item.key().find(pattern) != std::string::npos;
+    if (!found) {
+      config::fail("train.lr_multipliers." + pattern,
+                   "a key that is a substring of some parameter name (e.g. " + named[0].key() + ")",
+                   "no parameter matching it");
+    }
+  }
+  for (std::size_t i = 0; i < t.phases.size(); ++i) {
+    const std::string key = "train.phases[" + std::to_string(i) + "]";
+    check_patterns(t.phases[i].train_only, key + ".train_only");
+    check_patterns(t.phases[i].freeze, key + ".freeze");
+  }
+
+  // Parameter groups by learning-rate multiplier (the longest matching substring wins) and by
+  // weight decay (matrices decay; norms, biases, gains and per-head scalars do not).
+  std::map<std::pair<double, bool>, std::vector<torch::Tensor>> groups;
+  for (const auto& item : named) {
+    double mult = 1.0;
+    std::size_t best = 0;
+    for (const auto& [pattern, m] : t.lr_multipliers) {
+      if (item.key().find(pattern) != std::string::npos && pattern.size() > best) {
+        mult = m;
+        best = pattern.size();
+      }
+    }
+    groups[{mult, item.value().dim() >= 2}].push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  for (auto& [key, params] : groups) {
+    auto options = std::make_unique<torch::optim::AdamWOptions>(t.lr * key.first);
+    options->betas({t.beta1, t.beta2}).eps(t.eps).weight_decay(key.second ? t.weight_decay : 0.0);
+    param_groups.emplace_back(params, std::move(options));
+    group_multipliers_.push_back(key.first);
+  }
+  optimizer_ = std::make_unique<torch::optim::AdamW>(param_groups, torch::optim::AdamWOptions(t.lr));
+
+  fs::create_directories(t.out_dir);
+  metrics_path_ = (fs::path(t.out_dir) / "metrics.jsonl").string();
+}
+
+std::size_t Trainer::phase_index(std::int64_t step) const {
+  const auto& phases = config_.train.phases;
+  std::int64_t end = 0;
+  for (std::size_t i = 0; i + 1 < phases.size(); ++i) {
+    end += phases[i].steps;
+    if (step < end) return i;
+  }
+  return phases.empty() ? 0 : phases.size() - 1;
+}
+
+void Trainer::enter_phase(std::size_t index) {
+  if (index == phase_) return;
+  phase_ = index;
+  const auto& phases = config_.train.phases;
+  if (phases.empty()) return;
+  const Phase& p = phases[index];
+  for (auto& item : model_->named_parameters()) {
+    const bool trains = (p.train_only.empty() || contains(item.key(), p.train_only)) &&
+                        !contains(item.key(), p.freeze);
+    item.value().requires_grad_(trains);
+  }
+  model_->set_phase(p.name);
+  if (!quiet) std::printf("phase %s from step %lld\n", p.name.c_str(), static_cast<long long>(step_));
+}
+
+double Trainer::aux_weight(const std::string& name) const {
+  const auto& phases = config_.train.phases;
+  if (!phases.empty()) {
+    const auto& w = phases[phase_].aux_loss_weights;
+    if (auto it = w.find(name); it != w.end()) return it->second;
+  }
+  const auto& w = config_.train.aux_loss_weights;
+  if (auto it = w.find(name); it != w.end()) return it->second;
+  return 1.0;
+}
+
+void Trainer::check_aux_names(const std::map<std::string, torch::Tensor>& produced) {
+  if (!aux_checked_.insert(phase_).second) return;
+  auto check = [&](const std::map<std::string, double>& weights, const std::string& key) {
+    for (const auto& [name, weight] : weights) {
+      if (!produced.count(name)) {
+        std::string names;
+        for (const auto& [n, v] : produced) names += (names.empty() ? "" : ", ") + n;
+        config::fail(key + "." + name,
+                     "the name of an auxiliary loss this model produces (" +
+                         (names.empty() ? std::string("it produces none") : names) + ")",
+                     "\"" + name + "\"");
+      }
+    }
+  };
+  if (aux_checked_.size() == 1) check(config_.train.aux_loss_weights, "train.aux_loss_weights");
+  if (!config_.train.phases.empty()) {
+    check(config_.train.phases[phase_].aux_loss_weights,
+          "train.phases[" + std::to_string(phase_) + "].aux_loss_weights");
+  }
+}
+
+StepStats Trainer::step() {
+  const TrainConfig& t = config_.train;
+  enter_phase(phase_index(step_));
+  for (auto& hook : step_hooks) hook(*this, step_);
+  const double phase_scale = t.phases.empty() ? 1.0 : t.phases[phase_].lr_scale;
+  const double lr = t.lr * lr_factor(t, step_) * phase_scale;
+  auto& groups = optimizer_->param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    static_cast<torch::optim::AdamWOptions&>(groups[g].options()).lr(lr * group_multipliers_[g]);
+  }
+  model_->train();
+  // Gradients start undefined, not zero: AdamW then skips frozen parameters entirely (a zero
+  // gradient would still move them through the moments and weight decay).
+  for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
+
+  const tasks::Batch batch = task_->sample(t.batch_size, t.seq_len,
+                                           tasks::batch_seed(config_.seed, kTrainStream, step_));
+  // The loss is the mean over every counted position of the whole batch, however it is split
+  // into micro-batches: accumulation then computes the same gradient as one big batch.
+  const double counted = std::max(1.0, batch.loss_mask.sum().item<double>());
+  const std::int64_t micro = t.batch_size / t.grad_accum;
+  torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(device_));
+  std::map<std::string, torch::Tensor> aux_sums;
+  for (std::int64_t m = 0; m < t.grad_accum; ++m) {
+    const tasks::Batch mb = to_device(rows(batch, m * micro, micro), device_);
+    torch::Tensor total;
+    {
+      Autocast autocast(autocast_);
+      const torch::Tensor logits = model_->forward(mb.inputs);
+      const torch::Tensor loss = masked_cross_entropy_sum(logits, mb) / counted;
+      std::map<std::string, torch::Tensor> aux = model_->aux_losses();
+      for (auto& [name, fn] : aux_loss_fns) {
+        torch::Tensor value = fn(*this, mb, logits);
+        auto it = aux.find(name);
+        if (it == aux.end()) {
+          aux.emplace(name, value);
+        } else {
+          it->second = it->second + value;
+        }
+      }
+      check_aux_names(aux);
+      total = loss;
+      for (auto& [name, value] : aux) {
+        const torch::Tensor v = value.to(torch::kFloat32) / static_cast<double>(t.grad_accum);
+        const double w = aux_weight(name);
+        if (w != 0) total = total + w * v;
+        auto it = aux_sums.find(name);
+        if (it == aux_sums.end()) {
+          aux_sums.emplace(name, v.detach());
+        } else {
+          it->second = it->second + v.detach();
+        }
+      }
+      loss_sum = loss_sum + loss.detach();
+    }
+    if (total.requires_grad()) total.backward();
+  }
+
+  std::vector<torch::Tensor> grads;
+  for (auto& p : model_->parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  torch::Tensor norm = torch::zeros({}, torch::TensorOptions().device(device_));
+  if (!grads.empty()) {
+    std::vector<torch::Tensor> norms;
+    for (const auto& g : grads) norms.push_back(g.to(torch::kFloat32).norm());
+    norm = torch::stack(norms).norm();
+    if (t.clip > 0) {
+      const torch::Tensor coef = (t.clip / (norm + 1e-6)).clamp_max(1.0);
+      for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+    }
+  }
+  // One device-to-host transfer per step for everything the step reports.
+  std::vector<torch::Tensor> report = {loss_sum, norm};
+  for (auto& [name, value] : aux_sums) report.push_back(value.to(torch::kFloat32));
+  const torch::Tensor host =
+      torch::stack(report).to(torch::TensorOptions().dtype(torch::kFloat64).device(torch::kCPU));
+  StepStats s;
+  s.loss = host[0].item<double>();
+  s.grad_norm = host[1].item<double>();
+  std::size_t i = 2;
+  for (auto& [name, value] : aux_sums) s.aux[name] = host[static_cast<std::int64_t>(i++)].item<double>();
+  s.lr = lr;
+  s.phase = t.phases.empty() ? "" : t.phases[phase_].name;
+  if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) {
+    throw Error(ErrorKind::runtime, "training diverged at step " + std::to_string(step_ + 1) +
+                                        ": loss " + std::to_string(s.loss) + ", gradient norm " +
+                                        std::to_string(s.grad_norm) +
+                                        " (lower train.lr or set train.clip)");
+  }
+  optimizer_->step();
+  s.step = ++step_;
+  return s;
+}
+
+nlohmann::json Trainer::evaluate() {
+  const TrainConfig& t = config_.train;
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  double loss = 0, correct = 0, counted = 0;
+  for (std::int64_t i = 0; i < t.eval_batches; ++i) {
+    const tasks::Batch b = to_device(
+        task_->sample(t.batch_size / t.grad_accum, t.seq_len,
+                      tasks::batch_seed(config_.seed, kEvalStream, i)),
+        device_);
+    Autocast autocast(autocast_);
+    const torch::Tensor logits = model_->forward(b.inputs);
+    loss += masked_cross_entropy_sum(logits, b).item<double>();
+    correct += (logits.argmax(-1).eq(b.targets).to(torch::kFloat32) * b.loss_mask).sum().item<double>();
+    counted += b.loss_mask.sum().item<double>();
+  }
+  model_->train();
+  counted = std::max(counted, 1.0);
+  nlohmann::json out = {{"event", "eval"},
+                        {"step", step_},
+                        {"eval_loss", loss / counted},
+                        {"eval_accuracy", correct / counted}};
+  for (auto& hook : eval_hooks) out.update(hook(*this));
+  return out;
+}
+
+void Trainer::log(const nlohmann::json& record) {
+  std::ofstream f(metrics_path_, std::ios::app);
+  f << record.dump() << '\n';
+  if (!f) throw Error(ErrorKind::runtime, "cannot append to '" + metrics_path_ + "'");
+}
+
+std::string Trainer::save() {
+  std::error_code ec;
+  const auto bytes = fs::exists(metrics_path_) ? fs::file_size(metrics_path_, ec) : 0;
+  CheckpointMeta meta;
+  meta.step = step_;
+  meta.config = to_json(config_);
+  meta.trainer = {{"metrics_bytes", bytes},
+                  {"lr_factor", lr_factor(config_.train, std::max<std::int64_t>(step_ - 1, 0))},
+                  {"phase", config_.train.phases.empty() ? "" : config_.train.phases[phase_index(step_)].name}};
+  return save_checkpoint((fs::path(config_.train.out_dir) / "checkpoints").string(), *model_,
+                         *optimizer_, meta, config_.train.keep_checkpoints,
+                         device_.is_cuda() ? std::optional<torch::Device>(device_) : std::nullopt);
+}
+
+bool Trainer::resume() {
+  const std::string folder =
+      latest_checkpoint((fs::path(config_.train.out_dir) / "checkpoints").string());
+  if (folder.empty()) return false;
+  const CheckpointMeta meta = read_checkpoint(folder);
+  std::map<std::string, nlohmann::json> theirs, mine;
+  flatten(meta.config, "", theirs);
+  flatten(to_json(config_), "", mine);
+  for (const auto& source : {theirs, mine}) {
+    for (const auto& [key, unused] : source) {
+      if (may_differ_on_resume(key)) continue;
+      const auto a = theirs.find(key), b = mine.find(key);
+      const std::string was = a == theirs.end() ? "absent" : a->second.dump();
+      const std::string now = b == mine.end() ? "absent" : b->second.dump();
+      if (was != now) {
+        throw Error(ErrorKind::invalid_argument,
+                    "checkpoint: '" + folder + "' was written with " + key + " = " + was +
+                        ", this configuration has " + now +
+                        "; resume with the same value, or start over (--fresh or another "
+                        "train.out_dir)");
+      }
+    }
+  }
+  restore_checkpoint(folder, *model_, *optimizer_,
+                     device_.is_cuda() ? std::optional<torch::Device>(device_) : std::nullopt);
+  step_ = meta.step;
+  phase_ = static_cast<std::size_t>(-1);
+  // Metrics logged after the checkpoint belong to steps that will run again.
+  if (meta.trainer.contains("metrics_bytes") && fs::exists(metrics_path_)) {
+    const auto bytes = meta.trainer["metrics_bytes"].get<std::uintmax_t>();
+    if (fs::file_size(metrics_path_) > bytes) fs::resize_file(metrics_path_, bytes);
+  }
+  if (!quiet) std::printf("resumed from %s at step %lld\n", folder.c_str(), static_cast<long long>(step_));
+  return true;
+}
+
+void Trainer::clear_outputs() {
+  std::error_code ec;
+  fs::remove_all(fs::path(config_.train.out_dir) / "checkpoints", ec);
+  fs::remove(metrics_path_, ec);
+}
+
+nlohmann::json Trainer::train(std::int64_t until_step) {
+  const TrainConfig& t = config_.train;
+  if (until_step < 0) until_step = t.steps;
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto window_start = start;
+  std::int64_t window_tokens = 0;
+  const std::int64_t first_step = step_;
+  nlohmann::json last_eval;
+  bool evaluated_now = false;
+  while (step_ < until_step) {
+    const StepStats s = step();
+    evaluated_now = false;
+    window_tokens += tokens_per_step();
+    if (s.step % t.log_every == 0 || s.step == until_step) {
+      if (device_.is_cuda()) torch::cuda::synchronize();
+      const auto now = Clock::now();
+      const double window = std::chrono::duration<double>(now - window_start).count();
+      const double elapsed = std::chrono::duration<double>(now - start).count();
+      const double tokens_per_s = window > 0 ? static_cast<double>(window_tokens) / window : 0.0;
+      const double eta = elapsed / static_cast<double>(s.step - first_step) *
+                         static_cast<double>(until_step - s.step);
+      nlohmann::json record = {{"event", "train"},          {"step", s.step},
+                               {"loss", s.loss},            {"lr", s.lr},
+                               {"grad_norm", s.grad_norm},  {"tokens_per_s", tokens_per_s},
+                               {"elapsed_s", elapsed}};
+      if (!s.aux.empty()) record["aux"] = s.aux;
+      if (!s.phase.empty()) record["phase"] = s.phase;
+      log(record);
+      if (!quiet) {
+        std::string aux;
+        for (const auto& [name, value] : s.aux) {
+          char text[96];
+          std::snprintf(text, sizeof text, " | %s %.4f", name.c_str(), value);
+          aux += text;
+        }
+        std::printf("step %lld/%lld%s | loss %.4f%s | lr %.2e | %.1fk tok/s | ETA %s\n",
+                    static_cast<long long>(s.step), static_cast<long long>(until_step),
+                    s.phase.empty() ? "" : (" [" + s.phase + "]").c_str(), s.loss, aux.c_str(),
+                    s.lr, tokens_per_s / 1e3, duration(eta).c_str());
+        std::fflush(stdout);
+      }
+      window_start = now;
+      window_tokens = 0;
+    }
+    if (t.eval_every > 0 && s.step % t.eval_every == 0) {
+      last_eval = evaluate();
+      evaluated_now = true;
+      log(last_eval);
+      if (!quiet) std::printf("eval %s\n", last_eval.dump().c_str());
+    }
+    if (t.checkpoint_every > 0 && s.step % t.checkpoint_every == 0 && s.step < until_step) save();
+  }
+  if (!evaluated_now) {
+    last_eval = evaluate();
+    log(last_eval);
+    if (!quiet) std::printf("eval %s\n", last_eval.dump().c_str());
+  }
+  save();
+  return last_eval;
+}
+
+std::vector<std::pair<std::string, std::string>> runtime_report() {
+  const std::string cuda = torch::cuda::is_available()
+                               ? std::to_string(torch::cuda::device_count()) + " CUDA device(s)"
+                               : std::string("no CUDA device");
+  return {{"LibTorch", std::string(TORCH_VERSION) + ", " + cuda + ", " +
+                           std::to_string(at::get_num_threads()) + " intra-op thread(s)"},
+          {"tasks", config::join(tasks::task_names())}};
+}
+
+}  // namespace winnow::train

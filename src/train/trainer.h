@@ -1,0 +1,99 @@
+// The training loop. AdamW (LibTorch's) with parameter groups by learning-rate multiplier and
+// weight decay; linear warmup then a constant, cosine or warmup-stable-decay schedule; gradient
+// accumulation and optional clipping; bf16 autocast on CUDA and float32 on the CPU; phases that
+// change which parameters train and how auxiliary losses weigh; batches that are a pure function
+// of (seed, step), so a resumed run replays an uninterrupted one exactly; atomic checkpoints; a
+// JSON-lines metrics log; a progress line; periodic evaluation with hooks.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <set>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nn/transformer.h"
+#include "tasks/task.h"
+#include "train/config.h"
+
+namespace winnow::train {
+
+// The learning-rate factor (of train.lr) for the optimizer step `step` (counted from 0): linear
+// warmup over train.warmup steps, then the schedule over the remaining steps.
+double lr_factor(const TrainConfig& c, std::int64_t step);
+
+struct StepStats {
+  std::int64_t step = 0;  // the step just taken, counted from 1
+  double loss = 0;        // the main (cross-entropy) loss
+  std::map<std::string, double> aux;  // unweighted auxiliary losses
+  double grad_norm = 0;   // before clipping
+  double lr = 0;          // the base learning rate used (before group multipliers)
+  std::string phase;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(const ExperimentConfig& config);
+
+  // Continues from <out_dir>/checkpoints/latest; returns false when there is none. A checkpoint
+  // written under a different model, task, seed or optimization setting is refused with the
+  // first key that differs.
+  bool resume();
+  // Deletes <out_dir>'s checkpoints and metrics log: the CLI's --fresh.
+  void clear_outputs();
+
+  // Trains until `until_step` (default: train.steps), logging, evaluating and checkpointing as
+  // configured; evaluates and saves a checkpoint at the end. Returns the last evaluation.
+  nlohmann::json train(std::int64_t until_step = -1);
+  // One optimizer step, without logging or checkpointing.
+  StepStats step();
+  // Mean loss and accuracy over train.eval_batches held-out batches, plus the eval hooks' keys.
+  nlohmann::json evaluate();
+  std::string save();
+
+  std::int64_t current_step() const { return step_; }
+  nn::TransformerLM& model() { return model_; }
+  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  const ExperimentConfig& config() const { return config_; }
+  torch::Device device() const { return device_; }
+  std::int64_t tokens_per_step() const { return config_.train.batch_size * config_.train.seq_len; }
+
+  // Extension points.
+  // Named auxiliary losses computed from a micro-batch and its logits, added to the model's
+  // own (layers report theirs through AttentionLayer::add_aux_loss); weighted by
+  // train.aux_loss_weights and the phase's weights.
+  using AuxLossFn =
+      std::function<torch::Tensor(Trainer&, const tasks::Batch&, const torch::Tensor& logits)>;
+  std::vector<std::pair<std::string, AuxLossFn>> aux_loss_fns;
+  // Run before every step (after the phase for the step is set).
+  std::vector<std::function<void(Trainer&, std::int64_t step)>> step_hooks;
+  // Add keys to every evaluation.
+  std::vector<std::function<nlohmann::json(Trainer&)>> eval_hooks;
+  bool quiet = false;  // no progress lines on stdout
+
+ private:
+  void enter_phase(std::size_t index);
+  std::size_t phase_index(std::int64_t step) const;
+  double aux_weight(const std::string& name) const;
+  void check_aux_names(const std::map<std::string, torch::Tensor>& produced);
+  void log(const nlohmann::json& record);
+
+  ExperimentConfig config_;
+  torch::Device device_;
+  bool autocast_ = false;
+  nn::TransformerLM model_{nullptr};
+  std::unique_ptr<tasks::Task> task_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::vector<double> group_multipliers_;
+  std::int64_t step_ = 0;
+  std::size_t phase_ = static_cast<std::size_t>(-1);  // none entered yet
+  std::set<std::size_t> aux_checked_;                  // phases whose aux names were checked
+  std::string metrics_path_;
+};
+
+}  // namespace winnow::train

@@ -1,0 +1,240 @@
+// The `winnow` command line tool as a user runs it: info, train with overrides, errors that
+// name the key, resuming, a run killed with SIGKILL mid-training and resumed (bit-identical to
+// an uninterrupted run), and the train-bench command the GPU measurement uses.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "nn/transformer.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+
+extern char** environ;
+
+namespace winnow {
+namespace {
+namespace fs = std::filesystem;
+
+std::string scratch(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("winnow_cli_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+struct Outcome {
+  int status = -1;  // exit status, or -1 when killed by a signal
+  std::string output;
+};
+
+std::string slurp(const fs::path& path) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// Starts the tool with stdout and stderr going to `log`; returns its pid.
+pid_t start(const std::vector<std::string>& args, const fs::path& log) {
+  std::vector<std::string> argv_storage = {WINNOW_CLI};
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, WINNOW_CLI, &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) throw std::runtime_error("cannot start " + std::string(WINNOW_CLI));
+  return pid;
+}
+
+Outcome wait_for(pid_t pid, const fs::path& log) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(log)};
+}
+
+Outcome run(const std::vector<std::string>& args, const std::string& dir) {
+  const fs::path log = fs::path(dir) / "cli.log";
+  return wait_for(start(args, log), log);
+}
+
+std::string config_file(const std::string& name) {
+  return (fs::path(WINNOW_SOURCE_DIR) / "configs" / "toy" / (name + ".json")).string();
+}
+
+// A small, fast run of a shipped config.
+std::vector<std::string> small_run(const std::string& config, const std::string& out_dir) {
+  return {"train", "--config", config_file(config), "--set", "device=cpu", "--set",
+          "train.out_dir=" + out_dir, "--set", "model.d_model=32", "--set", "train.seq_len=16",
+          "--set", "train.batch_size=4"};
+}
+
+TEST(Cli, InfoListsEveryMechanism) {
+  const std::string dir = scratch("info");
+  const Outcome r = run({"info"}, dir);
+  EXPECT_EQ(r.status, 0) << r.output;
+  for (const nn::Mechanism& m : nn::mechanisms()) {
+    EXPECT_NE(r.output.find("  " + m.name + ": "), std::string::npos) << r.output;
+  }
+  EXPECT_NE(r.output.find("LibTorch:"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(Cli, TrainsWithOverridesThenResumes) {
+  const std::string dir = scratch("train");
+  std::vector<std::string> args = small_run("stick_breaking", dir + "/out");
+  args.insert(args.end(), {"--set", "train.steps=4", "--set", "train.log_every=2"});
+  Outcome r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("step 4/4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tok/s | ETA"), std::string::npos) << r.output;
+  EXPECT_EQ(train::read_checkpoint(train::latest_checkpoint(dir + "/out/checkpoints")).step, 4);
+  // The same command with more steps continues from the checkpoint.
+  args.insert(args.end(), {"--set", "train.steps=6"});
+  r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("at step 4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step 6/6"), std::string::npos) << r.output;
+  // --fresh starts over.
+  args.push_back("--fresh");
+  r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step 2/6"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(Cli, PrintConfigShowsEveryResolvedKey) {
+  const std::string dir = scratch("print");
+  const Outcome r = run({"train", "--config", config_file("stick_breaking_rb_gn"), "--print-config"}, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["model"]["attention"]["implementation"], "kernel");
+  EXPECT_EQ(j["model"]["attention"]["remainder_bias"], true);
+  EXPECT_EQ(j["model"]["context_len"], j["train"]["seq_len"]);
+  fs::remove_all(dir);
+}
+
+TEST(Cli, BadInputIsAnErrorNamingTheKeyOrArgument) {
+  const std::string dir = scratch("errors");
+  auto expect = [&](std::vector<std::string> args, const std::string& fragment) {
+    const Outcome r = run(args, dir);
+    EXPECT_NE(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("terminate"), std::string::npos) << r.output;
+  };
+  const std::string cfg = config_file("softmax_rope");
+  expect({"train", "--config", cfg, "--set", "train.stepz=3"}, "unknown key 'train.stepz'");
+  expect({"train", "--config", cfg, "--set", "model.attention.gate=g3"}, "key 'model.attention.gate'");
+  expect({"train", "--config", cfg, "--set", "train.lr=fast"}, "key 'train.lr': expected a number");
+  expect({"train", "--config", cfg, "--set", "oops"}, "argument '--set'");
+  expect({"train", "--config", dir + "/missing.json"}, "--config");
+  {
+    std::ofstream(dir + "/broken.json") << "{\"seed\": 1,";
+  }
+  expect({"train", "--config", dir + "/broken.json"}, "is not valid JSON");
+  expect({"train-bench", "--kinds", "softmax,nonsense"}, "argument '--kinds'");
+  fs::remove_all(dir);
+}
+
+// Kill -9 at an arbitrary moment (possibly while a checkpoint is being written), resume, and
+// compare with a run that was never interrupted.
+TEST(Cli, KilledRunResumesBitIdentically) {
+  const std::string dir = scratch("kill");
+  const int total = 30;
+  auto args = [&](const std::string& out, int steps) {
+    std::vector<std::string> a = small_run("stick_breaking_rb_gn", out);
+    // A constant schedule: the run length does not change the step it takes, so the killed run
+    // can be asked for more steps than it will live to take.
+    a.insert(a.end(), {"--set", "train.schedule=constant", "--set", "train.warmup=3", "--set",
+                       "train.checkpoint_every=2", "--set", "train.eval_every=0", "--set",
+                       "train.steps=" + std::to_string(steps)});
+    return a;
+  };
+  const Outcome straight = run(args(dir + "/straight", total), dir);
+  ASSERT_EQ(straight.status, 0) << straight.output;
+
+  const fs::path log = fs::path(dir) / "killed.log";
+  const pid_t pid = start(args(dir + "/resumed", 1000000), log);
+  const fs::path latest = fs::path(dir) / "resumed" / "checkpoints" / "latest";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  std::int64_t seen = 0;
+  while (seen < 6 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::ifstream f(latest);
+    std::string name;
+    if (std::getline(f, name) && name.rfind("step_", 0) == 0) seen = std::stoll(name.substr(5));
+  }
+  ::kill(pid, SIGKILL);
+  const Outcome killed = wait_for(pid, log);
+  ASSERT_EQ(killed.status, -1) << "the run ended before it was killed:\n" << killed.output;
+  ASSERT_GE(seen, 6) << killed.output;
+
+  const Outcome resumed = run(args(dir + "/resumed", total), dir);
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  ASSERT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  const auto step_pos = resumed.output.find("at step ");
+  ASSERT_NE(step_pos, std::string::npos);
+  const std::int64_t resumed_at = std::stoll(resumed.output.substr(step_pos + 8));
+  std::printf("killed after a checkpoint of step %lld; resumed at step %lld\n",
+              static_cast<long long>(seen), static_cast<long long>(resumed_at));
+  EXPECT_GE(resumed_at, 6);
+  EXPECT_LT(resumed_at, total) << "the killed run got too far for the comparison to test a resume";
+
+  auto load = [&](const std::string& out) {
+    const std::string folder = train::latest_checkpoint(out + "/checkpoints");
+    const train::CheckpointMeta meta = train::read_checkpoint(folder);
+    EXPECT_EQ(meta.step, total);
+    nn::TransformerLM model(nn::read_model(meta.config["model"]));
+    torch::serialize::InputArchive archive;
+    archive.load_from(folder + "/model.pt");
+    model->load(archive);
+    return model;
+  };
+  nn::TransformerLM a = load(dir + "/straight"), b = load(dir + "/resumed");
+  auto pa = a->named_parameters(), pb = b->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& item : pa) EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << item.key();
+  fs::remove_all(dir);
+}
+
+TEST(Cli, TrainBenchMeasuresFusedAndComposed) {
+  const std::string dir = scratch("bench");
+  const Outcome r = run({"train-bench", "--device", "cpu", "--lengths", "16", "--tokens", "64", "--steps", "1",
+                     "--warmup", "1", "--kinds", "stick_breaking,stick_breaking@composed,softmax_alibi",
+                     "--json", dir + "/bench.json"},
+                    dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(slurp(dir + "/bench.json"));
+  ASSERT_EQ(j["results"].size(), 3u) << j.dump(2);
+  for (const auto& result : j["results"]) {
+    EXPECT_GT(result.value("tokens_per_s", 0.0), 0) << result.dump();
+  }
+  EXPECT_EQ(j["results"][1]["implementation"], "composed");
+  EXPECT_EQ(j["results"][2]["implementation"], "composed");  // ALiBi has no fused path
+  ASSERT_EQ(j["fused_over_composed"].size(), 1u);
+  EXPECT_EQ(j["fused_over_composed"][0]["kind"], "stick_breaking");
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace winnow

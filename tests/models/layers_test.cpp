@@ -1,0 +1,546 @@
+// The attention layers on the CPU. Every layer kind, through the fused operators and through
+// its composed implementation, against a reference written here from spec/softmax.md and
+// spec/stick-breaking.md (materialized float64 weights, its own RoPE, gates, norms), forward and
+// gradients for the input and every parameter. KV-cache decoding against full forward passes
+// for every kind. RoPE's and ALiBi's defining properties. Configuration errors.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "nn/attention.h"
+#include "nn/composed.h"
+#include "nn/modules.h"
+#include "nn/transformer.h"
+#include "winnow/error.h"
+
+namespace winnow::nn {
+namespace {
+
+using torch::Tensor;
+
+double rel(const Tensor& a, const Tensor& b) {
+  return ((a - b).norm() / b.norm().clamp_min(1e-300)).item<double>();
+}
+
+// ------------------------------------------------------------------ the reference
+
+using Params = std::map<std::string, Tensor>;
+
+Tensor linear(const Tensor& x, const Params& p, const std::string& name, bool bias = false) {
+  Tensor y = torch::matmul(x, p.at(name + ".weight").t());
+  return bias ? y + p.at(name + ".bias") : y;
+}
+
+// RoPE written from spec/softmax.md (and the YaRN / NTK formulas), one angle at a time.
+Tensor reference_rope(const Tensor& x, const RopeConfig& c, std::int64_t offset, std::int64_t seen,
+                      std::int64_t context) {
+  const std::int64_t L = x.size(1), D = x.size(3), half = D / 2;
+  const double d = static_cast<double>(D);
+  double base = c.theta, mscale = 1;
+  if (c.scaling == "ntk") base = c.theta * std::pow(c.factor, d / (d - 2));
+  if (c.scaling == "dynamic" && seen > context) {
+    base = c.theta * std::pow(c.factor * double(seen) / double(context) - (c.factor - 1), d / (d - 2));
+  }
+  std::vector<double> freq(half);
+  for (std::int64_t i = 0; i < half; ++i) {
+    freq[i] = std::pow(base, -2.0 * double(i) / d);
+    if (c.scaling == "yarn") {
+      // Dimension i turns context * freq / (2 pi) times over the training context.
+      auto boundary = [&](double turns) {
+        return d * std::log(double(context) / (turns * 2 * M_PI)) / (2 * std::log(c.theta));
+      };
+      const double lo = std::max(0.0, std::floor(boundary(c.yarn_beta_fast)));
+      const double hi = std::min(d / 2 - 1, std::ceil(boundary(c.yarn_beta_slow)));
+      const double t = std::clamp((double(i) - lo) / std::max(hi - lo, 1e-3), 0.0, 1.0);
+      freq[i] = (1 - t) * freq[i] + t * freq[i] / c.factor;
+      mscale = 1 + 0.1 * std::log(c.factor);
+    }
+  }
+  Tensor cos = torch::empty({L, D}, torch::kFloat64), sin = torch::empty({L, D}, torch::kFloat64);
+  for (std::int64_t r = 0; r < L; ++r) {
+    double pos = double(offset + r);
+    if (c.scaling == "linear") pos /= c.factor;
+    for (std::int64_t i = 0; i < half; ++i) {
+      const double a = pos * freq[i];
+      cos[r][i] = cos[r][i + half] = std::cos(a) * mscale;
+      sin[r][i] = sin[r][i + half] = std::sin(a) * mscale;
+    }
+  }
+  cos = cos.view({1, L, 1, D});
+  sin = sin.view({1, L, 1, D});
+  const Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+  return x * cos + torch::cat({-x2, x1}, -1) * sin;
+}
+
+// Per head: z_ij = scale <q_j, k_i> over keys i visible from query j (queries are the last Lq
+// of Lk positions). Returns the output (B, Lq, H, Dv) and, for stick-breaking, rem (B, Lq, H).
+std::pair<Tensor, Tensor> reference_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const std::string& kind, bool attend_current,
+                                              const Tensor& slopes = {}) {
+  const std::int64_t B = q.size(0), Lq = q.size(1), H = q.size(2), D = q.size(3);
+  const std::int64_t Lk = k.size(1), group = H / k.size(2);
+  Tensor out = torch::zeros({B, Lq, H, v.size(3)}, torch::kFloat64);
+  Tensor rem = torch::zeros({B, Lq, H}, torch::kFloat64);
+  Tensor dist = torch::empty({Lq, Lk}, torch::kFloat64);
+  for (std::int64_t r = 0; r < Lq; ++r) {
+    for (std::int64_t i = 0; i < Lk; ++i) dist[r][i] = double(Lk - Lq + r - i);
+  }
+  const Tensor visible = attend_current ? dist.ge(0) : dist.gt(0);
+  // later[k][i] = 1 when key k sits at or after key i: suffix sums as a product.
+  const Tensor later = torch::ones({Lk, Lk}, torch::kFloat64).tril();
+  for (std::int64_t h = 0; h < H; ++h) {
+    const Tensor qh = q.select(2, h), kh = k.select(2, h / group), vh = v.select(2, h / group);
+    Tensor z = torch::matmul(qh, kh.transpose(1, 2)) / std::sqrt(double(D));
+    if (slopes.defined()) z = z - slopes[h] * dist;
+    Tensor w;
+    if (kind == "softmax") {
+      w = torch::softmax(z.masked_fill(visible.logical_not(), -INFINITY), -1);
+    } else {
+      const Tensor cost = torch::log1p(torch::exp(z)) * visible;
+      w = torch::exp(z - torch::matmul(cost, later)) * visible;
+      rem.select(2, h).copy_(torch::exp(-cost.sum(-1)));
+    }
+    out.select(2, h).copy_(torch::matmul(w, vh));
+  }
+  return {out, rem};
+}
+
+Tensor head_norm(const Tensor& o, const Params& p, const std::string& name, bool centered) {
+  Tensor x = centered ? o - o.mean(-1, true) : o;
+  Tensor y = x / torch::sqrt(x.pow(2).mean(-1, true) + 1e-6) * p.at(name + ".weight");
+  return centered ? y + p.at(name + ".bias") : y;
+}
+
+// One attention layer (layer_index 1, i.e. layer 2) of `model` from its parameters.
+Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& x) {
+  const AttentionConfig& a = model.attention;
+  const std::int64_t B = x.size(0), L = x.size(1), H = a.heads, Hkv = a.kv_heads, D = a.head_dim;
+  const bool differential = a.kind == "differential";
+  const std::int64_t views = differential ? 2 : 1;
+  Tensor q = linear(x, p, "q").view({B, L, views * H, D});
+  Tensor k = linear(x, p, "k").view({B, L, views * Hkv, D});
+  Tensor v = linear(x, p, "v").view({B, L, Hkv, D});
+  const std::string gate = a.options.value("gate", std::string("none"));
+  if (gate == "g2" || gate == "g1g2") v = v * torch::sigmoid(linear(x, p, "value_gate", true)).view({B, L, Hkv, D});
+  if (a.position == "rope") {
+    q = reference_rope(q, a.rope, 0, L, model.context_len);
+    k = reference_rope(k, a.rope, 0, L, model.context_len);
+  }
+  if (a.options.value("ssmax", false)) {
+    Tensor log_n = torch::log(torch::arange(1, L + 1, torch::kFloat64)).view({1, L, 1, 1});
+    q = q * log_n * p.at("ssmax_scale").view({1, 1, H, 1});
+  }
+  Tensor o;
+  if (a.kind == "softmax") {
+    const Tensor slopes = a.position == "alibi"
+                              ? torch::pow(2.0, -8.0 * torch::arange(1, H + 1, torch::kFloat64) / double(H))
+                              : Tensor();
+    o = reference_attention(q, k, v, "softmax", true, slopes).first;
+    if (gate == "g1" || gate == "g1g2") o = o * torch::sigmoid(linear(x, p, "output_gate", true)).view({B, L, H, D});
+  } else if (differential) {
+    const Tensor o1 = reference_attention(q.narrow(2, 0, H), k.narrow(2, 0, Hkv), v, "softmax", true).first;
+    const Tensor o2 = reference_attention(q.narrow(2, H, H), k.narrow(2, Hkv, Hkv), v, "softmax", true).first;
+    const double lambda_init = 0.8 - 0.6 * std::exp(-0.3 * (2 - 1));
+    const Tensor lambda = torch::exp((p.at("lambda_q1") * p.at("lambda_k1")).sum()) -
+                          torch::exp((p.at("lambda_q2") * p.at("lambda_k2")).sum()) + lambda_init;
+    o = head_norm(o1 - lambda * o2, p, "head_norm", false) * (1 - lambda_init);
+  } else {
+    Tensor rem;
+    std::tie(o, rem) = reference_attention(q, k, v, "stick_breaking", a.options.value("attend_current", false));
+    if (a.options.value("remainder_bias", false)) o = o + rem.unsqueeze(-1) * p.at("remainder_bias");
+    if (a.options.value("head_norm", false)) o = head_norm(o, p, "head_norm", true);
+  }
+  return linear(o.reshape({B, L, H * D}), p, "o");
+}
+
+// ------------------------------------------------------------------ variants
+
+struct Variant {
+  std::string name;
+  std::function<void(AttentionConfig&)> set;
+};
+
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> all = {
+      {"softmax_rope", [](AttentionConfig&) {}},
+      {"softmax_rope_linear", [](AttentionConfig& a) { a.rope.scaling = "linear"; a.rope.factor = 16; }},
+      {"softmax_rope_ntk", [](AttentionConfig& a) { a.rope.scaling = "ntk"; a.rope.factor = 4; }},
+      {"softmax_rope_dynamic", [](AttentionConfig& a) { a.rope.scaling = "dynamic"; a.rope.factor = 2; }},
+      {"softmax_rope_yarn", [](AttentionConfig& a) { a.rope.scaling = "yarn"; a.rope.factor = 8; }},
+      {"softmax_nope_gqa", [](AttentionConfig& a) { a.position = "nope"; a.kv_heads = 1; }},
+      {"softmax_alibi", [](AttentionConfig& a) { a.position = "alibi"; }},
+      {"ssmax", [](AttentionConfig& a) { a.options["ssmax"] = true; }},
+      {"gated_g1", [](AttentionConfig& a) { a.options["gate"] = "g1"; }},
+      {"gated_g2_gqa", [](AttentionConfig& a) { a.options["gate"] = "g2"; a.kv_heads = 1; }},
+      {"gated_g1g2_ssmax_nope", [](AttentionConfig& a) { a.options["gate"] = "g1g2"; a.options["ssmax"] = true; a.position = "nope"; }},
+      {"differential", [](AttentionConfig& a) { a.kind = "differential"; }},
+      {"differential_nope", [](AttentionConfig& a) { a.kind = "differential"; a.position = "nope"; a.kv_heads = 4; }},
+      {"stick_breaking", [](AttentionConfig& a) { a.kind = "stick_breaking"; }},
+      {"stick_breaking_rb", [](AttentionConfig& a) { a.kind = "stick_breaking"; a.options["remainder_bias"] = true; }},
+      {"stick_breaking_rb_gn_rope",
+       [](AttentionConfig& a) {
+         a.kind = "stick_breaking";
+         a.position = "rope";
+         a.options["remainder_bias"] = true;
+         a.options["head_norm"] = true;
+       }},
+      {"stick_breaking_attend_current", [](AttentionConfig& a) { a.kind = "stick_breaking"; a.options["attend_current"] = true; }},
+  };
+  return all;
+}
+
+const Variant& variant(const std::string& name) {
+  for (const Variant& v : variants()) {
+    if (v.name == name) return v;
+  }
+  throw std::runtime_error("no variant " + name);
+}
+
+// d_model 32, 4 heads of 8, 2 kv heads; a training context (8) shorter than the test
+// sequences, so every RoPE scaling and SSMax is engaged.
+ModelConfig tiny(const Variant& v, const std::string& implementation) {
+  ModelConfig c;
+  c.vocab_size = 11;
+  c.d_model = 32;
+  c.layers = 2;
+  c.context_len = 8;
+  c.attention.heads = 4;
+  c.attention.kv_heads = 2;
+  c.attention.implementation = implementation;
+  v.set(c.attention);
+  resolve(c);
+  return c;
+}
+
+struct Case {
+  int variant;
+  std::string implementation;
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << variants()[static_cast<std::size_t>(c.variant)].name << " via " << c.implementation;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int i = 0; i < static_cast<int>(variants().size()); ++i) {
+    for (const char* impl : {"kernel", "composed"}) {
+      ModelConfig probe;
+      probe.vocab_size = 11;
+      probe.context_len = 8;
+      variants()[i].set(probe.attention);
+      // ALiBi has no fused path (see KernelWithAlibiIsAConfigError); only "composed" exists.
+      if (std::string(impl) == "kernel" && probe.attention.position == "alibi") continue;
+      out.push_back({i, impl});
+    }
+  }
+  return out;
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return variants()[static_cast<std::size_t>(info.param.variant)].name + "_" + info.param.implementation;
+}
+
+class Layer : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Layer, ForwardAndGradientsMatchTheReference) {
+  const Variant& v = variants()[static_cast<std::size_t>(GetParam().variant)];
+  const ModelConfig c = tiny(v, GetParam().implementation);
+  EXPECT_EQ(c.attention.implementation, GetParam().implementation);
+  torch::manual_seed(3);
+  auto layer = make_attention(c, 1);
+  layer->to(torch::kFloat64);
+  Params p;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : layer->named_parameters()) {
+      // Perturbed, so parameters that start at zero or one (remainder bias, gate biases, norm
+      // gains) are exercised too.
+      item.value().add_(torch::randn_like(item.value()) * 0.3);
+      p[item.key()] = item.value().detach().clone().requires_grad_();
+    }
+  }
+  const Tensor x = torch::randn({2, 13, 32}, torch::kFloat64).requires_grad_();
+  const Tensor x_ref = x.detach().clone().requires_grad_();
+  const Tensor w = torch::randn({2, 13, 32}, torch::kFloat64);
+  const Tensor y = layer->forward(x, nullptr);
+  const Tensor y_ref = reference_layer(c, p, x_ref);
+  (y * w).sum().backward();
+  (y_ref * w).sum().backward();
+  EXPECT_LT(rel(y, y_ref), 1e-10);
+  EXPECT_LT(rel(x.grad(), x_ref.grad()), 1e-9);
+  for (const auto& item : layer->named_parameters()) {
+    ASSERT_TRUE(item.value().grad().defined()) << item.key();
+    EXPECT_LT(rel(item.value().grad(), p[item.key()].grad()), 1e-9) << item.key();
+  }
+}
+
+// The precision training runs in on the CPU.
+TEST_P(Layer, Float32ForwardMatchesTheReference) {
+  const Variant& v = variants()[static_cast<std::size_t>(GetParam().variant)];
+  const ModelConfig c = tiny(v, GetParam().implementation);
+  torch::manual_seed(5);
+  auto layer = make_attention(c, 1);
+  Params p;
+  for (auto& item : layer->named_parameters()) p[item.key()] = item.value().detach().to(torch::kFloat64);
+  const Tensor x = torch::randn({2, 13, 32});
+  torch::NoGradGuard no_grad;
+  EXPECT_LT(rel(layer->forward(x, nullptr).to(torch::kFloat64), reference_layer(c, p, x.to(torch::kFloat64))), 1e-5);
+}
+
+// The whole model decoding with its cache, chunk by chunk, against full forward passes over
+// each prefix (the chunks' rows of a full pass over exactly the tokens seen so far).
+void expect_cache_matches(ModelConfig c, bool record_gradients, std::int64_t length = 14) {
+  torch::manual_seed(4);
+  TransformerLM model(c);
+  model->to(torch::kFloat64);
+  const Tensor tokens = torch::randint(0, c.vocab_size, {2, length}, torch::kInt64);
+  std::optional<torch::NoGradGuard> no_grad;
+  if (!record_gradients) no_grad.emplace();
+  KVCache cache = model->new_cache();
+  std::int64_t seen = 0;
+  for (std::int64_t chunk : {5, 1, 1, 3, 1, 2, 1}) {
+    chunk = std::min(chunk, length - seen);
+    if (chunk == 0) break;
+    const Tensor logits = model->forward(tokens.narrow(1, seen, chunk), &cache);
+    seen += chunk;
+    ASSERT_EQ(cache.length(), seen);
+    const Tensor full = model->forward(tokens.narrow(1, 0, seen)).narrow(1, seen - chunk, chunk);
+    EXPECT_LT(rel(logits, full), 1e-10) << "after " << seen << " tokens";
+  }
+}
+
+TEST_P(Layer, KvCacheDecodingReproducesFullForwardLogits) {
+  const Variant& v = variants()[static_cast<std::size_t>(GetParam().variant)];
+  ModelConfig c = tiny(v, GetParam().implementation);
+  // Dynamic NTK rotates with the base of the current sequence length, so beyond the training
+  // context a token's hidden state depends on how long the sequence was when it was computed:
+  // from the second layer on, no cache can reproduce a longer full pass (an inherent property
+  // of dynamic scaling). The layer re-rotates its cached keys at every step, so one layer is
+  // exact at every length (here); two layers are exact within the context (the next test).
+  if (c.attention.rope.scaling == "dynamic") c.layers = 1;
+  expect_cache_matches(c, false);
+}
+
+TEST(KvCache, DynamicRopeModelIsExactWithinTheTrainingContext) {
+  expect_cache_matches(tiny(variant("softmax_rope_dynamic"), "kernel"), false, 8);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, Layer, ::testing::ValuesIn(cases()), case_name);
+
+TEST(KvCache, RecordingGradientsConcatenatesInsteadOfWritingInPlace) {
+  expect_cache_matches(tiny(variant("softmax_rope"), "kernel"), true);
+  expect_cache_matches(tiny(variant("stick_breaking_rb"), "kernel"), true);
+  ModelConfig one_layer = tiny(variant("softmax_rope_dynamic"), "composed");
+  one_layer.layers = 1;
+  expect_cache_matches(one_layer, true);
+}
+
+TEST(TransformerLM, GeluMlpAndUntiedHeadDecodeLikeTheFullPass) {
+  ModelConfig c = tiny(variant("stick_breaking_rb"), "kernel");
+  c.mlp = "gelu";
+  c.mlp_hidden = 0;
+  c.tie_embeddings = false;
+  resolve(c);
+  EXPECT_EQ(c.mlp_hidden, 128);
+  TransformerLM model(c);
+  EXPECT_TRUE(model->named_parameters().contains("head.weight"));
+  EXPECT_FALSE(model->named_parameters().contains("block0.mlp.gate.weight"));
+  expect_cache_matches(c, false);
+  TransformerLM tied(tiny(variant("softmax_rope"), "kernel"));
+  EXPECT_FALSE(tied->named_parameters().contains("head.weight"));
+  EXPECT_TRUE(tied->named_parameters().contains("block0.mlp.gate.weight"));
+}
+
+TEST(KvCache, RejectsKeysThatDoNotContinueTheCache) {
+  LayerCache cache;
+  cache.append(torch::zeros({1, 3, 2, 8}), torch::zeros({1, 3, 2, 8}));
+  EXPECT_THROW(cache.append(torch::zeros({1, 1, 4, 8}), torch::zeros({1, 1, 4, 8})), Error);
+  EXPECT_THROW(cache.append(torch::zeros({2, 1, 2, 8}), torch::zeros({2, 1, 2, 8})), Error);
+  EXPECT_THROW(cache.append(torch::zeros({1, 1, 2, 8}, torch::kFloat64), torch::zeros({1, 1, 2, 8}, torch::kFloat64)), Error);
+  EXPECT_EQ(cache.length(), 3);
+}
+
+// ------------------------------------------------------------------ positions
+
+TEST(Rope, ScoresDependOnlyOnRelativePosition) {
+  for (const char* scaling : {"none", "linear", "ntk", "yarn"}) {
+    RopeConfig c;
+    c.scaling = scaling;
+    c.factor = 4;
+    const Rope rope(c, 16, 64);
+    torch::manual_seed(5);
+    const Tensor q = torch::randn({1, 1, 1, 16}, torch::kFloat64), k = torch::randn({1, 1, 1, 16}, torch::kFloat64);
+    auto score = [&](std::int64_t pq, std::int64_t pk) {
+      return (rope.apply(q, pq, 200) * rope.apply(k, pk, 200)).sum().item<double>();
+    };
+    EXPECT_NEAR(score(10, 3), score(40, 33), 1e-9) << scaling;
+    EXPECT_NEAR(score(7, 7), score(100, 100), 1e-9) << scaling;
+  }
+}
+
+TEST(Rope, LinearScalingIsPositionInterpolation) {
+  RopeConfig none, linear;
+  linear.scaling = "linear";
+  linear.factor = 4;
+  const Tensor x = torch::randn({1, 1, 2, 8}, torch::kFloat64);
+  EXPECT_LT(rel(Rope(linear, 8, 64).apply(x, 12, 13), Rope(none, 8, 64).apply(x, 3, 4)), 1e-12);
+}
+
+TEST(Rope, DynamicScalingWaitsForTheTrainingContext) {
+  RopeConfig none, dynamic;
+  dynamic.scaling = "dynamic";
+  dynamic.factor = 4;
+  const Tensor x = torch::randn({1, 8, 2, 8}, torch::kFloat64);
+  EXPECT_LT(rel(Rope(dynamic, 8, 32).apply(x, 20, 32), Rope(none, 8, 32).apply(x, 20, 32)), 1e-12);
+  EXPECT_GT(rel(Rope(dynamic, 8, 32).apply(x, 20, 33), Rope(none, 8, 32).apply(x, 20, 33)), 1e-3);
+}
+
+TEST(Rope, YarnScalesNormsByItsAttentionFactor) {
+  RopeConfig yarn;
+  yarn.scaling = "yarn";
+  yarn.factor = 8;
+  const Tensor x = torch::randn({1, 5, 2, 16}, torch::kFloat64);
+  const Tensor y = Rope(yarn, 16, 64).apply(x, 3, 8);
+  EXPECT_NEAR((y.norm() / x.norm()).item<double>(), 1 + 0.1 * std::log(8.0), 1e-12);
+}
+
+TEST(Rope, Float32InputsRotateInFloat32AndMatchFloat64) {
+  RopeConfig c;
+  const Tensor x = torch::randn({2, 6, 3, 16});
+  const Rope rope(c, 16, 8);
+  const Tensor y = rope.apply(x, 100, 106);
+  EXPECT_EQ(y.scalar_type(), torch::kFloat32);
+  EXPECT_LT(rel(y.to(torch::kFloat64), rope.apply(x.to(torch::kFloat64), 100, 106)), 1e-6);
+}
+
+TEST(Alibi, BiasDecaysWithDistanceBySlope) {
+  // q = 0: all logits equal, so the weights are exp(-m (j - i)) normalized; v = identity
+  // reads them out.
+  const std::int64_t L = 5;
+  const Tensor q = torch::zeros({1, L, 2, 4}, torch::kFloat64), k = torch::randn({1, L, 2, 4}, torch::kFloat64);
+  const Tensor v = torch::eye(L, torch::kFloat64).view({1, L, 1, L}).expand({1, L, 2, L});
+  const Tensor slopes = alibi_slopes(2);
+  EXPECT_DOUBLE_EQ(slopes[0].item<double>(), std::pow(2.0, -4.0));
+  EXPECT_DOUBLE_EQ(slopes[1].item<double>(), std::pow(2.0, -8.0));
+  const Tensor w = composed::softmax_attention(q, k, v, 1.0, true, slopes);
+  for (std::int64_t h = 0; h < 2; ++h) {
+    const double m = slopes[h].item<double>();
+    double norm = 0;
+    for (std::int64_t i = 0; i < L; ++i) norm += std::exp(-m * double(L - 1 - i));
+    for (std::int64_t i = 0; i < L; ++i) {
+      EXPECT_NEAR(w[0][L - 1][h][i].item<double>(), std::exp(-m * double(L - 1 - i)) / norm, 1e-12);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ configuration
+
+void expect_error(const std::function<void(ModelConfig&)>& set, const std::string& fragment) {
+  ModelConfig c;
+  c.vocab_size = 11;
+  c.d_model = 32;
+  c.context_len = 8;
+  set(c);
+  try {
+    TransformerLM model(c);
+    ADD_FAILURE() << "no error; expected one mentioning " << fragment;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(ModelConfig, ErrorsNameTheKey) {
+  expect_error([](ModelConfig& c) { c.attention.kind = "magic"; }, "'model.attention.kind'");
+  expect_error([](ModelConfig& c) { c.attention.kv_heads = 3; }, "'model.attention.kv_heads'");
+  expect_error([](ModelConfig& c) { c.attention.position = "sinusoid"; }, "'model.attention.position'");
+  expect_error([](ModelConfig& c) { c.attention.options["gate"] = "g3"; }, "'model.attention.gate'");
+  expect_error([](ModelConfig& c) { c.attention.options["ssmax"] = 1; }, "'model.attention.ssmax'");
+  expect_error([](ModelConfig& c) { c.attention.implementation = "fast"; }, "'model.attention.implementation'");
+  expect_error([](ModelConfig& c) { c.mlp = "relu"; }, "'model.mlp'");
+  expect_error([](ModelConfig& c) { c.attention.heads = 5; }, "'model.attention.heads'");
+  expect_error([](ModelConfig& c) { c.attention.head_dim = 7; }, "'model.attention.head_dim'");
+  expect_error([](ModelConfig& c) { c.attention.rope.scaling = "xpos"; }, "'model.attention.rope.scaling'");
+  expect_error([](ModelConfig& c) { c.attention.rope.factor = 0.5; }, "'model.attention.rope.factor'");
+  expect_error([](ModelConfig& c) { c.vocab_size = 0; }, "'model.vocab_size'");
+  expect_error([](ModelConfig& c) { c.norm_eps = 0; }, "'model.norm_eps'");
+  expect_error([](ModelConfig& c) {
+    c.attention.kind = "stick_breaking";
+    c.attention.position = "alibi";
+  }, "'model.attention.position'");
+  // A key of another mechanism.
+  expect_error([](ModelConfig& c) { c.attention.options["remainder_bias"] = true; },
+               "unknown key 'model.attention.remainder_bias'");
+  expect_error([](ModelConfig& c) {
+    c.attention.kind = "stick_breaking";
+    c.attention.implementation = "composed";
+    c.attention.options["halt_cutoff"] = 40.0;
+  }, "'model.attention.halt_cutoff'");
+  expect_error([](ModelConfig& c) {
+    c.attention.kind = "stick_breaking";
+    c.attention.options["halt_cutoff"] = -1.0;
+  }, "'model.attention.halt_cutoff'");
+}
+
+TEST(ModelConfig, KernelWithAlibiIsAConfigError) {
+  expect_error([](ModelConfig& c) {
+    c.attention.position = "alibi";
+    c.attention.implementation = "kernel";
+  }, "'model.attention.implementation'");
+  ModelConfig c;
+  c.vocab_size = 11;
+  c.context_len = 8;
+  c.attention.position = "alibi";
+  resolve(c);
+  EXPECT_EQ(c.attention.implementation, "composed");
+}
+
+TEST(ModelConfig, ResolveFillsPlaceholdersAndIsIdempotent) {
+  ModelConfig c;
+  c.vocab_size = 11;
+  c.context_len = 8;
+  c.attention.kind = "stick_breaking";
+  resolve(c);
+  EXPECT_EQ(c.attention.position, "nope");
+  EXPECT_EQ(c.attention.implementation, "kernel");
+  EXPECT_EQ(c.attention.kv_heads, 4);
+  EXPECT_EQ(c.attention.head_dim, 64);
+  EXPECT_EQ(c.mlp_hidden, 704);
+  EXPECT_EQ(c.attention.options["remainder_bias"], false);
+  EXPECT_EQ(c.attention.options["halt_cutoff"], 0.0);
+  const nlohmann::json once = write_model(c);
+  resolve(c);
+  EXPECT_EQ(write_model(c), once);
+  ModelConfig again = read_model(once);
+  resolve(again);
+  EXPECT_EQ(write_model(again), once);
+}
+
+TEST(Mechanisms, EveryEntryBuildsItsLayerAndNamesAreUnique) {
+  std::set<std::string> names;
+  for (const Mechanism& m : mechanisms()) {
+    EXPECT_TRUE(names.insert(m.name).second) << m.name;
+    ModelConfig c;
+    c.vocab_size = 11;
+    c.d_model = 32;
+    c.context_len = 8;
+    c.attention.kind = m.name;
+    resolve(c);
+    EXPECT_EQ(c.attention.position, m.positions.front());
+    auto layer = make_attention(c, 0);
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(layer->forward(torch::randn({1, 3, 32}), nullptr).sizes(), torch::IntArrayRef({1, 3, 32}));
+  }
+}
+
+}  // namespace
+}  // namespace winnow::nn
