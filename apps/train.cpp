@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "commands.h"
+#include "train/files.h"
 #include "train/config.h"
 #include "train/trainer.h"
 #include "winnow/error.h"
@@ -206,7 +207,7 @@ void add_train_bench(CLI::App& app) {
         }
         std::fflush(stdout);
         std::error_code ec;
-        fs::remove_all(scratch, ec);
+        winnow::train::remove_tree(scratch);
         results.push_back(record);
       }
     }

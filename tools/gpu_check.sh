@@ -55,7 +55,9 @@ for stage in "${stages[@]}"; do
       grep -E "FAILED|PASSED" "$OUT/cuda_tests_portable.log" | head -20
       summary_line="test: cuda $(grep -E 'tests passed' "$OUT/cuda_tests.log" | tail -1) (rc $cuda_rc); portable kernels rc $portable_rc"
       if [[ "$stage" == test ]]; then
-        ctest --test-dir "$BUILD" -L cpu --output-on-failure -j 8 > "$OUT/cpu_tests.log" 2>&1
+        # Eight tests at once, each LibTorch test with two threads: with LibTorch's default of
+        # one thread per core, the model tests oversubscribe the cores and crawl.
+        OMP_NUM_THREADS=2 ctest --test-dir "$BUILD" -L cpu --output-on-failure -j 8 > "$OUT/cpu_tests.log" 2>&1
         cpu_rc=$?
         summary_line+="; cpu $(grep -E 'tests passed' "$OUT/cpu_tests.log" | tail -1) (rc $cpu_rc)"
       fi

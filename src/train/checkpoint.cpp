@@ -1,4 +1,5 @@
 #include "train/checkpoint.h"
+#include "train/files.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -79,7 +80,7 @@ void remove_old(const fs::path& root, std::int64_t keep) {
     const std::string name = entry.path().filename().string();
     if (!entry.is_directory()) continue;
     if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
-      fs::remove_all(entry.path(), ec);  // left by a process killed while saving
+      winnow::train::remove_tree(entry.path());  // left by a process killed while saving
     } else if (name.rfind("step_", 0) == 0) {
       steps.push_back(entry.path());
     }
@@ -87,7 +88,7 @@ void remove_old(const fs::path& root, std::int64_t keep) {
   if (keep <= 0 || static_cast<std::int64_t>(steps.size()) <= keep) return;
   std::sort(steps.begin(), steps.end());
   for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < steps.size(); ++i) {
-    fs::remove_all(steps[i], ec);
+    winnow::train::remove_tree(steps[i]);
   }
 }
 
@@ -101,7 +102,7 @@ std::string save_checkpoint(const std::string& root, torch::nn::Module& model,
   const fs::path tmp_dir = dir / (folder_name(meta.step) + ".tmp");
   std::error_code ec;
   fs::create_directories(dir, ec);
-  fs::remove_all(tmp_dir, ec);
+  winnow::train::remove_tree(tmp_dir);
   if (!fs::create_directories(tmp_dir, ec)) fail("cannot create '" + tmp_dir.string() + "'");
   try {
     torch::serialize::OutputArchive model_archive;
@@ -135,7 +136,7 @@ std::string save_checkpoint(const std::string& root, torch::nn::Module& model,
                               {"files", files}};
   write_text(tmp_dir / "trainer.json", doc.dump(2));
   sync_path(tmp_dir);
-  fs::remove_all(final_dir, ec);
+  winnow::train::remove_tree(final_dir);
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) fail("cannot move '" + tmp_dir.string() + "' into place: " + ec.message());
   write_text(dir / "latest.tmp", final_dir.filename().string() + "\n");

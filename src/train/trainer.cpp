@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "train/checkpoint.h"
+#include "train/files.h"
 #include "train/runtime.h"
 #include "winnow/error.h"
 #include "winnow/winnow.h"
@@ -463,7 +464,7 @@ bool Trainer::resume() {
 
 void Trainer::clear_outputs() {
   std::error_code ec;
-  fs::remove_all(fs::path(config_.train.out_dir) / "checkpoints", ec);
+  remove_tree(fs::path(config_.train.out_dir) / "checkpoints");
   fs::remove(metrics_path_, ec);
 }
 

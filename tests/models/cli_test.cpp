@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "nn/transformer.h"
+#include "train/files.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 
@@ -30,7 +31,7 @@ namespace fs = std::filesystem;
 
 std::string scratch(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("winnow_cli_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
+  winnow::train::remove_tree(p);
   fs::create_directories(p);
   return p.string();
 }
@@ -95,7 +96,7 @@ TEST(Cli, InfoListsEveryMechanism) {
     EXPECT_NE(r.output.find("  " + m.name + ": "), std::string::npos) << r.output;
   }
   EXPECT_NE(r.output.find("LibTorch:"), std::string::npos) << r.output;
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 TEST(Cli, TrainsWithOverridesThenResumes) {
@@ -120,7 +121,7 @@ TEST(Cli, TrainsWithOverridesThenResumes) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("step 2/6"), std::string::npos) << r.output;
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 TEST(Cli, PrintConfigShowsEveryResolvedKey) {
@@ -131,7 +132,7 @@ TEST(Cli, PrintConfigShowsEveryResolvedKey) {
   EXPECT_EQ(j["model"]["attention"]["implementation"], "kernel");
   EXPECT_EQ(j["model"]["attention"]["remainder_bias"], true);
   EXPECT_EQ(j["model"]["context_len"], j["train"]["seq_len"]);
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 TEST(Cli, BadInputIsAnErrorNamingTheKeyOrArgument) {
@@ -153,7 +154,7 @@ TEST(Cli, BadInputIsAnErrorNamingTheKeyOrArgument) {
   }
   expect({"train", "--config", dir + "/broken.json"}, "is not valid JSON");
   expect({"train-bench", "--kinds", "softmax,nonsense"}, "argument '--kinds'");
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 // Kill -9 at an arbitrary moment (possibly while a checkpoint is being written), resume, and
@@ -214,7 +215,7 @@ TEST(Cli, KilledRunResumesBitIdentically) {
   auto pa = a->named_parameters(), pb = b->named_parameters();
   ASSERT_EQ(pa.size(), pb.size());
   for (const auto& item : pa) EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << item.key();
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 TEST(Cli, TrainBenchMeasuresFusedAndComposed) {
@@ -233,7 +234,7 @@ TEST(Cli, TrainBenchMeasuresFusedAndComposed) {
   EXPECT_EQ(j["results"][2]["implementation"], "composed");  // ALiBi has no fused path
   ASSERT_EQ(j["fused_over_composed"].size(), 1u);
   EXPECT_EQ(j["fused_over_composed"][0]["kind"], "stick_breaking");
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "train/checkpoint.h"
+#include "train/files.h"
 #include "train/config.h"
 #include "train/trainer.h"
 #include "winnow/error.h"
@@ -29,7 +30,7 @@ using torch::Tensor;
 std::string scratch(const std::string& name) {
   const fs::path p = fs::temp_directory_path() /
                      ("winnow_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
+  winnow::train::remove_tree(p);
   return p.string();
 }
 
@@ -80,7 +81,7 @@ TEST_P(Toy, TwoLayerD256ModelLearnsBelowTheBound) {
               static_cast<long long>(c.train.steps), seconds);
   EXPECT_GT(before, 2.5);
   EXPECT_LT(after["eval_loss"].get<double>(), kLossBound) << after.dump();
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, Toy, ::testing::ValuesIn(toy_configs()),
@@ -163,7 +164,7 @@ TEST(Trainer, LearningRateMultipliersScaleTheirGroups) {
   EXPECT_NEAR(moved("block0.attention.q.weight", q0), 1e-3, 1e-5);  // longest match: 10x
   EXPECT_NEAR(moved("block0.attention.k.weight", k0), 3e-4, 3e-6);
   EXPECT_NEAR(moved("block0.mlp.up.weight", mlp0), 1e-4, 1e-6);
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 // The loss is averaged over the whole batch, so splitting it into micro-batches changes only
@@ -182,8 +183,8 @@ TEST(Trainer, GradientAccumulationComputesTheFullBatchStep) {
     const double diff = (item.value() - pb[item.key()]).abs().max().item<double>();
     EXPECT_LT(diff, 1e-5) << item.key();
   }
-  fs::remove_all(one.train.out_dir);
-  fs::remove_all(four.train.out_dir);
+  winnow::train::remove_tree(one.train.out_dir);
+  winnow::train::remove_tree(four.train.out_dir);
 }
 
 TEST(Trainer, PhasesChooseWhatTrains) {
@@ -220,7 +221,7 @@ TEST(Trainer, PhasesChooseWhatTrains) {
   EXPECT_FALSE(torch::equal(params["block1.mlp.down.weight"], mlp));
   EXPECT_FALSE(torch::equal(params["block1.attention.v.weight"], att2));
   EXPECT_TRUE(torch::equal(params["embedding.weight"], emb));
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 TEST(Trainer, PhaseWithZeroLearningRateLeavesParametersUnchanged) {
@@ -233,7 +234,7 @@ TEST(Trainer, PhaseWithZeroLearningRateLeavesParametersUnchanged) {
   const Tensor before = t.model()->named_parameters()["block0.attention.q.weight"].detach().clone();
   t.step();
   EXPECT_TRUE(torch::equal(before, t.model()->named_parameters()["block0.attention.q.weight"]));
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 Trainer::AuxLossFn logit_l2() {
@@ -250,7 +251,7 @@ TEST(Trainer, AuxiliaryLossesAreWeightedByNameAndPhase) {
     if (with_fn) t.aux_loss_fns.emplace_back("logit_l2", logit_l2());
     StepStats s;
     for (int i = 0; i < 3; ++i) s = t.step();
-    fs::remove_all(c.train.out_dir);
+    winnow::train::remove_tree(c.train.out_dir);
     return std::make_pair(t.model()->named_parameters()["block0.attention.q.weight"].detach().clone(), s);
   };
   const auto plain = run("aux_plain", [](ExperimentConfig&) {}, false);
@@ -273,7 +274,7 @@ TEST(Trainer, AuxiliaryLossesAreWeightedByNameAndPhase) {
   c.train.aux_loss_weights = {{"indexer_kl", 1.0}};
   Trainer t = quiet_trainer(c);
   expect_error([&] { t.step(); }, "'train.aux_loss_weights.indexer_kl'");
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 TEST(Trainer, NonFiniteLossStopsTrainingWithAClearError) {
@@ -285,7 +286,7 @@ TEST(Trainer, NonFiniteLossStopsTrainingWithAClearError) {
   const Tensor before = t.model()->named_parameters()["block0.attention.q.weight"].detach().clone();
   expect_error([&] { t.step(); }, "training diverged at step 1");
   EXPECT_TRUE(torch::equal(before, t.model()->named_parameters()["block0.attention.q.weight"]));
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 TEST(Trainer, MetricsLogHasTrainAndEvalRecords) {
@@ -312,7 +313,7 @@ TEST(Trainer, MetricsLogHasTrainAndEvalRecords) {
   EXPECT_EQ(records[3]["step"], 6);
   EXPECT_EQ(records.back()["event"], "eval");
   EXPECT_EQ(records.back()["step"], 6);
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 TEST(Trainer, StepAndEvaluationHooksRun) {
@@ -325,7 +326,7 @@ TEST(Trainer, StepAndEvaluationHooksRun) {
   const nlohmann::json last = t.train();
   EXPECT_EQ(steps, (std::vector<std::int64_t>{0, 1, 2, 3, 4, 5}));
   EXPECT_EQ(last["hooked_step"], 6);
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 // ------------------------------------------------------------------ checkpoints
@@ -357,8 +358,8 @@ TEST(Checkpoints, ResumeGivesBitIdenticalParameters) {
   straight.step();
   second.step();
   expect_same_parameters(straight, second);
-  fs::remove_all(dir_a);
-  fs::remove_all(dir_b);
+  winnow::train::remove_tree(dir_a);
+  winnow::train::remove_tree(dir_b);
 }
 
 TEST(Checkpoints, ResumeDropsMetricsOfStepsThatRunAgain) {
@@ -381,7 +382,7 @@ TEST(Checkpoints, ResumeDropsMetricsOfStepsThatRunAgain) {
   std::int64_t last = 0;
   for (std::string line; std::getline(f, line);) last = nlohmann::json::parse(line)["step"];
   EXPECT_EQ(last, 2);
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 TEST(Checkpoints, KeepsTheNewestOnes) {
@@ -396,7 +397,7 @@ TEST(Checkpoints, KeepsTheNewestOnes) {
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step_00000005", "step_00000006"}));
   EXPECT_EQ(read_checkpoint(latest_checkpoint(dir + "/checkpoints")).step, 6);
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 TEST(Checkpoints, CorruptTruncatedOrMissingFilesGiveClearErrors) {
@@ -409,7 +410,7 @@ TEST(Checkpoints, CorruptTruncatedOrMissingFilesGiveClearErrors) {
   const fs::path backup = fs::path(dir) / "backup";
   fs::copy(folder, backup, fs::copy_options::recursive);
   auto restore = [&] {
-    fs::remove_all(folder);
+    winnow::train::remove_tree(folder);
     fs::copy(backup, folder, fs::copy_options::recursive);
   };
   auto expect_resume_error = [&](const std::string& fragment) {
@@ -447,7 +448,7 @@ TEST(Checkpoints, CorruptTruncatedOrMissingFilesGiveClearErrors) {
   Trainer t = quiet_trainer(small(dir));
   EXPECT_TRUE(t.resume());
   EXPECT_EQ(t.current_step(), 2);
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 TEST(Checkpoints, ResumingUnderAnotherConfigurationIsRefusedNamingTheKey) {
@@ -472,7 +473,7 @@ TEST(Checkpoints, ResumingUnderAnotherConfigurationIsRefusedNamingTheKey) {
   longer.train.steps = 20;
   Trainer t = quiet_trainer(longer);
   EXPECT_TRUE(t.resume());
-  fs::remove_all(dir);
+  winnow::train::remove_tree(dir);
 }
 
 // ------------------------------------------------------------------ configuration
@@ -521,7 +522,7 @@ TEST(Config, PatternsMustMatchSomeParameter) {
   p.train_only = {"attention", "indexr"};
   c.train.phases = {p};
   expect_error([&] { Trainer t(c); }, "'train.phases[0].train_only[1]'");
-  fs::remove_all(c.train.out_dir);
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 TEST(Config, OverridesParseJsonValuesBareWordsAndListIndices) {
