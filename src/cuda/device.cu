@@ -59,6 +59,33 @@ __global__ void store_key_grads_kernel(const detail::AttentionParams p, const de
   }
 }
 
+// The same when both gradients have unit stride along the head dimension and the head
+// dimensions are multiples of 4: one block per key row, four elements per thread per step,
+// 32-bit index arithmetic (the general kernel's 64-bit divisions per element made this
+// conversion a sizeable part of a short-sequence backward).
+template <class T>
+__global__ void store_key_grads_rows_kernel(const detail::AttentionParams p, const detail::GradientParams g,
+                                            const float* dk, const float* dv) {
+  const std::int64_t row = blockIdx.x;
+  const std::int64_t b = p.cu_seqlens_k != nullptr ? 0 : row / p.len_k;
+  const std::int64_t key = p.cu_seqlens_k != nullptr ? row : row % p.len_k;
+  const int heads = static_cast<int>(p.heads_kv), dk_dim = static_cast<int>(p.dim_qk),
+            dv_dim = static_cast<int>(p.dim_v);
+  const int k_quads = heads * dk_dim / 4, quads = k_quads + heads * dv_dim / 4;
+  for (int q = threadIdx.x; q < quads; q += blockDim.x) {
+    const bool is_k = q < k_quads;
+    const int dim = is_k ? dk_dim : dv_dim;
+    const int e = 4 * (is_k ? q : q - k_quads);
+    const int h = e / dim, d = e % dim;
+    const float4 x = *reinterpret_cast<const float4*>((is_k ? dk : dv) + row * heads * dim + e);
+    T* out = (is_k ? g.dk : g.dv).at<T>(b, key, h) + d;
+    out[0] = static_cast<T>(x.x);
+    out[1] = static_cast<T>(x.y);
+    out[2] = static_cast<T>(x.z);
+    out[3] = static_cast<T>(x.w);
+  }
+}
+
 }  // namespace
 
 bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g) {
@@ -76,6 +103,24 @@ void store_key_grads(const detail::AttentionParams& p, const detail::GradientPar
                      const float* dk, const float* dv) {
   const std::int64_t total = p.rows_k * p.heads_kv * (p.dim_qk + p.dim_v);
   if (total == 0) return;
+  if (g.dk.dim == 1 && g.dv.dim == 1 && p.dim_qk % 4 == 0 && p.dim_v % 4 == 0 && p.rows_k < (1LL << 31) &&
+      p.heads_kv * (p.dim_qk + p.dim_v) < (1LL << 30)) {
+    const unsigned rows = static_cast<unsigned>(p.rows_k);
+    switch (p.dtype) {
+      case DType::float32:
+        store_key_grads_rows_kernel<float><<<rows, 128, 0, stream_of(p)>>>(p, g, dk, dv);
+        break;
+      case DType::float16:
+        store_key_grads_rows_kernel<__half><<<rows, 128, 0, stream_of(p)>>>(p, g, dk, dv);
+        break;
+      case DType::bfloat16:
+        store_key_grads_rows_kernel<__nv_bfloat16><<<rows, 128, 0, stream_of(p)>>>(p, g, dk, dv);
+        break;
+      default: throw Error(ErrorKind::unsupported, "winnow: no CUDA kernels for this dtype");
+    }
+    check_launch("store_key_grads_rows");
+    return;
+  }
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<std::int64_t>((total + threads - 1) / threads, 65536));
   switch (p.dtype) {
