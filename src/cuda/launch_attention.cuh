@@ -22,7 +22,9 @@ void allow_shared_memory(Kernel kernel, int bytes) {
 
 // Whether `kernel` has Hopper code for the current device: its binary was built for sm_90a
 // (compute capability 9.0) and the device is one, and WINNOW_PORTABLE_KERNELS is not set (it
-// forces the portable kernels, for comparison).
+// forces the portable kernels, for comparison). The cached binary version is shared by all
+// kernels of one signature; that is right because the library builds every kernel for the
+// same list of architectures.
 template <class Kernel>
 bool hopper_kernel_runs(Kernel kernel) {
   static const int binary = [&] {

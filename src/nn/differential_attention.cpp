@@ -27,7 +27,7 @@ class DifferentialAttention final : public AttentionLayer {
         lambda_init_(0.8 - 0.6 * std::exp(-0.3 * static_cast<double>(layer_index))) {
     const std::int64_t d = model.d_model;
     const double init_std = model.init_std;
-    const double out_std = init_std / std::sqrt(2.0 * static_cast<double>(model.layers));
+    const double out_std = residual_output_std(model);
     q_ = make_linear(*this, "q", d, 2 * h_.heads * h_.head_dim, init_std);
     k_ = make_linear(*this, "k", d, 2 * h_.kv_heads * h_.head_dim, init_std);
     v_ = make_linear(*this, "v", d, h_.kv_heads * h_.value_dim, init_std);

@@ -52,16 +52,17 @@ torch::Tensor HeadNormImpl::forward(const torch::Tensor& x) {
   return y.to(x.scalar_type());
 }
 
+double residual_output_std(const ModelConfig& model) {
+  return model.init_std / std::sqrt(2.0 * static_cast<double>(model.layers));
+}
+
 // ------------------------------------------------------------------ MLP
 
 MLPImpl::MLPImpl(const ModelConfig& c) : swiglu_(c.mlp == "swiglu") {
   const std::int64_t hidden = c.mlp_hidden;
-  const double out_std = c.init_std / std::sqrt(2.0 * static_cast<double>(c.layers));
   up_ = make_linear(*this, "up", c.d_model, hidden, c.init_std);
   if (swiglu_) gate_ = make_linear(*this, "gate", c.d_model, hidden, c.init_std);
-  // Residual-stream outputs shrink with depth (GPT-2's 1 / sqrt(2 layers)) so the stream
-  // starts near unit scale whatever the depth.
-  down_ = make_linear(*this, "down", hidden, c.d_model, out_std);
+  down_ = make_linear(*this, "down", hidden, c.d_model, residual_output_std(c));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {

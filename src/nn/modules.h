@@ -14,6 +14,11 @@ namespace winnow::nn {
 
 // A bias-free linear layer (or with a zero bias), weights drawn from Normal(0, std): every
 // layer initializes its own parameters, so nothing needs to recognize them by name later.
+// The initial standard deviation of a layer that writes into the residual stream (attention
+// output, MLP down projection): GPT-2's init_std / sqrt(2 layers), so the stream starts near
+// unit scale whatever the depth.
+double residual_output_std(const ModelConfig& model);
+
 torch::nn::Linear make_linear(torch::nn::Module& owner, const std::string& name, std::int64_t in,
                               std::int64_t out, double std, bool bias = false);
 

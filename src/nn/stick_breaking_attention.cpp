@@ -38,7 +38,7 @@ class StickBreakingAttention final : public AttentionLayer {
         kernel_(uses_kernel(model.attention)) {
     const std::int64_t d = model.d_model;
     const double init_std = model.init_std;
-    const double out_std = init_std / std::sqrt(2.0 * static_cast<double>(model.layers));
+    const double out_std = residual_output_std(model);
     q_ = make_linear(*this, "q", d, h_.heads * h_.head_dim, init_std);
     k_ = make_linear(*this, "k", d, h_.kv_heads * h_.head_dim, init_std);
     v_ = make_linear(*this, "v", d, h_.kv_heads * h_.value_dim, init_std);
