@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   winnow::apps::add_demo_command(app);
 #ifdef WINNOW_WITH_MODELS
   winnow::apps::add_train_command(app);
+  winnow::apps::add_study_commands(app);
 #endif
   try {
     CLI11_PARSE(app, argc, argv);

@@ -10,6 +10,9 @@
 #   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
 #              when $BASELINES has stickbreaking_attention/, winnow)
+#   study      winnow study $STUDY (default studies/mqrar.json, its cuda profile) with
+#              $STUDY_ARGS; runs under runs/ (kept while the machine stays warm, so a later call
+#              continues), result.json and table.md copied to $OUT/study-<name>/
 # Logs and JSON go to $OUT (default ./gpu-out); a short table is printed last.
 # Header-only dependencies come from .gpudeps (tools/prepare_gpu_deps.sh) when the machine
 # has no Debian packages.
@@ -76,6 +79,20 @@ for stage in "${stages[@]}"; do
       [[ -d "$BASELINES" ]] && export PYTHONPATH="$BASELINES${PYTHONPATH:+:$PYTHONPATH}"
       python3 bench/gpu_attention_bench.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
       note "bench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
+      ;;
+    study)
+      file=${STUDY:-studies/mqrar.json}
+      name=$(basename "$file" .json)
+      # shellcheck disable=SC2086
+      "$BUILD/apps/winnow" study "$file" --set out_dir="runs/gpu-studies/$name" ${STUDY_ARGS:-} \
+        2>&1 | tee "$OUT/study-$name.log" | grep -vE "^step [0-9]+/" 
+      rc=${PIPESTATUS[0]}
+      mkdir -p "$OUT/study-$name"
+      cp "runs/gpu-studies/$name/result.json" "runs/gpu-studies/$name/table.md" "$OUT/study-$name/" 2>/dev/null
+      for m in runs/gpu-studies/"$name"/*/metrics.jsonl; do
+        [[ -f "$m" ]] && cp "$m" "$OUT/study-$name/$(basename "$(dirname "$m")")-metrics.jsonl"
+      done
+      note "study $name: rc $rc ($(( $(date +%s) - start )) s)"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -21,6 +21,7 @@
 #include "nn/config.h"
 #include "nn/mechanisms.h"
 #include "nn/modules.h"
+#include "nn/probe.h"
 
 namespace winnow::nn {
 
@@ -37,13 +38,30 @@ class AttentionLayer : public torch::nn::Module {
   const std::vector<std::pair<std::string, torch::Tensor>>& aux_losses() const { return aux_; }
   void clear_aux_losses() { aux_.clear(); }
 
+  // Diagnostics: while a probe is attached (nullptr detaches), forward() also hands it the
+  // weights of the chunk's last probe->rows() queries, computed on the side.
+  void attach_probe(AttentionProbe* probe, std::int64_t layer) {
+    probe_ = probe;
+    probe_layer_ = layer;
+  }
+
  protected:
+  AttentionProbe* probe() const { return probe_; }
+  std::int64_t probe_layer() const { return probe_layer_; }
+  // The probed rows of a chunk's queries (B, L, H, D): its last min(rows, L) positions.
+  torch::Tensor probed_queries(const torch::Tensor& q) const {
+    const std::int64_t r = std::min(probe_->rows(), q.size(1));
+    return q.narrow(1, q.size(1) - r, r);
+  }
+
   void add_aux_loss(std::string name, torch::Tensor value) {
     aux_.emplace_back(std::move(name), std::move(value));
   }
 
  private:
   std::vector<std::pair<std::string, torch::Tensor>> aux_;
+  AttentionProbe* probe_ = nullptr;
+  std::int64_t probe_layer_ = 0;
 };
 
 // Head counts and sizes of a (resolved) attention config.

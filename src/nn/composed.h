@@ -13,7 +13,17 @@
 
 namespace winnow::nn::composed {
 
+// The attention weights themselves, (B, Hq, Lq, Lk) in float32 (float64 for float64 inputs):
+// what the attention functions below multiply the values by, and what diagnostics inspect.
 // alibi_slopes (Hq): adds -slope_h (j - i) to the logits.
+torch::Tensor softmax_weights(const torch::Tensor& q, const torch::Tensor& k, double scale,
+                              bool attend_current,
+                              const std::optional<torch::Tensor>& alibi_slopes = std::nullopt);
+// Returns (weights, rem), rem (B, Hq, Lq) the unallocated stick.
+std::pair<torch::Tensor, torch::Tensor> stick_breaking_weights(const torch::Tensor& q,
+                                                               const torch::Tensor& k,
+                                                               double scale, bool attend_current);
+
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, double scale, bool attend_current,
                                 const std::optional<torch::Tensor>& alibi_slopes = std::nullopt);

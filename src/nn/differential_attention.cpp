@@ -60,6 +60,13 @@ class DifferentialAttention final : public AttentionLayer {
     const torch::Tensor o2 = attend(qv.narrow(2, H, H), kv.narrow(2, Hkv, Hkv));
     const torch::Tensor lambda = torch::exp((lambda_q1_ * lambda_k1_).sum()) -
                                  torch::exp((lambda_q2_ * lambda_k2_).sum()) + lambda_init_;
+    if (probe()) {
+      // The signed difference of the two maps is the layer's effective weights.
+      const torch::Tensor qp = probed_queries(qv);
+      const torch::Tensor w1 = composed::softmax_weights(qp.narrow(2, 0, H), kv.narrow(2, 0, Hkv), h_.scale, true);
+      const torch::Tensor w2 = composed::softmax_weights(qp.narrow(2, H, H), kv.narrow(2, Hkv, Hkv), h_.scale, true);
+      probe()->record(probe_layer(), w1 - lambda.to(w1.scalar_type()) * w2, true);
+    }
     const torch::Tensor o = head_norm_(o1 - lambda * o2) * (1.0 - lambda_init_);
     return o_(o.reshape({B, L, H * h_.value_dim}));
   }

@@ -193,6 +193,17 @@ class Reader {
         convert(v[i], k + "[" + std::to_string(i) + "]", s, nullptr, string_rule);
         out.push_back(std::move(s));
       }
+    } else if constexpr (std::is_same_v<T, std::vector<double>> ||
+                         std::is_same_v<T, std::vector<std::int64_t>>) {
+      if (!v.is_array()) fail(k, "a list of numbers", v.dump());
+      out.clear();
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        typename T::value_type x{};
+        convert(v[i], k + "[" + std::to_string(i) + "]", x, number_rule, nullptr);
+        out.push_back(x);
+      }
+    } else if constexpr (std::is_same_v<T, json>) {
+      out = v;
     } else if constexpr (std::is_same_v<T, std::map<std::string, double>>) {
       if (!v.is_object()) fail(k, "an object of name: number", v.dump());
       out.clear();
@@ -240,6 +251,8 @@ class Writer {
   static json convert(const T& value) {
     if constexpr (has_fields<T>::value) {
       return write(value);
+    } else if constexpr (std::is_same_v<T, json>) {
+      return value;
     } else if constexpr (std::is_same_v<T, std::vector<std::string>> ||
                          std::is_same_v<T, std::map<std::string, double>>) {
       return json(value);

@@ -78,15 +78,22 @@ class SoftmaxAttention final : public AttentionLayer {
       call.scale = h_.scale;
       o = torch_ops::softmax_attention(qv, kv, in.v, call);
     } else {
-      o = composed::softmax_attention(qv, kv, in.v, h_.scale, /*attend_current=*/true,
-                                      alibi_.defined() ? std::optional<torch::Tensor>(alibi_)
-                                                       : std::nullopt);
+      o = composed::softmax_attention(qv, kv, in.v, h_.scale, /*attend_current=*/true, alibi());
+    }
+    if (probe()) {
+      probe()->record(probe_layer(),
+                      composed::softmax_weights(probed_queries(qv), kv, h_.scale, true, alibi()),
+                      /*attend_current=*/true);
     }
     if (output_gate_) o = o * torch::sigmoid(output_gate_(x)).view({B, L, h_.heads, h_.value_dim});
     return o_(o.reshape({B, L, h_.heads * h_.value_dim}));
   }
 
  private:
+  std::optional<torch::Tensor> alibi() const {
+    return alibi_.defined() ? std::optional<torch::Tensor>(alibi_) : std::nullopt;
+  }
+
   SoftmaxOptions options_;
   HeadLayout h_;
   PositionalEncoding position_;

@@ -70,6 +70,11 @@ class StickBreakingAttention final : public AttentionLayer {
       std::tie(o, rem) =
           composed::stick_breaking_attention(qv, kv, in.v, h_.scale, options_.attend_current);
     }
+    if (probe()) {
+      const auto [w, r] = composed::stick_breaking_weights(probed_queries(qv), kv, h_.scale,
+                                                           options_.attend_current);
+      probe()->record(probe_layer(), w, options_.attend_current, {{"remainder", r}});
+    }
     if (remainder_bias_.defined()) o = o + rem.unsqueeze(-1) * remainder_bias_;
     if (head_norm_) o = head_norm_(o);
     return o_(o.reshape({B, L, h_.heads * h_.value_dim}));

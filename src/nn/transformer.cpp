@@ -67,6 +67,12 @@ std::map<std::string, torch::Tensor> TransformerLMImpl::aux_losses() const {
   return sums;
 }
 
+void TransformerLMImpl::attach_probe(AttentionProbe* probe) {
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    blocks_[i]->attention().attach_probe(probe, static_cast<std::int64_t>(i));
+  }
+}
+
 void TransformerLMImpl::set_phase(const std::string& phase) {
   for (Block& block : blocks_) block->attention().set_phase(phase);
 }

@@ -48,6 +48,8 @@ class TransformerLMImpl : public torch::nn::Module {
   // The auxiliary losses of the last forward pass, summed over layers by name.
   std::map<std::string, torch::Tensor> aux_losses() const;
   void set_phase(const std::string& phase);
+  // Attaches a diagnostics probe to every attention layer (nullptr detaches).
+  void attach_probe(AttentionProbe* probe);
 
   const ModelConfig& config() const { return config_; }
 

@@ -210,21 +210,30 @@ CheckpointMeta read_checkpoint(const std::string& folder) {
   return meta;
 }
 
+namespace {
+template <class Apply>
+void load_archive(const fs::path& dir, const char* name, Apply&& apply) {
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from((dir / name).string());
+    apply(archive);
+  } catch (const c10::Error& e) {
+    fail("'" + (dir / name).string() + "' does not fit this model and optimizer: " +
+         e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    fail("'" + (dir / name).string() + "' does not fit this model and optimizer: " + e.what());
+  }
+}
+}  // namespace
+
+void restore_model(const std::string& folder, torch::nn::Module& model) {
+  load_archive(fs::path(folder), "model.pt", [&](torch::serialize::InputArchive& a) { model.load(a); });
+}
+
 void restore_checkpoint(const std::string& folder, torch::nn::Module& model,
                         torch::optim::Optimizer& optimizer, std::optional<torch::Device> cuda_device) {
   const fs::path dir(folder);
-  auto load = [&](const char* name, auto&& apply) {
-    try {
-      torch::serialize::InputArchive archive;
-      archive.load_from((dir / name).string());
-      apply(archive);
-    } catch (const c10::Error& e) {
-      fail("'" + (dir / name).string() + "' does not fit this model and optimizer: " +
-           e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      fail("'" + (dir / name).string() + "' does not fit this model and optimizer: " + e.what());
-    }
-  };
+  auto load = [&](const char* name, auto&& apply) { load_archive(dir, name, apply); };
   load("model.pt", [&](torch::serialize::InputArchive& a) { model.load(a); });
   load("optimizer.pt", [&](torch::serialize::InputArchive& a) { optimizer.load(a); });
   load("rng.pt", [&](torch::serialize::InputArchive& a) {

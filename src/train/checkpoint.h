@@ -40,4 +40,7 @@ CheckpointMeta read_checkpoint(const std::string& folder);
 void restore_checkpoint(const std::string& folder, torch::nn::Module& model,
                         torch::optim::Optimizer& optimizer, std::optional<torch::Device> cuda_device);
 
+// Restores only the model's weights (evaluation), from a folder read_checkpoint accepted.
+void restore_model(const std::string& folder, torch::nn::Module& model);
+
 }  // namespace winnow::train

@@ -79,9 +79,10 @@ void resolve(ExperimentConfig& c) {
   if (t.out_dir.empty()) config::fail("train.out_dir", "a folder", "\"\"");
   check_phases(t);
 
-  if (c.model.vocab_size == 0) c.model.vocab_size = c.task.vocab_size;
-  if (c.model.vocab_size < c.task.vocab_size) {
-    config::fail("model.vocab_size", ">= task.vocab_size (" + std::to_string(c.task.vocab_size) + ")",
+  const std::int64_t task_vocab = tasks::vocab_size_of(c.task);
+  if (c.model.vocab_size == 0) c.model.vocab_size = task_vocab;
+  if (c.model.vocab_size < task_vocab) {
+    config::fail("model.vocab_size", ">= the task's vocabulary (" + std::to_string(task_vocab) + ")",
                  std::to_string(c.model.vocab_size));
   }
   if (c.model.context_len == 0) c.model.context_len = t.seq_len;

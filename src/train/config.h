@@ -13,7 +13,7 @@
 
 #include "nn/config.h"
 #include "nn/fields.h"
-#include "tasks/task.h"
+#include "tasks/task_config.h"
 
 namespace winnow::train {
 

@@ -1,7 +1,6 @@
 #include "train/trainer.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
 #include <chrono>
@@ -10,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "train/autocast.h"
 #include "train/checkpoint.h"
 #include "train/files.h"
 #include "train/runtime.h"
@@ -43,37 +43,6 @@ torch::Device pick_device(const std::string& name, bool needs_winnow_cuda) {
   }
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
-
-// bf16 autocast on CUDA for the scope of a forward pass (LibTorch's API changed in 2.4).
-class Autocast {
- public:
-  explicit Autocast(bool on) : on_(on) {
-    if (!on_) return;
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-#else
-    at::autocast::set_enabled(true);
-    at::autocast::set_autocast_gpu_dtype(at::kBFloat16);
-#endif
-    at::autocast::increment_nesting();
-  }
-  ~Autocast() {
-    if (!on_) return;
-    // The cast weights are cached for the region; drop them when it closes, as Python does.
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    at::autocast::set_autocast_enabled(at::kCUDA, false);
-#else
-    at::autocast::set_enabled(false);
-#endif
-  }
-  Autocast(const Autocast&) = delete;
-  Autocast& operator=(const Autocast&) = delete;
-
- private:
-  bool on_;
-};
 
 std::string duration(double seconds) {
   char text[32];

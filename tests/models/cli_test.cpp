@@ -1,6 +1,7 @@
 // The `winnow` command line tool as a user runs it: info, train with overrides, errors that
 // name the key, resuming, a run killed with SIGKILL mid-training and resumed (bit-identical to
-// an uninterrupted run), and the train-bench command the GPU measurement uses.
+// an uninterrupted run), the train-bench command the GPU measurement uses, and the shipped
+// study files run end to end at tiny size (study, eval, plot).
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "nn/transformer.h"
+#include "study/report.h"
 #include "train/files.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -234,6 +236,110 @@ TEST(Cli, TrainBenchMeasuresFusedAndComposed) {
   EXPECT_EQ(j["results"][2]["implementation"], "composed");  // ALiBi has no fused path
   ASSERT_EQ(j["fused_over_composed"].size(), 1u);
   EXPECT_EQ(j["fused_over_composed"][0]["kind"], "stick_breaking");
+  winnow::train::remove_tree(dir);
+}
+
+
+std::string study_file(const std::string& name) {
+  return (fs::path(WINNOW_SOURCE_DIR) / "studies" / (name + ".json")).string();
+}
+
+// The shipped study file at a tiny size: its CPU profile, then smaller still.
+std::vector<std::string> tiny_study(const std::string& name, const std::string& out_dir) {
+  return {"study", study_file(name), "--quiet", "--set", "base.device=cpu", "--set",
+          "base.model.d_model=32", "--set", "base.train.steps=3", "--set",
+          "base.train.batch_size=4", "--set", "base.train.warmup=1", "--set",
+          "eval.instances=3", "--set", "out_dir=" + out_dir};
+}
+
+TEST(Cli, MqrarStudyRunsEndToEndThenEvalAndPlot) {
+  const std::string dir = scratch("study");
+  std::vector<std::string> args = tiny_study("mqrar", dir + "/out");
+  args.insert(args.end(), {"--set", "eval.multiples=[1,4]"});
+  Outcome r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/result.json"));
+  EXPECT_EQ(result["profile"], "cpu");
+  ASSERT_EQ(result["mechanisms"].size(), 4u);
+  for (const auto& m : result["mechanisms"]) {
+    ASSERT_EQ(m["results"].size(), 2u);
+    EXPECT_EQ(m["results"][1]["length"], 256);
+    for (const auto& p : m["results"]) {
+      EXPECT_GE(p["accuracy"].get<double>(), 0.0);
+      EXPECT_LE(p["accuracy"].get<double>(), 1.0);
+      EXPECT_EQ(p["instances"], 3);
+      EXPECT_TRUE(p.contains("diagnostics"));
+    }
+  }
+  const std::string table = slurp(dir + "/out/table.md");
+  EXPECT_NE(table.find("| mechanism | ID (64) | 4x (256) |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| Stick-breaking |"), std::string::npos) << table;
+  EXPECT_NE(r.output.find("| Softmax+RoPE |"), std::string::npos) << "the table is printed";
+  EXPECT_EQ(fs::exists(dir + "/out/accuracy.svg"), study::can_plot());
+
+  // Running it again continues from the finished runs: no training, the same instances.
+  r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json again = nlohmann::json::parse(slurp(dir + "/out/result.json"));
+  EXPECT_EQ(again["mechanisms"][3]["resumed_at_step"], 3);
+  EXPECT_EQ(again["mechanisms"][3]["results"], result["mechanisms"][3]["results"]);
+
+  r = run({"eval", "--checkpoint", dir + "/out/stick_breaking", "--lengths", "64,128",
+           "--instances", "4", "--diagnostics", "--position-loss", "2"},
+          dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("L =     64: accuracy"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("L =    128: accuracy"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("remainder ["), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("loss by position: [0,31)"), std::string::npos) << r.output;
+
+  if (study::can_plot()) {
+    r = run({"plot", dir + "/out/result.json", "--out", dir + "/again.svg"}, dir);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(slurp(dir + "/again.svg").find("<svg"), std::string::npos);
+  }
+  winnow::train::remove_tree(dir);
+}
+
+TEST(Cli, GenerativeStudiesRunEndToEnd) {
+  for (const std::string name : {"passkey", "abcdigits"}) {
+    const std::string dir = scratch("study_" + name);
+    std::vector<std::string> args = tiny_study(name, dir + "/out");
+    args.insert(args.end(), {"--set", "eval.multiples=[1,2]", "--set", "eval.depths=[0,0.5]",
+                             "--only", "Stick-breaking", "--only", "Softmax+RoPE"});
+    const Outcome r = run(args, dir);
+    ASSERT_EQ(r.status, 0) << r.output;
+    const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/result.json"));
+    EXPECT_TRUE(result["generative"].get<bool>());
+    ASSERT_EQ(result["mechanisms"].size(), 2u) << name;
+    for (const auto& m : result["mechanisms"]) {
+      ASSERT_EQ(m["results"].size(), 2u);
+      ASSERT_EQ(m["results"][0]["cells"].size(), 2u);
+      EXPECT_EQ(m["results"][0]["cells"][1]["instances"], 3);
+    }
+    EXPECT_NE(slurp(dir + "/out/table.md").find("by length and depth"), std::string::npos);
+    winnow::train::remove_tree(dir);
+  }
+}
+
+TEST(Cli, StudyErrorsNameTheMechanismAndKey) {
+  const std::string dir = scratch("study_errors");
+  std::vector<std::string> args = tiny_study("mqrar", dir + "/out");
+  args.insert(args.end(), {"--set", "mechanisms[1].set={\"model.attention.colour\":1}"});
+  Outcome r = run(args, dir);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("mechanism 'Softmax+RoPE (YaRN 16)'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("colour"), std::string::npos) << r.output;
+  r = run({"study", study_file("mqrar"), "--only", "Softmax"}, dir);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("argument '--only'"), std::string::npos) << r.output;
+  r = run({"study", study_file("mqrar"), "--set", "eval.multiples=[1,0]"}, dir);
+  EXPECT_NE(r.output.find("eval.multiples[1]"), std::string::npos) << r.output;
+  // A length the task cannot fill is caught before any training.
+  r = run({"study", study_file("mqrar"), "--set", "base.train.seq_len=63"}, dir);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("length: expected an even number"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("== [1/"), std::string::npos) << r.output;
   winnow::train::remove_tree(dir);
 }
 

@@ -1,0 +1,295 @@
+// `winnow study FILE`: trains a list of mechanisms on one task with one budget and evaluates
+// them at multiples of the training length (src/study/study.h; study files in studies/).
+// `winnow eval --checkpoint C ...`: the same evaluations for one trained model.
+// `winnow plot RESULT`: draws a study's result (for results written where PLplot was missing).
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "eval/evaluate.h"
+#include "study/report.h"
+#include "study/study.h"
+#include "tasks/text.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/trainer.h"
+#include "winnow/error.h"
+
+namespace winnow::apps {
+namespace {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+void add_study(CLI::App& app) {
+  struct Args {
+    std::string file;
+    std::vector<std::string> overrides, only;
+    bool fresh = false, quiet = false, print = false;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand(
+      "study", "Train several mechanisms on one task with one budget, evaluate each at multiples "
+               "of the training length, and write a JSON result, a Markdown table and a plot");
+  cmd->add_option("FILE", args->file, "study file (JSON); see studies/")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--set", args->overrides,
+                  "override a key of the study, e.g. --set base.train.steps=200 "
+                  "--set eval.multiples=[1,4]")
+      ->take_all();
+  cmd->add_option("--only", args->only, "run only the mechanisms with these labels")->take_all();
+  cmd->add_flag("--fresh", args->fresh, "retrain every mechanism from scratch");
+  cmd->add_flag("--quiet", args->quiet, "no training progress lines");
+  cmd->add_flag("--print", args->print, "print the resolved study (profile and overrides applied) and exit");
+  cmd->callback([args] {
+    const study::Study s = study::load_study(args->file, args->overrides);
+    if (args->print) {
+      json j = config::write(s);
+      j["profile_applied"] = s.profile;
+      std::printf("%s\n", j.dump(2).c_str());
+      return;
+    }
+    for (const std::string& label : args->only) {
+      bool found = false;
+      for (const auto& m : s.mechanisms) found |= m.label == label;
+      if (!found) {
+        std::string labels;
+        for (const auto& m : s.mechanisms) labels += (labels.empty() ? "\"" : ", \"") + m.label + "\"";
+        throw Error(ErrorKind::invalid_argument,
+                    "argument '--only': expected one of " + labels + ", got \"" + label + "\"");
+      }
+    }
+    std::printf("study %s (%s profile): %zu mechanisms, output in %s\n", s.name.c_str(),
+                s.profile.c_str(), s.mechanisms.size(), s.out_dir.c_str());
+    study::RunOptions options;
+    options.fresh = args->fresh;
+    options.quiet = args->quiet;
+    options.only = args->only;
+    study::run_study(s, options);
+  });
+}
+
+void add_plot(CLI::App& app) {
+  struct Args {
+    std::string result, out;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand("plot", "Draw a study's result.json as SVG (and print its table)");
+  cmd->add_option("RESULT", args->result, "a study's result.json")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--out", args->out, "the SVG to write (default: accuracy.svg beside RESULT)");
+  cmd->callback([args] {
+    std::ifstream f(args->result);
+    json r;
+    try {
+      r = json::parse(f);
+    } catch (const json::parse_error& e) {
+      throw Error(ErrorKind::invalid_argument,
+                  "argument 'RESULT': '" + args->result + "' is not valid JSON: " + e.what());
+    }
+    if (!r.contains("mechanisms") || !r["mechanisms"].is_array()) {
+      throw Error(ErrorKind::invalid_argument,
+                  "argument 'RESULT': expected a study result (with \"mechanisms\"), got '" + args->result + "'");
+    }
+    std::printf("%s", study::markdown_report(r).c_str());
+    const std::string out =
+        args->out.empty() ? (fs::path(args->result).parent_path() / "accuracy.svg").string() : args->out;
+    study::plot_result(r, out);
+    std::printf("\nplot: %s\n", out.c_str());
+  });
+}
+
+std::vector<std::int64_t> parse_list(const std::string& text, const std::string& option) {
+  std::vector<std::int64_t> out;
+  std::stringstream s(text);
+  std::string item;
+  while (std::getline(s, item, ',')) {
+    std::size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || v < 1) {
+      throw Error(ErrorKind::invalid_argument,
+                  "argument '" + option + "': expected positive integers separated by commas, got '" + text + "'");
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+// A run folder, its checkpoints folder, or one checkpoint: the checkpoint folder it means.
+std::string checkpoint_folder(const std::string& given) {
+  const fs::path p(given);
+  if (fs::exists(p / "trainer.json")) return p.string();
+  for (const fs::path& root : {p / "checkpoints", p}) {
+    const std::string latest = train::latest_checkpoint(root.string());
+    if (!latest.empty()) return latest;
+  }
+  throw Error(ErrorKind::invalid_argument,
+              "argument '--checkpoint': expected a checkpoint folder, a run's out_dir or its "
+              "checkpoints folder, got '" + given + "' (no trainer.json or latest checkpoint there)");
+}
+
+void add_eval(CLI::App& app) {
+  struct Args {
+    std::string checkpoint, task, lengths, multiples, text, json_path, device = "auto";
+    std::vector<std::string> overrides;
+    std::vector<double> depths = {0.1, 0.3, 0.5, 0.7, 0.9};
+    std::int64_t instances = 200, batch_tokens = 0, probe_rows = 16, position_bins = 0;
+    bool diagnostics = false;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand(
+      "eval", "Evaluate a trained model at several lengths: accuracy and exact match on fresh "
+              "instances, exact match by length and depth for generative tasks, loss by position, "
+              "per-head diagnostics");
+  cmd->add_option("--checkpoint", args->checkpoint, "a checkpoint folder or a run's out_dir")->required();
+  cmd->add_option("--task", args->task, "task name (default: the one the model trained on)");
+  cmd->add_option("--set", args->overrides, "override a task key, e.g. --set task.mqrar.scored_queries=4")->take_all();
+  cmd->add_option("--lengths", args->lengths, "sequence lengths, comma-separated");
+  cmd->add_option("--multiples", args->multiples, "multiples of the training length, comma-separated (default 1,4,16)");
+  cmd->add_option("--instances", args->instances, "fresh instances per length (and depth)")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--depths", args->depths, "needle depths of generative tasks")->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--batch-tokens", args->batch_tokens, "tokens per forward pass (0: by device)")->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--diagnostics", args->diagnostics, "per-layer, per-head sink ratio, entropy, zero fraction, remainder");
+  cmd->add_option("--probe-rows", args->probe_rows, "query rows per sequence the diagnostics inspect")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--position-loss", args->position_bins, "also report the next-token loss by position in this many bins");
+  cmd->add_option("--text", args->text, "with --position-loss: score this text file (character-level models) instead of task sequences")->check(CLI::ExistingFile);
+  cmd->add_option("--device", args->device, "auto | cpu | cuda | cuda:N")->capture_default_str();
+  cmd->add_option("--json", args->json_path, "also write the results to this file");
+  cmd->callback([args] {
+    const std::string folder = checkpoint_folder(args->checkpoint);
+    const train::CheckpointMeta meta = train::read_checkpoint(folder);
+    json cfg = meta.config;
+    cfg["device"] = args->device;
+    if (!args->task.empty()) cfg["task"]["name"] = args->task;
+    for (const std::string& o : args->overrides) {
+      if (o.rfind("task.", 0) != 0) {
+        throw Error(ErrorKind::invalid_argument,
+                    "argument '--set': expected a task key (task.…=value), got '" + o + "'");
+      }
+      train::apply_override(cfg, o);
+    }
+    train::ExperimentConfig config = train::parse_experiment(cfg);
+    const std::unique_ptr<tasks::Task> task = tasks::make_task(config.task);
+    if (task->vocab_size() > config.model.vocab_size) {
+      throw Error(ErrorKind::invalid_argument,
+                  "argument '--task': expected a task whose vocabulary fits the model's " +
+                      std::to_string(config.model.vocab_size) + " tokens, got " + config.task.name +
+                      " with " + std::to_string(task->vocab_size()));
+    }
+    // The trainer places the model where the configuration says; only its weights are loaded.
+    config.train.out_dir = (fs::temp_directory_path() / "winnow-eval-unused").string();
+    train::Trainer trainer(config);
+    trainer.quiet = true;
+    train::restore_model(folder, *trainer.model());
+    eval::Runtime rt;
+    rt.device = trainer.device();
+    rt.autocast = rt.device.is_cuda() && config.train.dtype != "float32";
+    rt.batch_tokens = args->batch_tokens > 0 ? args->batch_tokens : (rt.device.is_cuda() ? 262144 : 16384);
+
+    std::vector<std::int64_t> lengths;
+    if (!args->lengths.empty()) {
+      lengths = parse_list(args->lengths, "--lengths");
+    } else {
+      for (std::int64_t m : parse_list(args->multiples.empty() ? "1,4,16" : args->multiples, "--multiples")) {
+        lengths.push_back(m * config.train.seq_len);
+      }
+    }
+    std::printf("checkpoint %s (step %lld): %s attention, trained on %s at L = %lld; device %s\n",
+                folder.c_str(), static_cast<long long>(meta.step), config.model.attention.kind.c_str(),
+                meta.config["task"]["name"].get<std::string>().c_str(),
+                static_cast<long long>(config.train.seq_len), rt.device.str().c_str());
+    json out = {{"checkpoint", folder}, {"step", meta.step}, {"task", config::write(config.task)},
+                {"instances", args->instances}, {"results", json::array()}};
+    for (std::int64_t length : lengths) {
+      json point = {{"length", length}};
+      if (task->generative()) {
+        std::printf("L = %6lld:", static_cast<long long>(length));
+        json cells = json::array();
+        for (std::size_t d = 0; d < args->depths.size(); ++d) {
+          const eval::GenerationScore g = eval::score_generation(
+              trainer.model(), *task, length, args->depths[d], args->instances, config.seed, rt);
+          cells.push_back({{"depth", args->depths[d]}, {"exact_match", g.exact_match()}});
+          std::printf("  depth %.2f: %5.1f%%", args->depths[d], 100.0 * g.exact_match());
+        }
+        std::printf("\n");
+        point["cells"] = cells;
+      } else {
+        std::optional<nn::AttentionProbe> probe;
+        if (args->diagnostics) probe.emplace(args->probe_rows);
+        const eval::SequenceScore s = eval::score_sequences(
+            trainer.model(), *task, length, args->instances, config.seed, rt, probe ? &*probe : nullptr);
+        std::printf("L = %6lld: accuracy %5.1f%%  exact match %5.1f%%  loss %.4f  (%lld sequences, %.0f scored positions)\n",
+                    static_cast<long long>(length), 100.0 * s.accuracy(), 100.0 * s.exact_match(),
+                    s.loss(), static_cast<long long>(s.sequences), s.scored);
+        point.update({{"accuracy", s.accuracy()}, {"exact_match", s.exact_match()}, {"loss", s.loss()}});
+        if (probe) {
+          point["diagnostics"] = probe->summary();
+          for (const json& layer : point["diagnostics"]["layers"]) {
+            std::printf("  layer %lld:", static_cast<long long>(layer["layer"].get<std::int64_t>()));
+            for (auto it = layer.begin(); it != layer.end(); ++it) {
+              if (it.key() == "layer") continue;
+              std::printf(" %s [", it.key().c_str());
+              for (std::size_t h = 0; h < it.value().size(); ++h) {
+                std::printf("%s%.3f", h ? " " : "", it.value()[h].get<double>());
+              }
+              std::printf("]");
+            }
+            std::printf("\n");
+          }
+        }
+      }
+      if (args->position_bins > 0) {
+        torch::Tensor tokens;
+        if (!args->text.empty()) {
+          std::ifstream f(args->text);
+          std::stringstream ss;
+          ss << f.rdbuf();
+          const std::vector<std::int64_t> all = tasks::text::encode(ss.str());
+          const auto rows = static_cast<std::int64_t>(all.size()) / length;
+          if (rows < 1) {
+            throw Error(ErrorKind::invalid_argument,
+                        "argument '--text': expected at least " + std::to_string(length) +
+                            " characters, got " + std::to_string(all.size()));
+          }
+          tokens = torch::tensor(std::vector<std::int64_t>(all.begin(), all.begin() + rows * length)).view({rows, length});
+        } else {
+          const std::int64_t rows = std::max<std::int64_t>(1, args->instances);
+          tokens = task->sample(rows, length, eval::instance_seed(config.seed, length, 0, 0)).inputs;
+        }
+        const eval::PositionLoss pl = eval::loss_by_position(trainer.model(), tokens, args->position_bins, rt);
+        json bins = json::array();
+        std::printf("  loss by position:");
+        for (std::size_t i = 0; i < pl.loss.size(); ++i) {
+          bins.push_back({{"start", pl.bin_start[i]}, {"end", pl.bin_end[i]}, {"loss", pl.loss[i]}});
+          std::printf(" [%lld,%lld) %.3f", static_cast<long long>(pl.bin_start[i]),
+                      static_cast<long long>(pl.bin_end[i]), pl.loss[i]);
+        }
+        std::printf("\n");
+        point["loss_by_position"] = bins;
+      }
+      std::fflush(stdout);
+      out["results"].push_back(point);
+    }
+    if (!args->json_path.empty()) {
+      std::ofstream f(args->json_path);
+      f << out.dump(2) << '\n';
+      if (!f) throw Error(ErrorKind::runtime, "argument '--json': cannot write '" + args->json_path + "'");
+    }
+  });
+}
+
+}  // namespace
+
+void add_study_commands(CLI::App& app) {
+  add_study(app);
+  add_eval(app);
+  add_plot(app);
+}
+
+}  // namespace winnow::apps

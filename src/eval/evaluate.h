@@ -1,0 +1,78 @@
+// Evaluation protocols (spec/tasks.md, "Protocol"): accuracy of whole sequences scored in one
+// forward pass (MQRAR, Copy), exact match of answers generated greedily through the KV cache
+// (ABCDigits, passkey), and the loss by position of any token stream. Instances are fresh: each
+// (length, depth) draws from its own seed stream, disjoint from training's.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "nn/probe.h"
+#include "nn/transformer.h"
+#include "tasks/task.h"
+
+namespace winnow::eval {
+
+struct Runtime {
+  torch::Device device = torch::kCPU;
+  bool autocast = false;               // bf16 autocast (CUDA)
+  std::int64_t batch_tokens = 16384;   // tokens per forward pass: batch = batch_tokens / length
+};
+
+// Counts over scored positions (loss_mask == 1) and sequences.
+struct SequenceScore {
+  std::int64_t sequences = 0;
+  double scored = 0;       // labelled positions
+  double correct = 0;      // labelled positions whose argmax is the target
+  double exact = 0;        // sequences with every labelled position right
+  double loss_sum = 0;     // cross entropy summed over labelled positions
+  double accuracy() const { return scored > 0 ? correct / scored : 0.0; }
+  double exact_match() const { return sequences > 0 ? exact / static_cast<double>(sequences) : 0.0; }
+  double loss() const { return scored > 0 ? loss_sum / scored : 0.0; }
+  SequenceScore& operator+=(const SequenceScore& o);
+};
+
+// The counts of one batch from its logits (B, L, V). A sequence with no labelled position
+// counts as exactly matched.
+SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batch);
+
+// `instances` fresh sequences of `length` tokens, one forward pass per batch; a probe, when
+// given, collects diagnostics on every batch.
+SequenceScore score_sequences(nn::TransformerLM& model, const tasks::Task& task,
+                              std::int64_t length, std::int64_t instances, std::uint64_t seed,
+                              const Runtime& rt, nn::AttentionProbe* probe = nullptr);
+
+// Greedy continuation of prompts (B, P) by `steps` tokens: one prefill pass through the KV
+// cache, then one token at a time. Returns (B, steps).
+torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& prompts,
+                              std::int64_t steps, const Runtime& rt);
+
+struct GenerationScore {
+  std::int64_t instances = 0;
+  std::int64_t exact = 0;  // answers generated exactly
+  double exact_match() const { return instances > 0 ? static_cast<double>(exact) / static_cast<double>(instances) : 0.0; }
+};
+
+// Exact match of `instances` prompts of a generative task at (length, depth).
+GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& task,
+                                 std::int64_t length, double depth, std::int64_t instances,
+                                 std::uint64_t seed, const Runtime& rt);
+
+// Mean next-token cross entropy by position of token streams (N, L): position t predicts token
+// t + 1; positions are grouped into `bins` equal-width bins.
+struct PositionLoss {
+  std::vector<std::int64_t> bin_start, bin_end;  // [start, end) positions
+  std::vector<double> loss;                      // mean nats per predicted token in the bin
+  std::vector<double> tokens;
+};
+PositionLoss loss_by_position(nn::TransformerLM& model, const torch::Tensor& tokens,
+                              std::int64_t bins, const Runtime& rt);
+
+// The seed of the instances at one evaluation point (length, depth index): a stream of its
+// own, apart from the trainer's.
+std::uint64_t instance_seed(std::uint64_t seed, std::int64_t length, std::int64_t depth_index,
+                            std::int64_t batch_index);
+
+}  // namespace winnow::eval

@@ -1,0 +1,239 @@
+#include "study/report.h"
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "winnow/error.h"
+
+#ifdef WINNOW_HAVE_PLPLOT
+#include <plplot/plstream.h>
+#endif
+
+namespace winnow::study {
+using nlohmann::json;
+
+namespace {
+
+std::string fixed(double x, int digits = 1) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.*f", digits, x);
+  return text;
+}
+
+// The measure the tables lead with: exact match for generative tasks, else the study's metric.
+std::string main_measure(const json& r) {
+  return r.value("generative", false) ? "exact_match" : r.value("metric", std::string("accuracy"));
+}
+
+std::string measure_words(const json& r, const std::string& measure) {
+  const std::string task = r.contains("task") ? r["task"].value("name", std::string()) : "";
+  if (measure == "exact_match") {
+    return r.value("generative", false) ? "exact match of the generated answer (%), mean over depths"
+                                        : "exact match per sequence (%)";
+  }
+  if (task == "mqrar") return "per-query accuracy (%)";
+  return "per-token accuracy (%)";
+}
+
+std::string column_header(const json& point, bool first) {
+  const std::string len = std::to_string(point["length"].get<long long>());
+  const long long mult = point["multiple"].get<long long>();
+  if (mult == 1 && first) return "ID (" + len + ")";
+  return std::to_string(mult) + "x (" + len + ")";
+}
+
+std::string table(const json& r, const std::string& measure) {
+  const json& mechs = r["mechanisms"];
+  if (mechs.empty()) return "(no mechanisms ran)\n";
+  std::string out = "| mechanism |";
+  std::string rule = "|---|";
+  const json& first = mechs[0]["results"];
+  for (std::size_t i = 0; i < first.size(); ++i) {
+    out += " " + column_header(first[i], i == 0) + " |";
+    rule += "---:|";
+  }
+  out += "\n" + rule + "\n";
+  for (const json& m : mechs) {
+    out += "| " + m["label"].get<std::string>() + " |";
+    for (const json& p : m["results"]) out += " " + fixed(100.0 * p.value(measure, 0.0)) + " |";
+    out += "\n";
+  }
+  return out;
+}
+
+std::string seconds(double s) {
+  if (s >= 120) return fixed(s / 60.0, 1) + " min";
+  return fixed(s, 1) + " s";
+}
+
+}  // namespace
+
+std::string markdown_report(const json& r) {
+  std::string out;
+  const std::string title = r.value("title", std::string());
+  out += "## " + (title.empty() ? r.value("study", std::string("study")) : title) + "\n\n";
+  const std::string measure = main_measure(r);
+  out += measure_words(r, measure) + ", " + std::to_string(r.value("instances", 0)) +
+         " fresh instances per length" + (r.value("generative", false) ? " and depth" : "") +
+         "; trained at n = " + std::to_string(r.value("train_length", 0)) + " (" +
+         r.value("profile", std::string("?")) + " profile, " + r.value("device", std::string("?")) +
+         ", " + r.value("date", std::string()) + ").\n\n";
+  out += table(r, measure);
+  if (!r.value("generative", false)) {
+    const std::string other = measure == "accuracy" ? "exact_match" : "accuracy";
+    out += "\n" + measure_words(r, other) + ":\n\n" + table(r, other);
+  } else {
+    for (const json& m : r["mechanisms"]) {
+      out += "\n" + m["label"].get<std::string>() + ", exact match (%) by length and depth:\n\n";
+      std::string head = "| length |", rule = "|---:|";
+      const json& results = m["results"];
+      if (results.empty()) continue;
+      for (const json& c : results[0]["cells"]) {
+        head += " " + fixed(c["depth"].get<double>(), 2) + " |";
+        rule += "---:|";
+      }
+      out += head + "\n" + rule + "\n";
+      for (const json& p : results) {
+        out += "| " + std::to_string(p["length"].get<long long>()) + " |";
+        for (const json& c : p["cells"]) out += " " + fixed(100.0 * c["exact_match"].get<double>()) + " |";
+        out += "\n";
+      }
+    }
+  }
+  out += "\nTraining (same budget for every mechanism):\n\n"
+         "| mechanism | parameters | steps | tokens | train time | held-out loss | held-out accuracy |\n"
+         "|---|---:|---:|---:|---:|---:|---:|\n";
+  for (const json& m : r["mechanisms"]) {
+    const json& e = m["final_eval"];
+    const bool resumed = m.value("resumed_at_step", 0) > 0;
+    out += "| " + m["label"].get<std::string>() + " | " + std::to_string(m["parameters"].get<long long>()) +
+           " | " + std::to_string(m["steps"].get<long long>()) + " | " +
+           fixed(m["train_tokens"].get<double>() / 1e6, 2) + " M | " +
+           (resumed ? "resumed" : seconds(m["train_seconds"].get<double>())) + " | " +
+           fixed(e.value("eval_loss", 0.0), 4) + " | " + fixed(100.0 * e.value("eval_accuracy", 0.0)) +
+           "% |\n";
+  }
+  bool any_diagnostics = false;
+  for (const json& m : r["mechanisms"]) {
+    for (const json& p : m["results"]) any_diagnostics |= p.contains("diagnostics");
+  }
+  if (any_diagnostics) {
+    out += "\nDiagnostics, mean over layers and heads of the last query rows (nn/probe.h): sink "
+           "ratio (mass on key 0 relative to uniform), weight entropy (nats), exact-zero fraction, "
+           "unallocated stick (stick-breaking):\n\n"
+           "| mechanism | length | sink ratio | entropy | zero fraction | remainder |\n"
+           "|---|---:|---:|---:|---:|---:|\n";
+    for (const json& m : r["mechanisms"]) {
+      for (const json& p : m["results"]) {
+        if (!p.contains("diagnostics")) continue;
+        const json& mean = p["diagnostics"]["mean"];
+        auto cell = [&](const char* key, int digits) {
+          return mean.contains(key) ? fixed(mean[key].get<double>(), digits) : std::string("-");
+        };
+        out += "| " + m["label"].get<std::string>() + " | " +
+               std::to_string(p["length"].get<long long>()) + " | " + cell("sink_ratio", 2) +
+               " | " + cell("entropy", 2) + " | " + cell("zero_fraction", 3) + " | " +
+               cell("remainder", 3) + " |\n";
+      }
+    }
+  }
+  return out;
+}
+
+#ifdef WINNOW_HAVE_PLPLOT
+bool can_plot() { return true; }
+
+void plot_result(const json& r, const std::string& path) {
+  const std::string measure = main_measure(r);
+  const json& mechs = r["mechanisms"];
+  double lo = 1e300, hi = 0;
+  for (const json& m : mechs) {
+    for (const json& p : m["results"]) {
+      const double x = std::log10(p["length"].get<double>());
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+    }
+  }
+  if (mechs.empty() || hi <= 0) throw Error(ErrorKind::invalid_argument, "plot: the result has no points");
+  if (hi - lo < 0.3) {
+    lo -= 0.15;
+    hi += 0.15;
+  }
+  const double pad = 0.04 * (hi - lo);
+  plstream pls;
+  pls.sdev("svg");
+  pls.sfnam(path.c_str());
+  pls.spage(0, 0, 800, 560, 0, 0);
+  pls.scolbg(255, 255, 255);
+  pls.scol0(15, 0, 0, 0);
+  pls.init();
+  pls.adv(0);
+  pls.vpor(0.1, 0.95, 0.12, 0.9);
+  pls.wind(lo - pad, hi + pad, -3, 105);
+  pls.col0(15);
+  pls.box("bc", 0, 0, "bcgnstv", 20, 2);
+  // The x axis is labelled at the evaluated lengths (with their multiple), not at powers of 10.
+  const json& points = mechs[0]["results"];
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    const double x = std::log10(points[i]["length"].get<double>());
+    const double at = (x - (lo - pad)) / ((hi + pad) - (lo - pad));
+    const long long mult = points[i]["multiple"].get<long long>();
+    const std::string label = std::to_string(points[i]["length"].get<long long>()) +
+                              (mult == 1 ? std::string(" (ID)") : " (" + std::to_string(mult) + "x)");
+    pls.mtex("b", 1.6, at, 0.5, label.c_str());
+    const PLFLT gx[2] = {x, x}, gy[2] = {-3, 105};
+    pls.lsty(2);
+    pls.line(2, gx, gy);
+    pls.lsty(1);
+  }
+  const std::string title = r.value("title", std::string());
+  pls.lab("sequence length in tokens (multiple of the training length)", measure_words(r, measure).c_str(), title.c_str());
+  // Distinct colours from PLplot's default map, then its line styles.
+  const PLINT colours[] = {1, 9, 3, 13, 8, 10, 4, 14};
+  pls.scol0(3, 0, 150, 0);  // a green that reads on white
+  std::vector<PLINT> opt, line_colors, line_styles, text_colors;
+  std::vector<PLFLT> line_widths;
+  std::vector<std::string> labels;
+  for (std::size_t i = 0; i < mechs.size(); ++i) {
+    std::vector<PLFLT> x, y;
+    for (const json& p : mechs[i]["results"]) {
+      x.push_back(std::log10(p["length"].get<double>()));
+      y.push_back(100.0 * p.value(measure, 0.0));
+    }
+    const PLINT colour = colours[i % 8];
+    pls.col0(colour);
+    pls.lsty(static_cast<PLINT>(i / 8 % 8 + 1));
+    pls.width(2.5);
+    pls.line(static_cast<PLINT>(x.size()), x.data(), y.data());
+    pls.poin(static_cast<PLINT>(x.size()), x.data(), y.data(), 4);
+    opt.push_back(PL_LEGEND_LINE);
+    line_colors.push_back(colour);
+    line_styles.push_back(static_cast<PLINT>(i / 8 % 8 + 1));
+    line_widths.push_back(2.5);
+    text_colors.push_back(15);
+    labels.push_back(mechs[i]["label"].get<std::string>());
+  }
+  pls.lsty(1);
+  pls.width(1);
+  std::vector<const char*> text;
+  for (const std::string& l : labels) text.push_back(l.c_str());
+  PLFLT width = 0, height = 0;
+  const auto n = static_cast<PLINT>(labels.size());
+  pls.legend(&width, &height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX,
+             PL_POSITION_LEFT | PL_POSITION_BOTTOM | PL_POSITION_INSIDE, 0.03, 0.14, 0.12, 0, 15, 1,
+             n, 1, n, opt.data(), 1.0, 0.9, 2.0, 0.0, text_colors.data(), text.data(), nullptr,
+             nullptr, nullptr, nullptr, line_colors.data(), line_styles.data(), line_widths.data(),
+             nullptr, nullptr, nullptr, nullptr);
+}
+#else
+bool can_plot() { return false; }
+
+void plot_result(const json&, const std::string&) {
+  throw Error(ErrorKind::unsupported,
+              "plot: this build has no PLplot (install libplplot-dev and rebuild)");
+}
+#endif
+
+}  // namespace winnow::study

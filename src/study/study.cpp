@@ -1,0 +1,287 @@
+#include "study/study.h"
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <set>
+
+#include "eval/evaluate.h"
+#include "study/report.h"
+#include "tasks/task.h"
+#include "train/config.h"
+#include "train/trainer.h"
+#include "winnow/error.h"
+
+namespace winnow::study {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what) {
+  throw Error(ErrorKind::invalid_argument, "study: " + what);
+}
+
+// Applies {"dotted.key": value, ...}; `where` names the object in errors.
+void apply_dotted(json& target, const json& dotted, const std::string& where) {
+  if (!dotted.is_object()) fail(where + ": expected an object of \"dotted.key\": value, got " + dotted.dump());
+  for (auto it = dotted.begin(); it != dotted.end(); ++it) {
+    try {
+      train::apply_override(target, it.key() + "=" + it.value().dump());
+    } catch (const Error& e) {
+      fail(where + ": " + e.what());
+    }
+  }
+}
+
+bool runs_on_cuda(const std::string& device) {
+  if (device.rfind("cuda", 0) == 0) return true;
+  return device == "auto" && torch::cuda::is_available();
+}
+
+// A mechanism's experiment: the base, its `set`, its own output folder.
+json mechanism_config(const Study& s, const MechanismEntry& m) {
+  json j = s.base;
+  apply_dotted(j, m.set, "mechanism '" + m.label + "': set");
+  j["train"]["out_dir"] = (fs::path(s.out_dir) / slug(m.label)).string();
+  return j;
+}
+
+tasks::TaskConfig eval_task_config(const Study& s, const train::ExperimentConfig& trained) {
+  json task = config::write(trained.task);
+  apply_dotted(task, s.eval.task, "eval.task");
+  return config::read<tasks::TaskConfig>(task, "eval.task");
+}
+
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  char text[16];
+  std::strftime(text, sizeof text, "%Y-%m-%d", std::gmtime(&now));
+  return text;
+}
+
+std::int64_t parameter_count(train::Trainer& t) {
+  std::int64_t n = 0;
+  for (const auto& p : t.model()->parameters()) n += p.numel();
+  return n;
+}
+
+}  // namespace
+
+std::string slug(const std::string& label) {
+  std::string out;
+  for (char c : label) {
+    const bool keep = std::isalnum(static_cast<unsigned char>(c)) != 0;
+    if (keep) {
+      out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    } else if (!out.empty() && out.back() != '_') {
+      out += '_';
+    }
+  }
+  while (!out.empty() && out.back() == '_') out.pop_back();
+  return out.empty() ? "run" : out;
+}
+
+Study load_study(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream f(path);
+  if (!f) throw Error(ErrorKind::invalid_argument, "argument 'FILE': cannot open '" + path + "'");
+  json j;
+  try {
+    j = json::parse(f);
+  } catch (const json::parse_error& e) {
+    throw Error(ErrorKind::invalid_argument,
+                "argument 'FILE': '" + path + "' is not valid JSON: " + e.what());
+  }
+  // Where it runs decides the profile; the overrides may move it.
+  json probe = j;
+  for (const std::string& o : overrides) train::apply_override(probe, o);
+  const std::string device =
+      probe.contains("base") && probe["base"].is_object() && probe["base"].contains("device")
+          ? probe["base"]["device"].get<std::string>()
+          : "auto";
+  const std::string profile = runs_on_cuda(device) ? "cuda" : "cpu";
+  if (j.contains("profiles")) {
+    if (!j["profiles"].is_object()) fail("key 'profiles': expected an object with cpu and/or cuda");
+    for (auto it = j["profiles"].begin(); it != j["profiles"].end(); ++it) {
+      if (it.key() != "cpu" && it.key() != "cuda") {
+        config::fail("profiles." + it.key(), "cpu or cuda", "\"" + it.key() + "\"");
+      }
+    }
+    if (j["profiles"].contains(profile)) {
+      const json dotted = j["profiles"][profile];
+      apply_dotted(j, dotted, "profiles." + profile);
+    }
+  }
+  for (const std::string& o : overrides) train::apply_override(j, o);
+
+  Study s = config::read<Study>(j, "");
+  s.profile = profile;
+  if (s.out_dir.empty()) s.out_dir = "runs/studies/" + s.name;
+  if (s.mechanisms.empty()) config::fail("mechanisms", "at least one mechanism", "[]");
+  std::set<std::string> labels;
+  for (std::size_t i = 0; i < s.mechanisms.size(); ++i) {
+    const MechanismEntry& m = s.mechanisms[i];
+    const std::string key = "mechanisms[" + std::to_string(i) + "]";
+    if (m.label.empty()) config::fail(key + ".label", "a non-empty label", "\"\"");
+    if (!labels.insert(slug(m.label)).second) {
+      config::fail(key + ".label", "a label unlike the others", "\"" + m.label + "\"");
+    }
+    try {
+      const train::ExperimentConfig c = train::parse_experiment(mechanism_config(s, m));
+      const std::unique_ptr<tasks::Task> task = tasks::make_task(eval_task_config(s, c));
+      for (std::int64_t mult : s.eval.multiples) {
+        // Catches lengths the task cannot fill before any training starts.
+        const std::int64_t length = c.train.seq_len * mult;
+        if (task->generative()) {
+          for (double depth : s.eval.depths) (void)task->prompt(length, depth, 0);
+        } else {
+          (void)task->sample(1, length, 0);
+        }
+      }
+    } catch (const Error& e) {
+      fail("mechanism '" + m.label + "': " + e.what());
+    }
+  }
+  return s;
+}
+
+json run_study(const Study& s, const RunOptions& options) {
+  json result = {{"study", s.name},
+                 {"title", s.title},
+                 {"profile", s.profile},
+                 {"date", today()},
+                 {"libtorch", TORCH_VERSION},
+                 {"metric", s.eval.metric},
+                 {"multiples", s.eval.multiples},
+                 {"instances", s.eval.instances},
+                 {"mechanisms", json::array()}};
+  fs::create_directories(s.out_dir);
+  std::size_t index = 0;
+  for (const MechanismEntry& m : s.mechanisms) {
+    ++index;
+    if (!options.only.empty() &&
+        std::find(options.only.begin(), options.only.end(), m.label) == options.only.end()) {
+      continue;
+    }
+    const train::ExperimentConfig config = train::parse_experiment(mechanism_config(s, m));
+    train::Trainer trainer(config);
+    trainer.quiet = options.quiet;
+    if (options.fresh) {
+      trainer.clear_outputs();
+    } else {
+      trainer.resume();
+    }
+    std::printf("\n== [%zu/%zu] %s: %s attention (%s), %lld parameters, %lld steps of %lld x %lld "
+                "tokens on %s\n",
+                index, s.mechanisms.size(), m.label.c_str(), config.model.attention.kind.c_str(),
+                config.model.attention.position.c_str(),
+                static_cast<long long>(parameter_count(trainer)),
+                static_cast<long long>(config.train.steps),
+                static_cast<long long>(config.train.batch_size),
+                static_cast<long long>(config.train.seq_len), trainer.device().str().c_str());
+    std::fflush(stdout);
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    const std::int64_t resumed_at = trainer.current_step();
+    json last_eval;
+    if (trainer.current_step() < config.train.steps) {
+      last_eval = trainer.train();
+    } else {
+      last_eval = trainer.evaluate();
+    }
+    const double train_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+
+    json entry = {{"label", m.label},
+                  {"config", train::to_json(config)},
+                  {"parameters", parameter_count(trainer)},
+                  {"steps", config.train.steps},
+                  {"resumed_at_step", resumed_at},
+                  {"train_seconds", train_seconds},
+                  {"train_tokens", config.train.steps * trainer.tokens_per_step()},
+                  {"final_eval", last_eval},
+                  {"results", json::array()}};
+
+    const std::unique_ptr<tasks::Task> task = tasks::make_task(eval_task_config(s, config));
+    eval::Runtime rt;
+    rt.device = trainer.device();
+    rt.autocast = rt.device.is_cuda() && config.train.dtype != "float32";
+    rt.batch_tokens = s.eval.batch_tokens > 0 ? s.eval.batch_tokens
+                                              : (rt.device.is_cuda() ? 262144 : 16384);
+    const auto eval_start = Clock::now();
+    for (std::int64_t mult : s.eval.multiples) {
+      const std::int64_t length = config.train.seq_len * mult;
+      json point = {{"multiple", mult}, {"length", length}};
+      if (task->generative()) {
+        json cells = json::array();
+        double sum = 0;
+        for (std::size_t d = 0; d < s.eval.depths.size(); ++d) {
+          const eval::GenerationScore g = eval::score_generation(
+              trainer.model(), *task, length, s.eval.depths[d], s.eval.instances, config.seed, rt);
+          cells.push_back({{"depth", s.eval.depths[d]}, {"exact_match", g.exact_match()},
+                           {"instances", g.instances}});
+          sum += g.exact_match();
+        }
+        point["exact_match"] = s.eval.depths.empty() ? 0.0 : sum / static_cast<double>(s.eval.depths.size());
+        point["cells"] = cells;
+      } else {
+        std::optional<nn::AttentionProbe> probe;
+        if (s.eval.diagnostics && length <= s.eval.diagnostics_max_length) probe.emplace(s.eval.probe_rows);
+        const eval::SequenceScore score = eval::score_sequences(
+            trainer.model(), *task, length, s.eval.instances, config.seed, rt,
+            probe ? &*probe : nullptr);
+        point["accuracy"] = score.accuracy();
+        point["exact_match"] = score.exact_match();
+        point["loss"] = score.loss();
+        point["instances"] = score.sequences;
+        point["scored_positions"] = score.scored;
+        if (probe) point["diagnostics"] = probe->summary();
+      }
+      const char* measure = task->generative() ? "exact_match" : s.eval.metric.c_str();
+      std::printf("   %-6s (L = %6lld): %s %.1f%%\n", (std::to_string(mult) + "x").c_str(),
+                  static_cast<long long>(length), measure, 100.0 * point[measure].get<double>());
+      std::fflush(stdout);
+      entry["results"].push_back(point);
+    }
+    entry["eval_seconds"] = std::chrono::duration<double>(Clock::now() - eval_start).count();
+    result["generative"] = task->generative();
+    result["task"] = config::write(eval_task_config(s, config));
+    result["train_length"] = config.train.seq_len;
+    result["device"] = trainer.device().str();
+    result["mechanisms"].push_back(entry);
+  }
+
+  const fs::path dir(s.out_dir);
+  {
+    std::ofstream f(dir / "result.json");
+    f << result.dump(2) << '\n';
+    if (!f) throw Error(ErrorKind::runtime, "study: cannot write '" + (dir / "result.json").string() + "'");
+  }
+  const std::string report = markdown_report(result);
+  {
+    std::ofstream f(dir / "table.md");
+    f << report;
+    if (!f) throw Error(ErrorKind::runtime, "study: cannot write '" + (dir / "table.md").string() + "'");
+  }
+  std::printf("\n%s", report.c_str());
+  if (can_plot()) {
+    plot_result(result, (dir / "accuracy.svg").string());
+    std::printf("\nplot: %s\n", (dir / "accuracy.svg").string().c_str());
+  } else {
+    std::printf("\nplot: not drawn, this build has no PLplot (winnow plot %s draws it on a build "
+                "that has)\n",
+                (dir / "result.json").string().c_str());
+  }
+  std::printf("result: %s, table: %s\n", (dir / "result.json").string().c_str(),
+              (dir / "table.md").string().c_str());
+  return result;
+}
+
+}  // namespace winnow::study

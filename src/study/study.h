@@ -1,0 +1,107 @@
+// Studies: several attention mechanisms trained on one task with one budget, then evaluated at
+// multiples of the training length (spec/tasks.md). A study file is JSON:
+//
+//   {"name": "mqrar", "title": "...",
+//    "base": {an experiment file: seed, device, model, train, task},
+//    "mechanisms": [{"label": "Softmax+RoPE", "set": {"model.attention.kind": "softmax", ...}}],
+//    "eval": {"multiples": [1, 4, 16], "instances": 1000, ...},
+//    "profiles": {"cpu": {"base.train.steps": 300, ...}, "cuda": {...}},
+//    "out_dir": "runs/studies/mqrar"}
+//
+// Each mechanism's run is the base with its `set` applied (dotted keys, as --set takes them).
+// The profile matching where the study runs ("cuda" when the base's device resolves to a GPU,
+// else "cpu") is applied to the study first, so one file holds a small CPU default and a bigger
+// GPU one; command-line overrides come last. Runs continue from their checkpoints.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "nn/fields.h"
+
+namespace winnow::study {
+
+struct MechanismEntry {
+  std::string label;
+  nlohmann::json set = nlohmann::json::object();
+
+  template <class V>
+  void fields(V& v) {
+    v("label", label);
+    v("set", set);
+  }
+};
+
+struct EvalConfig {
+  std::vector<std::int64_t> multiples = {1, 4, 16};  // of train.seq_len; 1 is in distribution
+  std::int64_t instances = 200;                      // fresh instances per length (and depth)
+  std::vector<double> depths = {0.1, 0.3, 0.5, 0.7, 0.9};  // generative tasks' needle depths
+  // The table's and the plot's measure: accuracy (per labelled position: per query for MQRAR,
+  // per token for Copy) or exact_match (per sequence). Generative tasks have exact match only.
+  std::string metric = "accuracy";
+  std::int64_t batch_tokens = 0;  // tokens per forward pass; 0: 16384 on the CPU, 262144 on CUDA
+  // Per-layer, per-head diagnostics (nn/probe.h) at every length up to diagnostics_max_length.
+  bool diagnostics = true;
+  std::int64_t probe_rows = 16;
+  std::int64_t diagnostics_max_length = 16384;
+  // Dotted overrides of the task for evaluation only (e.g. {"mqrar.scored_queries": 4}).
+  nlohmann::json task = nlohmann::json::object();
+
+  template <class V>
+  void fields(V& v) {
+    v("multiples", multiples, config::at_least(1));
+    v("instances", instances, config::at_least(1));
+    v("depths", depths, config::in_range(0, 1, true));
+    v("metric", metric, config::one_of({"accuracy", "exact_match"}));
+    v("batch_tokens", batch_tokens, config::with_words(config::at_least(0), "0: by device"));
+    v("diagnostics", diagnostics);
+    v("probe_rows", probe_rows, config::at_least(1));
+    v("diagnostics_max_length", diagnostics_max_length, config::at_least(1));
+    v("task", task);
+  }
+};
+
+struct Study {
+  std::string name = "study";
+  std::string title;
+  nlohmann::json base = nlohmann::json::object();
+  std::vector<MechanismEntry> mechanisms;
+  EvalConfig eval;
+  nlohmann::json profiles = nlohmann::json::object();
+  std::string out_dir;  // "": runs/studies/<name>
+  std::string profile;  // set by load_study: the profile applied (cpu or cuda)
+
+  template <class V>
+  void fields(V& v) {
+    v("name", name);
+    v("title", title);
+    v("base", base);
+    v("mechanisms", mechanisms);
+    v("eval", eval);
+    v("profiles", profiles);
+    v("out_dir", out_dir);
+  }
+};
+
+// Reads a study file, applies the profile for where it will run and then `overrides`
+// (`key.path=value`), and checks it: every mechanism's experiment config is parsed, so a bad
+// key in a `set` is an error naming the mechanism and the key. Returns the resolved study.
+Study load_study(const std::string& path, const std::vector<std::string>& overrides);
+
+struct RunOptions {
+  bool fresh = false;   // retrain every mechanism from scratch
+  bool quiet = false;   // no training progress lines
+  std::vector<std::string> only;  // labels to run (empty: all)
+};
+
+// Trains and evaluates every mechanism; writes <out_dir>/result.json, table.md and, when the
+// build has PLplot, accuracy.svg. Returns the result JSON.
+nlohmann::json run_study(const Study& study, const RunOptions& options);
+
+// A short file-system-safe name for a mechanism label.
+std::string slug(const std::string& label);
+
+}  // namespace winnow::study
