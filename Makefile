@@ -9,10 +9,19 @@ CMAKE_ARGS ?=
 CUDA_TORCH := $(shell python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1 && echo yes)
 ifeq ($(CUDA_TORCH),yes)
 BUILD ?= build-gpu
-DEMO_CMAKE_ARGS := -DCMAKE_PREFIX_PATH=$(shell python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') -DWINNOW_TORCH=ON
+# Kernels for this GPU only (Hopper needs its architecture-specific sm_90a).
+GPU_ARCH := $(shell python3 -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}a" if m == 9 else f"{m}{n}")')
+DEMO_CMAKE_ARGS := -DCMAKE_PREFIX_PATH=$(shell python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') -DWINNOW_TORCH=ON -DCMAKE_CUDA_ARCHITECTURES=$(GPU_ARCH)
 else
 BUILD ?= build
 DEMO_CMAKE_ARGS :=
+endif
+# A machine that cannot install packages builds with the copies tools/prepare_gpu_deps.sh made.
+ifneq ($(wildcard .gpudeps),)
+DEMO_DEPS :=
+DEMO_CMAKE_ARGS += -DWINNOW_DEPS_DIR=$(CURDIR)/.gpudeps
+else
+DEMO_DEPS := deps
 endif
 
 .PHONY: all deps configure build test demo bench-cpu clean
@@ -32,7 +41,7 @@ test: build
 	ctest --test-dir $(BUILD) -L cpu --output-on-failure -j $(JOBS)
 
 # Only the tool and what it links: the tests are not needed to run the study.
-demo: deps
+demo: $(DEMO_DEPS)
 	cmake --preset default -B $(BUILD) $(DEMO_CMAKE_ARGS) $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS) --target winnow_cli
 	$(BUILD)/apps/winnow study studies/mqrar.json
