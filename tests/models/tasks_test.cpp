@@ -145,6 +145,16 @@ TEST(Copy, LayoutTargetsAndMask) {
   EXPECT_NE(error_of([&] { task->sample(1, 9, 0); }).find("length: expected an even number"), std::string::npos);
 }
 
+TEST(Tasks, ConfigurationAndGeneratorAgreeOnTheVocabulary) {
+  for (const std::string& name : task_names()) {
+    TaskConfig c;
+    c.name = name;
+    c.mqrar.keys = 7;
+    c.copy.symbols = 9;
+    EXPECT_EQ(make_task(c)->vocab_size(), vocab_size_of(c)) << name;
+  }
+}
+
 TEST(Tasks, RegistryAndPortableRandomness) {
   TaskConfig c;
   c.name = "mqrar";
