@@ -16,6 +16,7 @@
 #include "tasks/text.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "nn/transformer.h"
 #include "train/trainer.h"
 #include "winnow/error.h"
 
@@ -182,15 +183,17 @@ void add_eval(CLI::App& app) {
                       std::to_string(config.model.vocab_size) + " tokens, got " + config.task.name +
                       " with " + std::to_string(task->vocab_size()));
     }
-    // The trainer places the model where the configuration says; only its weights are loaded.
-    config.train.out_dir = (fs::temp_directory_path() / "winnow-eval-unused").string();
-    train::Trainer trainer(config);
-    trainer.quiet = true;
-    train::restore_model(folder, *trainer.model());
-    eval::Runtime rt;
-    rt.device = trainer.device();
-    rt.autocast = rt.device.is_cuda() && config.train.dtype != "float32";
-    rt.batch_tokens = args->batch_tokens > 0 ? args->batch_tokens : (rt.device.is_cuda() ? 262144 : 16384);
+    if (task->generative() && args->diagnostics) {
+      throw Error(ErrorKind::invalid_argument,
+                  "argument '--diagnostics': expected a task scored on whole sequences (mqrar, "
+                  "copy, progression), got the generative task " + config.task.name);
+    }
+    const torch::Device device =
+        train::pick_device(config.device, nn::uses_kernel(config.model.attention));
+    nn::TransformerLM model(config.model);
+    train::restore_model(folder, *model);
+    model->to(device);
+    const eval::Runtime rt = eval::runtime_for(device, config.train.dtype, args->batch_tokens);
 
     std::vector<std::int64_t> lengths;
     if (!args->lengths.empty()) {
@@ -213,7 +216,7 @@ void add_eval(CLI::App& app) {
         json cells = json::array();
         for (std::size_t d = 0; d < args->depths.size(); ++d) {
           const eval::GenerationScore g = eval::score_generation(
-              trainer.model(), *task, length, args->depths[d], args->instances, config.seed, rt);
+              model, *task, length, args->depths[d], args->instances, config.seed, rt);
           cells.push_back({{"depth", args->depths[d]}, {"exact_match", g.exact_match()}});
           std::printf("  depth %.2f: %5.1f%%", args->depths[d], 100.0 * g.exact_match());
         }
@@ -223,7 +226,7 @@ void add_eval(CLI::App& app) {
         std::optional<nn::AttentionProbe> probe;
         if (args->diagnostics) probe.emplace(args->probe_rows);
         const eval::SequenceScore s = eval::score_sequences(
-            trainer.model(), *task, length, args->instances, config.seed, rt, probe ? &*probe : nullptr);
+            model, *task, length, args->instances, config.seed, rt, probe ? &*probe : nullptr);
         std::printf("L = %6lld: accuracy %5.1f%%  exact match %5.1f%%  loss %.4f  (%lld sequences, %.0f scored positions)\n",
                     static_cast<long long>(length), 100.0 * s.accuracy(), 100.0 * s.exact_match(),
                     s.loss(), static_cast<long long>(s.sequences), s.scored);
@@ -262,7 +265,7 @@ void add_eval(CLI::App& app) {
           const std::int64_t rows = std::max<std::int64_t>(1, args->instances);
           tokens = task->sample(rows, length, eval::instance_seed(config.seed, length, 0, 0)).inputs;
         }
-        const eval::PositionLoss pl = eval::loss_by_position(trainer.model(), tokens, args->position_bins, rt);
+        const eval::PositionLoss pl = eval::loss_by_position(model, tokens, args->position_bins, rt);
         json bins = json::array();
         std::printf("  loss by position:");
         for (std::size_t i = 0; i < pl.loss.size(); ++i) {

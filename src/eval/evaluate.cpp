@@ -17,6 +17,14 @@ constexpr std::uint64_t kEvalStreamBase = 1000;
 
 }  // namespace
 
+Runtime runtime_for(const torch::Device& device, const std::string& dtype, std::int64_t batch_tokens) {
+  Runtime rt;
+  rt.device = device;
+  rt.autocast = device.is_cuda() && dtype != "float32";
+  rt.batch_tokens = batch_tokens > 0 ? batch_tokens : (device.is_cuda() ? 262144 : 16384);
+  return rt;
+}
+
 SequenceScore& SequenceScore::operator+=(const SequenceScore& o) {
   sequences += o.sequences;
   scored += o.scored;

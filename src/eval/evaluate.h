@@ -20,6 +20,9 @@ struct Runtime {
   bool autocast = false;               // bf16 autocast (CUDA)
   std::int64_t batch_tokens = 16384;   // tokens per forward pass: batch = batch_tokens / length
 };
+// How a model trained with train.dtype `dtype` is evaluated on `device`: bf16 autocast on CUDA
+// unless it trained in float32; batch_tokens 0 picks 16384 on the CPU and 262144 on CUDA.
+Runtime runtime_for(const torch::Device& device, const std::string& dtype, std::int64_t batch_tokens);
 
 // Counts over scored positions (loss_mask == 1) and sequences.
 struct SequenceScore {

@@ -103,10 +103,12 @@ Study load_study(const std::string& path, const std::vector<std::string>& overri
   // Where it runs decides the profile; the overrides may move it.
   json probe = j;
   for (const std::string& o : overrides) train::apply_override(probe, o);
-  const std::string device =
-      probe.contains("base") && probe["base"].is_object() && probe["base"].contains("device")
-          ? probe["base"]["device"].get<std::string>()
-          : "auto";
+  std::string device = "auto";
+  if (probe.contains("base") && probe["base"].is_object() && probe["base"].contains("device")) {
+    const json& d = probe["base"]["device"];
+    if (!d.is_string()) config::fail("base.device", "auto, cpu, cuda or cuda:N", d.dump());
+    device = d.get<std::string>();
+  }
   const std::string profile = runs_on_cuda(device) ? "cuda" : "cpu";
   if (j.contains("profiles")) {
     if (!j["profiles"].is_object()) fail("key 'profiles': expected an object with cpu and/or cuda");
@@ -210,11 +212,7 @@ json run_study(const Study& s, const RunOptions& options) {
                   {"results", json::array()}};
 
     const std::unique_ptr<tasks::Task> task = tasks::make_task(eval_task_config(s, config));
-    eval::Runtime rt;
-    rt.device = trainer.device();
-    rt.autocast = rt.device.is_cuda() && config.train.dtype != "float32";
-    rt.batch_tokens = s.eval.batch_tokens > 0 ? s.eval.batch_tokens
-                                              : (rt.device.is_cuda() ? 262144 : 16384);
+    const eval::Runtime rt = eval::runtime_for(trainer.device(), config.train.dtype, s.eval.batch_tokens);
     const auto eval_start = Clock::now();
     for (std::int64_t mult : s.eval.multiples) {
       const std::int64_t length = config.train.seq_len * mult;

@@ -24,26 +24,6 @@ namespace {
 // Seed streams of the task's batches: training steps and held-out evaluation never overlap.
 constexpr std::uint64_t kTrainStream = 1, kEvalStream = 2;
 
-torch::Device pick_device(const std::string& name, bool needs_winnow_cuda) {
-  const bool cuda = torch::cuda::is_available();
-  if (name == "cpu" || (name == "auto" && !cuda)) return torch::Device(torch::kCPU);
-  if (!cuda) {
-    config::fail("device", "cpu or auto (this LibTorch sees no CUDA device)", "\"" + name + "\"");
-  }
-  const torch::Device device = name == "auto" ? torch::Device(torch::kCUDA, 0) : torch::Device(name);
-  const std::int64_t index = device.has_index() ? device.index() : 0;
-  if (index >= static_cast<std::int64_t>(torch::cuda::device_count())) {
-    config::fail("device", "cuda:0 .. cuda:" + std::to_string(torch::cuda::device_count() - 1),
-                 "\"" + name + "\"");
-  }
-  if (needs_winnow_cuda && !winnow::built_with_cuda()) {
-    config::fail("device", "cpu (this build of winnow has no CUDA kernels; build with nvcc, or "
-                           "set model.attention.implementation to composed)",
-                 "\"" + name + "\"");
-  }
-  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
-}
-
 std::string duration(double seconds) {
   char text[32];
   const long s = static_cast<long>(seconds + 0.5);
@@ -105,6 +85,26 @@ bool may_differ_on_resume(const std::string& key) {
 }
 
 }  // namespace
+
+torch::Device pick_device(const std::string& name, bool needs_winnow_cuda) {
+  const bool cuda = torch::cuda::is_available();
+  if (name == "cpu" || (name == "auto" && !cuda)) return torch::Device(torch::kCPU);
+  if (!cuda) {
+    config::fail("device", "cpu or auto (this LibTorch sees no CUDA device)", "\"" + name + "\"");
+  }
+  const torch::Device device = name == "auto" ? torch::Device(torch::kCUDA, 0) : torch::Device(name);
+  const std::int64_t index = device.has_index() ? device.index() : 0;
+  if (index >= static_cast<std::int64_t>(torch::cuda::device_count())) {
+    config::fail("device", "cuda:0 .. cuda:" + std::to_string(torch::cuda::device_count() - 1),
+                 "\"" + name + "\"");
+  }
+  if (needs_winnow_cuda && !winnow::built_with_cuda()) {
+    config::fail("device", "cpu (this build of winnow has no CUDA kernels; build with nvcc, or "
+                           "set model.attention.implementation to composed)",
+                 "\"" + name + "\"");
+  }
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
 
 double lr_factor(const TrainConfig& c, std::int64_t step) {
   if (step < c.warmup) return static_cast<double>(step + 1) / static_cast<double>(c.warmup);

@@ -23,6 +23,10 @@
 
 namespace winnow::train {
 
+// The device a configuration's `device` names ("auto": the first GPU when LibTorch sees one);
+// errors name the key. needs_winnow_cuda: the model calls winnow's operators there.
+torch::Device pick_device(const std::string& name, bool needs_winnow_cuda);
+
 // The learning-rate factor (of train.lr) for the optimizer step `step` (counted from 0): linear
 // warmup over train.warmup steps, then the schedule over the remaining steps.
 double lr_factor(const TrainConfig& c, std::int64_t step);

@@ -318,6 +318,15 @@ TEST(Cli, GenerativeStudiesRunEndToEnd) {
       EXPECT_EQ(m["results"][0]["cells"][1]["instances"], 3);
     }
     EXPECT_NE(slurp(dir + "/out/table.md").find("by length and depth"), std::string::npos);
+    const std::string run_dir = dir + "/out/stick_breaking";
+    Outcome e = run({"eval", "--checkpoint", run_dir, "--multiples", "1", "--instances", "2",
+                     "--depths", "0.5"},
+                    dir);
+    ASSERT_EQ(e.status, 0) << e.output;
+    EXPECT_NE(e.output.find("depth 0.50:"), std::string::npos) << e.output;
+    e = run({"eval", "--checkpoint", run_dir, "--diagnostics"}, dir);
+    EXPECT_NE(e.status, 0);
+    EXPECT_NE(e.output.find("argument '--diagnostics'"), std::string::npos) << e.output;
     winnow::train::remove_tree(dir);
   }
 }
