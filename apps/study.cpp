@@ -81,14 +81,7 @@ void add_plot(CLI::App& app) {
   cmd->add_option("RESULT", args->result, "a study's result.json")->required()->check(CLI::ExistingFile);
   cmd->add_option("--out", args->out, "the SVG to write (default: accuracy.svg beside RESULT)");
   cmd->callback([args] {
-    std::ifstream f(args->result);
-    json r;
-    try {
-      r = json::parse(f);
-    } catch (const json::parse_error& e) {
-      throw Error(ErrorKind::invalid_argument,
-                  "argument 'RESULT': '" + args->result + "' is not valid JSON: " + e.what());
-    }
+    const json r = train::read_json_file(args->result, "RESULT");
     if (!r.contains("mechanisms") || !r["mechanisms"].is_array()) {
       throw Error(ErrorKind::invalid_argument,
                   "argument 'RESULT': expected a study result (with \"mechanisms\"), got '" + args->result + "'");

@@ -91,15 +91,7 @@ std::string slug(const std::string& label) {
 }
 
 Study load_study(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream f(path);
-  if (!f) throw Error(ErrorKind::invalid_argument, "argument 'FILE': cannot open '" + path + "'");
-  json j;
-  try {
-    j = json::parse(f);
-  } catch (const json::parse_error& e) {
-    throw Error(ErrorKind::invalid_argument,
-                "argument 'FILE': '" + path + "' is not valid JSON: " + e.what());
-  }
+  json j = train::read_json_file(path, "FILE");
   // Where it runs decides the profile; the overrides may move it.
   json probe = j;
   for (const std::string& o : overrides) train::apply_override(probe, o);

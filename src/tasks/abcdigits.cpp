@@ -5,7 +5,6 @@
 #include <cmath>
 #include <numeric>
 #include <set>
-#include <sstream>
 
 #include "tasks/task.h"
 #include "tasks/text.h"
@@ -19,26 +18,10 @@ constexpr std::int64_t kLine = 9;    // "X=dddddd\n"
 constexpr std::int64_t kQuery = 2;   // "T="
 constexpr std::int64_t kAnswer = 6;  // T's digits
 
-void check_depth(double depth) {
-  if (!(depth >= 0 && depth <= 1)) {  // written this way so that NaN fails too
-    std::ostringstream got;
-    got << depth;
-    throw Error(ErrorKind::invalid_argument, "depth: expected in [0, 1], got " + got.str());
-  }
-}
-
-class AbcDigits final : public Task {
+class AbcDigits final : public CharacterPromptTask {
  public:
-  std::int64_t vocab_size() const override { return text::kVocab; }
   // Every letter's line once, T's included, then the query and the answer.
   std::int64_t min_length() const override { return kLetters * kLine + kQuery + kAnswer; }
-  bool generative() const override { return true; }
-  std::string render(const std::vector<std::int64_t>& tokens) const override {
-    return text::decode(tokens);
-  }
-  Batch sample(std::int64_t batch, std::int64_t length, std::uint64_t seed) const override {
-    return sample_prompts(batch, length, seed);
-  }
 
   Prompt prompt(std::int64_t length, double depth, std::uint64_t seed) const override {
     check_length(length);

@@ -50,12 +50,10 @@ class Mqrar final : public Task {
   Batch sample(std::int64_t batch, std::int64_t length, std::uint64_t seed) const override {
     const MqrarShape shape = mqrar_shape(c_, length);
     Rng rng(seed);
-    torch::Tensor inputs = torch::empty({batch, length}, torch::kInt64);
-    torch::Tensor targets = torch::zeros({batch, length}, torch::kInt64);
-    torch::Tensor mask = torch::zeros({batch, length});
-    auto in = inputs.accessor<std::int64_t, 2>();
-    auto tg = targets.accessor<std::int64_t, 2>();
-    auto m = mask.accessor<float, 2>();
+    Batch out = blank_batch(batch, length);
+    auto in = out.inputs.accessor<std::int64_t, 2>();
+    auto tg = out.targets.accessor<std::int64_t, 2>();
+    auto m = out.loss_mask.accessor<float, 2>();
     std::vector<std::int64_t> all_keys(static_cast<std::size_t>(c_.keys));
     std::vector<std::int64_t> seq(static_cast<std::size_t>(length));
     // Queries before this one are unlabelled (scored_queries counts from the end).
@@ -89,7 +87,7 @@ class Mqrar final : public Task {
         }
       }
     }
-    return {inputs, targets, mask};
+    return out;
   }
 
   std::string render(const std::vector<std::int64_t>& tokens) const override {

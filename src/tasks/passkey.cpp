@@ -1,7 +1,6 @@
 // Passkey retrieval (spec/tasks.md): an instruction, filler sentences with the needle at the
 // asked depth, then the question; the answer is the key's digits.
 #include <cmath>
-#include <sstream>
 
 #include "tasks/task.h"
 #include "tasks/text.h"
@@ -20,31 +19,15 @@ std::string needle(const std::string& key) {
   return "The pass key is " + key + ". Remember it. " + key + " is the pass key. ";
 }
 
-void check_depth(double depth) {
-  if (!(depth >= 0 && depth <= 1)) {  // written this way so that NaN fails too
-    std::ostringstream got;
-    got << depth;
-    throw Error(ErrorKind::invalid_argument, "depth: expected in [0, 1], got " + got.str());
-  }
-}
-
-class Passkey final : public Task {
+class Passkey final : public CharacterPromptTask {
  public:
   explicit Passkey(std::int64_t digits) : digits_(digits) {}
 
-  std::int64_t vocab_size() const override { return text::kVocab; }
   // No filler at all: the needle right after the instruction, then the question.
   std::int64_t min_length() const override {
     const auto n = static_cast<std::int64_t>(
         (kInstruction + needle(std::string(digits_, '0')) + kQuery).size());
     return n + digits_;
-  }
-  bool generative() const override { return true; }
-  std::string render(const std::vector<std::int64_t>& tokens) const override {
-    return text::decode(tokens);
-  }
-  Batch sample(std::int64_t batch, std::int64_t length, std::uint64_t seed) const override {
-    return sample_prompts(batch, length, seed);
   }
 
   Prompt prompt(std::int64_t length, double depth, std::uint64_t seed) const override {

@@ -1,5 +1,7 @@
 #include "tasks/task.h"
 
+#include <sstream>
+
 #include "winnow/error.h"
 
 namespace winnow::tasks {
@@ -59,15 +61,26 @@ void Task::check_length(std::int64_t length, const std::string& what) const {
   }
 }
 
+void Task::check_depth(double depth) {
+  if (!(depth >= 0 && depth <= 1)) {  // written this way so that NaN fails too
+    std::ostringstream got;
+    got << depth;
+    throw Error(ErrorKind::invalid_argument, "depth: expected in [0, 1], got " + got.str());
+  }
+}
+
+Batch Task::blank_batch(std::int64_t batch, std::int64_t length) {
+  return {torch::zeros({batch, length}, torch::kInt64), torch::zeros({batch, length}, torch::kInt64),
+          torch::zeros({batch, length})};
+}
+
 Batch Task::sample_prompts(std::int64_t batch, std::int64_t length, std::uint64_t seed) const {
   check_length(length);
   Rng rng(seed);
-  torch::Tensor inputs = torch::empty({batch, length}, torch::kInt64);
-  torch::Tensor targets = torch::zeros({batch, length}, torch::kInt64);
-  torch::Tensor mask = torch::zeros({batch, length});
-  auto in = inputs.accessor<std::int64_t, 2>();
-  auto tg = targets.accessor<std::int64_t, 2>();
-  auto m = mask.accessor<float, 2>();
+  Batch out = blank_batch(batch, length);
+  auto in = out.inputs.accessor<std::int64_t, 2>();
+  auto tg = out.targets.accessor<std::int64_t, 2>();
+  auto m = out.loss_mask.accessor<float, 2>();
   for (std::int64_t b = 0; b < batch; ++b) {
     const double depth = rng.uniform();
     const std::uint64_t row_seed = rng.below(~0ull);
@@ -88,7 +101,7 @@ Batch Task::sample_prompts(std::int64_t batch, std::int64_t length, std::uint64_
     // from positions L - answer - 1 .. L - 2, the last position predicts nothing.
     for (std::int64_t t = length - answer - 1; t <= length - 2; ++t) m[b][t] = 1.0f;
   }
-  return {inputs, targets, mask};
+  return out;
 }
 
 std::unique_ptr<Task> make_task(const TaskConfig& config) {

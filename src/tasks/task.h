@@ -54,8 +54,26 @@ class Task {
  protected:
   // Throws naming `what` when length < min_length().
   void check_length(std::int64_t length, const std::string& what = "length") const;
+  // Throws naming `depth` unless 0 <= depth <= 1 (NaN included).
+  static void check_depth(double depth);
+  // A batch of zero inputs, targets and mask for a generator to fill.
+  static Batch blank_batch(std::int64_t batch, std::int64_t length);
   // sample() of a generative task, from prompt().
   Batch sample_prompts(std::int64_t batch, std::int64_t length, std::uint64_t seed) const;
+};
+
+// The generative tasks over character tokens (ABCDigits, passkey): they write prompt() and
+// min_length(); training batches are prompt + answer, tokens render as text.
+class CharacterPromptTask : public Task {
+ public:
+  std::int64_t vocab_size() const override { return text::kVocab; }
+  bool generative() const override { return true; }
+  Batch sample(std::int64_t batch, std::int64_t length, std::uint64_t seed) const override {
+    return sample_prompts(batch, length, seed);
+  }
+  std::string render(const std::vector<std::int64_t>& tokens) const override {
+    return text::decode(tokens);
+  }
 };
 
 // An unknown name is an error naming task.name.

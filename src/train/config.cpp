@@ -140,16 +140,19 @@ void apply_override(json& j, const std::string& assignment) {
   }
 }
 
-ExperimentConfig load_experiment(const std::string& path, const std::vector<std::string>& overrides) {
+json read_json_file(const std::string& path, const std::string& argument) {
   std::ifstream f(path);
-  if (!f) throw Error(ErrorKind::invalid_argument, "argument '--config': cannot open '" + path + "'");
-  json j;
+  if (!f) throw Error(ErrorKind::invalid_argument, "argument '" + argument + "': cannot open '" + path + "'");
   try {
-    j = json::parse(f);
+    return json::parse(f);
   } catch (const json::parse_error& e) {
     throw Error(ErrorKind::invalid_argument,
-                "argument '--config': '" + path + "' is not valid JSON: " + e.what());
+                "argument '" + argument + "': '" + path + "' is not valid JSON: " + e.what());
   }
+}
+
+ExperimentConfig load_experiment(const std::string& path, const std::vector<std::string>& overrides) {
+  json j = read_json_file(path, "--config");
   for (const std::string& o : overrides) apply_override(j, o);
   return parse_experiment(j);
 }

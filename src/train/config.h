@@ -118,6 +118,9 @@ struct ExperimentConfig {
   }
 };
 
+// A JSON file; errors name the command-line `argument` it came from.
+nlohmann::json read_json_file(const std::string& path, const std::string& argument);
+
 // Reads an experiment file, applies `key.path=value` overrides, and parses strictly.
 ExperimentConfig load_experiment(const std::string& path, const std::vector<std::string>& overrides);
 // Parses and resolves: every placeholder (model.vocab_size 0, "auto", ...) replaced.
