@@ -2,6 +2,7 @@
 // them at multiples of the training length (src/study/study.h; study files in studies/).
 // `winnow eval --checkpoint C ...`: the same evaluations for one trained model.
 // `winnow plot RESULT`: draws a study's result (for results written where PLplot was missing).
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -260,11 +261,12 @@ void add_eval(CLI::App& app) {
         }
         const eval::PositionLoss pl = eval::loss_by_position(model, tokens, args->position_bins, rt);
         json bins = json::array();
-        std::printf("  loss by position:");
+        std::printf("  loss by position (nats):");
         for (std::size_t i = 0; i < pl.loss.size(); ++i) {
-          bins.push_back({{"start", pl.bin_start[i]}, {"end", pl.bin_end[i]}, {"loss", pl.loss[i]}});
-          std::printf(" [%lld,%lld) %.3f", static_cast<long long>(pl.bin_start[i]),
-                      static_cast<long long>(pl.bin_end[i]), pl.loss[i]);
+          bins.push_back({{"start", pl.bin_start[i]}, {"end", pl.bin_end[i]}, {"loss", pl.loss[i]},
+                          {"perplexity", std::exp(pl.loss[i])}});
+          std::printf(" [%lld,%lld) %.3f (ppl %.2f)", static_cast<long long>(pl.bin_start[i]),
+                      static_cast<long long>(pl.bin_end[i]), pl.loss[i], std::exp(pl.loss[i]));
         }
         std::printf("\n");
         point["loss_by_position"] = bins;

@@ -291,7 +291,8 @@ TEST(Cli, MqrarStudyRunsEndToEndThenEvalAndPlot) {
   EXPECT_NE(r.output.find("L =     64: accuracy"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("L =    128: accuracy"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("remainder ["), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("loss by position: [0,31)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("loss by position (nats): [0,31)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(ppl "), std::string::npos) << r.output;
 
   if (study::can_plot()) {
     r = run({"plot", dir + "/out/result.json", "--out", dir + "/again.svg"}, dir);
