@@ -2,6 +2,8 @@
 // them at multiples of the training length (src/study/study.h; study files in studies/).
 // `winnow eval --checkpoint C ...`: the same evaluations for one trained model.
 // `winnow plot RESULT`: draws a study's result (for results written where PLplot was missing).
+#include "study/study.h"
+
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -12,12 +14,11 @@
 
 #include "commands.h"
 #include "eval/evaluate.h"
+#include "nn/transformer.h"
 #include "study/report.h"
-#include "study/study.h"
 #include "tasks/text.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
-#include "nn/transformer.h"
 #include "train/trainer.h"
 #include "winnow/error.h"
 
@@ -34,9 +35,12 @@ void add_study(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
-      "study", "Train several mechanisms on one task with one budget, evaluate each at multiples "
-               "of the training length, and write a JSON result, a Markdown table and a plot");
-  cmd->add_option("FILE", args->file, "study file (JSON); see studies/")->required()->check(CLI::ExistingFile);
+      "study",
+      "Train several mechanisms on one task with one budget, evaluate each at multiples "
+      "of the training length, and write a JSON result, a Markdown table and a plot");
+  cmd->add_option("FILE", args->file, "study file (JSON); see studies/")
+      ->required()
+      ->check(CLI::ExistingFile);
   cmd->add_option("--set", args->overrides,
                   "override a key of the study, e.g. --set base.train.steps=200 "
                   "--set eval.multiples=[1,4]")
@@ -44,7 +48,8 @@ void add_study(CLI::App& app) {
   cmd->add_option("--only", args->only, "run only the mechanisms with these labels")->take_all();
   cmd->add_flag("--fresh", args->fresh, "retrain every mechanism from scratch");
   cmd->add_flag("--quiet", args->quiet, "no training progress lines");
-  cmd->add_flag("--print", args->print, "print the resolved study (profile and overrides applied) and exit");
+  cmd->add_flag("--print", args->print,
+                "print the resolved study (profile and overrides applied) and exit");
   cmd->callback([args] {
     const study::Study s = study::load_study(args->file, args->overrides);
     if (args->print) {
@@ -58,7 +63,8 @@ void add_study(CLI::App& app) {
       for (const auto& m : s.mechanisms) found |= m.label == label;
       if (!found) {
         std::string labels;
-        for (const auto& m : s.mechanisms) labels += (labels.empty() ? "\"" : ", \"") + m.label + "\"";
+        for (const auto& m : s.mechanisms)
+          labels += (labels.empty() ? "\"" : ", \"") + m.label + "\"";
         throw Error(ErrorKind::invalid_argument,
                     "argument '--only': expected one of " + labels + ", got \"" + label + "\"");
       }
@@ -78,18 +84,23 @@ void add_plot(CLI::App& app) {
     std::string result, out;
   };
   auto args = std::make_shared<Args>();
-  CLI::App* cmd = app.add_subcommand("plot", "Draw a study's result.json as SVG (and print its table)");
-  cmd->add_option("RESULT", args->result, "a study's result.json")->required()->check(CLI::ExistingFile);
+  CLI::App* cmd =
+      app.add_subcommand("plot", "Draw a study's result.json as SVG (and print its table)");
+  cmd->add_option("RESULT", args->result, "a study's result.json")
+      ->required()
+      ->check(CLI::ExistingFile);
   cmd->add_option("--out", args->out, "the SVG to write (default: accuracy.svg beside RESULT)");
   cmd->callback([args] {
     const json r = train::read_json_file(args->result, "RESULT");
     if (!r.contains("mechanisms") || !r["mechanisms"].is_array()) {
       throw Error(ErrorKind::invalid_argument,
-                  "argument 'RESULT': expected a study result (with \"mechanisms\"), got '" + args->result + "'");
+                  "argument 'RESULT': expected a study result (with \"mechanisms\"), got '" +
+                      args->result + "'");
     }
     std::printf("%s", study::markdown_report(r).c_str());
-    const std::string out =
-        args->out.empty() ? (fs::path(args->result).parent_path() / "accuracy.svg").string() : args->out;
+    const std::string out = args->out.empty()
+                                ? (fs::path(args->result).parent_path() / "accuracy.svg").string()
+                                : args->out;
     study::plot_result(r, out);
     std::printf("\nplot: %s\n", out.c_str());
   });
@@ -109,7 +120,8 @@ std::vector<std::int64_t> parse_list(const std::string& text, const std::string&
     }
     if (used != item.size() || v < 1) {
       throw Error(ErrorKind::invalid_argument,
-                  "argument '" + option + "': expected positive integers separated by commas, got '" + text + "'");
+                  "argument '" + option +
+                      "': expected positive integers separated by commas, got '" + text + "'");
     }
     out.push_back(v);
   }
@@ -126,7 +138,8 @@ std::string checkpoint_folder(const std::string& given) {
   }
   throw Error(ErrorKind::invalid_argument,
               "argument '--checkpoint': expected a checkpoint folder, a run's out_dir or its "
-              "checkpoints folder, got '" + given + "' (no trainer.json or latest checkpoint there)");
+              "checkpoints folder, got '" +
+                  given + "' (no trainer.json or latest checkpoint there)");
 }
 
 void add_eval(CLI::App& app) {
@@ -139,21 +152,39 @@ void add_eval(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
-      "eval", "Evaluate a trained model at several lengths: accuracy and exact match on fresh "
-              "instances, exact match by length and depth for generative tasks, loss by position, "
-              "per-head diagnostics");
-  cmd->add_option("--checkpoint", args->checkpoint, "a checkpoint folder or a run's out_dir")->required();
+      "eval",
+      "Evaluate a trained model at several lengths: accuracy and exact match on fresh "
+      "instances, exact match by length and depth for generative tasks, loss by position, "
+      "per-head diagnostics");
+  cmd->add_option("--checkpoint", args->checkpoint, "a checkpoint folder or a run's out_dir")
+      ->required();
   cmd->add_option("--task", args->task, "task name (default: the one the model trained on)");
-  cmd->add_option("--set", args->overrides, "override a task key, e.g. --set task.mqrar.scored_queries=4")->take_all();
+  cmd->add_option("--set", args->overrides,
+                  "override a task key, e.g. --set task.mqrar.scored_queries=4")
+      ->take_all();
   cmd->add_option("--lengths", args->lengths, "sequence lengths, comma-separated");
-  cmd->add_option("--multiples", args->multiples, "multiples of the training length, comma-separated (default 1,4,16)");
-  cmd->add_option("--instances", args->instances, "fresh instances per length (and depth)")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--depths", args->depths, "needle depths of generative tasks")->capture_default_str()->check(CLI::Range(0.0, 1.0));
-  cmd->add_option("--batch-tokens", args->batch_tokens, "tokens per forward pass (0: by device)")->check(CLI::NonNegativeNumber);
-  cmd->add_flag("--diagnostics", args->diagnostics, "per-layer, per-head sink ratio, entropy, zero fraction, remainder");
-  cmd->add_option("--probe-rows", args->probe_rows, "query rows per sequence the diagnostics inspect")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--position-loss", args->position_bins, "also report the next-token loss by position in this many bins");
-  cmd->add_option("--text", args->text, "with --position-loss: score this text file (character-level models) instead of task sequences")->check(CLI::ExistingFile);
+  cmd->add_option("--multiples", args->multiples,
+                  "multiples of the training length, comma-separated (default 1,4,16)");
+  cmd->add_option("--instances", args->instances, "fresh instances per length (and depth)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--depths", args->depths, "needle depths of generative tasks")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--batch-tokens", args->batch_tokens, "tokens per forward pass (0: by device)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--diagnostics", args->diagnostics,
+                "per-layer, per-head sink ratio, entropy, zero fraction, remainder");
+  cmd->add_option("--probe-rows", args->probe_rows,
+                  "query rows per sequence the diagnostics inspect")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--position-loss", args->position_bins,
+                  "also report the next-token loss by position in this many bins");
+  cmd->add_option("--text", args->text,
+                  "with --position-loss: score this text file (character-level models) instead of "
+                  "task sequences")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--device", args->device, "auto | cpu | cuda | cuda:N")->capture_default_str();
   cmd->add_option("--json", args->json_path, "also write the results to this file");
   cmd->callback([args] {
@@ -180,7 +211,8 @@ void add_eval(CLI::App& app) {
     if (task->generative() && args->diagnostics) {
       throw Error(ErrorKind::invalid_argument,
                   "argument '--diagnostics': expected a task scored on whole sequences (mqrar, "
-                  "copy, progression), got the generative task " + config.task.name);
+                  "copy, progression), got the generative task " +
+                      config.task.name);
     }
     const torch::Device device =
         train::pick_device(config.device, nn::uses_kernel(config.model.attention));
@@ -193,16 +225,21 @@ void add_eval(CLI::App& app) {
     if (!args->lengths.empty()) {
       lengths = parse_list(args->lengths, "--lengths");
     } else {
-      for (std::int64_t m : parse_list(args->multiples.empty() ? "1,4,16" : args->multiples, "--multiples")) {
+      for (std::int64_t m :
+           parse_list(args->multiples.empty() ? "1,4,16" : args->multiples, "--multiples")) {
         lengths.push_back(m * config.train.seq_len);
       }
     }
     std::printf("checkpoint %s (step %lld): %s attention, trained on %s at L = %lld; device %s\n",
-                folder.c_str(), static_cast<long long>(meta.step), config.model.attention.kind.c_str(),
+                folder.c_str(), static_cast<long long>(meta.step),
+                config.model.attention.kind.c_str(),
                 meta.config["task"]["name"].get<std::string>().c_str(),
                 static_cast<long long>(config.train.seq_len), rt.device.str().c_str());
-    json out = {{"checkpoint", folder}, {"step", meta.step}, {"task", config::write(config.task)},
-                {"instances", args->instances}, {"results", json::array()}};
+    json out = {{"checkpoint", folder},
+                {"step", meta.step},
+                {"task", config::write(config.task)},
+                {"instances", args->instances},
+                {"results", json::array()}};
     for (std::int64_t length : lengths) {
       json point = {{"length", length}};
       if (task->generative()) {
@@ -221,14 +258,18 @@ void add_eval(CLI::App& app) {
         if (args->diagnostics) probe.emplace(args->probe_rows);
         const eval::SequenceScore s = eval::score_sequences(
             model, *task, length, args->instances, config.seed, rt, probe ? &*probe : nullptr);
-        std::printf("L = %6lld: accuracy %5.1f%%  exact match %5.1f%%  loss %.4f  (%lld sequences, %.0f scored positions)\n",
-                    static_cast<long long>(length), 100.0 * s.accuracy(), 100.0 * s.exact_match(),
-                    s.loss(), static_cast<long long>(s.sequences), s.scored);
-        point.update({{"accuracy", s.accuracy()}, {"exact_match", s.exact_match()}, {"loss", s.loss()}});
+        std::printf(
+            "L = %6lld: accuracy %5.1f%%  exact match %5.1f%%  loss %.4f  (%lld sequences, %.0f "
+            "scored positions)\n",
+            static_cast<long long>(length), 100.0 * s.accuracy(), 100.0 * s.exact_match(), s.loss(),
+            static_cast<long long>(s.sequences), s.scored);
+        point.update(
+            {{"accuracy", s.accuracy()}, {"exact_match", s.exact_match()}, {"loss", s.loss()}});
         if (probe) {
           point["diagnostics"] = probe->summary();
           for (const json& layer : point["diagnostics"]["layers"]) {
-            std::printf("  layer %lld:", static_cast<long long>(layer["layer"].get<std::int64_t>()));
+            std::printf("  layer %lld:",
+                        static_cast<long long>(layer["layer"].get<std::int64_t>()));
             for (auto it = layer.begin(); it != layer.end(); ++it) {
               if (it.key() == "layer") continue;
               std::printf(" %s [", it.key().c_str());
@@ -254,16 +295,22 @@ void add_eval(CLI::App& app) {
                         "argument '--text': expected at least " + std::to_string(length) +
                             " characters, got " + std::to_string(all.size()));
           }
-          tokens = torch::tensor(std::vector<std::int64_t>(all.begin(), all.begin() + rows * length)).view({rows, length});
+          tokens =
+              torch::tensor(std::vector<std::int64_t>(all.begin(), all.begin() + rows * length))
+                  .view({rows, length});
         } else {
           const std::int64_t rows = std::max<std::int64_t>(1, args->instances);
-          tokens = task->sample(rows, length, eval::instance_seed(config.seed, length, 0, 0)).inputs;
+          tokens =
+              task->sample(rows, length, eval::instance_seed(config.seed, length, 0, 0)).inputs;
         }
-        const eval::PositionLoss pl = eval::loss_by_position(model, tokens, args->position_bins, rt);
+        const eval::PositionLoss pl =
+            eval::loss_by_position(model, tokens, args->position_bins, rt);
         json bins = json::array();
         std::printf("  loss by position (nats):");
         for (std::size_t i = 0; i < pl.loss.size(); ++i) {
-          bins.push_back({{"start", pl.bin_start[i]}, {"end", pl.bin_end[i]}, {"loss", pl.loss[i]},
+          bins.push_back({{"start", pl.bin_start[i]},
+                          {"end", pl.bin_end[i]},
+                          {"loss", pl.loss[i]},
                           {"perplexity", std::exp(pl.loss[i])}});
           std::printf(" [%lld,%lld) %.3f (ppl %.2f)", static_cast<long long>(pl.bin_start[i]),
                       static_cast<long long>(pl.bin_end[i]), pl.loss[i], std::exp(pl.loss[i]));
@@ -277,7 +324,9 @@ void add_eval(CLI::App& app) {
     if (!args->json_path.empty()) {
       std::ofstream f(args->json_path);
       f << out.dump(2) << '\n';
-      if (!f) throw Error(ErrorKind::runtime, "argument '--json': cannot write '" + args->json_path + "'");
+      if (!f)
+        throw Error(ErrorKind::runtime,
+                    "argument '--json': cannot write '" + args->json_path + "'");
     }
   });
 }

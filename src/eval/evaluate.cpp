@@ -9,7 +9,8 @@ namespace winnow::eval {
 namespace {
 
 std::int64_t batch_for(const Runtime& rt, std::int64_t length, std::int64_t remaining) {
-  return std::clamp<std::int64_t>(rt.batch_tokens / std::max<std::int64_t>(length, 1), 1, remaining);
+  return std::clamp<std::int64_t>(rt.batch_tokens / std::max<std::int64_t>(length, 1), 1,
+                                  remaining);
 }
 
 // Eval streams start above the trainer's (1 and 2; train/trainer.cpp).
@@ -17,7 +18,8 @@ constexpr std::uint64_t kEvalStreamBase = 1000;
 
 }  // namespace
 
-Runtime runtime_for(const torch::Device& device, const std::string& dtype, std::int64_t batch_tokens) {
+Runtime runtime_for(const torch::Device& device, const std::string& dtype,
+                    std::int64_t batch_tokens) {
   Runtime rt;
   rt.device = device;
   rt.autocast = device.is_cuda() && dtype != "float32";
@@ -49,9 +51,10 @@ SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batc
   const torch::Tensor nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
   const torch::Tensor right = logits.argmax(-1).eq(targets).to(torch::kFloat32) * mask;
   const torch::Tensor wrong_rows = ((1 - right) * mask).sum(-1).gt(0);
-  const torch::Tensor sums = torch::stack({mask.sum(), right.sum(), wrong_rows.logical_not().sum().to(torch::kFloat32),
-                                           (nll * mask).sum()})
-                                 .to(torch::kCPU, torch::kFloat64);
+  const torch::Tensor sums =
+      torch::stack({mask.sum(), right.sum(), wrong_rows.logical_not().sum().to(torch::kFloat32),
+                    (nll * mask).sum()})
+          .to(torch::kCPU, torch::kFloat64);
   SequenceScore s;
   s.sequences = logits.size(0);
   s.scored = sums[0].item<double>();
@@ -102,8 +105,7 @@ torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& pro
     next = logits.select(1, logits.size(1) - 1).argmax(-1, /*keepdim=*/true);
     out.push_back(next);
   }
-  return steps > 0 ? torch::cat(out, 1).cpu()
-                   : torch::empty({prompts.size(0), 0}, torch::kInt64);
+  return steps > 0 ? torch::cat(out, 1).cpu() : torch::empty({prompts.size(0), 0}, torch::kInt64);
 }
 
 GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& task,
@@ -121,7 +123,8 @@ GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& ta
     const std::int64_t b = batch_for(rt, length, instances - score.instances);
     tasks::Rng rng(instance_seed(seed, length, depth_index, index++));
     std::vector<tasks::Prompt> prompts;
-    for (std::int64_t i = 0; i < b; ++i) prompts.push_back(task.prompt(length, depth, rng.below(~0ull)));
+    for (std::int64_t i = 0; i < b; ++i)
+      prompts.push_back(task.prompt(length, depth, rng.below(~0ull)));
     // Every prompt of a cell has the same length (length minus its answer's).
     const auto p_len = static_cast<std::int64_t>(prompts[0].tokens.size());
     const auto a_len = static_cast<std::int64_t>(prompts[0].answer.size());
@@ -166,7 +169,8 @@ PositionLoss loss_by_position(nn::TransformerLM& model, const torch::Tensor& tok
       logits = model->forward(chunk.narrow(1, 0, predicted));
     }
     const torch::Tensor logp = torch::log_softmax(logits.to(torch::kFloat32), -1);
-    const torch::Tensor nll = -logp.gather(-1, chunk.narrow(1, 1, predicted).unsqueeze(-1)).squeeze(-1);
+    const torch::Tensor nll =
+        -logp.gather(-1, chunk.narrow(1, 1, predicted).unsqueeze(-1)).squeeze(-1);
     per_position += nll.sum(0).to(torch::kCPU, torch::kFloat64);
     start += b;
   }

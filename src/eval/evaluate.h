@@ -17,22 +17,25 @@ namespace winnow::eval {
 
 struct Runtime {
   torch::Device device = torch::kCPU;
-  bool autocast = false;               // bf16 autocast (CUDA)
-  std::int64_t batch_tokens = 16384;   // tokens per forward pass: batch = batch_tokens / length
+  bool autocast = false;              // bf16 autocast (CUDA)
+  std::int64_t batch_tokens = 16384;  // tokens per forward pass: batch = batch_tokens / length
 };
 // How a model trained with train.dtype `dtype` is evaluated on `device`: bf16 autocast on CUDA
 // unless it trained in float32; batch_tokens 0 picks 16384 on the CPU and 262144 on CUDA.
-Runtime runtime_for(const torch::Device& device, const std::string& dtype, std::int64_t batch_tokens);
+Runtime runtime_for(const torch::Device& device, const std::string& dtype,
+                    std::int64_t batch_tokens);
 
 // Counts over scored positions (loss_mask == 1) and sequences.
 struct SequenceScore {
   std::int64_t sequences = 0;
-  double scored = 0;       // labelled positions
-  double correct = 0;      // labelled positions whose argmax is the target
-  double exact = 0;        // sequences with every labelled position right
-  double loss_sum = 0;     // cross entropy summed over labelled positions
+  double scored = 0;    // labelled positions
+  double correct = 0;   // labelled positions whose argmax is the target
+  double exact = 0;     // sequences with every labelled position right
+  double loss_sum = 0;  // cross entropy summed over labelled positions
   double accuracy() const { return scored > 0 ? correct / scored : 0.0; }
-  double exact_match() const { return sequences > 0 ? exact / static_cast<double>(sequences) : 0.0; }
+  double exact_match() const {
+    return sequences > 0 ? exact / static_cast<double>(sequences) : 0.0;
+  }
   double loss() const { return scored > 0 ? loss_sum / scored : 0.0; }
   SequenceScore& operator+=(const SequenceScore& o);
 };
@@ -55,7 +58,9 @@ torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& pro
 struct GenerationScore {
   std::int64_t instances = 0;
   std::int64_t exact = 0;  // answers generated exactly
-  double exact_match() const { return instances > 0 ? static_cast<double>(exact) / static_cast<double>(instances) : 0.0; }
+  double exact_match() const {
+    return instances > 0 ? static_cast<double>(exact) / static_cast<double>(instances) : 0.0;
+  }
 };
 
 // Exact match of `instances` prompts of a generative task at (length, depth).

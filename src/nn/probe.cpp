@@ -11,7 +11,8 @@ AttentionProbe::AttentionProbe(std::int64_t rows) : rows_(rows) {
   }
 }
 
-void AttentionProbe::add(std::int64_t layer, const std::string& name, const torch::Tensor& per_row) {
+void AttentionProbe::add(std::int64_t layer, const std::string& name,
+                         const torch::Tensor& per_row) {
   // (B, H, R) -> per-head sums over B and R.
   const torch::Tensor x = per_row.detach().to(torch::kFloat64);
   const torch::Tensor total = x.sum(std::vector<std::int64_t>{0, 2}).cpu();

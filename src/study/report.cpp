@@ -30,8 +30,9 @@ std::string main_measure(const json& r) {
 std::string measure_words(const json& r, const std::string& measure) {
   const std::string task = r.contains("task") ? r["task"].value("name", std::string()) : "";
   if (measure == "exact_match") {
-    return r.value("generative", false) ? "exact match of the generated answer (%), mean over depths"
-                                        : "exact match per sequence (%)";
+    return r.value("generative", false)
+               ? "exact match of the generated answer (%), mean over depths"
+               : "exact match per sequence (%)";
   }
   if (task == "mqrar") return "per-query accuracy (%)";
   return "per-token accuracy (%)";
@@ -97,34 +98,39 @@ std::string markdown_report(const json& r) {
       out += head + "\n" + rule + "\n";
       for (const json& p : results) {
         out += "| " + std::to_string(p["length"].get<long long>()) + " |";
-        for (const json& c : p["cells"]) out += " " + fixed(100.0 * c["exact_match"].get<double>()) + " |";
+        for (const json& c : p["cells"])
+          out += " " + fixed(100.0 * c["exact_match"].get<double>()) + " |";
         out += "\n";
       }
     }
   }
-  out += "\nTraining (same budget for every mechanism):\n\n"
-         "| mechanism | parameters | steps | tokens | train time | held-out loss | held-out accuracy |\n"
-         "|---|---:|---:|---:|---:|---:|---:|\n";
+  out +=
+      "\nTraining (same budget for every mechanism):\n\n"
+      "| mechanism | parameters | steps | tokens | train time | held-out loss | held-out accuracy "
+      "|\n"
+      "|---|---:|---:|---:|---:|---:|---:|\n";
   for (const json& m : r["mechanisms"]) {
     const json& e = m["final_eval"];
     const bool resumed = m.value("resumed_at_step", 0) > 0;
-    out += "| " + m["label"].get<std::string>() + " | " + std::to_string(m["parameters"].get<long long>()) +
-           " | " + std::to_string(m["steps"].get<long long>()) + " | " +
+    out += "| " + m["label"].get<std::string>() + " | " +
+           std::to_string(m["parameters"].get<long long>()) + " | " +
+           std::to_string(m["steps"].get<long long>()) + " | " +
            fixed(m["train_tokens"].get<double>() / 1e6, 2) + " M | " +
            (resumed ? "resumed" : seconds(m["train_seconds"].get<double>())) + " | " +
-           fixed(e.value("eval_loss", 0.0), 4) + " | " + fixed(100.0 * e.value("eval_accuracy", 0.0)) +
-           "% |\n";
+           fixed(e.value("eval_loss", 0.0), 4) + " | " +
+           fixed(100.0 * e.value("eval_accuracy", 0.0)) + "% |\n";
   }
   bool any_diagnostics = false;
   for (const json& m : r["mechanisms"]) {
     for (const json& p : m["results"]) any_diagnostics |= p.contains("diagnostics");
   }
   if (any_diagnostics) {
-    out += "\nDiagnostics, mean over layers and heads of the last query rows (nn/probe.h): sink "
-           "ratio (mass on key 0 relative to uniform), weight entropy (nats), exact-zero fraction, "
-           "unallocated stick (stick-breaking):\n\n"
-           "| mechanism | length | sink ratio | entropy | zero fraction | remainder |\n"
-           "|---|---:|---:|---:|---:|---:|\n";
+    out +=
+        "\nDiagnostics, mean over layers and heads of the last query rows (nn/probe.h): sink "
+        "ratio (mass on key 0 relative to uniform), weight entropy (nats), exact-zero fraction, "
+        "unallocated stick (stick-breaking):\n\n"
+        "| mechanism | length | sink ratio | entropy | zero fraction | remainder |\n"
+        "|---|---:|---:|---:|---:|---:|\n";
     for (const json& m : r["mechanisms"]) {
       for (const json& p : m["results"]) {
         if (!p.contains("diagnostics")) continue;
@@ -156,7 +162,8 @@ void plot_result(const json& r, const std::string& path) {
       hi = std::max(hi, x);
     }
   }
-  if (mechs.empty() || hi <= 0) throw Error(ErrorKind::invalid_argument, "plot: the result has no points");
+  if (mechs.empty() || hi <= 0)
+    throw Error(ErrorKind::invalid_argument, "plot: the result has no points");
   if (hi - lo < 0.3) {
     lo -= 0.15;
     hi += 0.15;
@@ -180,8 +187,9 @@ void plot_result(const json& r, const std::string& path) {
     const double x = std::log10(points[i]["length"].get<double>());
     const double at = (x - (lo - pad)) / ((hi + pad) - (lo - pad));
     const long long mult = points[i]["multiple"].get<long long>();
-    const std::string label = std::to_string(points[i]["length"].get<long long>()) +
-                              (mult == 1 ? std::string(" (ID)") : " (" + std::to_string(mult) + "x)");
+    const std::string label =
+        std::to_string(points[i]["length"].get<long long>()) +
+        (mult == 1 ? std::string(" (ID)") : " (" + std::to_string(mult) + "x)");
     pls.mtex("b", 1.6, at, 0.5, label.c_str());
     const PLFLT gx[2] = {x, x}, gy[2] = {-3, 105};
     pls.lsty(2);
@@ -189,7 +197,8 @@ void plot_result(const json& r, const std::string& path) {
     pls.lsty(1);
   }
   const std::string title = r.value("title", std::string());
-  pls.lab("sequence length in tokens (multiple of the training length)", measure_words(r, measure).c_str(), title.c_str());
+  pls.lab("sequence length in tokens (multiple of the training length)",
+          measure_words(r, measure).c_str(), title.c_str());
   // Distinct colours from PLplot's default map, then its line styles.
   const PLINT colours[] = {1, 9, 3, 13, 8, 10, 4, 14};
   pls.scol0(3, 0, 150, 0);  // a green that reads on white

@@ -32,7 +32,8 @@ namespace {
 
 // Applies {"dotted.key": value, ...}; `where` names the object in errors.
 void apply_dotted(json& target, const json& dotted, const std::string& where) {
-  if (!dotted.is_object()) fail(where + ": expected an object of \"dotted.key\": value, got " + dotted.dump());
+  if (!dotted.is_object())
+    fail(where + ": expected an object of \"dotted.key\": value, got " + dotted.dump());
   for (auto it = dotted.begin(); it != dotted.end(); ++it) {
     try {
       train::apply_override(target, it.key() + "=" + it.value().dump());
@@ -173,14 +174,13 @@ json run_study(const Study& s, const RunOptions& options) {
     } else {
       trainer.resume();
     }
-    std::printf("\n== [%zu/%zu] %s: %s attention (%s), %lld parameters, %lld steps of %lld x %lld "
-                "tokens on %s\n",
-                index, s.mechanisms.size(), m.label.c_str(), config.model.attention.kind.c_str(),
-                config.model.attention.position.c_str(),
-                static_cast<long long>(parameter_count(trainer)),
-                static_cast<long long>(config.train.steps),
-                static_cast<long long>(config.train.batch_size),
-                static_cast<long long>(config.train.seq_len), trainer.device().str().c_str());
+    std::printf(
+        "\n== [%zu/%zu] %s: %s attention (%s), %lld parameters, %lld steps of %lld x %lld "
+        "tokens on %s\n",
+        index, s.mechanisms.size(), m.label.c_str(), config.model.attention.kind.c_str(),
+        config.model.attention.position.c_str(), static_cast<long long>(parameter_count(trainer)),
+        static_cast<long long>(config.train.steps), static_cast<long long>(config.train.batch_size),
+        static_cast<long long>(config.train.seq_len), trainer.device().str().c_str());
     std::fflush(stdout);
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
@@ -204,7 +204,8 @@ json run_study(const Study& s, const RunOptions& options) {
                   {"results", json::array()}};
 
     const std::unique_ptr<tasks::Task> task = tasks::make_task(eval_task_config(s, config));
-    const eval::Runtime rt = eval::runtime_for(trainer.device(), config.train.dtype, s.eval.batch_tokens);
+    const eval::Runtime rt =
+        eval::runtime_for(trainer.device(), config.train.dtype, s.eval.batch_tokens);
     const auto eval_start = Clock::now();
     for (std::int64_t mult : s.eval.multiples) {
       const std::int64_t length = config.train.seq_len * mult;
@@ -215,18 +216,21 @@ json run_study(const Study& s, const RunOptions& options) {
         for (std::size_t d = 0; d < s.eval.depths.size(); ++d) {
           const eval::GenerationScore g = eval::score_generation(
               trainer.model(), *task, length, s.eval.depths[d], s.eval.instances, config.seed, rt);
-          cells.push_back({{"depth", s.eval.depths[d]}, {"exact_match", g.exact_match()},
+          cells.push_back({{"depth", s.eval.depths[d]},
+                           {"exact_match", g.exact_match()},
                            {"instances", g.instances}});
           sum += g.exact_match();
         }
-        point["exact_match"] = s.eval.depths.empty() ? 0.0 : sum / static_cast<double>(s.eval.depths.size());
+        point["exact_match"] =
+            s.eval.depths.empty() ? 0.0 : sum / static_cast<double>(s.eval.depths.size());
         point["cells"] = cells;
       } else {
         std::optional<nn::AttentionProbe> probe;
-        if (s.eval.diagnostics && length <= s.eval.diagnostics_max_length) probe.emplace(s.eval.probe_rows);
-        const eval::SequenceScore score = eval::score_sequences(
-            trainer.model(), *task, length, s.eval.instances, config.seed, rt,
-            probe ? &*probe : nullptr);
+        if (s.eval.diagnostics && length <= s.eval.diagnostics_max_length)
+          probe.emplace(s.eval.probe_rows);
+        const eval::SequenceScore score =
+            eval::score_sequences(trainer.model(), *task, length, s.eval.instances, config.seed, rt,
+                                  probe ? &*probe : nullptr);
         point["accuracy"] = score.accuracy();
         point["exact_match"] = score.exact_match();
         point["loss"] = score.loss();
@@ -252,22 +256,26 @@ json run_study(const Study& s, const RunOptions& options) {
   {
     std::ofstream f(dir / "result.json");
     f << result.dump(2) << '\n';
-    if (!f) throw Error(ErrorKind::runtime, "study: cannot write '" + (dir / "result.json").string() + "'");
+    if (!f)
+      throw Error(ErrorKind::runtime,
+                  "study: cannot write '" + (dir / "result.json").string() + "'");
   }
   const std::string report = markdown_report(result);
   {
     std::ofstream f(dir / "table.md");
     f << report;
-    if (!f) throw Error(ErrorKind::runtime, "study: cannot write '" + (dir / "table.md").string() + "'");
+    if (!f)
+      throw Error(ErrorKind::runtime, "study: cannot write '" + (dir / "table.md").string() + "'");
   }
   std::printf("\n%s", report.c_str());
   if (can_plot()) {
     plot_result(result, (dir / "accuracy.svg").string());
     std::printf("\nplot: %s\n", (dir / "accuracy.svg").string().c_str());
   } else {
-    std::printf("\nplot: not drawn, this build has no PLplot (winnow plot %s draws it on a build "
-                "that has)\n",
-                (dir / "result.json").string().c_str());
+    std::printf(
+        "\nplot: not drawn, this build has no PLplot (winnow plot %s draws it on a build "
+        "that has)\n",
+        (dir / "result.json").string().c_str());
   }
   std::printf("result: %s, table: %s\n", (dir / "result.json").string().c_str(),
               (dir / "table.md").string().c_str());

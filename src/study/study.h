@@ -14,9 +14,8 @@
 // GPU one; command-line overrides come last. Runs continue from their checkpoints.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -36,8 +35,8 @@ struct MechanismEntry {
 };
 
 struct EvalConfig {
-  std::vector<std::int64_t> multiples = {1, 4, 16};  // of train.seq_len; 1 is in distribution
-  std::int64_t instances = 200;                      // fresh instances per length (and depth)
+  std::vector<std::int64_t> multiples = {1, 4, 16};        // of train.seq_len; 1 is in distribution
+  std::int64_t instances = 200;                            // fresh instances per length (and depth)
   std::vector<double> depths = {0.1, 0.3, 0.5, 0.7, 0.9};  // generative tasks' needle depths
   // The table's and the plot's measure: accuracy (per labelled position: per query for MQRAR,
   // per token for Copy) or exact_match (per sequence). Generative tasks have exact match only.
@@ -92,8 +91,8 @@ struct Study {
 Study load_study(const std::string& path, const std::vector<std::string>& overrides);
 
 struct RunOptions {
-  bool fresh = false;   // retrain every mechanism from scratch
-  bool quiet = false;   // no training progress lines
+  bool fresh = false;             // retrain every mechanism from scratch
+  bool quiet = false;             // no training progress lines
   std::vector<std::string> only;  // labels to run (empty: all)
 };
 

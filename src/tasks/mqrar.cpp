@@ -17,7 +17,8 @@ MqrarShape mqrar_shape(const MqrarConfig& c, std::int64_t length) {
   const std::int64_t pairs = length / 2;
   // Initial keys are distinct, so at most `keys` of them; longer sequences grow the query
   // phase, which is where the distractors (stale bindings) pile up.
-  const auto wanted = static_cast<std::int64_t>(std::llround(static_cast<double>(pairs) * c.initial_fraction));
+  const auto wanted =
+      static_cast<std::int64_t>(std::llround(static_cast<double>(pairs) * c.initial_fraction));
   const std::int64_t initial = std::clamp<std::int64_t>(std::min(wanted, c.keys), 1, pairs - 1);
   return {initial, pairs - initial};
 }
@@ -28,10 +29,10 @@ std::vector<std::int64_t> mqrar_labels(const std::vector<std::int64_t>& tokens, 
   for (std::size_t t = 0; t + 1 < tokens.size(); t += 2) {
     const std::int64_t k = tokens[t], v = tokens[t + 1];
     if (k < 0 || k >= keys || v < keys) {
-      throw Error(ErrorKind::invalid_argument,
-                  "mqrar_labels: expected key-value pairs (key < " + std::to_string(keys) +
-                      " <= value), got " + std::to_string(k) + " " + std::to_string(v) +
-                      " at position " + std::to_string(t));
+      throw Error(ErrorKind::invalid_argument, "mqrar_labels: expected key-value pairs (key < " +
+                                                   std::to_string(keys) + " <= value), got " +
+                                                   std::to_string(k) + " " + std::to_string(v) +
+                                                   " at position " + std::to_string(t));
     }
     if (static_cast<std::int64_t>(t / 2) >= initial_pairs) labels[t] = bound[k];
     bound[k] = v;
@@ -63,10 +64,14 @@ class Mqrar final : public Task {
       for (std::int64_t k = 0; k < c_.keys; ++k) all_keys[static_cast<std::size_t>(k)] = k;
       // A partial Fisher-Yates shuffle draws the distinct initial keys.
       for (std::int64_t i = 0; i < shape.initial_pairs; ++i) {
-        const auto j = i + static_cast<std::int64_t>(rng.below(static_cast<std::uint64_t>(c_.keys - i)));
+        const auto j =
+            i + static_cast<std::int64_t>(rng.below(static_cast<std::uint64_t>(c_.keys - i)));
         std::swap(all_keys[static_cast<std::size_t>(i)], all_keys[static_cast<std::size_t>(j)]);
       }
-      auto value = [&] { return c_.keys + static_cast<std::int64_t>(rng.below(static_cast<std::uint64_t>(c_.values))); };
+      auto value = [&] {
+        return c_.keys +
+               static_cast<std::int64_t>(rng.below(static_cast<std::uint64_t>(c_.values)));
+      };
       std::size_t t = 0;
       for (std::int64_t i = 0; i < shape.initial_pairs; ++i) {
         seq[t++] = all_keys[static_cast<std::size_t>(i)];
@@ -105,6 +110,8 @@ class Mqrar final : public Task {
 
 }  // namespace
 
-std::unique_ptr<Task> make_mqrar(const MqrarConfig& config) { return std::make_unique<Mqrar>(config); }
+std::unique_ptr<Task> make_mqrar(const MqrarConfig& config) {
+  return std::make_unique<Mqrar>(config);
+}
 
 }  // namespace winnow::tasks

@@ -54,10 +54,9 @@ std::string Task::render(const std::vector<std::int64_t>& tokens) const {
 
 void Task::check_length(std::int64_t length, const std::string& what) const {
   if (length < min_length()) {
-    throw Error(ErrorKind::invalid_argument, what + ": expected >= " +
-                                                 std::to_string(min_length()) +
-                                                 " tokens for this task, got " +
-                                                 std::to_string(length));
+    throw Error(ErrorKind::invalid_argument,
+                what + ": expected >= " + std::to_string(min_length()) +
+                    " tokens for this task, got " + std::to_string(length));
   }
 }
 
@@ -70,8 +69,8 @@ void Task::check_depth(double depth) {
 }
 
 Batch Task::blank_batch(std::int64_t batch, std::int64_t length) {
-  return {torch::zeros({batch, length}, torch::kInt64), torch::zeros({batch, length}, torch::kInt64),
-          torch::zeros({batch, length})};
+  return {torch::zeros({batch, length}, torch::kInt64),
+          torch::zeros({batch, length}, torch::kInt64), torch::zeros({batch, length})};
 }
 
 Batch Task::sample_prompts(std::int64_t batch, std::int64_t length, std::uint64_t seed) const {
@@ -90,8 +89,8 @@ Batch Task::sample_prompts(std::int64_t batch, std::int64_t length, std::uint64_
     const auto answer = static_cast<std::int64_t>(p.answer.size());
     if (static_cast<std::int64_t>(full.size()) != length) {
       throw Error(ErrorKind::runtime, "task: a prompt and its answer have " +
-                                           std::to_string(full.size()) + " tokens, not " +
-                                           std::to_string(length));
+                                          std::to_string(full.size()) + " tokens, not " +
+                                          std::to_string(length));
     }
     for (std::int64_t t = 0; t < length; ++t) {
       in[b][t] = full[t];

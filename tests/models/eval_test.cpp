@@ -28,8 +28,9 @@ nn::ModelConfig tiny(const std::string& kind, std::int64_t vocab = 11) {
 
 TEST(Score, CountsMatchAHandComputation) {
   // Two sequences of three positions over three tokens.
-  const torch::Tensor logits = torch::tensor({{{2.0f, 0.0f, 0.0f}, {0.0f, 5.0f, 0.0f}, {0.0f, 0.0f, 1.0f}},
-                                              {{1.0f, 1.5f, 0.0f}, {0.0f, 3.0f, 0.0f}, {0.0f, 0.0f, 4.0f}}});
+  const torch::Tensor logits =
+      torch::tensor({{{2.0f, 0.0f, 0.0f}, {0.0f, 5.0f, 0.0f}, {0.0f, 0.0f, 1.0f}},
+                     {{1.0f, 1.5f, 0.0f}, {0.0f, 3.0f, 0.0f}, {0.0f, 0.0f, 4.0f}}});
   tasks::Batch b;
   b.targets = torch::tensor({{0, 2, 1}, {0, 1, 2}}, torch::kInt64);
   b.loss_mask = torch::tensor({{1.0f, 0.0f, 1.0f}, {0.0f, 1.0f, 1.0f}});
@@ -47,7 +48,8 @@ TEST(Score, CountsMatchAHandComputation) {
     for (double v : z) sum += std::exp(v);
     return std::log(sum) - z[static_cast<std::size_t>(t)];
   };
-  const double expected = nll({2, 0, 0}, 0) + nll({0, 0, 1}, 1) + nll({0, 3, 0}, 1) + nll({0, 0, 4}, 2);
+  const double expected =
+      nll({2, 0, 0}, 0) + nll({0, 0, 1}, 1) + nll({0, 3, 0}, 1) + nll({0, 0, 4}, 2);
   EXPECT_NEAR(s.loss_sum, expected, 1e-5);
   SequenceScore twice = s;
   twice += s;
@@ -83,8 +85,10 @@ class KnownAnswers final : public tasks::Task {
   tasks::Prompt prompt(std::int64_t length, double, std::uint64_t seed) const override {
     tasks::Rng rng(seed);
     tasks::Prompt p;
-    for (std::int64_t i = 0; i < length - 2; ++i) p.tokens.push_back(static_cast<std::int64_t>(rng.below(11)));
-    const torch::Tensor mine = generate_greedy(model_, torch::tensor(p.tokens).view({1, -1}), 2, Runtime{});
+    for (std::int64_t i = 0; i < length - 2; ++i)
+      p.tokens.push_back(static_cast<std::int64_t>(rng.below(11)));
+    const torch::Tensor mine =
+        generate_greedy(model_, torch::tensor(p.tokens).view({1, -1}), 2, Runtime{});
     p.answer = {mine[0][0].item<std::int64_t>(), mine[0][1].item<std::int64_t>()};
     if (seed % 2 == 1) {
       p.answer[1] = (p.answer[1] + 1) % 11;
@@ -136,8 +140,10 @@ TEST(PositionLoss, BinsAverageThePerTokenLoss) {
 TEST(Probe, StatisticsMatchAHandComputation) {
   nn::AttentionProbe probe(2);
   // Two rows at positions 2 and 3 of four keys, seeing their own key.
-  const torch::Tensor w = torch::tensor({0.5, 0.25, 0.25, 0.0, 0.0, 0.0, 0.0, 1.0}).view({1, 1, 2, 4});
-  probe.record(0, w, true, {{"remainder", torch::tensor({0.2, 0.4}, torch::kFloat64).view({1, 1, 2})}});
+  const torch::Tensor w =
+      torch::tensor({0.5, 0.25, 0.25, 0.0, 0.0, 0.0, 0.0, 1.0}).view({1, 1, 2, 4});
+  probe.record(0, w, true,
+               {{"remainder", torch::tensor({0.2, 0.4}, torch::kFloat64).view({1, 1, 2})}});
   const nlohmann::json s = probe.summary();
   const nlohmann::json& layer = s["layers"][0];
   EXPECT_NEAR(layer["sink_ratio"][0].get<double>(), (0.5 * 3 + 0.0) / 2, 1e-12);

@@ -55,7 +55,8 @@ TEST(Mqrar, ShapeScalesTheQueriesOnceTheKeysRunOut) {
   EXPECT_EQ(mqrar_shape(c, 1024).queries, 384);
   EXPECT_EQ(mqrar_shape(c, 4).initial_pairs, 1);
   EXPECT_EQ(mqrar_shape(c, 4).queries, 1);
-  EXPECT_NE(error_of([&] { mqrar_shape(c, 65); }).find("length: expected an even number"), std::string::npos);
+  EXPECT_NE(error_of([&] { mqrar_shape(c, 65); }).find("length: expected an even number"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { mqrar_shape(c, 2); }).find("got 2"), std::string::npos);
 }
 
@@ -118,7 +119,8 @@ TEST(Mqrar, ScoredQueriesLabelsOnlyTheLastOnes) {
 
 TEST(Mqrar, SameSeedSameInstancesOtherSeedOthers) {
   auto task = make_mqrar(MqrarConfig{});
-  const Batch a = task->sample(8, 128, 42), b = task->sample(8, 128, 42), c = task->sample(8, 128, 43);
+  const Batch a = task->sample(8, 128, 42), b = task->sample(8, 128, 42),
+              c = task->sample(8, 128, 43);
   EXPECT_TRUE(torch::equal(a.inputs, b.inputs));
   EXPECT_TRUE(torch::equal(a.targets, b.targets));
   EXPECT_FALSE(torch::equal(a.inputs, c.inputs));
@@ -142,7 +144,8 @@ TEST(Copy, LayoutTargetsAndMask) {
     for (int i = 0; i < 4; ++i) EXPECT_EQ(in[6 + i], in[i]);
     for (int p = 0; p < 10; ++p) EXPECT_EQ(b.loss_mask[r][p].item<float>(), p >= 5 ? 1.0f : 0.0f);
   }
-  EXPECT_NE(error_of([&] { task->sample(1, 9, 0); }).find("length: expected an even number"), std::string::npos);
+  EXPECT_NE(error_of([&] { task->sample(1, 9, 0); }).find("length: expected an even number"),
+            std::string::npos);
 }
 
 TEST(Tasks, ConfigurationAndGeneratorAgreeOnTheVocabulary) {
