@@ -22,7 +22,7 @@ Runtime runtime_for(const torch::Device& device, const std::string& dtype,
                     std::int64_t batch_tokens) {
   Runtime rt;
   rt.device = device;
-  rt.autocast = device.is_cuda() && dtype != "float32";
+  rt.autocast = train::uses_autocast(device, dtype);
   rt.batch_tokens = batch_tokens > 0 ? batch_tokens : (device.is_cuda() ? 262144 : 16384);
   return rt;
 }

@@ -2,9 +2,18 @@
 #pragma once
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/Device.h>
 #include <torch/version.h>
 
+#include <string>
+
 namespace winnow::train {
+
+// Whether a run with train.dtype `dtype` on `device` computes under bf16 autocast: on CUDA,
+// unless it asks for float32 (the CPU kernels run float32).
+inline bool uses_autocast(const c10::Device& device, const std::string& dtype) {
+  return device.is_cuda() && dtype != "float32";
+}
 
 // LibTorch's API for this changed in 2.4.
 class Autocast {

@@ -137,7 +137,7 @@ Trainer::Trainer(const ExperimentConfig& config)
                  "\"bfloat16\"");
   }
   if (t.deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
-  autocast_ = device_.is_cuda() && t.dtype != "float32";
+  autocast_ = uses_autocast(device_, t.dtype);
   torch::manual_seed(config_.seed);
   task_ = tasks::make_task(config_.task);
   model_ = nn::TransformerLM(config_.model);
