@@ -2,7 +2,9 @@
 #pragma once
 
 #include "winnow/attention.h"
+#include "winnow/entmax.h"
 #include "winnow/error.h"
+#include "winnow/sieve.h"
 #include "winnow/softmax.h"
 #include "winnow/stick_breaking.h"
 #include "winnow/tensor.h"

@@ -20,6 +20,8 @@ __all__ = [
     "library_path",
     "softmax_attention",
     "stick_breaking_attention",
+    "entmax_attention",
+    "sieve_attention",
 ]
 
 
@@ -100,3 +102,58 @@ def stick_breaking_attention(
     return torch.ops.winnow.stick_breaking_attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
         attend_current=attend_current, halt_cutoff=halt_cutoff)
+
+
+def entmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    attend_current: bool = True,
+    alpha: float = 1.5,
+) -> torch.Tensor:
+    """Causal alpha-entmax attention (Peters et al.; the baseline of seeds 000 and 004).
+
+    p_ij = [(alpha - 1) z_ij - tau_j]_+ ** (1 / (alpha - 1)) with tau_j chosen so that each
+    row sums to one: keys far below the row's best score get exactly zero weight. ``alpha``
+    > 1: 2 is sparsemax, 1.5 (default) the seeds' choice. Shapes and ``scale`` as in
+    :func:`softmax_attention`; differentiable in q, k and v. Returns out (B, Lq, Hq, Dv).
+    """
+    return torch.ops.winnow.entmax_attention(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
+        attend_current=attend_current, alpha=alpha)
+
+
+def sieve_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    attend_current: bool = False,
+    alpha: float = 1.5,
+    filter: str = "exact",
+    eps: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal Sieve attention (seed 000): an alpha-entmax filter, then stick-breaking.
+
+    Each row's candidate keys S_j are chosen first: with ``filter="exact"`` the support of
+    alpha-entmax over the row's scores, with ``filter="bound"`` the keys whose score is within
+    ``eps`` (default 1 / (alpha - 1)) of the row maximum, a superset of the exact support
+    that needs only the maximum. Stick-breaking then allocates the row over S_j alone, most
+    recent candidate first, so a far key above the threshold beats a closer one below it.
+    Keys i < j by default, as in stick-breaking. Shapes and ``scale`` as in
+    :func:`softmax_attention`.
+
+    Returns ``(out, rem, count)``: out (B, Lq, Hq, Dv), rem (B, Lq, Hq) the stick left over
+    the candidates (both differentiable in q, k, v; the filter passes no gradient), and count
+    (int32, B, Lq, Hq) the number of candidates of each row.
+    """
+    return torch.ops.winnow.sieve_attention(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
+        attend_current=attend_current, alpha=alpha, filter=filter, eps=eps)

@@ -286,4 +286,13 @@ AttentionParams AttentionCall::params(const std::optional<double>& scale,
   return p;
 }
 
+double resolve_tolerance(const AttentionCall& call, const std::optional<double>& tolerance) {
+  if (tolerance) {
+    call.check_option("tolerance", std::isfinite(*tolerance) && *tolerance > 0,
+                      "a finite number > 0", std::to_string(*tolerance));
+    return *tolerance;
+  }
+  return call.stats_dtype() == DType::float64 ? 1e-12 : 1e-6;
+}
+
 }  // namespace winnow::detail

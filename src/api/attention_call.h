@@ -61,4 +61,8 @@ class AttentionCall {
   AttentionParams params_;
 };
 
+// The threshold-search tolerance of entmax and Sieve: the caller's, or 1e-12 for float64
+// inputs and 1e-6 otherwise (float32 accumulation).
+double resolve_tolerance(const AttentionCall& call, const std::optional<double>& tolerance);
+
 }  // namespace winnow::detail

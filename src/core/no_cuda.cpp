@@ -31,6 +31,16 @@ void stick_breaking_backward(const detail::AttentionParams&, const detail::Gradi
                              const detail::StickBreakingConfig&) {
   no_cuda();
 }
+void entmax_forward(const detail::AttentionParams&, const detail::EntmaxConfig&) { no_cuda(); }
+void entmax_backward(const detail::AttentionParams&, const detail::GradientParams&,
+                     const detail::EntmaxConfig&) {
+  no_cuda();
+}
+void sieve_forward(const detail::AttentionParams&, const detail::SieveConfig&) { no_cuda(); }
+void sieve_backward(const detail::AttentionParams&, const detail::GradientParams&,
+                    const detail::SieveConfig&) {
+  no_cuda();
+}
 }  // namespace cuda
 
 }  // namespace winnow

@@ -88,4 +88,21 @@ struct StickBreakingConfig {
   Operand kept_from;         // int32 per row; forward writes it, backward reads it (when halting)
 };
 
+// alpha-entmax (spec/entmax.md). The per-row statistic is tau.
+struct EntmaxConfig {
+  double alpha = 1.5;
+  double tolerance = 1e-6;  // |sum p - 1| at which the threshold search stops
+};
+
+// Sieve (spec/sieve.md). The per-row statistic is log_rem, as in stick-breaking; the filter's
+// threshold (score units) is written by the forward and read by the backward.
+struct SieveConfig {
+  double alpha = 1.5;
+  bool bound = false;  // true: threshold = row max - eps; false: the entmax threshold
+  double eps = 2.0;
+  double tolerance = 1e-6;
+  Operand threshold;  // float32 / float64 per row
+  Operand count;      // int32 per row; written when data != nullptr
+};
+
 }  // namespace winnow::detail

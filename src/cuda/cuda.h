@@ -14,4 +14,12 @@ void stick_breaking_forward(const detail::AttentionParams& p, const detail::Stic
 void stick_breaking_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                              const detail::StickBreakingConfig& cfg);
 
+void entmax_forward(const detail::AttentionParams& p, const detail::EntmaxConfig& cfg);
+void entmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                     const detail::EntmaxConfig& cfg);
+
+void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& cfg);
+void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                    const detail::SieveConfig& cfg);
+
 }  // namespace winnow::cuda

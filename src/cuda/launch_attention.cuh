@@ -114,22 +114,28 @@ void launch_fused_backward(const detail::AttentionParams& p, const detail::Gradi
   store_key_grads(p, g, acc.dk, acc.dv);
 }
 
-template <class T, bool StickBreaking>
-void launch_simple_forward(const detail::AttentionParams& p, float halt_cutoff,
-                           const detail::Operand& kept_from) {
+template <class T, simple::Mechanism M>
+void launch_simple_forward(const detail::AttentionParams& p, const simple::Extras& x) {
   const dim3 grid(static_cast<unsigned>((p.max_len_q + simple::kRowsPerBlock - 1) / simple::kRowsPerBlock),
                   static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
   if (grid.x == 0 || grid.z == 0) return;
+  if constexpr (M == simple::Mechanism::entmax || M == simple::Mechanism::sieve) {
+    const int smem = static_cast<int>(simple::kRowsPerBlock * p.dim_qk * sizeof(float));
+    auto kernel = simple::thresholds_kernel<T, M>;
+    allow_shared_memory(kernel, smem);
+    kernel<<<grid, 32 * simple::kRowsPerBlock, smem, stream_of(p)>>>(p, x);
+    check_launch("simple::thresholds_kernel");
+  }
   const int smem = static_cast<int>(simple::kRowsPerBlock * (p.dim_qk + p.dim_v) * sizeof(float));
-  auto kernel = simple::forward_kernel<T, StickBreaking>;
+  auto kernel = simple::forward_kernel<T, M>;
   allow_shared_memory(kernel, smem);
-  kernel<<<grid, 32 * simple::kRowsPerBlock, smem, stream_of(p)>>>(p, halt_cutoff, kept_from);
+  kernel<<<grid, 32 * simple::kRowsPerBlock, smem, stream_of(p)>>>(p, x);
   check_launch("simple::forward_kernel");
 }
 
-template <class T, bool StickBreaking>
+template <class T, simple::Mechanism M>
 void launch_simple_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
-                            float halt_cutoff, const detail::Operand& kept_from) {
+                            const simple::Extras& x) {
   const std::size_t dk = static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_qk);
   const std::size_t dv = static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_v);
   DeviceBuffer buffer(p, (dk + dv) * sizeof(float));
@@ -137,10 +143,10 @@ void launch_simple_backward(const detail::AttentionParams& p, const detail::Grad
   const dim3 grid(static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.num_seqs));
   if (grid.x > 0 && grid.y > 0) {
     const int smem = static_cast<int>((2 * p.dim_qk + p.dim_v + simple::kBackwardThreads) * sizeof(float));
-    auto kernel = simple::backward_kernel<T, StickBreaking>;
+    auto kernel = simple::backward_kernel<T, M>;
     allow_shared_memory(kernel, smem);
-    kernel<<<grid, simple::kBackwardThreads, smem, stream_of(p)>>>(p, g, halt_cutoff, kept_from,
-                                                                   buffer.as<float>(), buffer.as<float>() + dk);
+    kernel<<<grid, simple::kBackwardThreads, smem, stream_of(p)>>>(p, g, x, buffer.as<float>(),
+                                                                   buffer.as<float>() + dk);
     check_launch("simple::backward_kernel");
   }
   store_key_grads(p, g, buffer.as<float>(), buffer.as<float>() + dk);

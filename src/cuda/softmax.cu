@@ -25,7 +25,7 @@ struct SimpleForward {
   const detail::AttentionParams& p;
   template <class T>
   void operator()() const {
-    launch_simple_forward<T, false>(p, 0.f, {});
+    launch_simple_forward<T, simple::Mechanism::softmax>(p, {});
   }
 };
 struct SimpleBackward {
@@ -33,7 +33,7 @@ struct SimpleBackward {
   const detail::GradientParams& g;
   template <class T>
   void operator()() const {
-    launch_simple_backward<T, false>(p, g, 0.f, {});
+    launch_simple_backward<T, simple::Mechanism::softmax>(p, g, {});
   }
 };
 

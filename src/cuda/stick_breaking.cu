@@ -14,6 +14,13 @@ StickBreakingCudaConfig device_config(const detail::StickBreakingConfig& cfg) {
   return c;
 }
 
+simple::Extras extras(const StickBreakingCudaConfig& cfg) {
+  simple::Extras x;
+  x.halt_cutoff = cfg.halt_cutoff;
+  x.kept_from = cfg.kept_from;
+  return x;
+}
+
 struct FusedForward {
   const detail::AttentionParams& p;
   const StickBreakingCudaConfig cfg;
@@ -36,7 +43,7 @@ struct SimpleForward {
   const StickBreakingCudaConfig cfg;
   template <class T>
   void operator()() const {
-    launch_simple_forward<T, true>(p, cfg.halt_cutoff, cfg.kept_from);
+    launch_simple_forward<T, simple::Mechanism::stick_breaking>(p, extras(cfg));
   }
 };
 struct SimpleBackward {
@@ -45,7 +52,7 @@ struct SimpleBackward {
   const StickBreakingCudaConfig cfg;
   template <class T>
   void operator()() const {
-    launch_simple_backward<T, true>(p, g, cfg.halt_cutoff, cfg.kept_from);
+    launch_simple_backward<T, simple::Mechanism::stick_breaking>(p, g, extras(cfg));
   }
 };
 

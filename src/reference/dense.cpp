@@ -82,6 +82,19 @@ void run_forward(const AttentionParams& p, const ForwardRows& rows) {
   }
 }
 
+void for_each_head(const AttentionParams& p,
+                   const std::function<void(std::int64_t, std::int64_t, std::int64_t,
+                                            const HeadProblem&)>& fn) {
+  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
+    const detail::SequenceExtent s = p.sequence(b);
+    for (std::int64_t h = 0; h < p.heads_q; ++h) {
+      const Dense q = gather(p.q, b, s.q_start, s.q_len, h, p.dim_qk);
+      const Dense k = gather(p.k, b, s.k_start, s.k_len, p.kv_head(h), p.dim_qk);
+      fn(b, s.q_start, h, scores(p, q, k, s));
+    }
+  }
+}
+
 void run_backward(const AttentionParams& p, const detail::GradientParams& g,
                   const ForwardRows& forward_rows, const BackwardRows& backward_rows) {
   for (std::int64_t b = 0; b < p.num_seqs; ++b) {

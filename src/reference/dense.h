@@ -34,6 +34,11 @@ using BackwardRows = std::function<void(const HeadProblem&, const Dense& w, cons
                                         const std::vector<double>& dstat, Dense& dz)>;
 
 void run_forward(const detail::AttentionParams& p, const ForwardRows& rows);
+// Calls fn(b, q_start, h, scores) for every (sequence, query head): for per-row outputs beyond
+// the one statistic run_forward writes.
+void for_each_head(const detail::AttentionParams& p,
+                   const std::function<void(std::int64_t b, std::int64_t q_start, std::int64_t h,
+                                            const HeadProblem&)>& fn);
 void run_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                   const ForwardRows& forward_rows, const BackwardRows& backward_rows);
 

@@ -237,6 +237,224 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_attention_no_grad(
   return std::make_tuple(out, log_rem.exp());
 }
 
+
+// ------------------------------------------------------------------ alpha-entmax
+
+std::tuple<at::Tensor, at::Tensor> entmax_forward_op(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+                                                     const Opt<at::Tensor>& cu_k, Opt<double> scale,
+                                                     bool attend_current, double alpha,
+                                                     Opt<double> tolerance, bool reference) {
+  constexpr const char* op = "winnow.entmax_attention_forward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor out = at::empty(out_shape(q, v), q.options());
+    at::Tensor tau = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    entmax::Options options{std_opt(scale), attend_current, alpha, std_opt(tolerance)};
+    const DeviceScope scope(q);
+    entmax::forward(in, options, {view_of(out, op, "out"), view_of(tau, op, "tau")},
+                    scope.context(false, reference));
+    return std::make_tuple(out, tau);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& tau, const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
+    bool deterministic, bool reference) {
+  constexpr const char* op = "winnow.entmax_attention_backward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    entmax::Options options{std_opt(scale), attend_current, alpha, std::nullopt};
+    const DeviceScope scope(q);
+    entmax::backward(in, options, {view_of(out, op, "out"), view_of(tau, op, "tau")},
+                     view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
+                     scope.context(deterministic, reference));
+    return std::make_tuple(dq, dk, dv);
+  });
+}
+
+// What every autograd Function here saves besides tensors: the varlen offsets and options.
+void save_call(AutogradContext* ctx, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+               Opt<double> scale, bool attend_current) {
+  ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
+  ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
+  ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+  ctx->saved_data["attend_current"] = attend_current;
+}
+
+struct SavedCall {
+  Opt<at::Tensor> cu_q, cu_k;
+  Opt<double> scale;
+  bool attend_current;
+};
+SavedCall saved_call(AutogradContext* ctx) {
+  SavedCall c;
+  if (!ctx->saved_data["cu_q"].isNone()) c.cu_q = ctx->saved_data["cu_q"].toTensor();
+  if (!ctx->saved_data["cu_k"].isNone()) c.cu_k = ctx->saved_data["cu_k"].toTensor();
+  if (!ctx->saved_data["scale"].isNone()) c.scale = ctx->saved_data["scale"].toDouble();
+  c.attend_current = ctx->saved_data["attend_current"].toBool();
+  return c;
+}
+
+struct EntmaxFunction : public torch::autograd::Function<EntmaxFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+                               const Opt<at::Tensor>& cu_k, Opt<double> scale,
+                               bool attend_current, double alpha) {
+    auto [out, tau] = entmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
+                                        Opt<double>(), false);
+    ctx->save_for_backward({q, k, v, out, tau});
+    save_call(ctx, cu_q, cu_k, scale, attend_current);
+    ctx->saved_data["alpha"] = alpha;
+    ctx->mark_non_differentiable({tau});
+    return {out, tau};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const SavedCall c = saved_call(ctx);
+    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
+    auto [dq, dk, dv] = entmax_backward_op(
+        saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
+        c.attend_current, ctx->saved_data["alpha"].toDouble(),
+        at::globalContext().deterministicAlgorithms(), false);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor entmax_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                     Opt<double> scale, bool attend_current, double alpha) {
+  return EntmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current, alpha)[0];
+}
+
+at::Tensor entmax_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                    Opt<double> scale, bool attend_current, double alpha) {
+  return std::get<0>(entmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
+                                       Opt<double>(), false));
+}
+
+// ------------------------------------------------------------------ Sieve
+
+sieve::Options sieve_options(const char* op, Opt<double> scale, bool attend_current, double alpha,
+                             const std::string& filter, Opt<double> eps, Opt<double> tolerance) {
+  sieve::Options o;
+  o.scale = std_opt(scale);
+  o.attend_current = attend_current;
+  o.alpha = alpha;
+  if (filter == "exact") {
+    o.filter = sieve::Filter::exact;
+  } else if (filter == "bound") {
+    o.filter = sieve::Filter::bound;
+  } else {
+    throw Error(ErrorKind::invalid_argument,
+                std::string(op) + ": filter: expected \"exact\" or \"bound\", got \"" + filter + "\"");
+  }
+  o.eps = std_opt(eps);
+  o.tolerance = std_opt(tolerance);
+  return o;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sieve_forward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
+    c10::string_view filter, Opt<double> eps, Opt<double> tolerance, bool reference) {
+  constexpr const char* op = "winnow.sieve_attention_forward";
+  return translate_errors([&] {
+    const sieve::Options options = sieve_options(op, scale, attend_current, alpha,
+                                                 std::string(filter), eps, tolerance);
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor out = at::empty(out_shape(q, v), q.options());
+    at::Tensor log_rem = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    at::Tensor threshold = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    at::Tensor count = at::empty(stats_shape(q), q.options().dtype(at::kInt));
+    const DeviceScope scope(q);
+    sieve::forward(in, options,
+                   {view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
+                    view_of(threshold, op, "threshold"), view_of(count, op, "count")},
+                   scope.context(false, reference));
+    return std::make_tuple(out, log_rem, threshold, count);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& log_rem, const at::Tensor& threshold, const at::Tensor& dout,
+    const Opt<at::Tensor>& dlog_rem, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+    Opt<double> scale, bool attend_current, double alpha, c10::string_view filter,
+    Opt<double> eps, bool deterministic, bool reference) {
+  constexpr const char* op = "winnow.sieve_attention_backward";
+  return translate_errors([&] {
+    const sieve::Options options = sieve_options(op, scale, attend_current, alpha,
+                                                 std::string(filter), eps, Opt<double>());
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    const DeviceScope scope(q);
+    sieve::backward(in, options,
+                    {view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
+                     view_of(threshold, op, "threshold"), std::nullopt},
+                    view_of(dout, op, "dout"), view_of(dlog_rem, op, "dlog_rem"),
+                    grad_views(op, dq, dk, dv), scope.context(deterministic, reference));
+    return std::make_tuple(dq, dk, dv);
+  });
+}
+
+struct SieveFunction : public torch::autograd::Function<SieveFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+                               const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current,
+                               double alpha, c10::string_view filter, Opt<double> eps) {
+    auto [out, log_rem, threshold, count] = sieve_forward_op(
+        q, k, v, cu_q, cu_k, scale, attend_current, alpha, filter, eps, Opt<double>(), false);
+    ctx->save_for_backward({q, k, v, out, log_rem, threshold});
+    ctx->mark_non_differentiable({count});
+    save_call(ctx, cu_q, cu_k, scale, attend_current);
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["filter"] = std::string(filter);
+    ctx->saved_data["eps"] = eps.has_value() ? c10::IValue(*eps) : c10::IValue();
+    return {out, log_rem, count};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const SavedCall c = saved_call(ctx);
+    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
+    Opt<at::Tensor> dlog_rem;
+    if (grads[1].defined()) dlog_rem = grads[1];
+    Opt<double> eps;
+    if (!ctx->saved_data["eps"].isNone()) eps = ctx->saved_data["eps"].toDouble();
+    const std::string filter = ctx->saved_data["filter"].toStringRef();
+    auto [dq, dk, dv] = sieve_backward_op(
+        saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, c.cu_q,
+        c.cu_k, c.scale, c.attend_current, ctx->saved_data["alpha"].toDouble(), filter, eps,
+        at::globalContext().deterministicAlgorithms(), false);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Returns (out, rem, count) with rem = exp(log_rem) differentiable.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
+    c10::string_view filter, Opt<double> eps) {
+  auto outs = SieveFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current, alpha, filter, eps);
+  return std::make_tuple(outs[0], outs[1].exp(), outs[2]);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention_no_grad(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
+    c10::string_view filter, Opt<double> eps) {
+  auto [out, log_rem, threshold, count] = sieve_forward_op(
+      q, k, v, cu_q, cu_k, scale, attend_current, alpha, filter, eps, Opt<double>(), false);
+  return std::make_tuple(out, log_rem.exp(), count);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(winnow, m) {
@@ -268,6 +486,35 @@ TORCH_LIBRARY(winnow, m) {
       "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
       "float halt_cutoff=0.0, bool deterministic=False, bool reference=False) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "entmax_attention(Tensor q, Tensor k, Tensor v, *, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=True, "
+      "float alpha=1.5) -> Tensor");
+  m.def(
+      "entmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=True, "
+      "float alpha=1.5, float? tolerance=None, bool reference=False) -> (Tensor out, Tensor tau)");
+  m.def(
+      "entmax_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor tau, "
+      "Tensor dout, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float? scale=None, "
+      "bool attend_current=True, float alpha=1.5, bool deterministic=False, "
+      "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "sieve_attention(Tensor q, Tensor k, Tensor v, *, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
+      "float alpha=1.5, str filter=\"exact\", float? eps=None) "
+      "-> (Tensor out, Tensor rem, Tensor count)");
+  m.def(
+      "sieve_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
+      "float alpha=1.5, str filter=\"exact\", float? eps=None, float? tolerance=None, "
+      "bool reference=False) -> (Tensor out, Tensor log_rem, Tensor threshold, Tensor count)");
+  m.def(
+      "sieve_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor log_rem, "
+      "Tensor threshold, Tensor dout, Tensor? dlog_rem=None, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
+      "float alpha=1.5, str filter=\"exact\", float? eps=None, bool deterministic=False, "
+      "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 // The kernel calls dispatch on the tensors' device themselves (winnow's API), so one
@@ -277,6 +524,10 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("softmax_attention_backward", softmax_backward_op);
   m.impl("stick_breaking_attention_forward", stick_breaking_forward_op);
   m.impl("stick_breaking_attention_backward", stick_breaking_backward_op);
+  m.impl("entmax_attention_forward", entmax_forward_op);
+  m.impl("entmax_attention_backward", entmax_backward_op);
+  m.impl("sieve_attention_forward", sieve_forward_op);
+  m.impl("sieve_attention_backward", sieve_backward_op);
 }
 
 // The differentiable operators: the autograd kernel records the backward; below autograd
@@ -284,11 +535,15 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("softmax_attention", softmax_attention_autograd);
   m.impl("stick_breaking_attention", stick_breaking_attention_autograd);
+  m.impl("entmax_attention", entmax_attention_autograd);
+  m.impl("sieve_attention", sieve_attention_autograd);
 }
 
 TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("softmax_attention", softmax_attention_no_grad);
   m.impl("stick_breaking_attention", stick_breaking_attention_no_grad);
+  m.impl("entmax_attention", entmax_attention_no_grad);
+  m.impl("sieve_attention", sieve_attention_no_grad);
 }
 
 // The C++ entry points (torch/ops.h) call the registered operators through the dispatcher,
@@ -316,6 +571,30 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(const at::Tensor& q,
                            double)>();
   return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current,
                  halt_cutoff);
+}
+
+at::Tensor entmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const AttentionCall& call, double alpha) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::entmax_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                                         Opt<double>, bool, double)>();
+  return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current,
+                 alpha);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionCall& call,
+    double alpha, const std::string& filter, Opt<double> eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::sieve_attention", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const Opt<at::Tensor>&, const Opt<at::Tensor>&, Opt<double>, bool,
+                           double, c10::string_view, Opt<double>)>();
+  return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current,
+                 alpha, filter, eps);
 }
 
 }  // namespace winnow::torch_ops

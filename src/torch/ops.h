@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <tuple>
 
 #include "torch/bridge.h"
@@ -26,5 +27,16 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(const at::Tensor& q,
                                                             const at::Tensor& v,
                                                             const AttentionCall& call,
                                                             double halt_cutoff = 0.0);
+
+// alpha-entmax: (B, Lq, Hq, Dv); rows of exactly sparse weights (alpha > 1; 2 is sparsemax).
+at::Tensor entmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const AttentionCall& call, double alpha = 1.5);
+
+// Sieve: returns (out, rem, count); rem (B, Lq, Hq) is the stick left over the candidates,
+// count (int32, B, Lq, Hq) the number of candidates per row. filter is "exact" (the entmax
+// support) or "bound" (keys within eps of the row maximum; eps defaults to 1 / (alpha - 1)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionCall& call,
+    double alpha = 1.5, const std::string& filter = "exact", Opt<double> eps = Opt<double>());
 
 }  // namespace winnow::torch_ops

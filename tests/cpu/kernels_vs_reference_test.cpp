@@ -57,6 +57,10 @@ TEST_P(KernelsVsReference, ForwardAndEveryGradientMatch) {
   EXPECT_LT(relative_error(got.dq, want.dq), tol) << "dq";
   EXPECT_LT(relative_error(got.dk, want.dk), tol) << "dk";
   EXPECT_LT(relative_error(got.dv, want.dv), tol) << "dv";
+  if (is_sieve(mechanism)) {
+    EXPECT_LT(relative_error(got.threshold, want.threshold), tol) << "threshold";
+    EXPECT_EQ(got.count, want.count) << "candidate counts";
+  }
 }
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
@@ -69,7 +73,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 INSTANTIATE_TEST_SUITE_P(
     Cpu, KernelsVsReference,
     ::testing::Combine(::testing::Range(0, static_cast<int>(shapes().size())),
-                       ::testing::Values(Mechanism::softmax, Mechanism::stick_breaking),
+                       ::testing::ValuesIn(all_mechanisms()),
                        ::testing::Values(DType::float32, DType::float64),
                        ::testing::Bool(), ::testing::Bool()),
     param_name);

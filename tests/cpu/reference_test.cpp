@@ -1,5 +1,5 @@
 // The oracle checked on its own: the float64 reference's analytic gradients against central
-// finite differences of its forward, for both mechanisms, both causal conventions, GQA,
+// finite differences of its forward, for every mechanism, both causal conventions, GQA,
 // suffix queries and packed sequences.
 #include <gtest/gtest.h>
 
@@ -16,7 +16,7 @@ double loss(const Problem& p, const RunConfig& cfg) {
   const std::vector<double> dout = p.dout.values();
   double l = 0;
   for (std::size_t i = 0; i < dout.size(); ++i) l += dout[i] * r.out[i];
-  if (cfg.mechanism == Mechanism::stick_breaking && cfg.with_dstat) {
+  if ((cfg.mechanism == Mechanism::stick_breaking || is_sieve(cfg.mechanism)) && cfg.with_dstat) {
     const std::vector<double> dstat = p.dstat.values();
     for (std::size_t i = 0; i < dstat.size(); ++i) l += dstat[i] * r.stat[i];
   }
@@ -70,7 +70,7 @@ TEST_P(ReferenceGradients, MatchFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(
     Reference, ReferenceGradients,
-    ::testing::Combine(::testing::Values(Mechanism::softmax, Mechanism::stick_breaking),
+    ::testing::Combine(::testing::ValuesIn(all_mechanisms()),
                        ::testing::Bool(), ::testing::Values(0, 1)),
     [](const ::testing::TestParamInfo<Param>& info) {
       return std::string(name_of(std::get<0>(info.param))) +

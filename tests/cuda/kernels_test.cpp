@@ -116,6 +116,10 @@ TEST_P(CudaVsReference, ForwardAndEveryGradientMatch) {
   if (mechanism == Mechanism::stick_breaking) {
     for (double k : got.kept_from) ASSERT_EQ(k, 0.0) << "no halting: every key is kept";
   }
+  if (is_sieve(mechanism)) {
+    EXPECT_LT(relative_error(got.threshold, want.threshold), tol) << "threshold";
+    EXPECT_EQ(got.count, want.count) << "candidate counts";
+  }
 }
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
@@ -128,7 +132,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 INSTANTIATE_TEST_SUITE_P(
     Cuda, CudaVsReference,
     ::testing::Combine(::testing::Range(0, static_cast<int>(shapes().size())),
-                       ::testing::Values(Mechanism::softmax, Mechanism::stick_breaking),
+                       ::testing::ValuesIn(all_mechanisms()),
                        ::testing::Values(DType::bfloat16, DType::float16, DType::float32),
                        ::testing::Bool(), ::testing::Bool()),
     param_name);
@@ -141,7 +145,7 @@ TEST(CudaSmall, FusedAndSimplePathsBothMechanisms) {
       {"simple", {{33, 33}}, false, 2, 1, 16, 24},
   };
   for (const ProblemShape& shape : small) {
-    for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+    for (Mechanism m : all_mechanisms()) {
       for (bool deterministic : {false, true}) {
         const Problem problem = Problem::random(shape, 99);
         CudaPlacement gpu;
@@ -252,7 +256,7 @@ TEST(CudaHalting, ResultIsExactStickBreakingOverTheKeptKeys) {
 
 TEST(CudaEdges, ExtremeLogitsStayFiniteAndRowsWithoutKeysAreZero) {
   const Problem problem = Problem::random({"extreme", {{150, 150}}, false, 2, 2, 64, 64}, 9, 100.0);
-  for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+  for (Mechanism m : all_mechanisms()) {
     for (DType dtype : {DType::bfloat16, DType::float32}) {
       CudaPlacement gpu;
       RunConfig cfg;

@@ -6,8 +6,39 @@
 namespace winnow::testing {
 
 const char* name_of(Mechanism m) {
-  return m == Mechanism::softmax ? "softmax" : "stick_breaking";
+  switch (m) {
+    case Mechanism::softmax: return "softmax";
+    case Mechanism::stick_breaking: return "stick_breaking";
+    case Mechanism::entmax15: return "entmax15";
+    case Mechanism::sparsemax: return "sparsemax";
+    case Mechanism::entmax13: return "entmax13";
+    case Mechanism::sieve_exact: return "sieve_exact";
+    case Mechanism::sieve_bound: return "sieve_bound";
+  }
+  return "";
 }
+
+const std::vector<Mechanism>& all_mechanisms() {
+  static const std::vector<Mechanism> all = {
+      Mechanism::softmax,  Mechanism::stick_breaking, Mechanism::entmax15,   Mechanism::sparsemax,
+      Mechanism::entmax13, Mechanism::sieve_exact,    Mechanism::sieve_bound};
+  return all;
+}
+
+bool is_sieve(Mechanism m) { return m == Mechanism::sieve_exact || m == Mechanism::sieve_bound; }
+bool is_entmax(Mechanism m) {
+  return m == Mechanism::entmax15 || m == Mechanism::sparsemax || m == Mechanism::entmax13;
+}
+
+namespace {
+double alpha_of(Mechanism m) {
+  switch (m) {
+    case Mechanism::sparsemax: return 2.0;
+    case Mechanism::entmax13: return 1.3;
+    default: return 1.5;
+  }
+}
+}  // namespace
 
 std::string describe(const ProblemShape& s) {
   std::ostringstream o;
@@ -85,9 +116,10 @@ Results run(const Problem& p, const RunConfig& cfg) {
   HostTensor out(p.dout.shape(), cfg.dtype, order_for(p.dout, cfg.permuted));
   HostTensor stat(p.dstat.shape(), stat_dtype, order_for(p.dstat, cfg.permuted));
   HostTensor kept(p.dstat.shape(), DType::int32, order_for(p.dstat, cfg.permuted));
+  HostTensor threshold(p.dstat.shape(), stat_dtype, order_for(p.dstat, cfg.permuted));
   HostTensor dq(p.q.shape(), cfg.dtype), dk(p.k.shape(), cfg.dtype), dv(p.v.shape(), cfg.dtype);
   // Poison outputs: a kernel that skips an element must not pass by reading zeros.
-  for (HostTensor* t : {&out, &stat, &dq, &dk, &dv}) t->fill(std::nan(""));
+  for (HostTensor* t : {&out, &stat, &threshold, &dq, &dk, &dv}) t->fill(std::nan(""));
   kept.fill(-1);
 
   auto placed = [&](const HostTensor& t) { return cfg.placement ? cfg.placement->place(t) : t.view(); };
@@ -98,6 +130,7 @@ Results run(const Problem& p, const RunConfig& cfg) {
   if (p.cu_q) in.cu_seqlens_q = placed(*p.cu_q);
   if (p.cu_k) in.cu_seqlens_k = placed(*p.cu_k);
   const TensorView out_v = placed(out), stat_v = placed(stat), kept_v = placed(kept);
+  const TensorView threshold_v = placed(threshold);
   const TensorView dout_v = placed(dout), dstat_v = placed(dstat);
   const AttentionGrads grads{placed(dq), placed(dk), placed(dv)};
   ExecContext ctx;
@@ -112,6 +145,28 @@ Results run(const Problem& p, const RunConfig& cfg) {
     const softmax::Outputs outputs{out_v, stat_v};
     softmax::forward(in, opt, outputs, ctx);
     softmax::backward(in, opt, outputs, dout_v, grads, ctx);
+  } else if (is_entmax(cfg.mechanism)) {
+    entmax::Options opt;
+    opt.scale = cfg.scale;
+    opt.attend_current = cfg.attend_current;
+    opt.alpha = alpha_of(cfg.mechanism);
+    opt.tolerance = cfg.tolerance;
+    const entmax::Outputs outputs{out_v, stat_v};
+    entmax::forward(in, opt, outputs, ctx);
+    entmax::backward(in, opt, outputs, dout_v, grads, ctx);
+  } else if (is_sieve(cfg.mechanism)) {
+    sieve::Options opt;
+    opt.scale = cfg.scale;
+    opt.attend_current = cfg.attend_current;
+    opt.alpha = alpha_of(cfg.mechanism);
+    opt.filter = cfg.mechanism == Mechanism::sieve_bound ? sieve::Filter::bound : sieve::Filter::exact;
+    opt.tolerance = cfg.tolerance;
+    opt.eps = cfg.eps;
+    const sieve::Outputs outputs{out_v, stat_v, threshold_v, kept_v};
+    sieve::forward(in, opt, outputs, ctx);
+    std::optional<TensorView> dlog_rem;
+    if (cfg.with_dstat) dlog_rem = dstat_v;
+    sieve::backward(in, opt, outputs, dout_v, dlog_rem, grads, ctx);
   } else {
     stick_breaking::Options opt;
     opt.scale = cfg.scale;
@@ -127,12 +182,17 @@ Results run(const Problem& p, const RunConfig& cfg) {
     cfg.placement->fetch(out_v, out);
     cfg.placement->fetch(stat_v, stat);
     cfg.placement->fetch(kept_v, kept);
+    cfg.placement->fetch(threshold_v, threshold);
     cfg.placement->fetch(grads.dq, dq);
     cfg.placement->fetch(grads.dk, dk);
     cfg.placement->fetch(grads.dv, dv);
   }
   Results r{out.values(), stat.values(), dq.values(), dk.values(), dv.values(), {}};
   if (cfg.mechanism == Mechanism::stick_breaking) r.kept_from = kept.values();
+  if (is_sieve(cfg.mechanism)) {
+    r.threshold = threshold.values();
+    r.count = kept.values();
+  }
   return r;
 }
 

@@ -13,7 +13,12 @@
 
 namespace winnow::testing {
 
-enum class Mechanism { softmax, stick_breaking };
+// entmax15 / sparsemax / entmax13: alpha-entmax at alpha 1.5, 2 and 1.3 (the general-alpha
+// path); sieve_exact / sieve_bound: Sieve at alpha 1.5 with either filter.
+enum class Mechanism { softmax, stick_breaking, entmax15, sparsemax, entmax13, sieve_exact, sieve_bound };
+const std::vector<Mechanism>& all_mechanisms();
+bool is_sieve(Mechanism m);
+bool is_entmax(Mechanism m);
 const char* name_of(Mechanism m);
 
 struct ProblemShape {
@@ -52,7 +57,9 @@ struct RunConfig {
   bool attend_current = true;
   double halt_cutoff = 0.0;
   std::optional<double> scale;
-  bool with_dstat = true;       // stick-breaking: pass dlog_rem
+  bool with_dstat = true;       // stick-breaking, Sieve: pass dlog_rem
+  std::optional<double> tolerance;  // entmax, Sieve: the threshold search's
+  std::optional<double> eps;        // Sieve's bound filter
   bool permuted = false;        // store (B, L, H, D) as (B, H, L, D) / (T, H, D) as (H, T, D)
   int num_threads = 0;
   bool deterministic = false;
@@ -62,6 +69,7 @@ struct RunConfig {
 struct Results {
   std::vector<double> out, stat, dq, dk, dv;
   std::vector<double> kept_from;  // stick-breaking only
+  std::vector<double> threshold, count;  // Sieve only
 };
 
 Results run(const Problem& p, const RunConfig& cfg);

@@ -6,6 +6,10 @@
 // src/math, so they double as a second GPU implementation to check the fused kernels with.
 //
 // Early halting is decided per row at key-tile boundaries of 64 keys, like the other paths.
+//
+// alpha-entmax and Sieve run here (for now their only CUDA path): a warp per row first finds
+// the row's threshold (thresholds_kernel: the row maximum, then the Newton/bisection search of
+// math/entmax.h, one sweep over the row's keys per step), then the forward applies it.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
@@ -14,6 +18,7 @@
 
 #include "core/params.h"
 #include "math/elementwise.h"
+#include "math/entmax.h"
 #include "math/softmax.h"
 #include "math/stick_breaking.h"
 
@@ -26,6 +31,23 @@ using detail::SequenceExtent;
 inline constexpr int kHaltTile = 64;
 inline constexpr int kRowsPerBlock = 4;  // forward: one warp per query row
 inline constexpr int kBackwardThreads = 256;
+
+enum class Mechanism { softmax, stick_breaking, entmax, sieve };
+
+// What a mechanism needs beyond the attention operands.
+struct Extras {
+  float halt_cutoff = 0.f;     // stick-breaking
+  detail::Operand kept_from;   // stick-breaking, int32 per row
+  float alpha = 1.5f;          // entmax, Sieve
+  float tolerance = 1e-6f;     // threshold search
+  bool bound = false;          // Sieve's filter
+  float eps = 2.f;             // Sieve's bound filter
+  detail::Operand threshold;   // Sieve: float per row, score units
+  detail::Operand count;       // Sieve: int32 per row, optional
+};
+
+template <Mechanism M>
+inline constexpr bool kBreaksSticks = M == Mechanism::stick_breaking || M == Mechanism::sieve;
 
 template <class T>
 __device__ __forceinline__ float load(const T* p) {
@@ -65,9 +87,82 @@ __device__ __forceinline__ float dot_row(const float* x, const T* y, std::int64_
   return acc;
 }
 
-// Forward. StickBreaking selects the mechanism; stats gets lse or log_rem.
-template <class T, bool StickBreaking>
-__global__ void forward_kernel(const AttentionParams p, float halt_cutoff, detail::Operand kept_from) {
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+  for (int off = 16; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+// Per row, a warp: the entmax threshold tau (written to p.stats: entmax's statistic) or
+// Sieve's admission threshold in score units (to x.threshold, with the candidate count).
+template <class T, Mechanism M>
+__global__ void thresholds_kernel(const AttentionParams p, const Extras x) {
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* q = smem + warp * p.dim_qk;
+  const std::int64_t b = blockIdx.z, h = blockIdx.y, hk = p.kv_head(h);
+  const SequenceExtent s = p.sequence(b);
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock + warp;
+  if (r >= s.q_len) return;
+  const std::int64_t row = s.q_start + r;
+  const T* q_src = p.q.at<const T>(b, row, h);
+  for (int d = lane; d < p.dim_qk; d += 32) q[d] = load(q_src + d * p.q.dim) * static_cast<float>(p.scale);
+  __syncwarp();
+  const std::int64_t limit = row_limit(p, s, r);
+  auto score = [&](std::int64_t key) {
+    return dot_row(q, p.k.at<const T>(b, s.k_start + key, hk), p.k.dim, p.dim_qk);
+  };
+  float z_max = -INFINITY;
+  for (std::int64_t key = lane; key <= limit; key += 32) z_max = fmaxf(z_max, score(key));
+  z_max = warp_max(z_max);
+
+  float threshold = 0.f;  // score units
+  float tau = 0.f;        // x = (alpha - 1) z units
+  if (limit >= 0) {
+    if (M == Mechanism::sieve && x.bound) {
+      threshold = z_max - x.eps;
+    } else {
+      namespace em = math::entmax;
+      const float a = x.alpha;
+      em::ThresholdSearch<float> search(a, x.tolerance);
+      search.start((a - 1.f) * z_max, static_cast<float>(limit + 1));
+      for (int step = 0; step < em::kMaxSearchSteps && !search.done; ++step) {
+        float f = 0.f, sum_u = 0.f;
+        for (std::int64_t key = lane; key <= limit; key += 32) {
+          const float gap = (a - 1.f) * score(key) - search.tau;
+          f += em::weight(gap, a);
+          sum_u += em::grad_weight(gap, a);
+        }
+        search.step(warp_sum(f), warp_sum(sum_u));
+      }
+      tau = search.tau;
+      threshold = tau / (a - 1.f);
+    }
+  }
+  if constexpr (M == Mechanism::sieve) {
+    int count = 0;
+    for (std::int64_t key = lane; key <= limit; key += 32) {
+      count += math::sieve::admitted(score(key), threshold) ? 1 : 0;
+    }
+    for (int off = 16; off > 0; off /= 2) count += __shfl_xor_sync(0xffffffffu, count, off);
+    if (lane == 0) {
+      *x.threshold.at<float>(b, row, h) = threshold;
+      if (x.count.data != nullptr) *x.count.at<std::int32_t>(b, row, h) = count;
+    }
+  } else {
+    if (lane == 0) *p.stats.at<float>(b, row, h) = tau;
+  }
+}
+
+// Forward. M selects the mechanism; stats gets lse, log_rem, or (entmax, already written by
+// thresholds_kernel) tau.
+template <class T, Mechanism M>
+__global__ void forward_kernel(const AttentionParams p, const Extras x) {
+  constexpr bool StickBreaking = kBreaksSticks<M>;
+  const float halt_cutoff = x.halt_cutoff;
   extern __shared__ float smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* q = smem + warp * (p.dim_qk + p.dim_v);
@@ -83,6 +178,10 @@ __global__ void forward_kernel(const AttentionParams p, float halt_cutoff, detai
   __syncwarp();
 
   const std::int64_t limit = row_limit(p, s, r);
+  // Entmax's tau (x units), Sieve's admission threshold (score units).
+  const float row_threshold = M == Mechanism::entmax  ? *p.stats.at<const float>(b, row, h)
+                              : M == Mechanism::sieve ? *x.threshold.at<const float>(b, row, h)
+                                                      : 0.f;
   float carry = 0.f;                            // stick-breaking: log stick right of the keys seen
   float run_max = -INFINITY, run_sum = 0.f;     // softmax
   std::int64_t kept = 0;
@@ -90,10 +189,13 @@ __global__ void forward_kernel(const AttentionParams p, float halt_cutoff, detai
     const std::int64_t tile_lo = tile_hi / kHaltTile * kHaltTile;
     for (std::int64_t hi = tile_hi; hi >= tile_lo; hi -= 32) {
       const std::int64_t key = hi - lane;  // lane 0 holds the most recent key of the chunk
-      const bool visible = key >= tile_lo;
+      bool visible = key >= tile_lo;
       float z = visible ? dot_row(q, p.k.at<const T>(b, s.k_start + key, hk), p.k.dim, p.dim_qk) : 0.f;
+      if constexpr (M == Mechanism::sieve) visible = visible && math::sieve::admitted(z, row_threshold);
       float w;
-      if constexpr (StickBreaking) {
+      if constexpr (M == Mechanism::entmax) {
+        w = visible ? math::entmax::weight((x.alpha - 1.f) * z - row_threshold, x.alpha) : 0.f;
+      } else if constexpr (StickBreaking) {
         namespace sb = math::stick_breaking;
         float suffix = visible ? sb::stick_cost(z) : 0.f;
         for (int off = 1; off < 32; off *= 2) {
@@ -131,7 +233,9 @@ __global__ void forward_kernel(const AttentionParams p, float halt_cutoff, detai
     }
   }
   float scale_out = 1.f, stat = carry;
-  if constexpr (!StickBreaking) {
+  if constexpr (M == Mechanism::entmax) {
+    stat = row_threshold;
+  } else if constexpr (M == Mechanism::softmax) {
     scale_out = run_sum > 0.f ? 1.f / run_sum : 0.f;
     stat = run_sum > 0.f ? run_max + logf(run_sum) : -INFINITY;
   }
@@ -139,17 +243,25 @@ __global__ void forward_kernel(const AttentionParams p, float halt_cutoff, detai
   for (int d = lane; d < p.dim_v; d += 32) out[d * p.out.dim] = from_float<T>(o[d] * scale_out);
   if (lane == 0) {
     *p.stats.at<float>(b, row, h) = stat;
-    if (StickBreaking && kept_from.data != nullptr) *kept_from.at<std::int32_t>(b, row, h) = static_cast<std::int32_t>(kept);
+    if (M == Mechanism::stick_breaking && x.kept_from.data != nullptr) {
+      *x.kept_from.at<std::int32_t>(b, row, h) = static_cast<std::int32_t>(kept);
+    }
   }
 }
 
 // Backward: one block per (sequence, kv head); query heads of the group and their rows in
 // order. Stick-breaking sweeps each row's keys right to left twice: first for the row total
 // G = sum_i g_ij, then for the gradients with prefix sums taken as G minus the suffix so far.
-template <class T, bool StickBreaking>
+//
+// Entmax sweeps each row twice as well: first for sum_i u_i and sum_i u_i dp_i (delta), then
+// for the gradients. Sieve is stick-breaking with keys below the row's threshold left out.
+template <class T, Mechanism M>
 __global__ void __launch_bounds__(kBackwardThreads)
-    backward_kernel(const AttentionParams p, const GradientParams g, float halt_cutoff,
-                    detail::Operand kept_from, float* dk_acc, float* dv_acc) {
+    backward_kernel(const AttentionParams p, const GradientParams g, const Extras x,
+                    float* dk_acc, float* dv_acc) {
+  constexpr bool StickBreaking = kBreaksSticks<M>;
+  const float halt_cutoff = x.halt_cutoff;
+  const detail::Operand& kept_from = x.kept_from;
   using Scan = cub::BlockScan<float, kBackwardThreads>;
   using Reduce = cub::BlockReduce<float, kBackwardThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -187,28 +299,42 @@ __global__ void __launch_bounds__(kBackwardThreads)
       __syncthreads();
       const float stat = *p.stats.at<const float>(b, row, h);
       const float dlog_rem = g.dstats.data != nullptr ? *g.dstats.at<const float>(b, row, h) : 0.f;
-      const std::int64_t first = StickBreaking && halt_cutoff > 0.f && kept_from.data != nullptr
+      const std::int64_t first = M == Mechanism::stick_breaking && halt_cutoff > 0.f && kept_from.data != nullptr
                                      ? *kept_from.at<const std::int32_t>(b, row, h)
                                      : 0;
       const std::int64_t limit = row_limit(p, s, r);
-      float delta = 0.f;  // softmax: <do, o>
-      if constexpr (!StickBreaking) {
+      const float row_threshold = M == Mechanism::sieve ? *x.threshold.at<const float>(b, row, h) : 0.f;
+      float delta = 0.f;  // softmax: <do, o>; entmax: sum u dp / sum u
+      if constexpr (M == Mechanism::softmax) {
         float part = 0.f;
         for (int d = t; d < p.dim_v; d += kBackwardThreads) part += dout[d] * load(p.out.at<const T>(b, row, h) + d * p.out.dim);
         delta = block_sum(part);
       }
-      float total_g = 0.f;
-      for (int pass = StickBreaking ? 0 : 1; pass < 2; ++pass) {
+      float total_g = 0.f, sum_u = 0.f, sum_udp = 0.f;
+      for (int pass = M == Mechanism::softmax ? 1 : 0; pass < 2; ++pass) {
+        if (M == Mechanism::entmax && pass == 1) delta = sum_u > 0.f ? sum_udp / sum_u : 0.f;
         float carry = 0.f, suffix_g = 0.f;
         for (std::int64_t hi = limit; hi >= first; hi -= kBackwardThreads) {
           const std::int64_t key = hi - t;  // thread 0 holds the most recent key of the chunk
-          const bool visible = key >= first;
+          bool visible = key >= first;
           const T* k = visible ? p.k.at<const T>(b, s.k_start + key, hk) : nullptr;
           const T* v = visible ? p.v.at<const T>(b, s.k_start + key, hk) : nullptr;
           const float z = visible ? scale * dot_row(q, k, p.k.dim, p.dim_qk) : 0.f;
+          if constexpr (M == Mechanism::sieve) visible = visible && math::sieve::admitted(z, row_threshold);
           const float dp = visible ? dot_row(dout, v, p.v.dim, p.dim_v) : 0.f;
           float w = 0.f, dz = 0.f;
-          if constexpr (StickBreaking) {
+          if constexpr (M == Mechanism::entmax) {
+            namespace em = math::entmax;
+            const float gap = visible ? (x.alpha - 1.f) * z - stat : -1.f;
+            const float u = em::grad_weight(gap, x.alpha);
+            if (pass == 0) {
+              sum_u += block_sum(u);
+              sum_udp += block_sum(u * dp);
+              continue;
+            }
+            w = em::weight(gap, x.alpha);
+            dz = em::grad_logit(u, dp, delta);
+          } else if constexpr (StickBreaking) {
             namespace sb = math::stick_breaking;
             float suffix, cost_total;
             Scan(scan_storage).InclusiveSum(visible ? sb::stick_cost(z) : 0.f, suffix, cost_total);
