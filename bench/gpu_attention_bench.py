@@ -132,6 +132,20 @@ def measure(name, prepare, fn, q, k, v, flops_fwd, forward_only=False):
     return row
 
 
+def print_table(results):
+    print(f"{'D':>4} {'L':>6} {'method':<30} {'fwd TF/s':>9} {'x flash':>8} {'bwd TF/s':>9} "
+          f"{'x flash':>8} {'f+b TF/s':>9} {'x flash':>8}")
+    nan = float("nan")
+    for r in results:
+        if "error" in r:
+            print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} error: {r['error'][:60]}")
+            continue
+        print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} {r['fwd_tflops']:9.1f} "
+              f"{r.get('fwd_vs_flash', nan):8.2f} {r.get('bwd_tflops', nan):9.1f} "
+              f"{r.get('bwd_vs_flash', nan):8.2f} {r.get('fwd_bwd_tflops', nan):9.1f} "
+              f"{r.get('fwd_bwd_vs_flash', nan):8.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -163,27 +177,22 @@ def main():
                 row.update({"B": B, "L": L, "H": heads, "D": dim})
                 rows[name] = row
                 results.append(row)
+                # Progress as it comes: a run cut short by a time limit still reports.
+                print(f"# {dim} {L} {name}: " + ", ".join(
+                    f"{k} {row[k]:.1f}" if isinstance(row[k], float) else f"{k} {row[k]}"
+                    for k in ("fwd_tflops", "fwd_bwd_tflops", "error") if k in row), flush=True)
             base = rows.get("sdpa_flash", {})
             for row in rows.values():
                 for mode in ("fwd", "bwd", "fwd_bwd"):
                     if f"{mode}_tflops" in row and f"{mode}_tflops" in base:
                         row[f"{mode}_vs_flash"] = row[f"{mode}_tflops"] / base[f"{mode}_tflops"]
             torch.cuda.empty_cache()
+            if args.json:  # after every shape, so a cut-short run keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"device": props.name, "torch": torch.__version__,
+                               "results": results}, f, indent=2)
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": props.name, "torch": torch.__version__, "results": results}, f, indent=2)
-    print(f"{'D':>4} {'L':>6} {'method':<30} {'fwd TF/s':>9} {'x flash':>8} {'bwd TF/s':>9} "
-          f"{'x flash':>8} {'f+b TF/s':>9} {'x flash':>8}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} error: {r['error'][:60]}")
-            continue
-        nan = float("nan")
-        print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} {r['fwd_tflops']:9.1f} "
-              f"{r.get('fwd_vs_flash', nan):8.2f} {r.get('bwd_tflops', nan):9.1f} "
-              f"{r.get('bwd_vs_flash', nan):8.2f} {r.get('fwd_bwd_tflops', nan):9.1f} "
-              f"{r.get('fwd_bwd_vs_flash', nan):8.2f}")
+    print_table(results)
 
 
 if __name__ == "__main__":
