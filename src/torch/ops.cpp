@@ -352,7 +352,7 @@ sieve::Options sieve_options(const char* op, Opt<double> scale, bool attend_curr
     o.filter = sieve::Filter::bound;
   } else {
     throw Error(ErrorKind::invalid_argument,
-                std::string(op) + ": filter: expected \"exact\" or \"bound\", got \"" + filter + "\"");
+                std::string(op) + ": argument 'filter': expected \"exact\" or \"bound\", got \"" + filter + "\"");
   }
   o.eps = std_opt(eps);
   o.tolerance = std_opt(tolerance);

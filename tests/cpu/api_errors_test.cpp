@@ -46,6 +46,22 @@ struct ValidCall {
     stick_breaking::backward(in, o, {out_view, stat_view, std::nullopt}, dout_view, dstat_view, grads);
   }
   void softmax_backward() { softmax::backward(in, {}, {out_view, stat_view}, dout_view, grads); }
+  void entmax_forward(const entmax::Options& o = {}) { entmax::forward(in, o, {out_view, stat_view}); }
+  void entmax_backward(const entmax::Options& o = {}) {
+    entmax::backward(in, o, {out_view, stat_view}, dout_view, grads);
+  }
+  // The threshold shares the log_rem buffer's shape; a separate one keeps them apart.
+  HostTensor threshold{{2, 8, 4}, DType::float32};
+  HostTensor count{{2, 8, 4}, DType::int32};
+  void sieve_forward(const sieve::Options& o = {}, bool with_count = true) {
+    sieve::forward(in, o,
+                   {out_view, stat_view, threshold.view(),
+                    with_count ? std::optional<TensorView>(count.view()) : std::nullopt});
+  }
+  void sieve_backward(const sieve::Options& o = {}) {
+    sieve::backward(in, o, {out_view, stat_view, threshold.view(), std::nullopt}, dout_view,
+                    dstat_view, grads);
+  }
 };
 
 void expect_error(const std::function<void()>& call, const std::string& arg,
@@ -304,6 +320,45 @@ TEST(ApiErrors, Options) {
   stick_breaking::Options inf_scale;
   inf_scale.scale = INFINITY;
   expect_error([&] { s.stick_backward(inf_scale); }, "scale");
+}
+
+TEST(ApiErrors, EntmaxAndSieveOptions) {
+  ValidCall s;
+  EXPECT_NO_THROW(s.entmax_forward());
+  EXPECT_NO_THROW(s.sieve_forward());
+  for (const double alpha : {1.0, 0.5, std::nan(""), HUGE_VAL}) {
+    entmax::Options e;
+    e.alpha = alpha;
+    expect_error([&] { s.entmax_forward(e); }, "alpha");
+    expect_error([&] { s.entmax_backward(e); }, "alpha");
+    sieve::Options v;
+    v.alpha = alpha;
+    expect_error([&] { s.sieve_forward(v); }, "alpha");
+  }
+  for (const double tolerance : {0.0, -1e-6, std::nan("")}) {
+    entmax::Options e;
+    e.tolerance = tolerance;
+    expect_error([&] { s.entmax_forward(e); }, "tolerance");
+  }
+  sieve::Options eps_with_exact;
+  eps_with_exact.eps = 0.5;
+  expect_error([&] { s.sieve_forward(eps_with_exact); }, "eps", ErrorKind::invalid_argument, "bound");
+  sieve::Options negative_eps;
+  negative_eps.filter = sieve::Filter::bound;
+  negative_eps.eps = -0.5;
+  expect_error([&] { s.sieve_forward(negative_eps); }, "eps");
+  expect_error([&] { s.sieve_backward(negative_eps); }, "eps");
+}
+
+TEST(ApiErrors, SieveOutputs) {
+  ValidCall s;
+  s.threshold = HostTensor({2, 8, 3}, DType::float32);
+  expect_error([&] { s.sieve_forward(); }, "threshold");
+  ValidCall c;
+  c.count = HostTensor({2, 8, 4}, DType::float32);
+  expect_error([&] { c.sieve_forward(); }, "count");
+  ValidCall ok;
+  EXPECT_NO_THROW(ok.sieve_forward({}, /*with_count=*/false));
 }
 
 TEST(ApiErrors, CudaTensorsWithoutCudaKernelsAreUnsupported) {

@@ -1,4 +1,4 @@
-"""The Python package: loading, both operators against composed PyTorch expressions written
+"""The Python package: loading, the operators against composed PyTorch expressions written
 from the spec, float64 gradcheck (finite differences) through autograd, and error messages."""
 
 import math
@@ -37,6 +37,62 @@ def composed_softmax(q, k, v):
                <= (torch.arange(lq, device=q.device) + lk - lq)[:, None])
     z = z.masked_fill(~visible, float("-inf"))
     return (torch.softmax(z, -1) @ vh).transpose(1, 2)
+
+
+def visible_mask(lq, lk, attend_current, device="cpu"):
+    pos_q = torch.arange(lq, device=device) + (lk - lq)
+    pos_k = torch.arange(lk, device=device)
+    return pos_k[None, :] <= pos_q[:, None] if attend_current else pos_k[None, :] < pos_q[:, None]
+
+
+def scores(q, k):
+    group = q.shape[2] // k.shape[2]
+    kh = k.repeat_interleave(group, 2).transpose(1, 2)
+    return q.transpose(1, 2) @ kh.transpose(-1, -2) / math.sqrt(q.shape[-1])
+
+
+def entmax_threshold(x, alpha, visible):
+    """tau with sum_i max(x_i - tau, 0)^(1 / (alpha - 1)) = 1 over visible keys, by bisection
+    on [max - 1, max] (float64, 200 halvings: exact to rounding); x = (alpha - 1) z."""
+    x = x.masked_fill(~visible, float("-inf"))
+    hi = x.max(-1, keepdim=True).values
+    lo = hi - 1
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        f = torch.clamp(x - mid, min=0).pow(1 / (alpha - 1)).sum(-1, keepdim=True)
+        lo, hi = torch.where(f >= 1, mid, lo), torch.where(f >= 1, hi, mid)
+    return lo
+
+
+def composed_entmax(q, k, v, alpha=1.5, attend_current=True):
+    """alpha-entmax weights p_i = ((alpha - 1) z_i - tau)_+^(1 / (alpha - 1)) (forward only)."""
+    group = q.shape[2] // k.shape[2]
+    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    x = (alpha - 1) * scores(q, k)
+    visible = visible_mask(q.shape[1], k.shape[1], attend_current)
+    tau = entmax_threshold(x, alpha, visible)
+    w = torch.where(visible, torch.clamp(x - tau, min=0).pow(1 / (alpha - 1)), torch.zeros_like(x))
+    return (w @ vh).transpose(1, 2)
+
+
+def composed_sieve(q, k, v, alpha=1.5, filter="exact", eps=None, attend_current=False):
+    """Stick-breaking over the candidates: the entmax support (exact) or the keys within eps of
+    the row maximum (bound). Returns (out, rem, count)."""
+    group = q.shape[2] // k.shape[2]
+    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    z = scores(q, k)
+    visible = visible_mask(q.shape[1], k.shape[1], attend_current)
+    if filter == "exact":
+        threshold = entmax_threshold((alpha - 1) * z, alpha, visible) / (alpha - 1)
+    else:
+        eps = 1 / (alpha - 1) if eps is None else eps
+        threshold = z.masked_fill(~visible, float("-inf")).max(-1, keepdim=True).values - eps
+    kept = visible & (z > threshold)
+    cost = torch.where(kept, torch.nn.functional.softplus(z), torch.zeros_like(z))
+    suffix = cost.flip(-1).cumsum(-1).flip(-1)
+    w = torch.where(kept, torch.exp(z - suffix), torch.zeros_like(z))
+    return ((w @ vh).transpose(1, 2), torch.exp(-cost.sum(-1)).transpose(1, 2),
+            kept.sum(-1).transpose(1, 2).to(torch.int32))
 
 
 def test_library_is_loaded():
@@ -126,3 +182,62 @@ def test_no_visible_key_gives_zero_and_no_nan():
     assert rem.item() == 1.0
     (out.sum() + rem.sum()).backward()
     assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.3])
+def test_entmax_matches_composed(alpha):
+    torch.manual_seed(6)
+    q = torch.randn(2, 23, 4, 16, dtype=torch.float64) * 2
+    k = torch.randn(2, 41, 2, 16, dtype=torch.float64)
+    v = torch.randn(2, 41, 2, 8, dtype=torch.float64)
+    out = winnow.entmax_attention(q, k, v, alpha=alpha)
+    torch.testing.assert_close(out, composed_entmax(q, k, v, alpha), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("filter,eps", [("exact", None), ("bound", None), ("bound", 0.7)])
+def test_sieve_matches_composed(filter, eps):
+    torch.manual_seed(7)
+    q = torch.randn(2, 23, 4, 16, dtype=torch.float64) * 2
+    k = torch.randn(2, 41, 2, 16, dtype=torch.float64)
+    v = torch.randn(2, 41, 2, 8, dtype=torch.float64)
+    out, rem, count = winnow.sieve_attention(q, k, v, filter=filter, eps=eps)
+    ref_out, ref_rem, ref_count = composed_sieve(q, k, v, filter=filter, eps=eps)
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(rem, ref_rem, rtol=1e-9, atol=1e-9)
+    assert torch.equal(count, ref_count)
+    assert count.dtype == torch.int32 and 0 < count.max() < 41  # a real selection
+
+
+def test_entmax_gradcheck_varlen():
+    torch.manual_seed(8)
+    q = torch.randn(11, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(11, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(11, 1, 3, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 5, 11], dtype=torch.int32)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: winnow.entmax_attention(q * 3, k, v, cu_seqlens_q=cu, alpha=1.5), (q, k, v))
+
+
+@pytest.mark.parametrize("filter", ["exact", "bound"])
+def test_sieve_gradcheck(filter):
+    torch.manual_seed(9)
+    q = torch.randn(1, 9, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 12, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 12, 1, 3, dtype=torch.float64, requires_grad=True)
+    # (out, rem): the count is an integer output with no gradient.
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: winnow.sieve_attention(q * 3, k, v, filter=filter)[:2], (q, k, v))
+
+
+def test_entmax_and_sieve_bad_options_name_the_argument():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="argument 'alpha'"):
+        winnow.entmax_attention(q, q, q, alpha=1.0)
+    with pytest.raises(ValueError, match="argument 'alpha'"):
+        winnow.sieve_attention(q, q, q, alpha=float("nan"))
+    with pytest.raises(ValueError, match="argument 'filter'"):
+        winnow.sieve_attention(q, q, q, filter="top-k")
+    with pytest.raises(ValueError, match="argument 'eps'"):
+        winnow.sieve_attention(q, q, q, eps=0.5)  # eps belongs to the bound filter
+    with pytest.raises(ValueError, match="argument 'eps'"):
+        winnow.sieve_attention(q, q, q, filter="bound", eps=-1.0)

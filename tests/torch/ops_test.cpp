@@ -66,7 +66,10 @@ TEST(TorchOps, AreRegistered) {
   for (const char* name :
        {"winnow::softmax_attention", "winnow::softmax_attention_forward",
         "winnow::softmax_attention_backward", "winnow::stick_breaking_attention",
-        "winnow::stick_breaking_attention_forward", "winnow::stick_breaking_attention_backward"}) {
+        "winnow::stick_breaking_attention_forward", "winnow::stick_breaking_attention_backward",
+        "winnow::entmax_attention", "winnow::entmax_attention_forward",
+        "winnow::entmax_attention_backward", "winnow::sieve_attention",
+        "winnow::sieve_attention_forward", "winnow::sieve_attention_backward"}) {
     EXPECT_NO_THROW(op(name)) << name;
   }
 }
@@ -138,6 +141,67 @@ TEST(TorchOps, ForwardAndBackwardOpsAgreeWithTheReferenceBackend) {
   }
 }
 
+// The float32 CPU kernels against the float64 reference through the same operators, on varlen
+// input with an empty sequence and queries that are a suffix of their keys.
+TEST(TorchOps, EntmaxForwardAndBackwardOpsAgreeWithTheReferenceBackend) {
+  torch::manual_seed(3);
+  Tensor q = torch::randn({21, 4, 32}) * 2, k = torch::randn({30, 2, 32}), v = torch::randn({30, 2, 16});
+  Tensor cu_q = torch::tensor({0, 6, 6, 21}, torch::kInt), cu_k = torch::tensor({0, 9, 15, 30}, torch::kInt);
+  Tensor dout = torch::randn({21, 4, 16});
+  auto d = [](const Tensor& t) { return t.to(torch::kDouble); };
+  for (const double alpha : {1.5, 2.0, 1.25}) {
+    auto fast = call("winnow::entmax_attention_forward",
+                     {q, k, v, cu_q, cu_k, c10::IValue(), true, alpha});
+    auto fast_grads = call("winnow::entmax_attention_backward",
+                           {q, k, v, fast[0], fast[1], dout, cu_q, cu_k, c10::IValue(), true, alpha});
+    auto ref = call("winnow::entmax_attention_forward",
+                    {d(q), d(k), d(v), cu_q, cu_k, c10::IValue(), true, alpha, c10::IValue(), true});
+    auto ref_grads = call("winnow::entmax_attention_backward",
+                          {d(q), d(k), d(v), ref[0], ref[1], d(dout), cu_q, cu_k, c10::IValue(),
+                           true, alpha, false, true});
+    EXPECT_LT(rel(fast[0].toTensor(), ref[0].toTensor()), 1e-5) << "alpha " << alpha;
+    EXPECT_LT(rel(fast[1].toTensor(), ref[1].toTensor()), 1e-5) << "alpha " << alpha;
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_LT(rel(fast_grads[i].toTensor(), ref_grads[i].toTensor()), 1e-5)
+          << "alpha " << alpha << " grad " << i;
+    }
+  }
+}
+
+// Autograd through the public op (out, rem) against the reference's own backward, for both
+// filters; the count is the same integer tensor from both backends.
+TEST(TorchOps, SieveAutogradAgreesWithTheReferenceBackend) {
+  torch::manual_seed(4);
+  auto opts = torch::dtype(torch::kDouble);
+  for (const char* filter : {"exact", "bound"}) {
+    Tensor q = (torch::randn({2, 4, 29, 16}, opts) * 2).transpose(1, 2).requires_grad_();
+    Tensor k = torch::randn({2, 40, 2, 16}, opts).requires_grad_();
+    Tensor v = torch::randn({2, 40, 2, 8}, opts).requires_grad_();
+    Tensor w_out = torch::randn({2, 29, 4, 8}, opts), w_rem = torch::randn({2, 29, 4}, opts);
+    auto outs = call("winnow::sieve_attention",
+                     {q, k, v, c10::IValue(), c10::IValue(), c10::IValue(), false, 1.5, filter});
+    Tensor out = outs[0].toTensor(), rem = outs[1].toTensor(), count = outs[2].toTensor();
+    ((out * w_out).sum() + (rem * w_rem).sum()).backward();
+
+    auto ref = call("winnow::sieve_attention_forward",
+                    {q.detach(), k.detach(), v.detach(), c10::IValue(), c10::IValue(),
+                     c10::IValue(), false, 1.5, filter, c10::IValue(), c10::IValue(), true});
+    Tensor ref_log_rem = ref[1].toTensor();
+    auto ref_grads = call("winnow::sieve_attention_backward",
+                          {q.detach(), k.detach(), v.detach(), ref[0], ref_log_rem, ref[2], w_out,
+                           w_rem * ref_log_rem.exp(), c10::IValue(), c10::IValue(), c10::IValue(),
+                           false, 1.5, filter, c10::IValue(), false, true});
+    EXPECT_LT(rel(out, ref[0].toTensor()), 1e-12) << filter;
+    EXPECT_LT(rel(rem, ref_log_rem.exp()), 1e-12) << filter;
+    EXPECT_TRUE(torch::equal(count, ref[3].toTensor())) << filter;
+    EXPECT_GT(count.max().item<int>(), 0) << filter;
+    EXPECT_LT(count.min().item<int>(), 39) << filter;  // the filter removed keys
+    EXPECT_LT(rel(q.grad(), ref_grads[0].toTensor()), 1e-10) << filter;
+    EXPECT_LT(rel(k.grad(), ref_grads[1].toTensor()), 1e-10) << filter;
+    EXPECT_LT(rel(v.grad(), ref_grads[2].toTensor()), 1e-10) << filter;
+  }
+}
+
 TEST(TorchOps, BadArgumentsRaiseValueErrorsNamingTheArgument) {
   Tensor q = torch::randn({1, 8, 2, 16}), k = torch::randn({1, 8, 2, 16});
   Tensor v = torch::randn({1, 7, 2, 16});
@@ -152,6 +216,19 @@ TEST(TorchOps, BadArgumentsRaiseValueErrorsNamingTheArgument) {
     ADD_FAILURE() << "no error";
   } catch (const c10::ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("argument 'q'"), std::string::npos) << e.what();
+  }
+  try {
+    call("winnow::sieve_attention", {q, k, k, c10::IValue(), c10::IValue(), c10::IValue(), false,
+                                     1.5, "exact", 0.5});
+    ADD_FAILURE() << "no error";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("argument 'eps'"), std::string::npos) << e.what();
+  }
+  try {
+    call("winnow::entmax_attention", {q, k, k, c10::IValue(), c10::IValue(), c10::IValue(), true, 0.5});
+    ADD_FAILURE() << "no error";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("argument 'alpha'"), std::string::npos) << e.what();
   }
 }
 
