@@ -65,12 +65,25 @@ def entmax_threshold(x, alpha, visible):
 
 
 def composed_entmax(q, k, v, alpha=1.5, attend_current=True):
-    """alpha-entmax weights p_i = ((alpha - 1) z_i - tau)_+^(1 / (alpha - 1)) (forward only)."""
+    """alpha-entmax weights p_i = ((alpha - 1) z_i - tau)_+^(1 / (alpha - 1)); differentiable
+    for alpha 1.5 and 2 (forward only otherwise)."""
     group = q.shape[2] // k.shape[2]
     vh = v.repeat_interleave(group, 2).transpose(1, 2)
     x = (alpha - 1) * scores(q, k)
     visible = visible_mask(q.shape[1], k.shape[1], attend_current)
-    tau = entmax_threshold(x, alpha, visible)
+    tau = entmax_threshold(x.detach(), alpha, visible)
+    if alpha in (1.5, 2.0):
+        # On the support S the threshold has a closed form, which autograd differentiates:
+        # alpha = 2: sum_S (x - tau) = 1; alpha = 1.5: sum_S (x - tau)^2 = 1 (the larger x root).
+        support = visible & (x.detach() > tau)
+        n = support.sum(-1, keepdim=True).to(x.dtype)
+        s1 = torch.where(support, x, torch.zeros_like(x)).sum(-1, keepdim=True)
+        if alpha == 2.0:
+            tau = (s1 - 1) / n.clamp(min=1)
+        else:
+            s2 = torch.where(support, x * x, torch.zeros_like(x)).sum(-1, keepdim=True)
+            disc = (s1 * s1 - n * (s2 - 1)).clamp(min=0)
+            tau = (s1 - disc.sqrt()) / n.clamp(min=1)
     w = torch.where(visible, torch.clamp(x - tau, min=0).pow(1 / (alpha - 1)), torch.zeros_like(x))
     return (w @ vh).transpose(1, 2)
 
@@ -206,6 +219,19 @@ def test_sieve_matches_composed(filter, eps):
     torch.testing.assert_close(rem, ref_rem, rtol=1e-9, atol=1e-9)
     assert torch.equal(count, ref_count)
     assert count.dtype == torch.int32 and 0 < count.max() < 41  # a real selection
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_entmax_gradients_match_composed(alpha):
+    torch.manual_seed(10)
+    q = (torch.randn(1, 30, 2, 8, dtype=torch.float64) * 2).requires_grad_()
+    k = torch.randn(1, 30, 1, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 30, 1, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 30, 2, 5, dtype=torch.float64)
+    grads = torch.autograd.grad((winnow.entmax_attention(q, k, v, alpha=alpha) * w).sum(), (q, k, v))
+    ref = torch.autograd.grad((composed_entmax(q, k, v, alpha) * w).sum(), (q, k, v))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-9)
 
 
 def test_entmax_gradcheck_varlen():

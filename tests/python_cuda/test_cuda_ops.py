@@ -10,7 +10,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import winnow  # noqa: E402
-from test_ops import composed_softmax, composed_stick_breaking  # noqa: E402
+from test_ops import (composed_entmax, composed_sieve, composed_softmax,  # noqa: E402
+                      composed_stick_breaking)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -75,3 +76,44 @@ def test_halting_on_cuda_is_negligible_at_40():
     full, _ = winnow.stick_breaking_attention(q, k, v)
     halted, _ = winnow.stick_breaking_attention(q, k, v, halt_cutoff=40.0)
     assert rel(halted, full) < 1e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_entmax_cuda_matches_composed(dtype, tol, dim, alpha):
+    torch.manual_seed(5)
+    q = (torch.randn(2, 300, 8, dim, device="cuda") * 2).to(dtype).requires_grad_()
+    k = torch.randn(2, 300, 2, dim, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 300, 2, dim, device="cuda", dtype=dtype, requires_grad=True)
+    out, grads = grads_of(lambda q, k, v: winnow.entmax_attention(q, k, v, alpha=alpha), q, k, v)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_grads = grads_of(lambda q, k, v: composed_entmax(q, k, v, alpha), *ref_in)
+    assert rel(out, ref) < tol
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("filter", ["exact", "bound"])
+def test_sieve_cuda_matches_composed(dtype, tol, dim, filter):
+    torch.manual_seed(6)
+    q = (torch.randn(2, 300, 8, dim, device="cuda") * 2).to(dtype).requires_grad_()
+    k = torch.randn(2, 300, 2, dim, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 300, 2, dim, device="cuda", dtype=dtype, requires_grad=True)
+    fn = lambda q, k, v: winnow.sieve_attention(q, k, v, filter=filter)[:2]  # noqa: E731
+    (out, rem), _ = fn(q, k, v), None
+    _, grads = grads_of(fn, q, k, v)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_fn = lambda q, k, v: composed_sieve(q, k, v, filter=filter)[:2]  # noqa: E731
+    ref_out, ref_rem = ref_fn(*ref_in)
+    _, ref_grads = grads_of(ref_fn, *ref_in)
+    assert rel(out, ref_out) < tol
+    assert rel(rem, ref_rem) < tol
+    count = winnow.sieve_attention(q, k, v, filter=filter)[2]
+    ref_count = composed_sieve(*ref_in, filter=filter)[2]
+    # Keys within rounding of the threshold may fall either way in bf16 / fp16.
+    assert (count.cpu() - ref_count).abs().float().mean() < 0.05 * ref_count.float().mean()
+    for g, r in zip(grads, ref_grads):
+        assert rel(g, r) < tol

@@ -4,7 +4,11 @@
 // per tile computes S = Q K^T on the matrix units, lets the mechanism turn S into weights P
 // (rescaling the running output where it must), and adds P V.
 //
-// A mechanism is a Rows policy holding its per-row running state in registers:
+// A mechanism is a Rows policy holding its per-row running state in registers, constructed
+// from (params, config, query tile, the thread's first row):
+//   kUsesValues                false for sweeps that only gather row statistics (entmax's
+//                              threshold search): no V is loaded and no P V is computed, and
+//                              the policy stores its own results (store_extra)
 //   weights<Masked>(s, mask)   scores -> weights in place
 //   rescale(o)                 what the last weights() asks of the output so far (softmax's
 //                              moved maximum), applied once no product is adding into o
@@ -76,10 +80,12 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
       const std::int64_t key = key0 + key_of_column<BK>(c);
       return key < qt.s.k_len ? p.k.at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
     });
-    v_tile(buf).template load_async<kThreads>(tid, [&](int c) -> const T* {
-      const std::int64_t key = key0 + key_of_column<BK>(c);
-      return key < qt.s.k_len ? p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
-    });
+    if constexpr (Rows::kUsesValues) {
+      v_tile(buf).template load_async<kThreads>(tid, [&](int c) -> const T* {
+        const std::int64_t key = key0 + key_of_column<BK>(c);
+        return key < qt.s.k_len ? p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
+      });
+    }
   };
 
   q_tile.template load_async<kThreads>(tid, [&](int r) -> const T* {
@@ -94,7 +100,7 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
   mask.limit[1] = qt.limit(p, row0 + 8);
   mask.tig = tig;
 
-  Rows rows(p, cfg);
+  Rows rows(p, cfg, qt, row0);
   float o[DT][4];
   tile::zero(o);
   int kept_from_tile = 0;
@@ -123,10 +129,12 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
     } else {
       rows.template weights<false>(s, mask);
     }
-    rows.rescale(o);
-    std::uint32_t pa[BK / 16][4];
-    tile::to_operand<T>(s, pa);
-    tile::mma_b_cols<T>(o, pa, v_tile(buf), 0, lane);
+    if constexpr (Rows::kUsesValues) {
+      rows.rescale(o);
+      std::uint32_t pa[BK / 16][4];
+      tile::to_operand<T>(s, pa);
+      tile::mma_b_cols<T>(o, pa, v_tile(buf), 0, lane);
+    }
     kept_from_tile = kt;
     if (Rows::kCanHalt && rows.can_halt() && __syncthreads_and(rows.halted(mask))) break;
     __syncthreads();
@@ -138,16 +146,18 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
   for (int half = 0; half < 2; ++half) {
     const std::int64_t row = row0 + 8 * half;
     if (row >= qt.s.q_len) continue;
-    T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
+    if constexpr (Rows::kUsesValues) {
+      T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
 #pragma unroll
-    for (int n = 0; n < DT; ++n) {
-      *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
-          tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+      for (int n = 0; n < DT; ++n) {
+        *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
+            tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+      }
     }
     if (tig == 0) {
-      *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
+      if constexpr (Rows::kUsesValues) *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
       rows.store_extra(p, cfg, qt.b, qt.s.q_start + row, qt.h,
-                       static_cast<std::int64_t>(kept_from_tile) * BK);
+                       static_cast<std::int64_t>(kept_from_tile) * BK, half);
     }
   }
 }

@@ -11,6 +11,8 @@
 //              run. The consumers take turns for their rounds (two named barriers, ping-pong):
 //              one's exp/log work overlaps the other's products, which is what keeps the
 //              matrix units busy when a mechanism's per-score work is as heavy as its products.
+// Sweeps without values (Rows::kUsesValues false: entmax's threshold search) load no V and
+// issue no P V; the rounds keep their turns so the schedule is the same.
 // Early halting (stick-breaking): a consumer whose 64 rows have all halted stops computing and
 // raises a flag; once both have, the producer stops loading and sends an end marker.
 #pragma once
@@ -133,9 +135,11 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       const int valid = keys_valid(kt);
       k_tile(s).template load_rows_async<128>(ptid, k_base + row * p.k.row, (P / 4) * p.k.row, valid);
       tile::mbar_arrive_on_copies(&k_full[s]);
-      if (i >= S) tile::mbar_wait_sleepy(&v_empty[s], ((i / S) - 1) & 1);
-      v_tile(s).template load_rows_async<128>(ptid, v_base + row * p.v.row, (P / 4) * p.v.row, valid);
-      tile::mbar_arrive_on_copies(&v_full[s]);
+      if constexpr (Rows::kUsesValues) {
+        if (i >= S) tile::mbar_wait_sleepy(&v_empty[s], ((i / S) - 1) & 1);
+        v_tile(s).template load_rows_async<128>(ptid, v_base + row * p.v.row, (P / 4) * p.v.row, valid);
+        tile::mbar_arrive_on_copies(&v_full[s]);
+      }
     }
   } else {
     // ---------------------------------------------------------------- consumers
@@ -149,7 +153,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     mask.limit[0] = qt.limit(p, row0);
     mask.limit[1] = qt.limit(p, row0 + 8);
     mask.tig = tig;
-    Rows rows(p, cfg);
+    Rows rows(p, cfg, qt, row0);
     float o[D / 8][4];
     tile::zero(o);
     std::uint32_t pa[BK / 16][4];  // P of the previous tile, waiting for its product with V
@@ -191,14 +195,14 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     };
     auto after_weights = [&](float (&sc)[BK / 8][4], int i) {
       if (!done) {
-        rows.rescale(o);
+        if constexpr (Rows::kUsesValues) rows.rescale(o);
         kept_from_tile = n_tiles - 1 - i;
         if (may_halt) {
           done = tile::named_sync_and(kConsumerBarrier + wg, 128, rows.halted(mask));
           if (done && wtid == 0) halted[wg] = 1;
         }
       }
-      tile::to_operand<T>(sc, pa);
+      if constexpr (Rows::kUsesValues) tile::to_operand<T>(sc, pa);
     };
 
     if (wg == 1) tile::named_arrive(kTurnBarrier, 256);  // consumer 0 takes the first turn
@@ -223,35 +227,47 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         const int s = i % S, prev = (i - 1) % S;
         tile::mbar_wait(&k_full[s], (i / S) & 1);
         if (end[s] < 0) break;
-        tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);
+        if constexpr (Rows::kUsesValues) tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);
         tile::fence_to_async_proxy();
         tile::fresh(sc);
         tile::named_sync(my_turn, 256);
         tile::wgmma_fence();
         issue_s(sc, s);
-        issue_pv(prev);
+        if constexpr (Rows::kUsesValues) issue_pv(prev);
         tile::named_arrive(other_turn, 256);
-        tile::wgmma_wait<1>();
+        if constexpr (Rows::kUsesValues) {
+          tile::wgmma_wait<1>();
+        } else {
+          tile::wgmma_wait<0>();
+        }
         tile::pin(sc);
         tile::mbar_arrive(&k_empty[s]);
         weigh(sc, i);
-        tile::wgmma_wait<0>();
-        tile::pin(o);
-        tile::mbar_arrive(&v_empty[prev]);
+        if constexpr (Rows::kUsesValues) {
+          tile::wgmma_wait<0>();
+          tile::pin(o);
+          tile::mbar_arrive(&v_empty[prev]);
+        }
         after_weights(sc, i);
       }
 
       // Last round: the last P with its V. Consumer 1 gives no turn back after it, so every
       // turn given is taken.
       const int prev = (i - 1) % S;
-      tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);
-      tile::fence_to_async_proxy();
+      if constexpr (Rows::kUsesValues) {
+        tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);
+        tile::fence_to_async_proxy();
+      }
       tile::named_sync(my_turn, 256);
-      tile::wgmma_fence();
-      issue_pv(prev);
+      if constexpr (Rows::kUsesValues) {
+        tile::wgmma_fence();
+        issue_pv(prev);
+      }
       if (wg == 0) tile::named_arrive(other_turn, 256);
-      tile::wgmma_wait<0>();
-      tile::pin(o);
+      if constexpr (Rows::kUsesValues) {
+        tile::wgmma_wait<0>();
+        tile::pin(o);
+      }
     } else if (wg == 0) {
       // No tile at all: take the turn consumer 1 gave, so the barrier is left clean.
       tile::named_sync(my_turn, 256);
@@ -263,16 +279,18 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
       if (row >= qt.s.q_len) continue;
-      T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
+      if constexpr (Rows::kUsesValues) {
+        T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
-            tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+        for (int n = 0; n < D / 8; ++n) {
+          *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
+              tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+        }
       }
       if (tig == 0) {
-        *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
+        if constexpr (Rows::kUsesValues) *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
         rows.store_extra(p, cfg, qt.b, qt.s.q_start + row, qt.h,
-                         static_cast<std::int64_t>(kept_from_tile) * BK);
+                         static_cast<std::int64_t>(kept_from_tile) * BK, half);
       }
     }
   }

@@ -14,11 +14,14 @@ struct SoftmaxConfig {};
 
 struct SoftmaxRows {
   static constexpr bool kCanHalt = false;
+  static constexpr bool kUsesValues = true;
   float scale_log2;
   float max[2], sum[2];
   float pending[2] = {1.f, 1.f};  // the output's rescale for the last tile's new maximum
 
-  __device__ __forceinline__ SoftmaxRows(const AttentionParams& p, const SoftmaxConfig&)
+  template <class Tile>
+  __device__ __forceinline__ SoftmaxRows(const AttentionParams& p, const SoftmaxConfig&, const Tile&,
+                                         std::int64_t)
       : scale_log2(static_cast<float>(p.scale * M_LOG2E)) {
     max[0] = max[1] = -INFINITY;
     sum[0] = sum[1] = 0.f;
@@ -95,7 +98,7 @@ struct SoftmaxRows {
 
   __device__ __forceinline__ void store_extra(const AttentionParams&, const SoftmaxConfig&,
                                               std::int64_t, std::int64_t, std::int64_t,
-                                              std::int64_t) const {}
+                                              std::int64_t, int) const {}
 };
 
 // The backward rows: P = exp2(z - lse) recomputed from the saved log-sum-exp, and

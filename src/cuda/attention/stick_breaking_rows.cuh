@@ -3,12 +3,16 @@
 // the costs along the keys (thread-local over the thread's consecutive keys, then one quad
 // scan), log2 A = z - suffix + carry, and carry -= the tile's cost. The carry is the log2 of
 // the stick left to the right of the tile; at the end it is log2 rem.
+//
+// Sieve (spec/sieve.md) is the same process over each row's candidates only: a Filter decides
+// per score whether the key takes part; a key left out adds no cost and gets no weight.
 #pragma once
 
 #include <cmath>
 
 #include "cuda/attention/backward.cuh"
 #include "cuda/attention/forward.cuh"
+#include "math/entmax.h"
 #include "math/stick_breaking.h"
 
 namespace winnow::cuda {
@@ -18,15 +22,57 @@ struct StickBreakingCudaConfig {
   detail::Operand kept_from;  // int32 per row; written by the forward when data != nullptr
 };
 
-struct StickBreakingRows {
-  static constexpr bool kCanHalt = true;
+// Sieve: stick-breaking without halting, over the keys whose score exceeds the row's threshold.
+struct SieveCudaConfig : StickBreakingCudaConfig {
+  detail::Operand threshold;  // float per row, score units (written by the threshold sweeps)
+  detail::Operand count;      // int32 per row; the forward writes it when data != nullptr
+};
+
+// Every visible key takes part (stick-breaking).
+struct EveryKey {
+  static constexpr bool kCounts = false;
+  template <class Tile>
+  __device__ __forceinline__ EveryKey(const AttentionParams&, const StickBreakingCudaConfig&,
+                                      const Tile&, std::int64_t) {}
+  __device__ __forceinline__ bool keep(int, float) const { return true; }
+};
+
+// A row's candidates: keys with z > threshold, compared in the log2 units the rows work in.
+struct SieveCandidates {
+  static constexpr bool kCounts = true;
+  float threshold_log2[2];
+  template <class Tile>
+  __device__ __forceinline__ SieveCandidates(const AttentionParams&, const SieveCudaConfig& cfg,
+                                             const Tile& qt, std::int64_t row0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      threshold_log2[half] =
+          row < qt.s.q_len
+              ? *cfg.threshold.at<const float>(qt.b, qt.s.q_start + row, qt.h) * static_cast<float>(M_LOG2E)
+              : INFINITY;
+    }
+  }
+  __device__ __forceinline__ bool keep(int half, float z_log2) const {
+    return math::sieve::admitted(z_log2, threshold_log2[half]);
+  }
+};
+
+template <class Filter>
+struct StickBreakingRowsOf {
+  static constexpr bool kCanHalt = !Filter::kCounts;
+  static constexpr bool kUsesValues = true;
   float scale_log2, cutoff_log2;
   float carry[2];
+  int candidates[2] = {0, 0};  // this thread's kept keys per row (Sieve's count)
+  Filter filter;
 
-  __device__ __forceinline__ StickBreakingRows(const AttentionParams& p,
-                                               const StickBreakingCudaConfig& cfg)
+  template <class Config, class Tile>
+  __device__ __forceinline__ StickBreakingRowsOf(const AttentionParams& p, const Config& cfg,
+                                                 const Tile& qt, std::int64_t row0)
       : scale_log2(static_cast<float>(p.scale * M_LOG2E)),
-        cutoff_log2(cfg.halt_cutoff * static_cast<float>(M_LOG2E)) {
+        cutoff_log2(cfg.halt_cutoff * static_cast<float>(M_LOG2E)),
+        filter(p, cfg, qt, row0) {
     carry[0] = carry[1] = 0.f;
   }
 
@@ -47,11 +93,12 @@ struct StickBreakingRows {
         for (int e = 1; e >= 0; --e) {
           float& z = s[n][2 * half + e];
           z *= scale_log2;
-          const float cost = !Masked || mask.visible<8 * NT>(half, n, e)
-                                 ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
-                                 : 0.f;
+          const bool kept = (!Masked || mask.visible<8 * NT>(half, n, e)) && filter.keep(half, z);
+          const float cost = kept ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast) : 0.f;
+          if constexpr (Filter::kCounts) candidates[half] += kept ? 1 : 0;
           right += cost;
-          z -= right;  // math::log_weight without the shift, which is added below
+          // math::log_weight without the shift, which is added below; -inf: weight 0.
+          z = kept ? z - right : -INFINITY;
         }
       }
       const tile::QuadScan quad = tile::quad_scan(right, mask.tig);
@@ -61,7 +108,7 @@ struct StickBreakingRows {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& z = s[n][2 * half + e];
-          z = !Masked || mask.visible<8 * NT>(half, n, e) ? tile::exp2_fast(z + shift) : 0.f;
+          z = tile::exp2_fast(z + shift);
         }
       }
       carry[half] -= quad.total;
@@ -72,27 +119,41 @@ struct StickBreakingRows {
   template <int DT>
   __device__ __forceinline__ void rescale(float (&)[DT][4]) const {}
 
-  __device__ __forceinline__ bool can_halt() const { return cutoff_log2 > 0.f; }
+  __device__ __forceinline__ bool can_halt() const { return kCanHalt && cutoff_log2 > 0.f; }
   __device__ __forceinline__ bool halted(const RowMask& mask) const {
     return (mask.limit[0] < 0 || carry[0] < -cutoff_log2) &&
            (mask.limit[1] < 0 || carry[1] < -cutoff_log2);
   }
 
   template <int DT>
-  __device__ __forceinline__ void finish(float (&)[DT][4], float (&stat)[2]) const {
+  __device__ __forceinline__ void finish(float (&)[DT][4], float (&stat)[2]) {
     stat[0] = carry[0] * static_cast<float>(M_LN2);
     stat[1] = carry[1] * static_cast<float>(M_LN2);
+    if constexpr (Filter::kCounts) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        candidates[half] += __shfl_xor_sync(0xffffffffu, candidates[half], 1);
+        candidates[half] += __shfl_xor_sync(0xffffffffu, candidates[half], 2);
+      }
+    }
   }
 
-  __device__ __forceinline__ void store_extra(const AttentionParams&,
-                                              const StickBreakingCudaConfig& cfg, std::int64_t b,
-                                              std::int64_t row, std::int64_t h,
-                                              std::int64_t kept_from) const {
+  // row is absolute; the thread's rows are the first and the ninth of its 16.
+  template <class Config>
+  __device__ __forceinline__ void store_extra(const AttentionParams&, const Config& cfg,
+                                              std::int64_t b, std::int64_t row, std::int64_t h,
+                                              std::int64_t kept_from, int half = 0) const {
     if (cfg.kept_from.data != nullptr) {
-      *cfg.kept_from.at<std::int32_t>(b, row, h) = static_cast<std::int32_t>(kept_from);
+      *cfg.kept_from.template at<std::int32_t>(b, row, h) = static_cast<std::int32_t>(kept_from);
+    }
+    if constexpr (Filter::kCounts) {
+      if (cfg.count.data != nullptr) *cfg.count.template at<std::int32_t>(b, row, h) = candidates[half];
     }
   }
 };
+
+using StickBreakingRows = StickBreakingRowsOf<EveryKey>;
+using SieveRows = StickBreakingRowsOf<SieveCandidates>;
 
 // The backward rows, sweeping key tiles left to right. Per row: a = log2 of the stick left to
 // the right of the tiles visited so far, starting from log2 rem (the forward's statistic) and
@@ -104,20 +165,25 @@ struct StickBreakingRows {
 //   left to right   A, g = A dP (into dp), the thread's sum of g; a quad scan of the sums
 //   left to right   the running prefix of g again, dS = scale (g - sigmoid(z) (prefix + drem))
 //                   (math::grad_logit_given_sigmoid)
-// so only the sigmoids need an array of their own.
-template <class T>
-struct StickBreakingBackwardRows {
+// so only the sigmoids need an array of their own. A key the filter leaves out gets cost 0,
+// sigmoid 0 and log weight -inf, hence g = 0 and dS = 0.
+template <class T, class Filter>
+struct StickBreakingBackwardRowsOf {
   float scale_log2, scale;
   float stick[2], g_sum[2], dlog_rem[2];
   std::int64_t kept_from[2];
   int tig;
+  Filter filter;
 
-  template <class Tile>
-  __device__ __forceinline__ StickBreakingBackwardRows(const AttentionParams& p,
-                                                       const detail::GradientParams& g,
-                                                       const StickBreakingCudaConfig& cfg,
-                                                       const Tile& qt, std::int64_t row0, int tig_)
-      : scale_log2(static_cast<float>(p.scale * M_LOG2E)), scale(static_cast<float>(p.scale)), tig(tig_) {
+  template <class Config, class Tile>
+  __device__ __forceinline__ StickBreakingBackwardRowsOf(const AttentionParams& p,
+                                                         const detail::GradientParams& g,
+                                                         const Config& cfg, const Tile& qt,
+                                                         std::int64_t row0, int tig_)
+      : scale_log2(static_cast<float>(p.scale * M_LOG2E)),
+        scale(static_cast<float>(p.scale)),
+        tig(tig_),
+        filter(p, cfg, qt, row0) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
@@ -128,7 +194,7 @@ struct StickBreakingBackwardRows {
       stick[half] = *p.stats.at<const float>(qt.b, abs_row, qt.h) * static_cast<float>(M_LOG2E);
       if (g.dstats.data != nullptr) dlog_rem[half] = *g.dstats.at<const float>(qt.b, abs_row, qt.h);
       if (cfg.halt_cutoff > 0.f && cfg.kept_from.data != nullptr) {
-        kept_from[half] = *cfg.kept_from.at<const std::int32_t>(qt.b, abs_row, qt.h);
+        kept_from[half] = *cfg.kept_from.template at<const std::int32_t>(qt.b, abs_row, qt.h);
       }
     }
   }
@@ -150,12 +216,11 @@ struct StickBreakingBackwardRows {
         for (int e = 1; e >= 0; --e) {
           float& z = s[n][2 * half + e];
           z *= scale_log2;
-          const float c = !Masked || mask.visible<8 * NT>(half, n, e)
-                              ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast)
-                              : 0.f;
-          sigmoid[n][e] = tile::exp2_fast(z - c);
+          const bool kept = (!Masked || mask.visible<8 * NT>(half, n, e)) && filter.keep(half, z);
+          const float c = kept ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast) : 0.f;
+          sigmoid[n][e] = kept ? tile::exp2_fast(z - c) : 0.f;
           right += c;
-          z -= right;
+          z = kept ? z - right : -INFINITY;
         }
       }
       const tile::QuadScan costs = tile::quad_scan(right, tig);
@@ -167,7 +232,7 @@ struct StickBreakingBackwardRows {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * half + e;
-          const float w = !Masked || mask.visible<8 * NT>(half, n, e) ? tile::exp2_fast(s[n][i] + shift) : 0.f;
+          const float w = tile::exp2_fast(s[n][i] + shift);
           s[n][i] = w;
           dp[n][i] *= w;  // g
           g_thread += dp[n][i];
@@ -190,5 +255,10 @@ struct StickBreakingBackwardRows {
     }
   }
 };
+
+template <class T>
+using StickBreakingBackwardRows = StickBreakingBackwardRowsOf<T, EveryKey>;
+template <class T>
+using SieveBackwardRows = StickBreakingBackwardRowsOf<T, SieveCandidates>;
 
 }  // namespace winnow::cuda
