@@ -71,7 +71,13 @@ struct ThresholdSearch {
     S next = tau + (alpha_ - S(1)) * (f - S(1)) / sum_u;
     if (!(next > lo && next < hi)) next = lo + (hi - lo) * S(0.5);
     if (!(next > lo && next < hi)) return done = true;  // the bracket cannot shrink further
+    // A step within a few ulps of tau cannot improve it: near the root the sign of f - 1 is
+    // decided by f's own rounding (hundreds of terms at long context), and Newton and
+    // bisection would trade places for dozens of sweeps while the bracket closes.
+    const S resolution = S(4) * (sizeof(S) == 4 ? S(1.1920929e-7) : S(2.220446049250313e-16));
+    const S moved = next > tau ? next - tau : tau - next;
     tau = next;
+    if (moved <= resolution * (fabs(tau) + S(1))) return done = true;
     return false;
   }
 

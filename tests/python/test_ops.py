@@ -70,7 +70,7 @@ def composed_entmax(q, k, v, alpha=1.5, attend_current=True):
     group = q.shape[2] // k.shape[2]
     vh = v.repeat_interleave(group, 2).transpose(1, 2)
     x = (alpha - 1) * scores(q, k)
-    visible = visible_mask(q.shape[1], k.shape[1], attend_current)
+    visible = visible_mask(q.shape[1], k.shape[1], attend_current, q.device)
     tau = entmax_threshold(x.detach(), alpha, visible)
     if alpha in (1.5, 2.0):
         # On the support S the threshold has a closed form, which autograd differentiates:
@@ -94,7 +94,7 @@ def composed_sieve(q, k, v, alpha=1.5, filter="exact", eps=None, attend_current=
     group = q.shape[2] // k.shape[2]
     vh = v.repeat_interleave(group, 2).transpose(1, 2)
     z = scores(q, k)
-    visible = visible_mask(q.shape[1], k.shape[1], attend_current)
+    visible = visible_mask(q.shape[1], k.shape[1], attend_current, q.device)
     if filter == "exact":
         threshold = entmax_threshold((alpha - 1) * z, alpha, visible) / (alpha - 1)
     else:
