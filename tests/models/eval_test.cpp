@@ -152,10 +152,21 @@ TEST(Probe, StatisticsMatchAHandComputation) {
   EXPECT_NEAR(layer["zero_fraction"][0].get<double>(), (0.0 / 3 + 3.0 / 4) / 2, 1e-12);
   EXPECT_NEAR(layer["remainder"][0].get<double>(), 0.3, 1e-12);
   EXPECT_NEAR(s["mean"]["remainder"].get<double>(), 0.3, 1e-12);
+  // Nonzero weights among the visible keys: 3 and 1.
+  EXPECT_NEAR(layer["support"][0].get<double>(), 2.0, 1e-12);
+  EXPECT_EQ(layer["support_max"][0].get<double>(), 3.0);
+  EXPECT_EQ(s["max"]["support_max"].get<double>(), 3.0);
+  EXPECT_FALSE(s["mean"].contains("support_max"));
+  // A second batch with a larger support raises the maximum.
+  probe.record(0, torch::full({1, 1, 2, 4}, 0.25, torch::kFloat64), true);
+  EXPECT_EQ(probe.summary()["layers"][0]["support_max"][0].get<double>(), 4.0);
+  probe.clear();
+  EXPECT_TRUE(probe.summary()["layers"].empty());
+  EXPECT_TRUE(probe.summary()["max"].empty());
 }
 
 TEST(Probe, EveryMechanismFeedsIt) {
-  for (const std::string kind : {"softmax", "differential", "stick_breaking"}) {
+  for (const std::string kind : {"softmax", "differential", "stick_breaking", "entmax", "sieve"}) {
     torch::manual_seed(4);
     nn::TransformerLM model(tiny(kind));
     nn::AttentionProbe probe(3);
