@@ -20,7 +20,9 @@
 #include "nn/attention.h"
 #include "nn/composed.h"
 #include "nn/modules.h"
+#include "nn/probe.h"
 #include "nn/transformer.h"
+#include "torch/ops.h"
 #include "winnow/error.h"
 
 namespace winnow::nn {
@@ -441,6 +443,191 @@ TEST(Alibi, BiasDecaysWithDistanceBySlope) {
       EXPECT_NEAR(w[0][L - 1][h][i].item<double>(), std::exp(-m * double(L - 1 - i)) / norm, 1e-12);
     }
   }
+}
+
+// ------------------------------------------------------------------ composed against the operators
+
+// |a - b| <= tol (1 + |b|) elementwise, so rows that are exactly zero compare too.
+::testing::AssertionResult close(const Tensor& a, const Tensor& b, double tol) {
+  const double err = ((a - b).abs() - tol * (1 + b.abs())).max().item<double>();
+  if (err <= 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "max |a - b| " << (a - b).abs().max().item<double>()
+                                       << " beyond tolerance " << tol;
+}
+
+// Small, awkward shapes: one key, odd head dimensions, fewer queries than keys (the queries are
+// the last positions), grouped-query attention (Hq a multiple of Hkv).
+struct Shape {
+  std::int64_t B, Lq, Lk, Hq, Hkv, D, Dv;
+  double scale;
+};
+const std::vector<Shape>& shapes() {
+  static const std::vector<Shape> all = {
+      {1, 1, 1, 1, 1, 3, 2, 1.0},
+      {2, 5, 5, 4, 2, 7, 5, 1.3},
+      {1, 3, 9, 6, 2, 8, 3, 2.0},
+      {2, 17, 17, 2, 1, 16, 16, 0.7},
+  };
+  return all;
+}
+
+struct Qkv {
+  Tensor q, k, v;
+  std::vector<Tensor> leaves() const { return {q, k, v}; }
+};
+Qkv random_qkv(const Shape& s, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  return {torch::randn({s.B, s.Lq, s.Hq, s.D}, f64).requires_grad_(),
+          torch::randn({s.B, s.Lk, s.Hkv, s.D}, f64).requires_grad_(),
+          torch::randn({s.B, s.Lk, s.Hkv, s.Dv}, f64).requires_grad_()};
+}
+
+std::vector<Tensor> grads_of(const Tensor& loss, const Qkv& in) {
+  return torch::autograd::grad({loss}, in.leaves());
+}
+
+TEST(Composed, EntmaxMatchesTheFusedOperatorForwardAndBackward) {
+  std::uint64_t seed = 10;
+  for (const Shape& s : shapes()) {
+    for (double alpha : {1.25, 1.5, 2.0, 3.0}) {
+      for (bool attend_current : {true, false}) {
+        const Qkv in = random_qkv(s, ++seed);
+        torch_ops::AttentionCall call;
+        call.scale = s.scale;
+        call.attend_current = attend_current;
+        const Tensor fused = torch_ops::entmax_attention(in.q, in.k, in.v, call, alpha);
+        const Tensor mine =
+            composed::entmax_attention(in.q, in.k, in.v, s.scale, attend_current, alpha);
+        const std::string what = "Lq " + std::to_string(s.Lq) + " Lk " + std::to_string(s.Lk) +
+                                 " alpha " + std::to_string(alpha) +
+                                 (attend_current ? " attend_current" : "");
+        EXPECT_TRUE(close(mine, fused, 1e-10)) << what;
+        const Tensor w = torch::randn_like(fused);
+        const auto g_fused = grads_of((fused * w).sum(), in);
+        const auto g_mine = grads_of((mine * w).sum(), in);
+        for (std::size_t i = 0; i < 3; ++i) {
+          EXPECT_TRUE(close(g_mine[i], g_fused[i], 1e-9)) << what << ", gradient " << "qkv"[i];
+        }
+      }
+    }
+  }
+}
+
+TEST(Composed, SieveMatchesTheFusedOperatorForwardBackwardAndCount) {
+  struct Filter {
+    std::string name;
+    std::optional<double> eps;
+  };
+  std::uint64_t seed = 50;
+  for (const Shape& s : shapes()) {
+    for (double alpha : {1.25, 1.5, 2.0, 3.0}) {
+      for (const Filter& f : {Filter{"exact", {}}, Filter{"bound", {}}, Filter{"bound", 0.3}}) {
+        for (bool attend_current : {false, true}) {
+          const Qkv in = random_qkv(s, ++seed);
+          torch_ops::AttentionCall call;
+          call.scale = s.scale;
+          call.attend_current = attend_current;
+          torch_ops::Opt<double> eps;
+          if (f.eps) eps = *f.eps;
+          const auto [out, rem, count] =
+              torch_ops::sieve_attention(in.q, in.k, in.v, call, alpha, f.name, eps);
+          const auto [mine, mine_rem] = composed::sieve_attention(
+              in.q, in.k, in.v, s.scale, attend_current, alpha, f.name, f.eps);
+          const std::string what = "Lq " + std::to_string(s.Lq) + " Lk " + std::to_string(s.Lk) +
+                                   " alpha " + std::to_string(alpha) + " " + f.name +
+                                   (f.eps ? " eps" : "") + (attend_current ? " attend_current" : "");
+          EXPECT_TRUE(close(mine, out, 1e-11)) << what;
+          EXPECT_TRUE(close(mine_rem, rem, 1e-11)) << what;
+          // float64 at these sizes: no candidate's weight underflows, so the nonzero weights
+          // are the candidates.
+          const Tensor w = composed::sieve_weights(in.q, in.k, s.scale, attend_current, alpha,
+                                                   f.name, f.eps)
+                               .first;
+          EXPECT_TRUE(torch::equal(w.ne(0).sum(-1).transpose(1, 2).to(torch::kInt32), count))
+              << what;
+          const Tensor wo = torch::randn_like(out), wr = torch::randn_like(rem);
+          const auto g_fused = grads_of((out * wo).sum() + (rem * wr).sum(), in);
+          const auto g_mine = grads_of((mine * wo).sum() + (mine_rem * wr).sum(), in);
+          for (std::size_t i = 0; i < 3; ++i) {
+            EXPECT_TRUE(close(g_mine[i], g_fused[i], 1e-10)) << what << ", gradient " << "qkv"[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Composed, EntmaxRowsSumToOneInFloat32AndAreSparse) {
+  torch::manual_seed(7);
+  const Tensor q = torch::randn({2, 40, 2, 8}), k = torch::randn({2, 40, 1, 8});
+  for (double alpha : {1.25, 1.5, 2.0, 3.0}) {
+    const Tensor p = composed::entmax_weights(q, k, 2.0, true, alpha);
+    EXPECT_EQ(p.scalar_type(), torch::kFloat32);
+    EXPECT_LT((p.sum(-1) - 1).abs().max().item<double>(), 1e-5) << alpha;
+    EXPECT_GT(p.eq(0).logical_and(torch::ones({40, 40}, torch::kBool).tril()).sum().item<int64_t>(), 0)
+        << alpha;
+    EXPECT_EQ(p.ne(0).logical_and(torch::ones({40, 40}, torch::kBool).triu(1)).sum().item<int64_t>(), 0)
+        << alpha;
+  }
+  // The first query sees no earlier key: its row is zero.
+  const Tensor previous = composed::entmax_weights(q, k, 2.0, false, 1.5);
+  EXPECT_EQ(previous.select(2, 0).abs().max().item<double>(), 0.0);
+  EXPECT_LT((previous.narrow(2, 1, 39).sum(-1) - 1).abs().max().item<double>(), 1e-5);
+}
+
+TEST(Composed, SieveWithAHugeMarginIsStickBreaking) {
+  const Qkv in = random_qkv({2, 6, 6, 2, 1, 4, 3, 1.0}, 3);
+  const auto [sieve, sieve_rem] =
+      composed::sieve_attention(in.q, in.k, in.v, 1.0, false, 1.5, "bound", 1e6);
+  const auto [sb, sb_rem] = composed::stick_breaking_attention(in.q, in.k, in.v, 1.0, false);
+  EXPECT_TRUE(close(sieve, sb, 1e-14));
+  EXPECT_TRUE(close(sieve_rem, sb_rem, 1e-14));
+}
+
+TEST(Composed, BadArgumentsAreErrorsNamingThem) {
+  const Qkv in = random_qkv({1, 2, 2, 1, 1, 4, 4, 1.0}, 1);
+  auto message = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { composed::entmax_weights(in.q, in.k, 1.0, true, 1.0); }).find("argument 'alpha'"),
+            std::string::npos);
+  EXPECT_NE(message([&] { composed::sieve_weights(in.q, in.k, 1.0, false, 1.5, "top", {}); })
+                .find("argument 'filter': expected \"exact\" or \"bound\", got \"top\""),
+            std::string::npos);
+  EXPECT_NE(message([&] { composed::sieve_weights(in.q, in.k, 1.0, false, 1.5, "exact", 0.5); })
+                .find("argument 'eps'"),
+            std::string::npos);
+  EXPECT_NE(message([&] { composed::sieve_weights(in.q, in.k, 1.0, false, 1.5, "bound", -1.0); })
+                .find("argument 'eps'"),
+            std::string::npos);
+}
+
+// The probe's support size of Sieve's weights is the operator's candidate count: mean and
+// largest per head.
+TEST(Probe, SupportOfSieveWeightsIsTheCandidateCount) {
+  const Qkv in = random_qkv({2, 12, 12, 2, 1, 8, 4, 2.0}, 9);
+  torch::NoGradGuard no_grad;
+  AttentionProbe probe(12);
+  probe.record(0, composed::sieve_weights(in.q, in.k, 2.0, false, 1.5, "exact", {}).first, false);
+  torch_ops::AttentionCall call;
+  call.scale = 2.0;
+  call.attend_current = false;
+  const Tensor count = std::get<2>(torch_ops::sieve_attention(in.q, in.k, in.v, call, 1.5));
+  const nlohmann::json s = probe.summary();
+  for (std::int64_t h = 0; h < 2; ++h) {
+    const Tensor c = count.select(2, h).to(torch::kFloat64);
+    EXPECT_NEAR(s["layers"][0]["support"][h].get<double>(), c.mean().item<double>(), 1e-12);
+    EXPECT_EQ(s["layers"][0]["support_max"][h].get<double>(), c.max().item<double>());
+  }
+  EXPECT_EQ(s["max"]["support_max"].get<double>(), count.max().item<int>());
+  // Sparse: fewer candidates than visible keys on average (query j sees j keys).
+  EXPECT_LT(s["mean"]["support"].get<double>(), 5.5);
 }
 
 // ------------------------------------------------------------------ configuration
