@@ -26,7 +26,8 @@ void add_info_command(CLI::App& app) {
                                     : std::string("not built"))
               << "\n"
               << "CUDA devices: " << cuda_device_count() << "\n"
-              << "operators:    softmax_attention, stick_breaking_attention (forward, backward)\n";
+              << "operators:    softmax_attention, stick_breaking_attention, entmax_attention, "
+                 "sieve_attention (forward, backward)\n";
 #ifdef WINNOW_WITH_MODELS
     for (const auto& [label, value] : train::runtime_report()) {
       std::cout << label << ":" << std::string(label.size() < 13 ? 13 - label.size() : 1, ' ')
@@ -40,8 +41,8 @@ void add_info_command(CLI::App& app) {
                 << (m.option_keys.empty() ? std::string("none") : config::join(m.option_keys))
                 << "\n      fused path: " << m.fused_operator << "\n";
     }
-    std::cout << "  not yet: entmax, sieve, screening, threshold (TRA/TDA), GSA (their operators "
-                 "arrive with their issues)\n"
+    std::cout << "  not yet: screening, threshold (TRA/TDA), GSA (their operators arrive with "
+                 "their issues)\n"
               << "\ntraining: winnow train --config FILE [--set key=value ...] (configs/ has "
                  "examples; --print-config shows every key)\n";
 #else

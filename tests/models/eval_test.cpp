@@ -179,7 +179,11 @@ TEST(Probe, EveryMechanismFeedsIt) {
     for (const auto& layer : s["layers"]) {
       ASSERT_EQ(layer["sink_ratio"].size(), 2u) << kind;
       EXPECT_GT(layer["entropy"][0].get<double>(), 0.0) << kind;
-      EXPECT_EQ(layer.contains("remainder"), kind == "stick_breaking") << kind;
+      EXPECT_EQ(layer.contains("remainder"), kind == "stick_breaking" || kind == "sieve") << kind;
+      // The last probed row (position 8) sees 9 keys, or 8 where the current key is excluded.
+      ASSERT_EQ(layer["support"].size(), 2u) << kind;
+      EXPECT_GE(layer["support"][0].get<double>(), 1.0) << kind;
+      EXPECT_LE(layer["support_max"][0].get<double>(), 9.0) << kind;
     }
     // Detached: nothing more is recorded.
     const std::string before = probe.summary().dump();

@@ -1,8 +1,10 @@
 // The attention layers on the CPU. Every layer kind, through the fused operators and through
-// its composed implementation, against a reference written here from spec/softmax.md and
-// spec/stick-breaking.md (materialized float64 weights, its own RoPE, gates, norms), forward and
-// gradients for the input and every parameter. KV-cache decoding against full forward passes
-// for every kind. RoPE's and ALiBi's defining properties. Configuration errors.
+// its composed implementation, against a reference written here from spec/softmax.md,
+// spec/stick-breaking.md, spec/entmax.md and spec/sieve.md (materialized float64 weights, its
+// own RoPE, gates, norms), forward and gradients for the input and every parameter. KV-cache
+// decoding against full forward passes for every kind. The composed alpha-entmax and Sieve
+// against their fused operators at awkward shapes. RoPE's and ALiBi's defining properties.
+// Configuration errors.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -84,11 +86,47 @@ Tensor reference_rope(const Tensor& x, const RopeConfig& c, std::int64_t offset,
   return x * cos + torch::cat({-x2, x1}, -1) * sin;
 }
 
+// alpha-entmax of one row's visible scores x = (alpha - 1) z for alpha 1.5 or 2 (spec/entmax.md):
+// the support from the sorted values (the largest k whose closed-form threshold tau_k stays at
+// or below the k-th largest), then tau in closed form over the support, as a differentiable
+// expression of x, so autograd gives the exact gradient. Returns (p, support).
+std::pair<Tensor, Tensor> reference_entmax_row(const Tensor& x, double alpha) {
+  const std::int64_t n = x.size(0);
+  std::vector<double> sorted(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) sorted[i] = x[i].item<double>();
+  std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+  auto closed_form = [alpha](double s1, double s2, double k) {
+    // alpha 2: sum (x - tau) = 1; alpha 1.5: sum (x - tau)^2 = 1, the smaller root.
+    return alpha == 2 ? (s1 - 1) / k : (s1 - std::sqrt(std::max(s1 * s1 - k * (s2 - 1), 0.0))) / k;
+  };
+  double s1 = 0, s2 = 0;
+  std::int64_t size = 1;
+  for (std::int64_t k = 1; k <= n; ++k) {
+    s1 += sorted[k - 1];
+    s2 += sorted[k - 1] * sorted[k - 1];
+    if (closed_form(s1, s2, double(k)) <= sorted[k - 1]) size = k;
+  }
+  const Tensor support = x.detach() >= sorted[size - 1];
+  const Tensor xs = x.masked_select(support);
+  const Tensor t1 = xs.sum(), t2 = xs.pow(2).sum();
+  const double k = double(size);
+  const Tensor tau = alpha == 2 ? (t1 - 1) / k : (t1 - torch::sqrt(t1 * t1 - k * (t2 - 1))) / k;
+  return {(x - tau).masked_fill(support.logical_not(), 0).pow(1 / (alpha - 1)), support};
+}
+
+struct SparseOptions {
+  double alpha = 1.5;
+  std::string filter = "exact";
+  double eps = 0;  // 0: 1 / (alpha - 1)
+};
+
 // Per head: z_ij = scale <q_j, k_i> over keys i visible from query j (queries are the last Lq
-// of Lk positions). Returns the output (B, Lq, H, Dv) and, for stick-breaking, rem (B, Lq, H).
+// of Lk positions). Returns the output (B, Lq, H, Dv) and, for stick-breaking and Sieve, rem
+// (B, Lq, H). Entmax and Sieve take alpha 1.5 or 2 here.
 std::pair<Tensor, Tensor> reference_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                               const std::string& kind, bool attend_current,
-                                              const Tensor& slopes = {}) {
+                                              const Tensor& slopes = {},
+                                              const SparseOptions& sparse = {}) {
   const std::int64_t B = q.size(0), Lq = q.size(1), H = q.size(2), D = q.size(3);
   const std::int64_t Lk = k.size(1), group = H / k.size(2);
   Tensor out = torch::zeros({B, Lq, H, v.size(3)}, torch::kFloat64);
@@ -107,9 +145,41 @@ std::pair<Tensor, Tensor> reference_attention(const Tensor& q, const Tensor& k, 
     Tensor w;
     if (kind == "softmax") {
       w = torch::softmax(z.masked_fill(visible.logical_not(), -INFINITY), -1);
+    } else if (kind == "entmax") {
+      std::vector<Tensor> rows;
+      for (std::int64_t b = 0; b < B; ++b) {
+        for (std::int64_t r = 0; r < Lq; ++r) {
+          const std::int64_t n = visible[r].sum().item<std::int64_t>();
+          Tensor row = torch::zeros({Lk}, torch::kFloat64);
+          if (n > 0) {
+            const Tensor p = reference_entmax_row(z[b][r].narrow(0, 0, n) * (sparse.alpha - 1),
+                                                  sparse.alpha).first;
+            row = torch::cat({p, torch::zeros({Lk - n}, torch::kFloat64)});
+          }
+          rows.push_back(row);
+        }
+      }
+      w = torch::stack(rows).view({B, Lq, Lk});
     } else {
-      const Tensor cost = torch::log1p(torch::exp(z)) * visible;
-      w = torch::exp(z - torch::matmul(cost, later)) * visible;
+      // Stick-breaking over the visible keys; Sieve over its candidates among them.
+      Tensor allowed = visible.to(torch::kFloat64).expand({B, Lq, Lk}).clone();
+      if (kind == "sieve") {
+        const double eps = sparse.eps > 0 ? sparse.eps : 1 / (sparse.alpha - 1);
+        for (std::int64_t b = 0; b < B; ++b) {
+          for (std::int64_t r = 0; r < Lq; ++r) {
+            const std::int64_t n = visible[r].sum().item<std::int64_t>();
+            if (n == 0) continue;
+            const Tensor zr = z[b][r].detach().narrow(0, 0, n);
+            const Tensor candidates =
+                sparse.filter == "exact"
+                    ? reference_entmax_row(zr * (sparse.alpha - 1), sparse.alpha).second
+                    : zr > zr.max().item<double>() - eps;
+            allowed[b][r].narrow(0, 0, n).copy_(candidates);
+          }
+        }
+      }
+      const Tensor cost = torch::log1p(torch::exp(z)) * allowed;
+      w = torch::exp(z - torch::matmul(cost, later)) * allowed;
       rem.select(2, h).copy_(torch::exp(-cost.sum(-1)));
     }
     out.select(2, h).copy_(torch::matmul(w, vh));
@@ -156,9 +226,17 @@ Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& 
     const Tensor lambda = torch::exp((p.at("lambda_q1") * p.at("lambda_k1")).sum()) -
                           torch::exp((p.at("lambda_q2") * p.at("lambda_k2")).sum()) + lambda_init;
     o = head_norm(o1 - lambda * o2, p, "head_norm", false) * (1 - lambda_init);
+  } else if (a.kind == "entmax") {
+    SparseOptions sparse;
+    sparse.alpha = a.options.value("alpha", 1.5);
+    o = reference_attention(q, k, v, "entmax", a.options.value("attend_current", true), {}, sparse).first;
   } else {
+    SparseOptions sparse;
+    sparse.alpha = a.options.value("alpha", 1.5);
+    sparse.filter = a.options.value("filter", std::string("exact"));
+    if (a.options.contains("eps") && !a.options["eps"].is_null()) sparse.eps = a.options["eps"].get<double>();
     Tensor rem;
-    std::tie(o, rem) = reference_attention(q, k, v, "stick_breaking", a.options.value("attend_current", false));
+    std::tie(o, rem) = reference_attention(q, k, v, a.kind, a.options.value("attend_current", false), {}, sparse);
     if (a.options.value("remainder_bias", false)) o = o + rem.unsqueeze(-1) * p.at("remainder_bias");
     if (a.options.value("head_norm", false)) o = head_norm(o, p, "head_norm", true);
   }
@@ -197,6 +275,37 @@ const std::vector<Variant>& variants() {
          a.options["head_norm"] = true;
        }},
       {"stick_breaking_attend_current", [](AttentionConfig& a) { a.kind = "stick_breaking"; a.options["attend_current"] = true; }},
+      {"entmax_rope", [](AttentionConfig& a) { a.kind = "entmax"; }},
+      {"entmax_rope_yarn", [](AttentionConfig& a) { a.kind = "entmax"; a.rope.scaling = "yarn"; a.rope.factor = 8; }},
+      {"sparsemax_nope_gqa",
+       [](AttentionConfig& a) {
+         a.kind = "entmax";
+         a.position = "nope";
+         a.kv_heads = 1;
+         a.options["alpha"] = 2.0;
+       }},
+      {"entmax_previous_keys", [](AttentionConfig& a) { a.kind = "entmax"; a.options["attend_current"] = false; }},
+      {"sieve", [](AttentionConfig& a) { a.kind = "sieve"; }},
+      {"sieve_alpha2_gqa",
+       [](AttentionConfig& a) {
+         a.kind = "sieve";
+         a.kv_heads = 1;
+         a.options["alpha"] = 2.0;
+       }},
+      {"sieve_bound_rb_gn",
+       [](AttentionConfig& a) {
+         a.kind = "sieve";
+         a.options["filter"] = "bound";
+         a.options["remainder_bias"] = true;
+         a.options["head_norm"] = true;
+       }},
+      {"sieve_bound_eps_attend_current",
+       [](AttentionConfig& a) {
+         a.kind = "sieve";
+         a.options["filter"] = "bound";
+         a.options["eps"] = 0.5;
+         a.options["attend_current"] = true;
+       }},
   };
   return all;
 }
@@ -676,6 +785,53 @@ TEST(ModelConfig, ErrorsNameTheKey) {
     c.attention.kind = "stick_breaking";
     c.attention.options["halt_cutoff"] = -1.0;
   }, "'model.attention.halt_cutoff'");
+}
+
+TEST(ModelConfig, EntmaxAndSieveErrorsNameTheKey) {
+  auto with = [](const std::string& kind, nlohmann::json options, std::string position = "auto") {
+    return [=](ModelConfig& c) {
+      c.attention.kind = kind;
+      c.attention.position = position;
+      c.attention.options = options;
+    };
+  };
+  expect_error(with("entmax", {{"alpha", 1.0}}), "key 'model.attention.alpha': expected > 1");
+  expect_error(with("entmax", {{"alpha", "1.5"}}), "'model.attention.alpha'");
+  expect_error(with("entmax", nlohmann::json::object(), "alibi"), "key 'model.attention.position': expected one of rope, nope");
+  expect_error(with("entmax", {{"filter", "bound"}}), "unknown key 'model.attention.filter'");
+  expect_error(with("sieve", nlohmann::json::object(), "rope"), "key 'model.attention.position': expected one of nope");
+  expect_error(with("sieve", {{"alpha", 0.5}}), "'model.attention.alpha'");
+  expect_error(with("sieve", {{"filter", "top"}}), "key 'model.attention.filter': expected one of exact, bound");
+  expect_error(with("sieve", {{"eps", 0.5}}), "key 'model.attention.eps': expected null or absent unless filter is \"bound\"");
+  expect_error(with("sieve", {{"filter", "bound"}, {"eps", -1}}), "key 'model.attention.eps': expected a number > 0");
+  expect_error(with("sieve", {{"filter", "bound"}, {"eps", "big"}}), "key 'model.attention.eps'");
+  expect_error(with("sieve", {{"halt_cutoff", 1.0}}), "unknown key 'model.attention.halt_cutoff'");
+}
+
+TEST(ModelConfig, EntmaxAndSieveDefaults) {
+  ModelConfig c;
+  c.vocab_size = 11;
+  c.context_len = 8;
+  c.attention.kind = "entmax";
+  resolve(c);
+  EXPECT_EQ(c.attention.position, "rope");
+  EXPECT_EQ(c.attention.implementation, "kernel");
+  EXPECT_EQ(c.attention.options, (nlohmann::json{{"alpha", 1.5}, {"attend_current", true}}));
+  c.attention.kind = "sieve";
+  c.attention.position = "auto";
+  c.attention.options = nlohmann::json::object();
+  resolve(c);
+  EXPECT_EQ(c.attention.position, "nope");
+  EXPECT_EQ(c.attention.options,
+            (nlohmann::json{{"alpha", 1.5}, {"filter", "exact"}, {"eps", nullptr},
+                            {"attend_current", false}, {"remainder_bias", false}, {"head_norm", false}}));
+  c.attention.options = {{"filter", "bound"}, {"eps", 2}};
+  resolve(c);
+  EXPECT_EQ(c.attention.options["eps"], 2);
+  const nlohmann::json once = write_model(c);
+  ModelConfig again = read_model(once);
+  resolve(again);
+  EXPECT_EQ(write_model(again), once);
 }
 
 TEST(ModelConfig, KernelWithAlibiIsAConfigError) {
