@@ -28,8 +28,8 @@ void add_info_command(CLI::App& app) {
               << "CUDA devices: " << cuda_device_count() << "\n"
               << "operators:    softmax_attention, stick_breaking_attention, entmax_attention "
                  "(any alpha > 1), sieve_attention (exact | bound filter); forward and backward\n"
-              << "fused CUDA:   softmax, stick-breaking (D 64, 128; other D on the simple path); "
-                 "entmax and Sieve on the simple path only (fused kernels: issue 10)\n";
+              << "fused CUDA:   softmax, stick-breaking, entmax, Sieve (bf16 / fp16, D = Dv = 64 "
+                 "or 128); everything else on the simple path\n";
 #ifdef WINNOW_WITH_MODELS
     for (const auto& [label, value] : train::runtime_report()) {
       std::cout << label << ":" << std::string(label.size() < 13 ? 13 - label.size() : 1, ' ')

@@ -89,8 +89,13 @@ const std::vector<BenchKind>& bench_kinds() {
       {"differential", {{"kind", "differential"}}},
       {"stick_breaking", {{"kind", "stick_breaking"}}},
       {"stick_breaking_rb_gn", {{"kind", "stick_breaking"}, {"remainder_bias", true}, {"head_norm", true}}},
+      {"entmax_rope", {{"kind", "entmax"}, {"position", "rope"}}},
+      {"sieve", {{"kind", "sieve"}}},
+      {"sieve_bound", {{"kind", "sieve"}, {"filter", "bound"}}},
       {"softmax_rope@composed", {{"kind", "softmax"}, {"position", "rope"}, {"implementation", "composed"}}},
       {"stick_breaking@composed", {{"kind", "stick_breaking"}, {"implementation", "composed"}}},
+      {"entmax_rope@composed", {{"kind", "entmax"}, {"position", "rope"}, {"implementation", "composed"}}},
+      {"sieve@composed", {{"kind", "sieve"}, {"implementation", "composed"}}},
   };
   return kinds;
 }

@@ -10,6 +10,8 @@ const std::vector<Mechanism>& mechanisms() {
       softmax_mechanism(),
       differential_mechanism(),
       stick_breaking_mechanism(),
+      entmax_mechanism(),
+      sieve_mechanism(),
   };
   return all;
 }

@@ -1,6 +1,10 @@
 #include "nn/composed.h"
 
 #include <cmath>
+#include <string>
+#include <tuple>
+
+#include "winnow/error.h"
 
 namespace winnow::nn::composed {
 namespace {
@@ -19,6 +23,97 @@ torch::ScalarType work_type(const torch::Tensor& q) {
 torch::Tensor keys_per_query_head(const torch::Tensor& k, std::int64_t query_heads) {
   return k.repeat_interleave(query_heads / k.size(2), 2).transpose(1, 2);
 }
+
+// z (B, Hq, Lq, Lk) = scale <q_j, k_i> in the work type, and which keys each row sees (Lq, Lk).
+struct Scores {
+  torch::Tensor z, visible;
+};
+Scores scores(const torch::Tensor& q, const torch::Tensor& k, double scale, bool attend_current) {
+  const torch::Tensor qh = q.transpose(1, 2), kh = keys_per_query_head(k, q.size(2));
+  const torch::Tensor dist = distance(q.size(1), k.size(1), q.device());
+  return {torch::matmul(qh, kh.transpose(-1, -2)).to(work_type(q)) * scale,
+          attend_current ? dist.ge(0) : dist.gt(0)};
+}
+
+// log A_ij = z_ij - sum_{k >= i, allowed} softplus(z_kj) on the allowed keys, 0 elsewhere
+// (spec/stick-breaking.md); returns (A, rem).
+std::pair<torch::Tensor, torch::Tensor> stick_breaking_over(const torch::Tensor& z,
+                                                            const torch::Tensor& allowed) {
+  const torch::Tensor hidden = allowed.logical_not();
+  // Hidden logits are zeroed before anything is exponentiated, so no inf or NaN can reach the
+  // gradient through the masked branch.
+  const torch::Tensor zm = z.masked_fill(hidden, 0);
+  // softplus spelled as in math/elementwise.h: torch's softplus returns z itself above z = 20,
+  // which leaves a weight sigmoid(z) at 1 instead of 1 - e^-z (an error of 2e-9 at z = 20).
+  // (z + |z|) / 2 also gives the right gradient, sigmoid(0) = 1/2, at z = 0.
+  const torch::Tensor a = zm.abs();
+  const torch::Tensor cost = ((zm + a) * 0.5 + torch::log1p(torch::exp(-a))).masked_fill(hidden, 0);
+  const torch::Tensor suffix = cost.flip(-1).cumsum(-1).flip(-1);
+  return {torch::exp(zm - suffix).masked_fill(hidden, 0), torch::exp(-cost.sum(-1))};
+}
+
+void check_alpha(const char* fn, double alpha) {
+  if (!(std::isfinite(alpha) && alpha > 1)) {
+    throw Error(ErrorKind::invalid_argument, std::string(fn) +
+                                                 ": argument 'alpha': expected a finite number > "
+                                                 "1, got " +
+                                                 std::to_string(alpha));
+  }
+}
+
+// The alpha-entmax threshold of each row of x = (alpha - 1) z, shifted so that the row maximum
+// is 0 (the support then lies in (-1, 0], and float32 sums stay exact enough), with hidden keys
+// at -2, below any support; n (..., 1) counts the visible keys (>= 1). No gradient.
+torch::Tensor entmax_threshold(const torch::Tensor& x, const torch::Tensor& n, double alpha) {
+  const std::int64_t len = x.size(-1);
+  if (alpha == 2.0 || alpha == 1.5) {
+    // The exact sort-based forms (reference/entmax.cpp): with the k largest as support, tau_k
+    // solves the mass equation in closed form; the support is the largest k with
+    // tau_k <= x_(k).
+    const torch::Tensor xs = std::get<0>(x.sort(-1, /*descending=*/true));
+    const torch::Tensor k = torch::arange(1, len + 1, x.options());
+    const torch::Tensor mean = xs.cumsum(-1) / k;
+    torch::Tensor tau;
+    if (alpha == 2.0) {
+      tau = mean - 1 / k;
+    } else {
+      const torch::Tensor var = (xs * xs).cumsum(-1) / k - mean * mean;
+      tau = mean - ((1 - var * k) / k).clamp_min(0).sqrt();
+    }
+    const torch::Tensor size = (k * tau.le(xs)).amax(-1, /*keepdim=*/true);
+    return tau.gather(-1, size.to(torch::kInt64) - 1);
+  }
+  // Bisection on the spec's bracket (the maximum is 0): -1 <= tau <= -n^(1 - alpha); enough
+  // halvings to reach the dtype's resolution from a bracket no wider than 1.
+  torch::Tensor lo = torch::full_like(n, -1.0), hi = -torch::pow(n, 1 - alpha);
+  const int halvings = x.scalar_type() == torch::kFloat64 ? 60 : 30;
+  for (int it = 0; it < halvings; ++it) {
+    const torch::Tensor mid = (lo + hi) / 2;
+    const torch::Tensor over = (x - mid).clamp_min(0).pow(1 / (alpha - 1)).sum(-1, true).gt(1);
+    lo = torch::where(over, mid, lo);
+    hi = torch::where(over, hi, mid);
+  }
+  return (lo + hi) / 2;
+}
+
+// For x = (alpha - 1) z (no gradient): each row's maximum over visible keys m (0 for a row
+// that sees none), its threshold tau relative to m, and the support { x - m > tau } (visible
+// keys only).
+struct EntmaxSupport {
+  torch::Tensor max, tau, support;
+};
+EntmaxSupport entmax_support(const torch::Tensor& x, const torch::Tensor& visible, double alpha) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor hidden = visible.logical_not();
+  const torch::Tensor any = visible.any(-1, /*keepdim=*/true);
+  const torch::Tensor n = visible.sum(-1, /*keepdim=*/true).clamp_min(1).to(x.scalar_type());
+  const torch::Tensor m =
+      x.masked_fill(hidden, -INFINITY).amax(-1, true).masked_fill(any.logical_not(), 0);
+  const torch::Tensor shifted = (x - m).masked_fill(hidden, -2);
+  const torch::Tensor tau = entmax_threshold(shifted, n.expand(m.sizes()).contiguous(), alpha);
+  return {m, tau, shifted.gt(tau) & visible};
+}
+
 }  // namespace
 
 torch::Tensor softmax_weights(const torch::Tensor& q, const torch::Tensor& k, double scale,
@@ -41,18 +136,67 @@ torch::Tensor softmax_weights(const torch::Tensor& q, const torch::Tensor& k, do
 std::pair<torch::Tensor, torch::Tensor> stick_breaking_weights(const torch::Tensor& q,
                                                                const torch::Tensor& k,
                                                                double scale, bool attend_current) {
-  const torch::Tensor qh = q.transpose(1, 2), kh = keys_per_query_head(k, q.size(2));
-  const torch::Tensor dist = distance(q.size(1), k.size(1), q.device());
-  const torch::Tensor hidden = (attend_current ? dist.ge(0) : dist.gt(0)).logical_not();
-  const torch::ScalarType wt = work_type(q);
-  // Invisible logits are zeroed before anything is exponentiated, so no inf or NaN can reach
-  // the gradient through the masked branch.
-  const torch::Tensor z =
-      (torch::matmul(qh, kh.transpose(-1, -2)).to(wt) * scale).masked_fill(hidden, 0);
-  // log A_ij = z_ij - sum_{k >= i, visible} softplus(z_kj)   (spec/stick-breaking.md)
-  const torch::Tensor cost = torch::nn::functional::softplus(z).masked_fill(hidden, 0);
-  const torch::Tensor suffix = cost.flip(-1).cumsum(-1).flip(-1);
-  return {torch::exp(z - suffix).masked_fill(hidden, 0), torch::exp(-cost.sum(-1))};
+  const Scores s = scores(q, k, scale, attend_current);
+  return stick_breaking_over(s.z, s.visible);
+}
+
+torch::Tensor entmax_weights(const torch::Tensor& q, const torch::Tensor& k, double scale,
+                             bool attend_current, double alpha) {
+  check_alpha("composed::entmax_weights", alpha);
+  const Scores s = scores(q, k, scale, attend_current);
+  const torch::Tensor x = s.z * (alpha - 1);
+  const EntmaxSupport e = entmax_support(x.detach(), s.visible, alpha);
+  const torch::Tensor outside = e.support.logical_not();
+  // p = y^(1 / (alpha - 1)) with y = x - m - tau on the support. tau depends on x (the mass
+  // equation), with d tau / d x_i = u_i / sum_k u_k, u = p^(2 - alpha) = y^((2 - alpha) /
+  // (alpha - 1)): subtracting sum_k u_k (x_k - x_k) / sum_k u_k, which is 0, gives y exactly
+  // that derivative, so autograd produces the spec's dz = u (dp - delta).
+  torch::Tensor y = (x - e.max) - e.tau;
+  const torch::Tensor u =
+      y.detach().masked_fill(outside, 1).pow((2 - alpha) / (alpha - 1)).masked_fill(outside, 0);
+  const torch::Tensor su = u.sum(-1, /*keepdim=*/true);
+  y = y - (u * (x - x.detach())).sum(-1, true) / su.masked_fill(su.eq(0), 1);
+  // Off the support y^(1 / (alpha - 1)) is replaced before the power, not after: for alpha > 2
+  // its derivative at 0 is infinite and would turn the masked gradient into NaN.
+  return y.masked_fill(outside, 1).pow(1 / (alpha - 1)).masked_fill(outside, 0);
+}
+
+std::pair<torch::Tensor, torch::Tensor> sieve_weights(const torch::Tensor& q,
+                                                      const torch::Tensor& k, double scale,
+                                                      bool attend_current, double alpha,
+                                                      const std::string& filter,
+                                                      std::optional<double> eps) {
+  constexpr const char* fn = "composed::sieve_weights";
+  check_alpha(fn, alpha);
+  if (filter != "exact" && filter != "bound") {
+    throw Error(ErrorKind::invalid_argument, std::string(fn) +
+                                                 ": argument 'filter': expected \"exact\" or "
+                                                 "\"bound\", got \"" +
+                                                 filter + "\"");
+  }
+  if (eps && filter != "bound") {
+    throw Error(ErrorKind::invalid_argument,
+                std::string(fn) +
+                    ": argument 'eps': expected none unless filter is \"bound\", got " +
+                    std::to_string(*eps) + " with filter \"" + filter + "\"");
+  }
+  if (eps && !(std::isfinite(*eps) && *eps >= 0)) {
+    throw Error(ErrorKind::invalid_argument, std::string(fn) +
+                                                 ": argument 'eps': expected a finite number "
+                                                 ">= 0, got " +
+                                                 std::to_string(*eps));
+  }
+  const Scores s = scores(q, k, scale, attend_current);
+  torch::Tensor candidates;
+  if (filter == "exact") {
+    candidates = entmax_support(s.z.detach() * (alpha - 1), s.visible, alpha).support;
+  } else {
+    torch::NoGradGuard no_grad;
+    const torch::Tensor z = s.z.detach();
+    const torch::Tensor m = z.masked_fill(s.visible.logical_not(), -INFINITY).amax(-1, true);
+    candidates = z.gt(m - eps.value_or(1 / (alpha - 1))) & s.visible;
+  }
+  return stick_breaking_over(s.z, candidates);
 }
 
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
@@ -69,6 +213,23 @@ std::pair<torch::Tensor, torch::Tensor> stick_breaking_attention(const torch::Te
                                                                  double scale,
                                                                  bool attend_current) {
   const auto [w, rem] = stick_breaking_weights(q, k, scale, attend_current);
+  const torch::Tensor vh = keys_per_query_head(v, q.size(2));
+  const torch::Tensor out = torch::matmul(w.to(vh.scalar_type()), vh).transpose(1, 2);
+  return {out.to(q.scalar_type()), rem.transpose(1, 2)};
+}
+
+torch::Tensor entmax_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, double scale, bool attend_current,
+                               double alpha) {
+  const torch::Tensor p = entmax_weights(q, k, scale, attend_current, alpha);
+  const torch::Tensor vh = keys_per_query_head(v, q.size(2));
+  return torch::matmul(p.to(vh.scalar_type()), vh).transpose(1, 2).to(q.scalar_type());
+}
+
+std::pair<torch::Tensor, torch::Tensor> sieve_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+    bool attend_current, double alpha, const std::string& filter, std::optional<double> eps) {
+  const auto [w, rem] = sieve_weights(q, k, scale, attend_current, alpha, filter, eps);
   const torch::Tensor vh = keys_per_query_head(v, q.size(2));
   const torch::Tensor out = torch::matmul(w.to(vh.scalar_type()), vh).transpose(1, 2);
   return {out.to(q.scalar_type()), rem.transpose(1, 2)};

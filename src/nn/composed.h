@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <optional>
+#include <string>
 #include <utility>
 
 namespace winnow::nn::composed {
@@ -24,6 +25,22 @@ std::pair<torch::Tensor, torch::Tensor> stick_breaking_weights(const torch::Tens
                                                                const torch::Tensor& k,
                                                                double scale, bool attend_current);
 
+// alpha-entmax weights (spec/entmax.md), exactly zero off each row's support. The threshold is
+// found without gradient (sorting for alpha 1.5 and 2, bisection otherwise) and enters the
+// expression so that autograd yields the implicit-function gradient dz = u (dp - delta) of the
+// spec; second derivatives through the threshold are not provided.
+torch::Tensor entmax_weights(const torch::Tensor& q, const torch::Tensor& k, double scale,
+                             bool attend_current, double alpha);
+// Sieve (spec/sieve.md): returns (weights, rem), stick-breaking over each row's candidate set,
+// rem (B, Hq, Lq) the stick left over it. filter "exact" takes the alpha-entmax support,
+// "bound" the keys with z > rowmax - eps (eps absent: 1 / (alpha - 1)). The candidate set is a
+// discrete choice and passes no gradient.
+std::pair<torch::Tensor, torch::Tensor> sieve_weights(const torch::Tensor& q,
+                                                      const torch::Tensor& k, double scale,
+                                                      bool attend_current, double alpha,
+                                                      const std::string& filter,
+                                                      std::optional<double> eps);
+
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, double scale, bool attend_current,
                                 const std::optional<torch::Tensor>& alibi_slopes = std::nullopt);
@@ -34,5 +51,14 @@ std::pair<torch::Tensor, torch::Tensor> stick_breaking_attention(const torch::Te
                                                                  const torch::Tensor& v,
                                                                  double scale,
                                                                  bool attend_current);
+
+torch::Tensor entmax_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, double scale, bool attend_current,
+                               double alpha);
+
+// Returns (out, rem), rem (B, Lq, Hq) like stick_breaking_attention's.
+std::pair<torch::Tensor, torch::Tensor> sieve_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+    bool attend_current, double alpha, const std::string& filter, std::optional<double> eps);
 
 }  // namespace winnow::nn::composed

@@ -1,5 +1,7 @@
 #include "nn/probe.h"
 
+#include <algorithm>
+
 #include "winnow/error.h"
 
 namespace winnow::nn {
@@ -19,6 +21,14 @@ void AttentionProbe::add(std::int64_t layer, const std::string& name,
   Sum& s = sums_[layer][name];
   s.total = s.total.defined() ? s.total + total : total;
   s.rows += static_cast<double>(x.size(0) * x.size(2));
+}
+
+void AttentionProbe::add_max(std::int64_t layer, const std::string& name,
+                             const torch::Tensor& per_row) {
+  const torch::Tensor x = per_row.detach().to(torch::kFloat64);
+  const torch::Tensor top = x.amax(std::vector<std::int64_t>{0, 2}).cpu();
+  torch::Tensor& m = maxima_[layer][name];
+  m = m.defined() ? torch::maximum(m, top) : top;
 }
 
 void AttentionProbe::record(std::int64_t layer, const torch::Tensor& weights, bool attend_current,
@@ -42,14 +52,28 @@ void AttentionProbe::record(std::int64_t layer, const torch::Tensor& weights, bo
   const torch::Tensor in_view = position.lt(visible.view({1, 1, -1, 1}));
   const torch::Tensor zeros = (w.eq(0) & in_view).sum(-1).to(torch::kFloat64);
   add(layer, "zero_fraction", zeros / visible.clamp_min(1).view({1, 1, -1}));
+  const torch::Tensor support = (w.ne(0) & in_view).sum(-1).to(torch::kFloat64);
+  add(layer, "support", support);
+  add_max(layer, "support_max", support);
   for (const auto& [name, value] : extra) add(layer, name, value);
 }
 
 nlohmann::json AttentionProbe::summary() const {
   nlohmann::json layers = nlohmann::json::array();
   std::map<std::string, std::pair<double, double>> means;  // name -> (sum, count)
+  nlohmann::json max = nlohmann::json::object();
   for (const auto& [layer, stats] : sums_) {
     nlohmann::json entry = {{"layer", layer}};
+    const auto found = maxima_.find(layer);
+    if (found != maxima_.end()) {
+      for (const auto& [name, per_head] : found->second) {
+        const torch::Tensor c = per_head.contiguous();
+        std::vector<double> values(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+        entry[name] = values;
+        const double top = c.max().item<double>();
+        max[name] = max.contains(name) ? std::max(max[name].get<double>(), top) : top;
+      }
+    }
     for (const auto& [name, sum] : stats) {
       const torch::Tensor per_head = sum.total / std::max(sum.rows, 1.0);
       std::vector<double> values(per_head.data_ptr<double>(),
@@ -64,7 +88,7 @@ nlohmann::json AttentionProbe::summary() const {
   }
   nlohmann::json mean = nlohmann::json::object();
   for (const auto& [name, sc] : means) mean[name] = sc.first / std::max(sc.second, 1.0);
-  return {{"layers", layers}, {"mean", mean}};
+  return {{"layers", layers}, {"mean", mean}, {"max", max}};
 }
 
 }  // namespace winnow::nn

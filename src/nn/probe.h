@@ -2,8 +2,9 @@
 // mechanism feeds the same hook: during a probed forward pass each layer hands the probe its
 // weights for the last few query rows of the chunk (materialized on the side, so the probe costs
 // O(rows * L) memory whatever the length) and any statistics only it can give (stick-breaking's
-// unallocated stick; later Sieve's candidate-set and GSA's selected-set sizes). The probe
-// averages them over rows and batches.
+// and Sieve's unallocated stick). The probe averages them over rows and batches; the support
+// size it derives from the weights (the candidate-set size of the sparse mechanisms) is kept as
+// a mean and a maximum.
 #pragma once
 
 #include <torch/torch.h>
@@ -26,18 +27,25 @@ class AttentionProbe {
   // rows being the last R of the Lk positions. attend_current: whether a row sees its own key.
   // Derived per head: sink_ratio (the share of |w| on key 0 times the number of visible keys,
   // 004 section 3: 1 for uniform weights), entropy (nats, of |w| normalized per row),
-  // zero_fraction (exact zeros among the visible keys).
+  // zero_fraction (exact zeros among the visible keys), support (nonzero weights among the
+  // visible keys: entmax's support, Sieve's candidates that did not underflow) and support_max
+  // (its largest value over the rows; the one statistic kept as a maximum, not a mean).
   // extra: the mechanism's own statistics per row, (B, H, R) each, averaged as they are.
   void record(std::int64_t layer, const torch::Tensor& weights, bool attend_current,
               const std::map<std::string, torch::Tensor>& extra = {});
 
   // {"layers": [{"layer": 0, "sink_ratio": [per head], "entropy": [...], ...}, ...],
-  //  "mean": {"sink_ratio": over layers and heads, ...}}; empty layers when nothing was recorded.
+  //  "mean": {"sink_ratio": over layers and heads, ...}, "max": {"support_max": over layers and
+  //  heads}}; empty layers when nothing was recorded.
   nlohmann::json summary() const;
-  void clear() { sums_.clear(); }
+  void clear() {
+    sums_.clear();
+    maxima_.clear();
+  }
 
  private:
   void add(std::int64_t layer, const std::string& name, const torch::Tensor& per_row);
+  void add_max(std::int64_t layer, const std::string& name, const torch::Tensor& per_row);
 
   std::int64_t rows_;
   struct Sum {
@@ -45,6 +53,7 @@ class AttentionProbe {
     double rows = 0;
   };
   std::map<std::int64_t, std::map<std::string, Sum>> sums_;
+  std::map<std::int64_t, std::map<std::string, torch::Tensor>> maxima_;  // (H) float64, CPU
 };
 
 }  // namespace winnow::nn

@@ -128,20 +128,25 @@ std::string markdown_report(const json& r) {
     out +=
         "\nDiagnostics, mean over layers and heads of the last query rows (nn/probe.h): sink "
         "ratio (mass on key 0 relative to uniform), weight entropy (nats), exact-zero fraction, "
-        "unallocated stick (stick-breaking):\n\n"
-        "| mechanism | length | sink ratio | entropy | zero fraction | remainder |\n"
-        "|---|---:|---:|---:|---:|---:|\n";
+        "support (nonzero weights per query: mean, and largest), unallocated stick "
+        "(stick-breaking, Sieve):\n\n"
+        "| mechanism | length | sink ratio | entropy | zero fraction | support | max support | "
+        "remainder |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|\n";
     for (const json& m : r["mechanisms"]) {
       for (const json& p : m["results"]) {
         if (!p.contains("diagnostics")) continue;
         const json& mean = p["diagnostics"]["mean"];
+        const json max = p["diagnostics"].value("max", json::object());
         auto cell = [&](const char* key, int digits) {
           return mean.contains(key) ? fixed(mean[key].get<double>(), digits) : std::string("-");
         };
+        const std::string max_support =
+            max.contains("support_max") ? fixed(max["support_max"].get<double>(), 0) : "-";
         out += "| " + m["label"].get<std::string>() + " | " +
                std::to_string(p["length"].get<long long>()) + " | " + cell("sink_ratio", 2) +
                " | " + cell("entropy", 2) + " | " + cell("zero_fraction", 3) + " | " +
-               cell("remainder", 3) + " |\n";
+               cell("support", 1) + " | " + max_support + " | " + cell("remainder", 3) + " |\n";
       }
     }
   }

@@ -21,6 +21,7 @@
 
 #include "nn/transformer.h"
 #include "study/report.h"
+#include "study/study.h"
 #include "train/files.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -260,7 +261,7 @@ TEST(Cli, MqrarStudyRunsEndToEndThenEvalAndPlot) {
   ASSERT_EQ(r.status, 0) << r.output;
   const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/result.json"));
   EXPECT_EQ(result["profile"], "cpu");
-  ASSERT_EQ(result["mechanisms"].size(), 4u);
+  ASSERT_EQ(result["mechanisms"].size(), 6u);
   for (const auto& m : result["mechanisms"]) {
     ASSERT_EQ(m["results"].size(), 2u);
     EXPECT_EQ(m["results"][1]["length"], 256);
@@ -274,6 +275,10 @@ TEST(Cli, MqrarStudyRunsEndToEndThenEvalAndPlot) {
   const std::string table = slurp(dir + "/out/table.md");
   EXPECT_NE(table.find("| mechanism | ID (64) | 4x (256) |"), std::string::npos) << table;
   EXPECT_NE(table.find("| Stick-breaking |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| alpha-Entmax+RoPE (YaRN 16) |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| Sieve |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| zero fraction | support | max support | remainder |"), std::string::npos)
+      << table;
   EXPECT_NE(r.output.find("| Softmax+RoPE |"), std::string::npos) << "the table is printed";
   EXPECT_EQ(fs::exists(dir + "/out/accuracy.svg"), study::can_plot());
 
@@ -291,6 +296,7 @@ TEST(Cli, MqrarStudyRunsEndToEndThenEvalAndPlot) {
   EXPECT_NE(r.output.find("L =     64: accuracy"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("L =    128: accuracy"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("remainder ["), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("support_max ["), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("loss by position (nats): [0,31)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("(ppl "), std::string::npos) << r.output;
 
@@ -330,6 +336,26 @@ TEST(Cli, GenerativeStudiesRunEndToEnd) {
     EXPECT_NE(e.output.find("argument '--diagnostics'"), std::string::npos) << e.output;
     winnow::train::remove_tree(dir);
   }
+}
+
+// Every shipped study file reads and checks (each mechanism's experiment config, every
+// evaluation length) under both profiles, without training.
+TEST(Cli, EveryShippedStudyFileLoads) {
+  std::size_t files = 0;
+  for (const auto& entry : fs::directory_iterator(fs::path(WINNOW_SOURCE_DIR) / "studies")) {
+    if (entry.path().extension() != ".json") continue;
+    ++files;
+    for (const char* device : {"cpu", "cuda"}) {
+      try {
+        const study::Study s =
+            study::load_study(entry.path().string(), {std::string("base.device=") + device});
+        EXPECT_FALSE(s.mechanisms.empty()) << entry.path();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << entry.path() << " (" << device << "): " << e.what();
+      }
+    }
+  }
+  EXPECT_GE(files, 5u);
 }
 
 TEST(Cli, StudyErrorsNameTheMechanismAndKey) {

@@ -152,10 +152,21 @@ TEST(Probe, StatisticsMatchAHandComputation) {
   EXPECT_NEAR(layer["zero_fraction"][0].get<double>(), (0.0 / 3 + 3.0 / 4) / 2, 1e-12);
   EXPECT_NEAR(layer["remainder"][0].get<double>(), 0.3, 1e-12);
   EXPECT_NEAR(s["mean"]["remainder"].get<double>(), 0.3, 1e-12);
+  // Nonzero weights among the visible keys: 3 and 1.
+  EXPECT_NEAR(layer["support"][0].get<double>(), 2.0, 1e-12);
+  EXPECT_EQ(layer["support_max"][0].get<double>(), 3.0);
+  EXPECT_EQ(s["max"]["support_max"].get<double>(), 3.0);
+  EXPECT_FALSE(s["mean"].contains("support_max"));
+  // A second batch with a larger support raises the maximum.
+  probe.record(0, torch::full({1, 1, 2, 4}, 0.25, torch::kFloat64), true);
+  EXPECT_EQ(probe.summary()["layers"][0]["support_max"][0].get<double>(), 4.0);
+  probe.clear();
+  EXPECT_TRUE(probe.summary()["layers"].empty());
+  EXPECT_TRUE(probe.summary()["max"].empty());
 }
 
 TEST(Probe, EveryMechanismFeedsIt) {
-  for (const std::string kind : {"softmax", "differential", "stick_breaking"}) {
+  for (const std::string kind : {"softmax", "differential", "stick_breaking", "entmax", "sieve"}) {
     torch::manual_seed(4);
     nn::TransformerLM model(tiny(kind));
     nn::AttentionProbe probe(3);
@@ -168,7 +179,11 @@ TEST(Probe, EveryMechanismFeedsIt) {
     for (const auto& layer : s["layers"]) {
       ASSERT_EQ(layer["sink_ratio"].size(), 2u) << kind;
       EXPECT_GT(layer["entropy"][0].get<double>(), 0.0) << kind;
-      EXPECT_EQ(layer.contains("remainder"), kind == "stick_breaking") << kind;
+      EXPECT_EQ(layer.contains("remainder"), kind == "stick_breaking" || kind == "sieve") << kind;
+      // The last probed row (position 8) sees 9 keys, or 8 where the current key is excluded.
+      ASSERT_EQ(layer["support"].size(), 2u) << kind;
+      EXPECT_GE(layer["support"][0].get<double>(), 1.0) << kind;
+      EXPECT_LE(layer["support_max"][0].get<double>(), 9.0) << kind;
     }
     // Detached: nothing more is recorded.
     const std::string before = probe.summary().dump();

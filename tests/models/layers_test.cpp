@@ -1,8 +1,10 @@
 // The attention layers on the CPU. Every layer kind, through the fused operators and through
-// its composed implementation, against a reference written here from spec/softmax.md and
-// spec/stick-breaking.md (materialized float64 weights, its own RoPE, gates, norms), forward and
-// gradients for the input and every parameter. KV-cache decoding against full forward passes
-// for every kind. RoPE's and ALiBi's defining properties. Configuration errors.
+// its composed implementation, against a reference written here from spec/softmax.md,
+// spec/stick-breaking.md, spec/entmax.md and spec/sieve.md (materialized float64 weights, its
+// own RoPE, gates, norms), forward and gradients for the input and every parameter. KV-cache
+// decoding against full forward passes for every kind. The composed alpha-entmax and Sieve
+// against their fused operators at awkward shapes. RoPE's and ALiBi's defining properties.
+// Configuration errors.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -20,7 +22,9 @@
 #include "nn/attention.h"
 #include "nn/composed.h"
 #include "nn/modules.h"
+#include "nn/probe.h"
 #include "nn/transformer.h"
+#include "torch/ops.h"
 #include "winnow/error.h"
 
 namespace winnow::nn {
@@ -82,11 +86,47 @@ Tensor reference_rope(const Tensor& x, const RopeConfig& c, std::int64_t offset,
   return x * cos + torch::cat({-x2, x1}, -1) * sin;
 }
 
+// alpha-entmax of one row's visible scores x = (alpha - 1) z for alpha 1.5 or 2 (spec/entmax.md):
+// the support from the sorted values (the largest k whose closed-form threshold tau_k stays at
+// or below the k-th largest), then tau in closed form over the support, as a differentiable
+// expression of x, so autograd gives the exact gradient. Returns (p, support).
+std::pair<Tensor, Tensor> reference_entmax_row(const Tensor& x, double alpha) {
+  const std::int64_t n = x.size(0);
+  std::vector<double> sorted(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) sorted[i] = x[i].item<double>();
+  std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+  auto closed_form = [alpha](double s1, double s2, double k) {
+    // alpha 2: sum (x - tau) = 1; alpha 1.5: sum (x - tau)^2 = 1, the smaller root.
+    return alpha == 2 ? (s1 - 1) / k : (s1 - std::sqrt(std::max(s1 * s1 - k * (s2 - 1), 0.0))) / k;
+  };
+  double s1 = 0, s2 = 0;
+  std::int64_t size = 1;
+  for (std::int64_t k = 1; k <= n; ++k) {
+    s1 += sorted[k - 1];
+    s2 += sorted[k - 1] * sorted[k - 1];
+    if (closed_form(s1, s2, double(k)) <= sorted[k - 1]) size = k;
+  }
+  const Tensor support = x.detach() >= sorted[size - 1];
+  const Tensor xs = x.masked_select(support);
+  const Tensor t1 = xs.sum(), t2 = xs.pow(2).sum();
+  const double k = double(size);
+  const Tensor tau = alpha == 2 ? (t1 - 1) / k : (t1 - torch::sqrt(t1 * t1 - k * (t2 - 1))) / k;
+  return {(x - tau).masked_fill(support.logical_not(), 0).pow(1 / (alpha - 1)), support};
+}
+
+struct SparseOptions {
+  double alpha = 1.5;
+  std::string filter = "exact";
+  double eps = 0;  // 0: 1 / (alpha - 1)
+};
+
 // Per head: z_ij = scale <q_j, k_i> over keys i visible from query j (queries are the last Lq
-// of Lk positions). Returns the output (B, Lq, H, Dv) and, for stick-breaking, rem (B, Lq, H).
+// of Lk positions). Returns the output (B, Lq, H, Dv) and, for stick-breaking and Sieve, rem
+// (B, Lq, H). Entmax and Sieve take alpha 1.5 or 2 here.
 std::pair<Tensor, Tensor> reference_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                               const std::string& kind, bool attend_current,
-                                              const Tensor& slopes = {}) {
+                                              const Tensor& slopes = {},
+                                              const SparseOptions& sparse = {}) {
   const std::int64_t B = q.size(0), Lq = q.size(1), H = q.size(2), D = q.size(3);
   const std::int64_t Lk = k.size(1), group = H / k.size(2);
   Tensor out = torch::zeros({B, Lq, H, v.size(3)}, torch::kFloat64);
@@ -105,9 +145,41 @@ std::pair<Tensor, Tensor> reference_attention(const Tensor& q, const Tensor& k, 
     Tensor w;
     if (kind == "softmax") {
       w = torch::softmax(z.masked_fill(visible.logical_not(), -INFINITY), -1);
+    } else if (kind == "entmax") {
+      std::vector<Tensor> rows;
+      for (std::int64_t b = 0; b < B; ++b) {
+        for (std::int64_t r = 0; r < Lq; ++r) {
+          const std::int64_t n = visible[r].sum().item<std::int64_t>();
+          Tensor row = torch::zeros({Lk}, torch::kFloat64);
+          if (n > 0) {
+            const Tensor p = reference_entmax_row(z[b][r].narrow(0, 0, n) * (sparse.alpha - 1),
+                                                  sparse.alpha).first;
+            row = torch::cat({p, torch::zeros({Lk - n}, torch::kFloat64)});
+          }
+          rows.push_back(row);
+        }
+      }
+      w = torch::stack(rows).view({B, Lq, Lk});
     } else {
-      const Tensor cost = torch::log1p(torch::exp(z)) * visible;
-      w = torch::exp(z - torch::matmul(cost, later)) * visible;
+      // Stick-breaking over the visible keys; Sieve over its candidates among them.
+      Tensor allowed = visible.to(torch::kFloat64).expand({B, Lq, Lk}).clone();
+      if (kind == "sieve") {
+        const double eps = sparse.eps > 0 ? sparse.eps : 1 / (sparse.alpha - 1);
+        for (std::int64_t b = 0; b < B; ++b) {
+          for (std::int64_t r = 0; r < Lq; ++r) {
+            const std::int64_t n = visible[r].sum().item<std::int64_t>();
+            if (n == 0) continue;
+            const Tensor zr = z[b][r].detach().narrow(0, 0, n);
+            const Tensor candidates =
+                sparse.filter == "exact"
+                    ? reference_entmax_row(zr * (sparse.alpha - 1), sparse.alpha).second
+                    : zr > zr.max().item<double>() - eps;
+            allowed[b][r].narrow(0, 0, n).copy_(candidates);
+          }
+        }
+      }
+      const Tensor cost = torch::log1p(torch::exp(z)) * allowed;
+      w = torch::exp(z - torch::matmul(cost, later)) * allowed;
       rem.select(2, h).copy_(torch::exp(-cost.sum(-1)));
     }
     out.select(2, h).copy_(torch::matmul(w, vh));
@@ -154,9 +226,17 @@ Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& 
     const Tensor lambda = torch::exp((p.at("lambda_q1") * p.at("lambda_k1")).sum()) -
                           torch::exp((p.at("lambda_q2") * p.at("lambda_k2")).sum()) + lambda_init;
     o = head_norm(o1 - lambda * o2, p, "head_norm", false) * (1 - lambda_init);
+  } else if (a.kind == "entmax") {
+    SparseOptions sparse;
+    sparse.alpha = a.options.value("alpha", 1.5);
+    o = reference_attention(q, k, v, "entmax", a.options.value("attend_current", true), {}, sparse).first;
   } else {
+    SparseOptions sparse;
+    sparse.alpha = a.options.value("alpha", 1.5);
+    sparse.filter = a.options.value("filter", std::string("exact"));
+    if (a.options.contains("eps") && !a.options["eps"].is_null()) sparse.eps = a.options["eps"].get<double>();
     Tensor rem;
-    std::tie(o, rem) = reference_attention(q, k, v, "stick_breaking", a.options.value("attend_current", false));
+    std::tie(o, rem) = reference_attention(q, k, v, a.kind, a.options.value("attend_current", false), {}, sparse);
     if (a.options.value("remainder_bias", false)) o = o + rem.unsqueeze(-1) * p.at("remainder_bias");
     if (a.options.value("head_norm", false)) o = head_norm(o, p, "head_norm", true);
   }
@@ -195,6 +275,37 @@ const std::vector<Variant>& variants() {
          a.options["head_norm"] = true;
        }},
       {"stick_breaking_attend_current", [](AttentionConfig& a) { a.kind = "stick_breaking"; a.options["attend_current"] = true; }},
+      {"entmax_rope", [](AttentionConfig& a) { a.kind = "entmax"; }},
+      {"entmax_rope_yarn", [](AttentionConfig& a) { a.kind = "entmax"; a.rope.scaling = "yarn"; a.rope.factor = 8; }},
+      {"sparsemax_nope_gqa",
+       [](AttentionConfig& a) {
+         a.kind = "entmax";
+         a.position = "nope";
+         a.kv_heads = 1;
+         a.options["alpha"] = 2.0;
+       }},
+      {"entmax_previous_keys", [](AttentionConfig& a) { a.kind = "entmax"; a.options["attend_current"] = false; }},
+      {"sieve", [](AttentionConfig& a) { a.kind = "sieve"; }},
+      {"sieve_alpha2_gqa",
+       [](AttentionConfig& a) {
+         a.kind = "sieve";
+         a.kv_heads = 1;
+         a.options["alpha"] = 2.0;
+       }},
+      {"sieve_bound_rb_gn",
+       [](AttentionConfig& a) {
+         a.kind = "sieve";
+         a.options["filter"] = "bound";
+         a.options["remainder_bias"] = true;
+         a.options["head_norm"] = true;
+       }},
+      {"sieve_bound_eps_attend_current",
+       [](AttentionConfig& a) {
+         a.kind = "sieve";
+         a.options["filter"] = "bound";
+         a.options["eps"] = 0.5;
+         a.options["attend_current"] = true;
+       }},
   };
   return all;
 }
@@ -443,6 +554,191 @@ TEST(Alibi, BiasDecaysWithDistanceBySlope) {
   }
 }
 
+// ------------------------------------------------------------------ composed against the operators
+
+// |a - b| <= tol (1 + |b|) elementwise, so rows that are exactly zero compare too.
+::testing::AssertionResult close(const Tensor& a, const Tensor& b, double tol) {
+  const double err = ((a - b).abs() - tol * (1 + b.abs())).max().item<double>();
+  if (err <= 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "max |a - b| " << (a - b).abs().max().item<double>()
+                                       << " beyond tolerance " << tol;
+}
+
+// Small, awkward shapes: one key, odd head dimensions, fewer queries than keys (the queries are
+// the last positions), grouped-query attention (Hq a multiple of Hkv).
+struct Shape {
+  std::int64_t B, Lq, Lk, Hq, Hkv, D, Dv;
+  double scale;
+};
+const std::vector<Shape>& shapes() {
+  static const std::vector<Shape> all = {
+      {1, 1, 1, 1, 1, 3, 2, 1.0},
+      {2, 5, 5, 4, 2, 7, 5, 1.3},
+      {1, 3, 9, 6, 2, 8, 3, 2.0},
+      {2, 17, 17, 2, 1, 16, 16, 0.7},
+  };
+  return all;
+}
+
+struct Qkv {
+  Tensor q, k, v;
+  std::vector<Tensor> leaves() const { return {q, k, v}; }
+};
+Qkv random_qkv(const Shape& s, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  return {torch::randn({s.B, s.Lq, s.Hq, s.D}, f64).requires_grad_(),
+          torch::randn({s.B, s.Lk, s.Hkv, s.D}, f64).requires_grad_(),
+          torch::randn({s.B, s.Lk, s.Hkv, s.Dv}, f64).requires_grad_()};
+}
+
+std::vector<Tensor> grads_of(const Tensor& loss, const Qkv& in) {
+  return torch::autograd::grad({loss}, in.leaves());
+}
+
+TEST(Composed, EntmaxMatchesTheFusedOperatorForwardAndBackward) {
+  std::uint64_t seed = 10;
+  for (const Shape& s : shapes()) {
+    for (double alpha : {1.25, 1.5, 2.0, 3.0}) {
+      for (bool attend_current : {true, false}) {
+        const Qkv in = random_qkv(s, ++seed);
+        torch_ops::AttentionCall call;
+        call.scale = s.scale;
+        call.attend_current = attend_current;
+        const Tensor fused = torch_ops::entmax_attention(in.q, in.k, in.v, call, alpha);
+        const Tensor mine =
+            composed::entmax_attention(in.q, in.k, in.v, s.scale, attend_current, alpha);
+        const std::string what = "Lq " + std::to_string(s.Lq) + " Lk " + std::to_string(s.Lk) +
+                                 " alpha " + std::to_string(alpha) +
+                                 (attend_current ? " attend_current" : "");
+        EXPECT_TRUE(close(mine, fused, 1e-10)) << what;
+        const Tensor w = torch::randn_like(fused);
+        const auto g_fused = grads_of((fused * w).sum(), in);
+        const auto g_mine = grads_of((mine * w).sum(), in);
+        for (std::size_t i = 0; i < 3; ++i) {
+          EXPECT_TRUE(close(g_mine[i], g_fused[i], 1e-9)) << what << ", gradient " << "qkv"[i];
+        }
+      }
+    }
+  }
+}
+
+TEST(Composed, SieveMatchesTheFusedOperatorForwardBackwardAndCount) {
+  struct Filter {
+    std::string name;
+    std::optional<double> eps;
+  };
+  std::uint64_t seed = 50;
+  for (const Shape& s : shapes()) {
+    for (double alpha : {1.25, 1.5, 2.0, 3.0}) {
+      for (const Filter& f : {Filter{"exact", {}}, Filter{"bound", {}}, Filter{"bound", 0.3}}) {
+        for (bool attend_current : {false, true}) {
+          const Qkv in = random_qkv(s, ++seed);
+          torch_ops::AttentionCall call;
+          call.scale = s.scale;
+          call.attend_current = attend_current;
+          torch_ops::Opt<double> eps;
+          if (f.eps) eps = *f.eps;
+          const auto [out, rem, count] =
+              torch_ops::sieve_attention(in.q, in.k, in.v, call, alpha, f.name, eps);
+          const auto [mine, mine_rem] = composed::sieve_attention(
+              in.q, in.k, in.v, s.scale, attend_current, alpha, f.name, f.eps);
+          const std::string what = "Lq " + std::to_string(s.Lq) + " Lk " + std::to_string(s.Lk) +
+                                   " alpha " + std::to_string(alpha) + " " + f.name +
+                                   (f.eps ? " eps" : "") + (attend_current ? " attend_current" : "");
+          EXPECT_TRUE(close(mine, out, 1e-11)) << what;
+          EXPECT_TRUE(close(mine_rem, rem, 1e-11)) << what;
+          // float64 at these sizes: no candidate's weight underflows, so the nonzero weights
+          // are the candidates.
+          const Tensor w = composed::sieve_weights(in.q, in.k, s.scale, attend_current, alpha,
+                                                   f.name, f.eps)
+                               .first;
+          EXPECT_TRUE(torch::equal(w.ne(0).sum(-1).transpose(1, 2).to(torch::kInt32), count))
+              << what;
+          const Tensor wo = torch::randn_like(out), wr = torch::randn_like(rem);
+          const auto g_fused = grads_of((out * wo).sum() + (rem * wr).sum(), in);
+          const auto g_mine = grads_of((mine * wo).sum() + (mine_rem * wr).sum(), in);
+          for (std::size_t i = 0; i < 3; ++i) {
+            EXPECT_TRUE(close(g_mine[i], g_fused[i], 1e-10)) << what << ", gradient " << "qkv"[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Composed, EntmaxRowsSumToOneInFloat32AndAreSparse) {
+  torch::manual_seed(7);
+  const Tensor q = torch::randn({2, 40, 2, 8}), k = torch::randn({2, 40, 1, 8});
+  for (double alpha : {1.25, 1.5, 2.0, 3.0}) {
+    const Tensor p = composed::entmax_weights(q, k, 2.0, true, alpha);
+    EXPECT_EQ(p.scalar_type(), torch::kFloat32);
+    EXPECT_LT((p.sum(-1) - 1).abs().max().item<double>(), 1e-5) << alpha;
+    EXPECT_GT(p.eq(0).logical_and(torch::ones({40, 40}, torch::kBool).tril()).sum().item<int64_t>(), 0)
+        << alpha;
+    EXPECT_EQ(p.ne(0).logical_and(torch::ones({40, 40}, torch::kBool).triu(1)).sum().item<int64_t>(), 0)
+        << alpha;
+  }
+  // The first query sees no earlier key: its row is zero.
+  const Tensor previous = composed::entmax_weights(q, k, 2.0, false, 1.5);
+  EXPECT_EQ(previous.select(2, 0).abs().max().item<double>(), 0.0);
+  EXPECT_LT((previous.narrow(2, 1, 39).sum(-1) - 1).abs().max().item<double>(), 1e-5);
+}
+
+TEST(Composed, SieveWithAHugeMarginIsStickBreaking) {
+  const Qkv in = random_qkv({2, 6, 6, 2, 1, 4, 3, 1.0}, 3);
+  const auto [sieve, sieve_rem] =
+      composed::sieve_attention(in.q, in.k, in.v, 1.0, false, 1.5, "bound", 1e6);
+  const auto [sb, sb_rem] = composed::stick_breaking_attention(in.q, in.k, in.v, 1.0, false);
+  EXPECT_TRUE(close(sieve, sb, 1e-14));
+  EXPECT_TRUE(close(sieve_rem, sb_rem, 1e-14));
+}
+
+TEST(Composed, BadArgumentsAreErrorsNamingThem) {
+  const Qkv in = random_qkv({1, 2, 2, 1, 1, 4, 4, 1.0}, 1);
+  auto message = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { composed::entmax_weights(in.q, in.k, 1.0, true, 1.0); }).find("argument 'alpha'"),
+            std::string::npos);
+  EXPECT_NE(message([&] { composed::sieve_weights(in.q, in.k, 1.0, false, 1.5, "top", {}); })
+                .find("argument 'filter': expected \"exact\" or \"bound\", got \"top\""),
+            std::string::npos);
+  EXPECT_NE(message([&] { composed::sieve_weights(in.q, in.k, 1.0, false, 1.5, "exact", 0.5); })
+                .find("argument 'eps'"),
+            std::string::npos);
+  EXPECT_NE(message([&] { composed::sieve_weights(in.q, in.k, 1.0, false, 1.5, "bound", -1.0); })
+                .find("argument 'eps'"),
+            std::string::npos);
+}
+
+// The probe's support size of Sieve's weights is the operator's candidate count: mean and
+// largest per head.
+TEST(Probe, SupportOfSieveWeightsIsTheCandidateCount) {
+  const Qkv in = random_qkv({2, 12, 12, 2, 1, 8, 4, 2.0}, 9);
+  torch::NoGradGuard no_grad;
+  AttentionProbe probe(12);
+  probe.record(0, composed::sieve_weights(in.q, in.k, 2.0, false, 1.5, "exact", {}).first, false);
+  torch_ops::AttentionCall call;
+  call.scale = 2.0;
+  call.attend_current = false;
+  const Tensor count = std::get<2>(torch_ops::sieve_attention(in.q, in.k, in.v, call, 1.5));
+  const nlohmann::json s = probe.summary();
+  for (std::int64_t h = 0; h < 2; ++h) {
+    const Tensor c = count.select(2, h).to(torch::kFloat64);
+    EXPECT_NEAR(s["layers"][0]["support"][h].get<double>(), c.mean().item<double>(), 1e-12);
+    EXPECT_EQ(s["layers"][0]["support_max"][h].get<double>(), c.max().item<double>());
+  }
+  EXPECT_EQ(s["max"]["support_max"].get<double>(), count.max().item<int>());
+  // Sparse: fewer candidates than visible keys on average (query j sees j keys).
+  EXPECT_LT(s["mean"]["support"].get<double>(), 5.5);
+}
+
 // ------------------------------------------------------------------ configuration
 
 void expect_error(const std::function<void(ModelConfig&)>& set, const std::string& fragment) {
@@ -489,6 +785,53 @@ TEST(ModelConfig, ErrorsNameTheKey) {
     c.attention.kind = "stick_breaking";
     c.attention.options["halt_cutoff"] = -1.0;
   }, "'model.attention.halt_cutoff'");
+}
+
+TEST(ModelConfig, EntmaxAndSieveErrorsNameTheKey) {
+  auto with = [](const std::string& kind, nlohmann::json options, std::string position = "auto") {
+    return [=](ModelConfig& c) {
+      c.attention.kind = kind;
+      c.attention.position = position;
+      c.attention.options = options;
+    };
+  };
+  expect_error(with("entmax", {{"alpha", 1.0}}), "key 'model.attention.alpha': expected > 1");
+  expect_error(with("entmax", {{"alpha", "1.5"}}), "'model.attention.alpha'");
+  expect_error(with("entmax", nlohmann::json::object(), "alibi"), "key 'model.attention.position': expected one of rope, nope");
+  expect_error(with("entmax", {{"filter", "bound"}}), "unknown key 'model.attention.filter'");
+  expect_error(with("sieve", nlohmann::json::object(), "rope"), "key 'model.attention.position': expected one of nope");
+  expect_error(with("sieve", {{"alpha", 0.5}}), "'model.attention.alpha'");
+  expect_error(with("sieve", {{"filter", "top"}}), "key 'model.attention.filter': expected one of exact, bound");
+  expect_error(with("sieve", {{"eps", 0.5}}), "key 'model.attention.eps': expected null or absent unless filter is \"bound\"");
+  expect_error(with("sieve", {{"filter", "bound"}, {"eps", -1}}), "key 'model.attention.eps': expected a number > 0");
+  expect_error(with("sieve", {{"filter", "bound"}, {"eps", "big"}}), "key 'model.attention.eps'");
+  expect_error(with("sieve", {{"halt_cutoff", 1.0}}), "unknown key 'model.attention.halt_cutoff'");
+}
+
+TEST(ModelConfig, EntmaxAndSieveDefaults) {
+  ModelConfig c;
+  c.vocab_size = 11;
+  c.context_len = 8;
+  c.attention.kind = "entmax";
+  resolve(c);
+  EXPECT_EQ(c.attention.position, "rope");
+  EXPECT_EQ(c.attention.implementation, "kernel");
+  EXPECT_EQ(c.attention.options, (nlohmann::json{{"alpha", 1.5}, {"attend_current", true}}));
+  c.attention.kind = "sieve";
+  c.attention.position = "auto";
+  c.attention.options = nlohmann::json::object();
+  resolve(c);
+  EXPECT_EQ(c.attention.position, "nope");
+  EXPECT_EQ(c.attention.options,
+            (nlohmann::json{{"alpha", 1.5}, {"filter", "exact"}, {"eps", nullptr},
+                            {"attend_current", false}, {"remainder_bias", false}, {"head_norm", false}}));
+  c.attention.options = {{"filter", "bound"}, {"eps", 2}};
+  resolve(c);
+  EXPECT_EQ(c.attention.options["eps"], 2);
+  const nlohmann::json once = write_model(c);
+  ModelConfig again = read_model(once);
+  resolve(again);
+  EXPECT_EQ(write_model(again), once);
 }
 
 TEST(ModelConfig, KernelWithAlibiIsAConfigError) {

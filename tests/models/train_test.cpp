@@ -58,7 +58,8 @@ constexpr double kLossBound = 0.25;
 const std::vector<std::string>& toy_configs() {
   static const std::vector<std::string> names = {
       "softmax_rope", "softmax_nope",  "softmax_alibi",  "softmax_yarn",         "ssmax",
-      "gated",        "differential", "stick_breaking", "stick_breaking_rb_gn"};
+      "gated",        "differential", "stick_breaking", "stick_breaking_rb_gn", "entmax_rope",
+      "sieve"};
   return names;
 }
 
