@@ -2,6 +2,11 @@
 ends) and, when importable, the stick-breaking paper's Triton kernel and AdaSplash-2 (the
 `adasplash` package: 1.5-entmax attention in Triton), on the same inputs in the same run.
 
+The composed PyTorch Sieve (`composed_sieve`: materialized scores, the entmax threshold by
+bisection, stick-breaking over the candidates) is the baseline of 000's figure 4 left, which
+plots tokens/s against L: the table's tokens/s columns are B L over the forward time
+(inference) and over the forward+backward time (training).
+
 Shapes (issue 3): B * L = 16384 tokens, H = 12 at D = 128 and H = 16 at D = 64,
 L in {1024, 4096, 16384}, bf16, causal, (B, L, H, D) layout. Times are medians of CUDA-event
 timings after warm-up; TFLOP/s count causal FLOPs: 4 B H L^2 D / 2 forward, 2.5x that
@@ -63,6 +68,33 @@ def same_layout(q, k, v):
     return q, k, v
 
 
+def composed_sieve(q, k, v, alpha=1.5):
+    """Sieve as a user would write it in PyTorch (spec/sieve.md, exact filter, keys i < j):
+    L x L scores in float32, the alpha-entmax threshold by 30 bisection steps on [max - 1, max]
+    (no gradient: the candidate set is discrete), stick-breaking over the candidates."""
+    B, L, H, D = q.shape
+    group = H // k.shape[2]
+    qh = q.transpose(1, 2).float()
+    kh = k.repeat_interleave(group, 2).transpose(1, 2).float()
+    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    z = qh @ kh.transpose(-1, -2) / math.sqrt(D)
+    pos = torch.arange(L, device=q.device)
+    visible = pos[None, :] < pos[:, None]
+    with torch.no_grad():
+        x = ((alpha - 1) * z).masked_fill(~visible, float("-inf"))
+        hi = x.max(-1, keepdim=True).values
+        lo = hi - 1
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            f = torch.clamp(x - mid, min=0).pow(1 / (alpha - 1)).sum(-1, keepdim=True)
+            lo, hi = torch.where(f >= 1, mid, lo), torch.where(f >= 1, hi, mid)
+        kept = visible & (x > lo)
+    cost = torch.where(kept, F.softplus(z), torch.zeros_like(z))
+    suffix = cost.flip(-1).cumsum(-1).flip(-1)
+    w = torch.where(kept, torch.exp(z - suffix), torch.zeros_like(z))
+    return (w.to(vh.dtype) @ vh).transpose(1, 2)
+
+
 def methods():
     """name -> (prepare, run): prepare turns (B, L, H, D) leaves into the method's own input
     layout outside the timed region; run computes the attention output from them."""
@@ -78,6 +110,7 @@ def methods():
     m["winnow_sieve_exact"] = (same_layout, lambda q, k, v: winnow.sieve_attention(q, k, v)[0])
     m["winnow_sieve_bound"] = (
         same_layout, lambda q, k, v: winnow.sieve_attention(q, k, v, filter="bound")[0])
+    m["composed_sieve"] = (same_layout, composed_sieve)
     try:  # AdaSplash-2 (causal 1.5-entmax), layout (B, H, L, D)
         from adasplash import adasplash
 
@@ -119,6 +152,7 @@ def measure(name, prepare, fn, q, k, v, flops_fwd, forward_only=False):
         inputs = prepare(q, k, v)
         row["fwd_ms"] = median_ms(lambda: fn(*inputs))
         row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+        row["inference_tokens_per_s"] = q.shape[0] * q.shape[1] / row["fwd_ms"] * 1e3
         if forward_only:
             return row
         out = fn(*inputs)
@@ -127,6 +161,7 @@ def measure(name, prepare, fn, q, k, v, flops_fwd, forward_only=False):
         row["fwd_bwd_ms"] = median_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grad))
         row["bwd_tflops"] = 2.5 * flops_fwd / row["bwd_ms"] / 1e9
         row["fwd_bwd_tflops"] = 3.5 * flops_fwd / row["fwd_bwd_ms"] / 1e9
+        row["training_tokens_per_s"] = q.shape[0] * q.shape[1] / row["fwd_bwd_ms"] * 1e3
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return row
@@ -134,7 +169,7 @@ def measure(name, prepare, fn, q, k, v, flops_fwd, forward_only=False):
 
 def print_table(results):
     print(f"{'D':>4} {'L':>6} {'method':<30} {'fwd TF/s':>9} {'x flash':>8} {'bwd TF/s':>9} "
-          f"{'x flash':>8} {'f+b TF/s':>9} {'x flash':>8}")
+          f"{'x flash':>8} {'f+b TF/s':>9} {'x flash':>8} {'inf Mtok/s':>10} {'train Mtok/s':>12}")
     nan = float("nan")
     for r in results:
         if "error" in r:
@@ -143,7 +178,9 @@ def print_table(results):
         print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} {r['fwd_tflops']:9.1f} "
               f"{r.get('fwd_vs_flash', nan):8.2f} {r.get('bwd_tflops', nan):9.1f} "
               f"{r.get('bwd_vs_flash', nan):8.2f} {r.get('fwd_bwd_tflops', nan):9.1f} "
-              f"{r.get('fwd_bwd_vs_flash', nan):8.2f}")
+              f"{r.get('fwd_bwd_vs_flash', nan):8.2f} "
+              f"{r.get('inference_tokens_per_s', nan) / 1e6:10.3f} "
+              f"{r.get('training_tokens_per_s', nan) / 1e6:12.3f}")
 
 
 def main():
