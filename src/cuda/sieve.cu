@@ -1,0 +1,68 @@
+// Sieve attention on CUDA. On the fused path (bf16 / fp16, D = Dv = 64 or 128): the row
+// thresholds (one sweep for the bound filter, the entmax search for the exact one;
+// threshold_search.cuh), then the stick-breaking kernels over each row's candidates only
+// (stick_breaking_rows.cuh). Everything else runs on the simple path.
+#include "cuda/attention/stick_breaking_rows.cuh"
+#include "cuda/cuda.h"
+#include "cuda/threshold_search.cuh"
+
+namespace winnow::cuda {
+namespace {
+
+simple::Extras sieve_extras(const detail::SieveConfig& cfg) {
+  simple::Extras x;
+  x.alpha = static_cast<float>(cfg.alpha);
+  x.tolerance = static_cast<float>(cfg.tolerance);
+  x.bound = cfg.bound;
+  x.eps = static_cast<float>(cfg.eps);
+  x.threshold = cfg.threshold;
+  x.count = cfg.count;
+  return x;
+}
+
+SieveCudaConfig sieve_config(const detail::SieveConfig& cfg) {
+  SieveCudaConfig c;
+  c.threshold = cfg.threshold;
+  c.count = cfg.count;
+  return c;
+}
+
+struct FusedSieveForward {
+  const detail::AttentionParams& p;
+  const detail::SieveConfig& cfg;
+  template <class T, int D>
+  void operator()() const {
+    ThresholdCudaConfig t = threshold_config(cfg.alpha, cfg.tolerance);
+    t.bound = cfg.bound;
+    t.eps = static_cast<float>(cfg.eps);
+    t.result = cfg.threshold;
+    t.result_scale = static_cast<float>(1.0 / (cfg.alpha - 1.0));
+    find_thresholds<T, D>(p, t);
+    launch_fused_forward<T, D, SieveRows>(p, sieve_config(cfg));
+  }
+};
+
+struct FusedSieveBackward {
+  const detail::AttentionParams& p;
+  const detail::GradientParams& g;
+  const detail::SieveConfig& cfg;
+  template <class T, int D>
+  void operator()() const {
+    launch_fused_backward<T, D, SieveBackwardRows<T>>(p, g, sieve_config(cfg));
+  }
+};
+
+}  // namespace
+
+void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& cfg) {
+  if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedSieveForward{p, cfg});
+  dispatch_simple(p, SimpleForward<simple::Mechanism::sieve>{p, sieve_extras(cfg)});
+}
+
+void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                    const detail::SieveConfig& cfg) {
+  if (fused_path_applies(p, &g)) return dispatch_fused(p, FusedSieveBackward{p, g, cfg});
+  dispatch_simple(p, SimpleBackward<simple::Mechanism::sieve>{p, g, sieve_extras(cfg)});
+}
+
+}  // namespace winnow::cuda
