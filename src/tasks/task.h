@@ -42,6 +42,11 @@ class Task {
   // `batch` sequences of exactly `length` tokens. Generative tasks train on prompt + answer
   // with the loss on the answer only, needles at uniformly random depths.
   virtual Batch sample(std::int64_t batch, std::int64_t length, std::uint64_t seed) const = 0;
+  // What training draws: sample() unless a task trains on a wider distribution than it is
+  // evaluated on (Copy's varied_training).
+  virtual Batch sample_training(std::int64_t batch, std::int64_t length, std::uint64_t seed) const {
+    return sample(batch, length, seed);
+  }
 
   // Generative tasks only: a prompt such that prompt + answer has exactly `length` tokens, with
   // the needle at `depth` in [0, 1].

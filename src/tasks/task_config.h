@@ -33,10 +33,15 @@ struct MqrarConfig {
 
 struct CopyConfig {
   std::int64_t symbols = 32;  // the copied tokens are [0, symbols); the separator is `symbols`
+  // Training sequences of L tokens hold one instance of a uniformly drawn 1 .. L/2 symbols
+  // (the tokens after it are random and uncounted; causal attention never lets them reach
+  // the instance), so a fixed offset to the source cannot solve them. Evaluation is unchanged.
+  bool varied_training = false;
 
   template <class V>
   void fields(V& v) {
     v("symbols", symbols, config::at_least(2));
+    v("varied_training", varied_training);
   }
 };
 

@@ -269,8 +269,8 @@ StepStats Trainer::step() {
   // gradient would still move them through the moments and weight decay).
   for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
 
-  const tasks::Batch batch = task_->sample(t.batch_size, t.seq_len,
-                                           tasks::batch_seed(config_.seed, kTrainStream, step_));
+  const tasks::Batch batch = task_->sample_training(
+      t.batch_size, t.seq_len, tasks::batch_seed(config_.seed, kTrainStream, step_));
   // The loss is the mean over every counted position of the whole batch, however it is split
   // into micro-batches: accumulation then computes the same gradient as one big batch.
   const double counted = std::max(1.0, batch.loss_mask.sum().item<double>());

@@ -148,6 +148,34 @@ TEST(Copy, LayoutTargetsAndMask) {
             std::string::npos);
 }
 
+// varied_training: training rows start with an instance of 1 .. L/2 symbols and count only its
+// copy; evaluation batches keep L/2 symbols and are the same as without the option.
+TEST(Copy, VariedTrainingDrawsInstanceSizesAndLeavesEvaluationAlone) {
+  CopyConfig fixed, varied;
+  varied.varied_training = true;
+  auto fixed_task = make_copy(fixed), varied_task = make_copy(varied);
+  const Batch eval_a = fixed_task->sample(4, 16, 3), eval_b = varied_task->sample(4, 16, 3);
+  EXPECT_TRUE(torch::equal(eval_a.inputs, eval_b.inputs));
+  EXPECT_TRUE(torch::equal(fixed_task->sample_training(4, 16, 3).inputs, eval_a.inputs));
+
+  const Batch b = varied_task->sample_training(64, 16, 7);
+  std::set<std::int64_t> sizes;
+  for (std::int64_t r = 0; r < 64; ++r) {
+    const auto in = row(b.inputs, r), tg = row(b.targets, r);
+    std::int64_t m = 0;
+    while (in[m] != 32) ++m;  // the first separator ends the instance's symbols
+    ASSERT_GE(m, 1);
+    ASSERT_LE(m, 8);
+    sizes.insert(m);
+    for (std::int64_t p = 0; p < 16; ++p) {
+      const bool counted = p >= m && p < 2 * m;
+      EXPECT_EQ(b.loss_mask[r][p].item<float>(), counted ? 1.0f : 0.0f) << "row " << r << " pos " << p;
+      if (counted) EXPECT_EQ(tg[p], in[p - m]) << "row " << r << " pos " << p;
+    }
+  }
+  EXPECT_GE(sizes.size(), 6u) << "instance sizes are drawn, not fixed";
+}
+
 TEST(Tasks, ConfigurationAndGeneratorAgreeOnTheVocabulary) {
   for (const std::string& name : task_names()) {
     TaskConfig c;
