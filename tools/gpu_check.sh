@@ -9,7 +9,8 @@
 #   cudatest   only the CUDA tests, both kernel sets
 #   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
-#              when $BASELINES has stickbreaking_attention/, winnow)
+#              when $BASELINES has stickbreaking_attention/, AdaSplash-2 when .whl/ has its
+#              wheel, winnow)
 #   study      winnow study $STUDY (default studies/mqrar.json, its cuda profile) with
 #              $STUDY_ARGS; runs under runs/ (kept while the machine stays warm, so a later call
 #              continues), result.json and table.md copied to $OUT/study-<name>/
@@ -76,6 +77,12 @@ for stage in "${stages[@]}"; do
       ;;
     bench)
       export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      # Baseline wheels carried in .whl/ (AdaSplash-2: `pip download adasplash --no-deps -d .whl`
+      # here); the GPU machine has no network, and their dependencies (torch, triton) are there.
+      if compgen -G ".whl/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --target "$BUILD/site" .whl/*.whl \
+          && export PYTHONPATH="$PWD/$BUILD/site${PYTHONPATH:+:$PYTHONPATH}"
+      fi
       [[ -d "$BASELINES" ]] && export PYTHONPATH="$BASELINES${PYTHONPATH:+:$PYTHONPATH}"
       python3 bench/gpu_attention_bench.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
       note "bench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
