@@ -222,6 +222,21 @@ Operand AttentionCall::operand(const TensorView& t, int row_dim) const {
   return o;
 }
 
+GradientParams AttentionCall::gradients(const TensorView& dout, const AttentionGrads& grads,
+                                        const std::optional<TensorView>& dstats,
+                                        const char* dstats_name) const {
+  GradientParams g;
+  g.dout = like_q("dout", dout, /*value_dim=*/true);
+  if (dstats) g.dstats = row_stats(dstats_name, *dstats);
+  g.dq = like_q("dq", grads.dq, false);
+  g.dk = like_k("dk", grads.dk, false);
+  g.dv = like_k("dv", grads.dv, true);
+  require_writable("dq", grads.dq);
+  require_writable("dk", grads.dk);
+  require_writable("dv", grads.dv);
+  return g;
+}
+
 void AttentionCall::require_writable(const char* name, const TensorView& t) const {
   for (int d = 0; d < t.ndim; ++d) {
     if (t.shape[d] > 1 && t.stride[d] == 0) {

@@ -32,6 +32,11 @@ class AttentionCall {
   Operand row_stats(const char* name, const TensorView& t, DType dtype) const;
   // Outputs must not overlap themselves (no broadcast strides on dimensions of size > 1).
   void require_writable(const char* name, const TensorView& t) const;
+  // A backward's operands, checked in this order: dout, the statistic's gradient (when the
+  // mechanism has one and it is given), dq, dk, dv, then that the gradients are writable.
+  GradientParams gradients(const TensorView& dout, const AttentionGrads& grads,
+                           const std::optional<TensorView>& dstats = std::nullopt,
+                           const char* dstats_name = "dlog_rem") const;
 
   void check_scale(const std::optional<double>& scale) const;
   void check_option(const char* name, bool ok, const std::string& expected,

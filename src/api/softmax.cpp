@@ -39,14 +39,7 @@ void backward(const AttentionInputs& in, const Options& options, const Outputs& 
               const TensorView& dout, const AttentionGrads& grads, const ExecContext& ctx) {
   AttentionCall call("winnow::softmax::backward", in, ctx);
   const detail::AttentionParams p = checked(call, options, saved);
-  detail::GradientParams g;
-  g.dout = call.like_q("dout", dout, true);
-  g.dq = call.like_q("dq", grads.dq, false);
-  g.dk = call.like_k("dk", grads.dk, false);
-  g.dv = call.like_k("dv", grads.dv, true);
-  call.require_writable("dq", grads.dq);
-  call.require_writable("dk", grads.dk);
-  call.require_writable("dv", grads.dv);
+  const detail::GradientParams g = call.gradients(dout, grads);
   switch (call.route()) {
     case Route::reference: return reference::softmax_backward(p, g);
     case Route::cpu: return cpu::softmax_backward(p, g);

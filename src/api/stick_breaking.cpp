@@ -58,15 +58,7 @@ void backward(const AttentionInputs& in, const Options& options, const Outputs& 
     call.fail("kept_from", "the forward's kept_from output whenever halt_cutoff > 0",
               "none");
   }
-  detail::GradientParams g;
-  g.dout = call.like_q("dout", dout, true);
-  if (dlog_rem) g.dstats = call.row_stats("dlog_rem", *dlog_rem);
-  g.dq = call.like_q("dq", grads.dq, false);
-  g.dk = call.like_k("dk", grads.dk, false);
-  g.dv = call.like_k("dv", grads.dv, true);
-  call.require_writable("dq", grads.dq);
-  call.require_writable("dk", grads.dk);
-  call.require_writable("dv", grads.dv);
+  const detail::GradientParams g = call.gradients(dout, grads, dlog_rem);
   switch (call.route()) {
     case Route::reference: return reference::stick_breaking_backward(c.params, g, c.config);
     case Route::cpu: return cpu::stick_breaking_backward(c.params, g, c.config);

@@ -3,11 +3,11 @@
 // recent key below the threshold takes no stick. Like stick-breaking it needs no positional
 // encoding (000 uses none), and it takes stick-breaking's remainder bias and head-wise norm
 // (002 appendix C), the remainder being the stick left over the candidates.
-#include <cmath>
 #include <optional>
+#include <utility>
 
-#include "nn/attention.h"
 #include "nn/composed.h"
+#include "nn/stick_breaking_layer.h"
 #include "torch/ops.h"
 
 namespace winnow::nn {
@@ -40,6 +40,25 @@ struct SieveOptions {
   std::optional<double> margin() const {
     return eps.is_null() ? std::nullopt : std::optional<double>(eps.get<double>());
   }
+
+  std::pair<torch::Tensor, torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, double scale,
+                                                 bool kernel) const {
+    if (!kernel) {
+      return composed::sieve_attention(q, k, v, scale, attend_current, alpha, filter, margin());
+    }
+    torch_ops::AttentionCall call;
+    call.scale = scale;
+    call.attend_current = attend_current;
+    torch_ops::Opt<double> op_margin;
+    if (const auto m = margin()) op_margin = *m;
+    auto [out, rem, count] = torch_ops::sieve_attention(q, k, v, call, alpha, filter, op_margin);
+    return {out, rem};
+  }
+  std::pair<torch::Tensor, torch::Tensor> weights(const torch::Tensor& q, const torch::Tensor& k,
+                                                  double scale) const {
+    return composed::sieve_weights(q, k, scale, attend_current, alpha, filter, margin());
+  }
 };
 
 nlohmann::json resolve_sieve_options(const nlohmann::json& given, const std::string& path) {
@@ -49,73 +68,6 @@ nlohmann::json resolve_sieve_options(const nlohmann::json& given, const std::str
   }
   return config::write(o);
 }
-
-class SieveAttention final : public AttentionLayer {
- public:
-  SieveAttention(const ModelConfig& model, std::int64_t /*layer_index*/)
-      : options_(options_of<SieveOptions>(model.attention)),
-        h_(head_layout(model)),
-        position_(model, h_.head_dim),
-        kernel_(uses_kernel(model.attention)) {
-    const std::int64_t d = model.d_model;
-    const double init_std = model.init_std;
-    const double out_std = residual_output_std(model);
-    q_ = make_linear(*this, "q", d, h_.heads * h_.head_dim, init_std);
-    k_ = make_linear(*this, "k", d, h_.kv_heads * h_.head_dim, init_std);
-    v_ = make_linear(*this, "v", d, h_.kv_heads * h_.value_dim, init_std);
-    o_ = make_linear(*this, "o", h_.heads * h_.value_dim, d, out_std);
-    // r_h starts at zero: the layer starts as plain Sieve.
-    if (options_.remainder_bias) {
-      remainder_bias_ =
-          register_parameter("remainder_bias", torch::zeros({h_.heads, h_.value_dim}));
-    }
-    if (options_.head_norm) {
-      head_norm_ = register_module(
-          "head_norm", HeadNorm(h_.heads, h_.value_dim, model.norm_eps, /*centered=*/true));
-    }
-  }
-
-  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
-    const std::int64_t B = x.size(0), L = x.size(1);
-    const torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
-    const torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
-    const torch::Tensor v = v_(x).view({B, L, h_.kv_heads, h_.value_dim});
-    const auto in = position_.prepare(q, k, v, cache);
-    const torch::Tensor qv = in.q.to(in.v.scalar_type()), kv = in.k.to(in.v.scalar_type());
-    const std::optional<double> eps = options_.margin();
-    torch::Tensor o, rem;
-    if (kernel_) {
-      torch_ops::AttentionCall call;
-      call.scale = h_.scale;
-      call.attend_current = options_.attend_current;
-      torch_ops::Opt<double> margin;
-      if (eps) margin = *eps;
-      std::tie(o, rem, std::ignore) =
-          torch_ops::sieve_attention(qv, kv, in.v, call, options_.alpha, options_.filter, margin);
-    } else {
-      std::tie(o, rem) = composed::sieve_attention(qv, kv, in.v, h_.scale, options_.attend_current,
-                                                   options_.alpha, options_.filter, eps);
-    }
-    if (probe()) {
-      const auto [w, r] =
-          composed::sieve_weights(probed_queries(qv), kv, h_.scale, options_.attend_current,
-                                  options_.alpha, options_.filter, eps);
-      probe()->record(probe_layer(), w, options_.attend_current, {{"remainder", r}});
-    }
-    if (remainder_bias_.defined()) o = o + rem.unsqueeze(-1) * remainder_bias_;
-    if (head_norm_) o = head_norm_(o);
-    return o_(o.reshape({B, L, h_.heads * h_.value_dim}));
-  }
-
- private:
-  SieveOptions options_;
-  HeadLayout h_;
-  PositionalEncoding position_;
-  bool kernel_;
-  torch::nn::Linear q_{nullptr}, k_{nullptr}, v_{nullptr}, o_{nullptr};
-  torch::Tensor remainder_bias_;
-  HeadNorm head_norm_{nullptr};
-};
 
 }  // namespace
 
@@ -139,7 +91,7 @@ const Mechanism& sieve_mechanism() {
       }
     };
     m.make = [](const ModelConfig& model, std::int64_t layer) -> std::shared_ptr<AttentionLayer> {
-      return std::make_shared<SieveAttention>(model, layer);
+      return std::make_shared<StickBreakingLayer<SieveOptions>>(model, layer);
     };
     return m;
   }();

@@ -1,12 +1,11 @@
 // Stick-breaking attention (seed 002; spec/stick-breaking.md) with the options of 002's
-// appendix C: the remainder bias o_j += rem_j r_h (rem_j the unallocated stick, which the
-// fused operator returns alongside the output) and the head-wise norm (GroupNorm, one group per
-// head, after the remainder bias). No positional encoding by default: the stick-breaking
-// process is order-aware by itself (002 section 3); RoPE is an option.
-#include <cmath>
+// appendix C, remainder bias and head-wise norm (the layer itself: nn/stick_breaking_layer.h).
+// No positional encoding by default: the stick-breaking process is order-aware by itself (002
+// section 3); RoPE is an option.
+#include <utility>
 
-#include "nn/attention.h"
 #include "nn/composed.h"
+#include "nn/stick_breaking_layer.h"
 #include "torch/ops.h"
 
 namespace winnow::nn {
@@ -27,67 +26,21 @@ struct StickBreakingOptions {
     v("attend_current", attend_current);
     v("halt_cutoff", halt_cutoff, config::with_words(config::at_least(0), "0: off"));
   }
-};
 
-class StickBreakingAttention final : public AttentionLayer {
- public:
-  StickBreakingAttention(const ModelConfig& model, std::int64_t /*layer_index*/)
-      : options_(options_of<StickBreakingOptions>(model.attention)),
-        h_(head_layout(model)),
-        position_(model, h_.head_dim),
-        kernel_(uses_kernel(model.attention)) {
-    const std::int64_t d = model.d_model;
-    const double init_std = model.init_std;
-    const double out_std = residual_output_std(model);
-    q_ = make_linear(*this, "q", d, h_.heads * h_.head_dim, init_std);
-    k_ = make_linear(*this, "k", d, h_.kv_heads * h_.head_dim, init_std);
-    v_ = make_linear(*this, "v", d, h_.kv_heads * h_.value_dim, init_std);
-    o_ = make_linear(*this, "o", h_.heads * h_.value_dim, d, out_std);
-    // r_h starts at zero: the layer starts as plain stick-breaking.
-    if (options_.remainder_bias) {
-      remainder_bias_ = register_parameter("remainder_bias", torch::zeros({h_.heads, h_.value_dim}));
-    }
-    if (options_.head_norm) {
-      head_norm_ = register_module(
-          "head_norm", HeadNorm(h_.heads, h_.value_dim, model.norm_eps, /*centered=*/true));
-    }
+  std::pair<torch::Tensor, torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, double scale,
+                                                 bool kernel) const {
+    if (!kernel) return composed::stick_breaking_attention(q, k, v, scale, attend_current);
+    torch_ops::AttentionCall call;
+    call.scale = scale;
+    call.attend_current = attend_current;
+    auto [out, rem] = torch_ops::stick_breaking_attention(q, k, v, call, halt_cutoff);
+    return {out, rem};
   }
-
-  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
-    const std::int64_t B = x.size(0), L = x.size(1);
-    const torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
-    const torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
-    const torch::Tensor v = v_(x).view({B, L, h_.kv_heads, h_.value_dim});
-    const auto in = position_.prepare(q, k, v, cache);
-    const torch::Tensor qv = in.q.to(in.v.scalar_type()), kv = in.k.to(in.v.scalar_type());
-    torch::Tensor o, rem;
-    if (kernel_) {
-      torch_ops::AttentionCall call;
-      call.scale = h_.scale;
-      call.attend_current = options_.attend_current;
-      std::tie(o, rem) = torch_ops::stick_breaking_attention(qv, kv, in.v, call, options_.halt_cutoff);
-    } else {
-      std::tie(o, rem) =
-          composed::stick_breaking_attention(qv, kv, in.v, h_.scale, options_.attend_current);
-    }
-    if (probe()) {
-      const auto [w, r] = composed::stick_breaking_weights(probed_queries(qv), kv, h_.scale,
-                                                           options_.attend_current);
-      probe()->record(probe_layer(), w, options_.attend_current, {{"remainder", r}});
-    }
-    if (remainder_bias_.defined()) o = o + rem.unsqueeze(-1) * remainder_bias_;
-    if (head_norm_) o = head_norm_(o);
-    return o_(o.reshape({B, L, h_.heads * h_.value_dim}));
+  std::pair<torch::Tensor, torch::Tensor> weights(const torch::Tensor& q, const torch::Tensor& k,
+                                                  double scale) const {
+    return composed::stick_breaking_weights(q, k, scale, attend_current);
   }
-
- private:
-  StickBreakingOptions options_;
-  HeadLayout h_;
-  PositionalEncoding position_;
-  bool kernel_;
-  torch::nn::Linear q_{nullptr}, k_{nullptr}, v_{nullptr}, o_{nullptr};
-  torch::Tensor remainder_bias_;
-  HeadNorm head_norm_{nullptr};
 };
 
 }  // namespace
@@ -111,7 +64,7 @@ const Mechanism& stick_breaking_mechanism() {
       }
     };
     m.make = [](const ModelConfig& model, std::int64_t layer) -> std::shared_ptr<AttentionLayer> {
-      return std::make_shared<StickBreakingAttention>(model, layer);
+      return std::make_shared<StickBreakingLayer<StickBreakingOptions>>(model, layer);
     };
     return m;
   }();

@@ -99,6 +99,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_backward_op(
   });
 }
 
+// What every autograd Function here saves besides tensors: the varlen offsets and options.
+void save_call(AutogradContext* ctx, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+               Opt<double> scale, bool attend_current) {
+  ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
+  ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
+  ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+  ctx->saved_data["attend_current"] = attend_current;
+}
+
+struct SavedCall {
+  Opt<at::Tensor> cu_q, cu_k;
+  Opt<double> scale;
+  bool attend_current;
+};
+SavedCall saved_call(AutogradContext* ctx) {
+  SavedCall c;
+  if (!ctx->saved_data["cu_q"].isNone()) c.cu_q = ctx->saved_data["cu_q"].toTensor();
+  if (!ctx->saved_data["cu_k"].isNone()) c.cu_k = ctx->saved_data["cu_k"].toTensor();
+  if (!ctx->saved_data["scale"].isNone()) c.scale = ctx->saved_data["scale"].toDouble();
+  c.attend_current = ctx->saved_data["attend_current"].toBool();
+  return c;
+}
+
 struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
@@ -106,10 +129,7 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
                                bool attend_current) {
     auto [out, lse] = softmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, false);
     ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
-    ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
-    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-    ctx->saved_data["attend_current"] = attend_current;
+    save_call(ctx, cu_q, cu_k, scale, attend_current);
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -117,15 +137,10 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
-    Opt<at::Tensor> cu_q, cu_k;
-    if (!ctx->saved_data["cu_q"].isNone()) cu_q = ctx->saved_data["cu_q"].toTensor();
-    if (!ctx->saved_data["cu_k"].isNone()) cu_k = ctx->saved_data["cu_k"].toTensor();
-    Opt<double> scale;
-    if (!ctx->saved_data["scale"].isNone()) scale = ctx->saved_data["scale"].toDouble();
-    auto [dq, dk, dv] = softmax_backward_op(
-        saved[0], saved[1], saved[2], saved[3], saved[4], dout, cu_q, cu_k, scale,
-        ctx->saved_data["attend_current"].toBool(),
-        at::globalContext().deterministicAlgorithms(), false);
+    const SavedCall c = saved_call(ctx);
+    auto [dq, dk, dv] = softmax_backward_op(saved[0], saved[1], saved[2], saved[3], saved[4], dout,
+                                            c.cu_q, c.cu_k, c.scale, c.attend_current,
+                                            at::globalContext().deterministicAlgorithms(), false);
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -194,10 +209,7 @@ struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFun
         stick_breaking_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
     ctx->save_for_backward({q, k, v, out, log_rem, kept_from});
     ctx->mark_non_differentiable({kept_from});
-    ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
-    ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
-    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-    ctx->saved_data["attend_current"] = attend_current;
+    save_call(ctx, cu_q, cu_k, scale, attend_current);
     ctx->saved_data["halt_cutoff"] = halt_cutoff;
     return {out, log_rem};
   }
@@ -207,14 +219,10 @@ struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFun
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
     Opt<at::Tensor> dlog_rem;
     if (grads[1].defined()) dlog_rem = grads[1];
-    Opt<at::Tensor> cu_q, cu_k;
-    if (!ctx->saved_data["cu_q"].isNone()) cu_q = ctx->saved_data["cu_q"].toTensor();
-    if (!ctx->saved_data["cu_k"].isNone()) cu_k = ctx->saved_data["cu_k"].toTensor();
-    Opt<double> scale;
-    if (!ctx->saved_data["scale"].isNone()) scale = ctx->saved_data["scale"].toDouble();
+    const SavedCall c = saved_call(ctx);
     auto [dq, dk, dv] = stick_breaking_backward_op(
-        saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, cu_q, cu_k, scale,
-        ctx->saved_data["attend_current"].toBool(), ctx->saved_data["halt_cutoff"].toDouble(),
+        saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, c.cu_q, c.cu_k,
+        c.scale, c.attend_current, ctx->saved_data["halt_cutoff"].toDouble(),
         at::globalContext().deterministicAlgorithms(), false);
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -274,29 +282,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_backward_op(
                      scope.context(deterministic, reference));
     return std::make_tuple(dq, dk, dv);
   });
-}
-
-// What every autograd Function here saves besides tensors: the varlen offsets and options.
-void save_call(AutogradContext* ctx, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
-               Opt<double> scale, bool attend_current) {
-  ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
-  ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
-  ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-  ctx->saved_data["attend_current"] = attend_current;
-}
-
-struct SavedCall {
-  Opt<at::Tensor> cu_q, cu_k;
-  Opt<double> scale;
-  bool attend_current;
-};
-SavedCall saved_call(AutogradContext* ctx) {
-  SavedCall c;
-  if (!ctx->saved_data["cu_q"].isNone()) c.cu_q = ctx->saved_data["cu_q"].toTensor();
-  if (!ctx->saved_data["cu_k"].isNone()) c.cu_k = ctx->saved_data["cu_k"].toTensor();
-  if (!ctx->saved_data["scale"].isNone()) c.scale = ctx->saved_data["scale"].toDouble();
-  c.attend_current = ctx->saved_data["attend_current"].toBool();
-  return c;
 }
 
 struct EntmaxFunction : public torch::autograd::Function<EntmaxFunction> {
