@@ -16,7 +16,7 @@ struct Options {
   bool attend_current = true;   // query j sees key j
   double alpha = 1.5;           // any alpha > 1
   // The threshold search stops once |sum_i p_ij - 1| <= tolerance (or its bracket can shrink
-  // no further). Default: 1e-6 for float32 / float16 / bfloat16 inputs, 1e-12 for float64.
+  // no further). Default: 1e-5 for float32 / float16 / bfloat16 inputs, 1e-12 for float64.
   std::optional<double> tolerance;
 };
 

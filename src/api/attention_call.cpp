@@ -307,7 +307,7 @@ double resolve_tolerance(const AttentionCall& call, const std::optional<double>&
                       "a finite number > 0", std::to_string(*tolerance));
     return *tolerance;
   }
-  return call.stats_dtype() == DType::float64 ? 1e-12 : 1e-6;
+  return call.stats_dtype() == DType::float64 ? 1e-12 : 1e-5;
 }
 
 }  // namespace winnow::detail

@@ -91,7 +91,7 @@ struct StickBreakingConfig {
 // alpha-entmax (spec/entmax.md). The per-row statistic is tau.
 struct EntmaxConfig {
   double alpha = 1.5;
-  double tolerance = 1e-6;  // |sum p - 1| at which the threshold search stops
+  double tolerance = 1e-5;  // |sum p - 1| at which the threshold search stops
 };
 
 // Sieve (spec/sieve.md). The per-row statistic is log_rem, as in stick-breaking; the filter's
@@ -100,7 +100,7 @@ struct SieveConfig {
   double alpha = 1.5;
   bool bound = false;  // true: threshold = row max - eps; false: the entmax threshold
   double eps = 2.0;
-  double tolerance = 1e-6;
+  double tolerance = 1e-5;
   Operand threshold;  // float32 / float64 per row
   Operand count;      // int32 per row; written when data != nullptr
 };

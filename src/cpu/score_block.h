@@ -38,8 +38,10 @@ void entmax_thresholds(const QueryTile& qt, const ScoreTile<T>& z, double alpha,
   const T a = T(alpha);
   tau.setZero(qt.n);
   if (z.cols() == 0) return;
-  std::vector<em::ThresholdSearch<T>> search(static_cast<std::size_t>(qt.n),
-                                             em::ThresholdSearch<T>(a, T(tolerance)));
+  // One probe per sweep: the scores are in memory, so a sweep costs as much per probe as
+  // the products did on CUDA, and Newton's steps are the cheapest way there.
+  using Search = em::ThresholdSearch<T, 1>;
+  std::vector<Search> search(static_cast<std::size_t>(qt.n), Search(a, T(tolerance)));
   const RowVector<T> x_max = (a - T(1)) * z.rowwise().maxCoeff().array();
   for (std::int64_t r = 0; r < qt.n; ++r) {
     // Row r sees keys 0 .. first_limit + r (clamped to the block).
@@ -48,7 +50,7 @@ void entmax_thresholds(const QueryTile& qt, const ScoreTile<T>& z, double alpha,
   }
   RowVector<T> f(qt.n), sum_u(qt.n), t(qt.n);
   for (int step = 0; step < em::kMaxSearchSteps; ++step) {
-    for (std::int64_t r = 0; r < qt.n; ++r) t[r] = search[static_cast<std::size_t>(r)].tau;
+    for (std::int64_t r = 0; r < qt.n; ++r) t[r] = search[static_cast<std::size_t>(r)].probe(0);
     f.setZero();
     sum_u.setZero();
     for (std::int64_t c = 0; c < z.cols(); ++c) {
@@ -60,13 +62,14 @@ void entmax_thresholds(const QueryTile& qt, const ScoreTile<T>& z, double alpha,
     }
     bool all_done = true;
     for (std::int64_t r = 0; r < qt.n; ++r) {
-      all_done &= search[static_cast<std::size_t>(r)].step(f[r], sum_u[r]);
+      const T fr[1] = {f[r]}, ur[1] = {sum_u[r]};
+      all_done &= search[static_cast<std::size_t>(r)].step(fr, ur);
     }
     if (all_done) break;
   }
   for (std::int64_t r = 0; r < qt.n; ++r) {
     const std::int64_t visible = std::min<std::int64_t>(qt.first_limit + r + 1, z.cols());
-    tau[r] = visible > 0 ? search[static_cast<std::size_t>(r)].tau : T(0);
+    tau[r] = visible > 0 ? search[static_cast<std::size_t>(r)].tau() : T(0);
   }
 }
 

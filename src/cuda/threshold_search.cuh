@@ -27,33 +27,10 @@ inline ThresholdCudaConfig threshold_config(double alpha, double tolerance) {
 }
 
 // Runs the threshold sweeps (entmax_rows.cuh); cfg.result then holds each row's threshold.
-// Between step sweeps one int comes back to the host: whether any row still moves.
+// Defined once in threshold_search.cu for the fused path's types and head dimensions, so that
+// entmax.cu and sieve.cu do not each compile the sweep kernels.
 template <class T, int D>
-void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg) {
-  const std::size_t rows = static_cast<std::size_t>(p.rows_q * p.heads_q);
-  DeviceBuffer buffer(p, rows * sizeof(float4) + sizeof(int));
-  cfg.state = row_buffer(p, buffer.as<void>(), 1);
-  cfg.unfinished = reinterpret_cast<int*>(buffer.as<float4>() + rows);
-  cudaStream_t stream = stream_of(p);
-  auto clear_flag = [&] {
-    check(cudaMemsetAsync(cfg.unfinished, 0, sizeof(int), stream), "clearing the search flag");
-  };
-  auto unfinished = [&] {
-    int host = 0;
-    check(cudaMemcpyAsync(&host, cfg.unfinished, sizeof(int), cudaMemcpyDeviceToHost, stream),
-          "reading the search flag");
-    check(cudaStreamSynchronize(stream), "waiting for a threshold sweep");
-    return host != 0;
-  };
-  clear_flag();
-  launch_fused_forward<T, D, ThresholdStartRows>(p, cfg);
-  if (cfg.bound || !unfinished()) return;
-  for (int step = 0; step < math::entmax::kMaxSearchSteps; ++step) {
-    clear_flag();
-    launch_fused_forward<T, D, ThresholdStepRows>(p, cfg);
-    if (!unfinished()) return;
-  }
-}
+void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg);
 
 // The simple path's launch for either mechanism (a warp per query row).
 template <simple::Mechanism M>

@@ -8,30 +8,68 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "math/host_device.h"
 
 namespace winnow::math::entmax {
 
-// p for the gap x - tau. alpha = 2 and 1.5 avoid pow.
+// The alphas with their own weight functions: sparsemax (alpha = 2) and 1.5-entmax avoid pow.
+// Kernels that know the family at compile time (with_family) keep pow and the tests on alpha
+// out of their loops over scores; `any` decides per call.
+enum class Family { any, sparsemax, entmax15, general };
+
+// Calls fn(std::integral_constant<Family, F>) for alpha's family.
+template <class S, class Fn>
+WINNOW_HD void with_family(S alpha, Fn&& fn) {
+  if (alpha == S(2)) {
+    fn(std::integral_constant<Family, Family::sparsemax>{});
+  } else if (alpha == S(1.5)) {
+    fn(std::integral_constant<Family, Family::entmax15>{});
+  } else {
+    fn(std::integral_constant<Family, Family::general>{});
+  }
+}
+
 template <class S>
-WINNOW_HD S weight(S gap, S alpha) {
+WINNOW_HD_OUTLINED S power(S base, S exponent) {
   using std::pow;
+  return pow(base, exponent);
+}
+
+// p for the gap x - tau.
+template <Family F = Family::any, class S>
+WINNOW_HD S weight(S gap, S alpha) {
   if (!(gap > S(0))) return S(0);
-  if (alpha == S(2)) return gap;
-  if (alpha == S(1.5)) return gap * gap;
-  return pow(gap, S(1) / (alpha - S(1)));
+  if constexpr (F == Family::sparsemax) {
+    return gap;
+  } else if constexpr (F == Family::entmax15) {
+    return gap * gap;
+  } else if constexpr (F == Family::general) {
+    return power(gap, S(1) / (alpha - S(1)));
+  } else {
+    if (alpha == S(2)) return gap;
+    if (alpha == S(1.5)) return gap * gap;
+    return power(gap, S(1) / (alpha - S(1)));
+  }
 }
 
 // u = p^(2 - alpha) for the gap x - tau: the weight each key's logit gradient gets, and
 // (times -1 / (alpha - 1)) the derivative of sum_i p_i with respect to tau.
-template <class S>
+template <Family F = Family::any, class S>
 WINNOW_HD S grad_weight(S gap, S alpha) {
-  using std::pow;
   if (!(gap > S(0))) return S(0);
-  if (alpha == S(2)) return S(1);
-  if (alpha == S(1.5)) return gap;
-  return pow(gap, (S(2) - alpha) / (alpha - S(1)));
+  if constexpr (F == Family::sparsemax) {
+    return S(1);
+  } else if constexpr (F == Family::entmax15) {
+    return gap;
+  } else if constexpr (F == Family::general) {
+    return power(gap, (S(2) - alpha) / (alpha - S(1)));
+  } else {
+    if (alpha == S(2)) return S(1);
+    if (alpha == S(1.5)) return gap;
+    return power(gap, (S(2) - alpha) / (alpha - S(1)));
+  }
 }
 
 // dz_i = u_i (dp_i - delta), delta = sum_k u_k dp_k / sum_k u_k.
@@ -40,56 +78,120 @@ WINNOW_HD auto grad_logit(const U& u, const DP& dp, const R& delta) {
   return u * (dp - delta);
 }
 
-// The threshold of one row, found by Newton's method safeguarded by bisection on
-//   f(tau) = sum_i [x_i - tau]_+^(1 / (alpha - 1)),   f(tau) = 1,
-// one sweep over the row's keys per step. The bracket comes from the row maximum m (in x
-// units) and its n visible keys: m - 1 <= tau <= m - n^(1 - alpha). Newton starts at the left
-// end; for alpha <= 2, where f is convex, its steps then rise monotonically to the root.
-template <class S>
+// The threshold of one row, found on
+//   f(tau) = sum_i [x_i - tau]_+^(1 / (alpha - 1)),   f(tau) = 1
+// (convex and decreasing for alpha <= 2, concave beyond) by a bracketed search that evaluates
+// f and f' at K probes per step, one sweep over the row's keys per step: a sweep costs the
+// products Q K^T whatever K is, so the fused CUDA kernels take K = 4 and need about half the
+// sweeps of Newton's method (K = 1, which the CPU kernels take: their scores are in memory).
+//
+// The bracket starts from the row maximum m (x units) and its n visible keys,
+// m - 1 <= tau <= m - n^(1 - alpha). Each step keeps the probes nearest the root on either side
+// as the new bracket, then places the next probes between two estimates of the root: Newton's
+// step from the left end (below the root where f is convex) and the secant through both ends
+// (above it there); for alpha > 2, where f is concave, Newton's step from the right end and the
+// secant swap roles. With neither inside the bracket the probes split it evenly. The search
+// stops once a probe has |f - 1| <= tolerance, or once the bracket is too narrow for float
+// arithmetic to shrink: near the root the sign of f - 1 is decided by f's own rounding
+// (hundreds of terms at long context), and steps there cannot improve tau.
+template <class S, int K>
 struct ThresholdSearch {
-  S lo = S(0), hi = S(0), tau = S(0);
+  static constexpr int kProbes = K;
+  S lo = S(0), hi = S(0);           // f(lo) >= 1 >= f(hi)
+  S f_lo = S(-1), u_lo = S(0);      // f and sum_i u_i at lo; f < 0: not evaluated yet
+  S f_hi = S(-1), u_hi = S(0);      // the same at hi
+  S first = S(0), last = S(0);      // this step's probes: K points from first to last
+  // Once done, lo = hi = first = last = tau; before, hi > lo. So a search saved as its eight
+  // numbers (CUDA keeps them between sweeps) knows whether it is done.
   bool done = true;
+
+  WINNOW_HD static S probe_between(S first, S last, int k) {
+    return K == 1 ? first : first + (last - first) * S(k) / S(K - 1);
+  }
+  WINNOW_HD S probe(int k) const { return probe_between(first, last, k); }
+  // The threshold: final once done; until then the left end of the bracket.
+  WINNOW_HD S tau() const { return lo; }
 
   WINNOW_HD void start(S x_max, S n_visible) {
     using std::pow;
     lo = x_max - S(1);
-    tau = lo;
     hi = n_visible > S(1) ? x_max - pow(n_visible, S(1) - alpha_) : lo;
-    done = !(hi > lo);
+    f_lo = f_hi = S(-1);
+    u_lo = u_hi = S(0);
+    done = false;
+    if (!(hi > lo)) return finish(lo);  // one key: its weight is 1 at m - 1
+    first = lo;
+    last = lo + (hi - lo) * S(K - 1) / S(K);
   }
-  // Records f(tau) and sum_i u_i at the current tau; returns true once tau is final.
-  WINNOW_HD bool step(S f, S sum_u) {
+
+  // Records f and sum_i u_i at each probe; returns true once tau is final.
+  WINNOW_HD bool step(const S (&f)[K], const S (&u)[K]) {
     using std::fabs;
     if (done) return true;
-    if (fabs(f - S(1)) <= tolerance_) return done = true;
-    if (f > S(1)) {
-      lo = tau;
-    } else {
-      hi = tau;
+    for (int k = 0; k < K; ++k) {
+      if (fabs(f[k] - S(1)) <= tolerance_) {
+        finish(probe(k));
+        return true;
+      }
     }
+    for (int k = 0; k < K; ++k) {
+      const S t = probe(k);
+      if (f[k] > S(1)) {
+        if (t >= lo) lo = t, f_lo = f[k], u_lo = u[k];
+      } else if (t <= hi) {
+        hi = t, f_hi = f[k], u_hi = u[k];
+      }
+    }
+    S c0 = hi, c1 = lo;
+    int estimates = 0;
     // f'(tau) = -sum_i u_i / (alpha - 1).
-    S next = tau + (alpha_ - S(1)) * (f - S(1)) / sum_u;
-    if (!(next > lo && next < hi)) next = lo + (hi - lo) * S(0.5);
-    if (!(next > lo && next < hi)) return done = true;  // the bracket cannot shrink further
-    // A step within a few ulps of tau cannot improve it: near the root the sign of f - 1 is
-    // decided by f's own rounding (hundreds of terms at long context), and Newton and
-    // bisection would trade places for dozens of sweeps while the bracket closes.
+    if (alpha_ <= S(2)) {
+      if (f_lo >= S(0) && u_lo > S(0)) consider(lo + (alpha_ - S(1)) * (f_lo - S(1)) / u_lo, c0, c1, estimates);
+    } else if (f_hi >= S(0) && u_hi > S(0)) {
+      consider(hi + (alpha_ - S(1)) * (f_hi - S(1)) / u_hi, c0, c1, estimates);
+    }
+    if (f_lo >= S(0) && f_hi >= S(0)) consider(lo + (hi - lo) * (f_lo - S(1)) / (f_lo - f_hi), c0, c1, estimates);
+    const S width = hi - lo;
+    if (estimates == 0) {
+      first = lo + width / S(K + 1);
+      last = lo + width * S(K) / S(K + 1);
+    } else if (!(c1 > c0)) {
+      first = c0;
+      last = c0 + (hi - c0) * S(K - 1) / S(K);
+    } else {
+      first = c0;
+      last = c1;
+    }
     const S resolution = S(4) * (sizeof(S) == 4 ? S(1.1920929e-7) : S(2.220446049250313e-16));
-    const S moved = next > tau ? next - tau : tau - next;
-    tau = next;
-    if (moved <= resolution * (fabs(tau) + S(1))) return done = true;
-    return false;
+    if (!(width > resolution * (fabs(lo) + S(1))) || !(first > lo && last < hi)) {
+      const bool lo_nearer = f_hi < S(0) || (f_lo >= S(0) && f_lo - S(1) <= S(1) - f_hi);
+      finish(lo_nearer ? lo : hi);
+    }
+    return done;
   }
 
   WINNOW_HD ThresholdSearch(S alpha, S tolerance) : alpha_(alpha), tolerance_(tolerance) {}
 
  private:
+  WINNOW_HD void finish(S tau) {
+    lo = hi = first = last = tau;
+    done = true;
+  }
+  WINNOW_HD void consider(S estimate, S& c0, S& c1, int& count) const {
+    if (!(estimate > lo && estimate < hi)) return;
+    c0 = estimate < c0 ? estimate : c0;
+    c1 = estimate > c1 ? estimate : c1;
+    ++count;
+  }
+
   S alpha_, tolerance_;
 };
 
-// Sweeps a search takes at most: Newton usually needs under ten; bisection halves a bracket
-// no wider than 1, so this bounds the worst case at float64 resolution.
+// Steps a search takes at most (each one sweep). The bracket shrinks by at least K + 1 on
+// steps without estimates, so this bounds the worst case well past float64 resolution.
 inline constexpr int kMaxSearchSteps = 64;
+// Probes per sweep on CUDA, where each sweep recomputes the scores.
+inline constexpr int kCudaSearchProbes = 4;
 
 }  // namespace winnow::math::entmax
 

@@ -9,6 +9,14 @@
 #define WINNOW_HD inline
 #endif
 
+// For long, rarely taken paths inside fully unrolled device loops (pow for a general alpha):
+// one call instead of hundreds of inlined copies keeps compile time and code size down.
+#if defined(__CUDACC__)
+#define WINNOW_HD_OUTLINED __host__ __device__ __noinline__
+#else
+#define WINNOW_HD_OUTLINED inline
+#endif
+
 namespace winnow::math {
 
 // The element type of X: X itself for a scalar, X::Scalar for an Eigen array expression.

@@ -14,6 +14,7 @@
 
 #include "cpu/tile_sizes.h"
 #include "math/elementwise.h"
+#include "math/entmax.h"
 #include "support/attention_case.h"
 
 namespace winnow::testing {
@@ -290,6 +291,45 @@ TEST(CudaEdges, ExtremeLogitsStayFiniteAndRowsWithoutKeysAreZero) {
           EXPECT_EQ(r.dq[static_cast<std::size_t>(h * 64 + d)], 0.0);
         }
       }
+    }
+  }
+}
+
+// The fused threshold search at long context: with the default tolerance every row's weights,
+// recomputed in float64 from the kernel's tau and the rounded inputs, sum to 1 within the
+// spec's 1e-4, for spread (input std 1) and peaked (std 2) scores.
+TEST(CudaEntmax, LongRowsSumToOneWithTheDefaultTolerance) {
+  const std::int64_t len = 4096, heads = 2, dim = 128;
+  for (double input_std : {1.0, 2.0}) {
+    const Problem problem = rounded(
+        Problem::random({"long", {{len, len}}, false, heads, 1, dim, dim}, 12, input_std), DType::bfloat16);
+    const std::vector<double> q = problem.q.values(), k = problem.k.values();
+    for (Mechanism m : {Mechanism::entmax15, Mechanism::sparsemax, Mechanism::entmax13}) {
+      CudaPlacement gpu;
+      RunConfig cfg;
+      cfg.mechanism = m;
+      cfg.dtype = DType::bfloat16;
+      cfg.with_dstat = false;
+      cfg.placement = &gpu;
+      const Results got = run(problem, cfg);
+      const double a = alpha_of(m), scale = 1.0 / std::sqrt(static_cast<double>(dim));
+      double worst = 0;
+      std::vector<double> x(static_cast<std::size_t>(len));
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t j = 0; j < len; j += 7) {
+          const double* qj = &q[static_cast<std::size_t>((j * heads + h) * dim)];
+          double sum = 0;
+          const double tau = got.stat[static_cast<std::size_t>(j * heads + h)];
+          for (std::int64_t i = 0; i <= j; ++i) {
+            const double* ki = &k[static_cast<std::size_t>(i * dim)];
+            double z = 0;
+            for (std::int64_t d = 0; d < dim; ++d) z += qj[d] * ki[d];
+            sum += math::entmax::weight((a - 1) * scale * z - tau, a);
+          }
+          worst = std::max(worst, std::abs(sum - 1));
+        }
+      }
+      EXPECT_LT(worst, 1e-4) << name_of(m) << " input std " << input_std;
     }
   }
 }

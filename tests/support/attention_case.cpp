@@ -30,7 +30,6 @@ bool is_entmax(Mechanism m) {
   return m == Mechanism::entmax15 || m == Mechanism::sparsemax || m == Mechanism::entmax13;
 }
 
-namespace {
 double alpha_of(Mechanism m) {
   switch (m) {
     case Mechanism::sparsemax: return 2.0;
@@ -38,7 +37,6 @@ double alpha_of(Mechanism m) {
     default: return 1.5;
   }
 }
-}  // namespace
 
 std::string describe(const ProblemShape& s) {
   std::ostringstream o;

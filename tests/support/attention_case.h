@@ -19,6 +19,7 @@ enum class Mechanism { softmax, stick_breaking, entmax15, sparsemax, entmax13, s
 const std::vector<Mechanism>& all_mechanisms();
 bool is_sieve(Mechanism m);
 bool is_entmax(Mechanism m);
+double alpha_of(Mechanism m);  // entmax and Sieve
 const char* name_of(Mechanism m);
 
 struct ProblemShape {

@@ -3,13 +3,15 @@
 //
 // The threshold tau_j solves f(tau) = sum_i [x_ij - tau]_+^(1 / (alpha - 1)) = 1 with
 // x = (alpha - 1) z. Each step of the search is one sweep of the fused kernel without values
-// (kUsesValues false): S = Q K^T tile by tile on the matrix units, and per score a few
-// multiply-adds into the row's f and f' at the current tau. The search state of each row
-// (math::entmax::ThresholdSearch: bracket, tau, done) lives in a global buffer between sweeps:
+// (kUsesValues false): S = Q K^T tile by tile on the matrix units, and per score and probe a
+// few operations into the row's f and f' at that probe. The search of each row
+// (math::entmax::ThresholdSearch with kCudaSearchProbes probes: bracket, the values at its ends,
+// the next probes) lives in a global buffer between sweeps:
 //   ThresholdStartRows   the row maximum; bound filter: threshold = max - eps, done;
-//                        otherwise ThresholdSearch::start (Newton from max - 1, bracketed)
-//   ThresholdStepRows    one Newton (or bisection) step; raises `unfinished` while some row
-//                        of the problem still moves
+//                        otherwise ThresholdSearch::start
+//   ThresholdStepRows    one step; raises `unfinished` while some row of the problem still
+//                        moves. A block whose rows have all settled returns at once, so late
+//                        sweeps cost only the blocks still searching.
 // The host repeats the step sweep until no row moves (at most kMaxSearchSteps). Every sweep
 // writes its current threshold to `result` (scaled by result_scale: 1 for entmax's tau,
 // 1 / (alpha - 1) for Sieve's score-unit threshold), so the last one leaves the answer.
@@ -23,11 +25,30 @@
 
 namespace winnow::cuda {
 
+using CudaThresholdSearch = math::entmax::ThresholdSearch<float, math::entmax::kCudaSearchProbes>;
+
+// A search between sweeps: its eight numbers (done is implied by them).
+struct SavedSearch {
+  float4 bracket;  // lo, hi, first, last
+  float4 ends;     // f_lo, u_lo, f_hi, u_hi
+
+  __device__ __forceinline__ void save(const CudaThresholdSearch& s) {
+    bracket = make_float4(s.lo, s.hi, s.first, s.last);
+    ends = make_float4(s.f_lo, s.u_lo, s.f_hi, s.u_hi);
+  }
+  __device__ __forceinline__ void restore(CudaThresholdSearch& s) const {
+    s.lo = bracket.x, s.hi = bracket.y, s.first = bracket.z, s.last = bracket.w;
+    s.f_lo = ends.x, s.u_lo = ends.y, s.f_hi = ends.z, s.u_hi = ends.w;
+    s.done = !(s.hi > s.lo);
+  }
+  __device__ __forceinline__ bool settled() const { return !(bracket.y > bracket.x); }
+};
+
 struct ThresholdCudaConfig {
-  float alpha = 1.5f, tolerance = 1e-6f;
+  float alpha = 1.5f, tolerance = 1e-5f;
   bool bound = false;  // Sieve's bound filter: threshold = max - eps, in score units
   float eps = 2.f;
-  detail::Operand state;     // float4 per row: lo, hi, tau, done (x units)
+  detail::Operand state;     // SavedSearch per row
   detail::Operand result;    // float per row
   float result_scale = 1.f;  // result = tau * result_scale (bound: the threshold itself)
   int* unfinished = nullptr;
@@ -78,28 +99,35 @@ struct ThresholdStartRows : ThresholdSweepRows {
                                               std::int64_t b, std::int64_t row, std::int64_t h,
                                               std::int64_t, int half) const {
     const float z_max = max[half] * scale;
-    float4 st = make_float4(0.f, 0.f, 0.f, 1.f);  // a row that sees no key: tau 0, done
+    CudaThresholdSearch search(cfg.alpha, cfg.tolerance);  // done: a row that sees no key
     float result = 0.f;
     if (visible[half] > 0) {
       if (cfg.bound) {
         result = z_max - cfg.eps;
       } else {
-        math::entmax::ThresholdSearch<float> search(cfg.alpha, cfg.tolerance);
         search.start((cfg.alpha - 1.f) * z_max, static_cast<float>(visible[half]));
-        st = make_float4(search.lo, search.hi, search.tau, search.done ? 1.f : 0.f);
-        result = search.tau * cfg.result_scale;
+        result = search.tau() * cfg.result_scale;
         if (!search.done) atomicOr(cfg.unfinished, 1);
       }
     }
-    if (!cfg.bound) *cfg.state.at<float4>(b, row, h) = st;
+    if (!cfg.bound) cfg.state.at<SavedSearch>(b, row, h)->save(search);
     *cfg.result.at<float>(b, row, h) = result;
   }
 };
 
 struct ThresholdStepRows : ThresholdSweepRows {
+  static constexpr int K = CudaThresholdSearch::kProbes;
   float x_scale, alpha;
-  float tau[2], f[2] = {0.f, 0.f}, sum_u[2] = {0.f, 0.f};
+  float probe[2][K], f[2][K] = {}, sum_u[2][K] = {};
   bool done[2];
+
+  // Blocks whose rows have all settled skip the sweep (forward.cuh asks before anything else).
+  static constexpr bool kSkipsSettledBlocks = true;
+  template <class Tile>
+  __device__ __forceinline__ static bool settled(const AttentionParams&, const ThresholdCudaConfig& cfg,
+                                                 const Tile& qt, std::int64_t row) {
+    return row >= qt.s.q_len || cfg.state.at<const SavedSearch>(qt.b, qt.s.q_start + row, qt.h)->settled();
+  }
 
   template <class Tile>
   __device__ __forceinline__ ThresholdStepRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
@@ -108,37 +136,50 @@ struct ThresholdStepRows : ThresholdSweepRows {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
-      tau[half] = 0.f;
+      float first = 0.f, last = 0.f;
       done[half] = true;
-      if (row >= qt.s.q_len) continue;
-      const float4 st = *cfg.state.at<const float4>(qt.b, qt.s.q_start + row, qt.h);
-      tau[half] = st.z;
-      done[half] = st.w != 0.f;
+      if (row < qt.s.q_len) {
+        const float4 bracket = cfg.state.at<const SavedSearch>(qt.b, qt.s.q_start + row, qt.h)->bracket;
+        first = bracket.z;
+        last = bracket.w;
+        done[half] = !(bracket.y > bracket.x);
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) probe[half][k] = CudaThresholdSearch::probe_between(first, last, k);
     }
   }
 
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     namespace em = math::entmax;
+    em::with_family(alpha, [&](auto family) {
+      constexpr em::Family F = decltype(family)::value;
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i / 2, e = i % 2;
-        // Invisible keys get a gap of -1: weight and u both 0.
-        const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -1.f;
-        f[half] += em::weight(gap, alpha);
-        sum_u[half] += em::grad_weight(gap, alpha);
+        for (int i = 0; i < 4; ++i) {
+          const int half = i / 2, e = i % 2;
+          // Invisible keys sit at -infinity: weight and u both 0.
+          const float x = !Masked || mask.visible<8 * NT>(half, n, e) ? s[n][i] * x_scale : -INFINITY;
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            f[half][k] += em::weight<F>(x - probe[half][k], alpha);
+            sum_u[half][k] += em::grad_weight<F>(x - probe[half][k], alpha);
+          }
+        }
       }
-    }
+    });
   }
 
   template <int DT>
   __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      f[half] = tile::quad_sum(f[half]);
-      sum_u[half] = tile::quad_sum(sum_u[half]);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        f[half][k] = tile::quad_sum(f[half][k]);
+        sum_u[half][k] = tile::quad_sum(sum_u[half][k]);
+      }
     }
   }
 
@@ -146,15 +187,12 @@ struct ThresholdStepRows : ThresholdSweepRows {
                                               std::int64_t b, std::int64_t row, std::int64_t h,
                                               std::int64_t, int half) const {
     if (done[half]) return;
-    float4* st = cfg.state.at<float4>(b, row, h);
-    math::entmax::ThresholdSearch<float> search(cfg.alpha, cfg.tolerance);
-    search.lo = st->x;
-    search.hi = st->y;
-    search.tau = st->z;
-    search.done = false;
+    SavedSearch* saved = cfg.state.at<SavedSearch>(b, row, h);
+    CudaThresholdSearch search(cfg.alpha, cfg.tolerance);
+    saved->restore(search);
     search.step(f[half], sum_u[half]);
-    *st = make_float4(search.lo, search.hi, search.tau, search.done ? 1.f : 0.f);
-    *cfg.result.at<float>(b, row, h) = search.tau * cfg.result_scale;
+    saved->save(search);
+    *cfg.result.at<float>(b, row, h) = search.tau() * cfg.result_scale;
     if (!search.done) atomicOr(cfg.unfinished, 1);
   }
 };
@@ -188,20 +226,24 @@ struct EntmaxRowsOf {
 
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    namespace em = math::entmax;
+    em::with_family(alpha, [&](auto family) {
+      constexpr em::Family F = decltype(family)::value;
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i / 2, e = i % 2;
-        const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -1.f;
-        if constexpr (kGradWeights) {
-          s[n][i] = math::entmax::grad_weight(gap, alpha);
-          sum_u[half] += s[n][i];
-        } else {
-          s[n][i] = math::entmax::weight(gap, alpha);
+        for (int i = 0; i < 4; ++i) {
+          const int half = i / 2, e = i % 2;
+          const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -1.f;
+          if constexpr (kGradWeights) {
+            s[n][i] = em::grad_weight<F>(gap, alpha);
+            sum_u[half] += s[n][i];
+          } else {
+            s[n][i] = em::weight<F>(gap, alpha);
+          }
         }
       }
-    }
+    });
   }
 
   template <int DT>
@@ -272,16 +314,19 @@ struct EntmaxBackwardRows {
   template <bool Masked, int NT>
   __device__ __forceinline__ void grads(float (&s)[NT][4], float (&dp)[NT][4], const RowMask& mask) const {
     namespace em = math::entmax;
+    em::with_family(alpha, [&](auto family) {
+      constexpr em::Family F = decltype(family)::value;
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i / 2, e = i % 2;
-        const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -1.f;
-        s[n][i] = em::weight(gap, alpha);
-        dp[n][i] = scale * em::grad_logit(em::grad_weight(gap, alpha), dp[n][i], delta[half]);
+        for (int i = 0; i < 4; ++i) {
+          const int half = i / 2, e = i % 2;
+          const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -1.f;
+          s[n][i] = em::weight<F>(gap, alpha);
+          dp[n][i] = scale * em::grad_logit(em::grad_weight<F>(gap, alpha), dp[n][i], delta[half]);
+        }
       }
-    }
+    });
   }
 };
 

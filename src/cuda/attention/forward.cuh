@@ -13,9 +13,12 @@
 //   rescale(o)                 what the last weights() asks of the output so far (softmax's
 //                              moved maximum), applied once no product is adding into o
 //   halted(mask), finish(o, stat[2]), store_extra(...)
+//   kSkipsSettledBlocks,       optional: a block whose rows are all settled(...) returns before
+//   settled(p, cfg, qt, row)   loading anything (the threshold search's later sweeps)
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/attention/geometry.cuh"
 #include "cuda/tile/fragment.cuh"
@@ -49,6 +52,23 @@ struct RowMask {
   }
 };
 
+template <class Rows, class = void>
+inline constexpr bool kSkipsSettledBlocks = false;
+template <class Rows>
+inline constexpr bool kSkipsSettledBlocks<Rows, std::void_t<decltype(Rows::kSkipsSettledBlocks)>> =
+    Rows::kSkipsSettledBlocks;
+
+// Whether the whole block may return: every thread of it must call this.
+template <class Rows, int BQ, class Config, class Tile>
+__device__ __forceinline__ bool block_settled(const AttentionParams& p, const Config& cfg, const Tile& qt) {
+  if constexpr (kSkipsSettledBlocks<Rows>) {
+    const int tid = threadIdx.x;
+    return !__syncthreads_or(tid < BQ && !Rows::settled(p, cfg, qt, qt.r0 + tid));
+  } else {
+    return false;
+  }
+}
+
 template <class T, int D>
 struct ForwardSmem {
   static constexpr int kBytes = (kForwardBQ * D + 4 * kForwardBK * D) * sizeof(T);
@@ -70,7 +90,7 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
   auto v_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{v_base + buf * BK * D}; };
 
   const QueryTile<BQ, BK> qt(p);
-  if (qt.empty()) return;
+  if (qt.empty() || block_settled<Rows, BQ>(p, cfg, qt)) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const std::int64_t row0 = qt.r0 + 16 * warp + g;  // this thread's rows: row0, row0 + 8
 

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
   volatile int* const halted = end + S;
 
   const QueryTile<BQ, BK> qt(p);
-  if (qt.empty()) return;
+  if (qt.empty() || block_settled<Rows, BQ>(p, cfg, qt)) return;
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {

@@ -7,8 +7,8 @@
 //
 // Early halting is decided per row at key-tile boundaries of 64 keys, like the other paths.
 //
-// alpha-entmax and Sieve run here (for now their only CUDA path): a warp per row first finds
-// the row's threshold (thresholds_kernel: the row maximum, then the Newton/bisection search of
+// alpha-entmax and Sieve run here where the fused path does not apply: a warp per row first finds
+// the row's threshold (thresholds_kernel: the row maximum, then the bracketed probe search of
 // math/entmax.h, one sweep over the row's keys per step), then the forward applies it.
 #pragma once
 
@@ -39,7 +39,7 @@ struct Extras {
   float halt_cutoff = 0.f;     // stick-breaking
   detail::Operand kept_from;   // stick-breaking, int32 per row
   float alpha = 1.5f;          // entmax, Sieve
-  float tolerance = 1e-6f;     // threshold search
+  float tolerance = 1e-5f;     // threshold search
   bool bound = false;          // Sieve's filter
   float eps = 2.f;             // Sieve's bound filter
   detail::Operand threshold;   // Sieve: float per row, score units
@@ -127,18 +127,28 @@ __global__ void thresholds_kernel(const AttentionParams p, const Extras x) {
     } else {
       namespace em = math::entmax;
       const float a = x.alpha;
-      em::ThresholdSearch<float> search(a, x.tolerance);
+      constexpr int K = em::kCudaSearchProbes;
+      em::ThresholdSearch<float, K> search(a, x.tolerance);
       search.start((a - 1.f) * z_max, static_cast<float>(limit + 1));
       for (int step = 0; step < em::kMaxSearchSteps && !search.done; ++step) {
-        float f = 0.f, sum_u = 0.f;
+        float f[K] = {}, sum_u[K] = {}, probe[K];
+        for (int k = 0; k < K; ++k) probe[k] = search.probe(k);
         for (std::int64_t key = lane; key <= limit; key += 32) {
-          const float gap = (a - 1.f) * score(key) - search.tau;
-          f += em::weight(gap, a);
-          sum_u += em::grad_weight(gap, a);
+          const float x_key = (a - 1.f) * score(key);
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            f[k] += em::weight(x_key - probe[k], a);
+            sum_u[k] += em::grad_weight(x_key - probe[k], a);
+          }
         }
-        search.step(warp_sum(f), warp_sum(sum_u));
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          f[k] = warp_sum(f[k]);
+          sum_u[k] = warp_sum(sum_u[k]);
+        }
+        search.step(f, sum_u);
       }
-      tau = search.tau;
+      tau = search.tau();
       threshold = tau / (a - 1.f);
     }
   }
