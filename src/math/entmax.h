@@ -101,9 +101,10 @@ struct ThresholdSearch {
   S f_lo = S(-1), u_lo = S(0);      // f and sum_i u_i at lo; f < 0: not evaluated yet
   S f_hi = S(-1), u_hi = S(0);      // the same at hi
   S first = S(0), last = S(0);      // this step's probes: K points from first to last
+
   // Once done, lo = hi = first = last = tau; before, hi > lo. So a search saved as its eight
   // numbers (CUDA keeps them between sweeps) knows whether it is done.
-  bool done = true;
+  WINNOW_HD bool done() const { return !(hi > lo); }
 
   WINNOW_HD static S probe_between(S first, S last, int k) {
     return K == 1 ? first : first + (last - first) * S(k) / S(K - 1);
@@ -118,7 +119,6 @@ struct ThresholdSearch {
     hi = n_visible > S(1) ? x_max - pow(n_visible, S(1) - alpha_) : lo;
     f_lo = f_hi = S(-1);
     u_lo = u_hi = S(0);
-    done = false;
     if (!(hi > lo)) return finish(lo);  // one key: its weight is 1 at m - 1
     first = lo;
     last = lo + (hi - lo) * S(K - 1) / S(K);
@@ -127,7 +127,7 @@ struct ThresholdSearch {
   // Records f and sum_i u_i at each probe; returns true once tau is final.
   WINNOW_HD bool step(const S (&f)[K], const S (&u)[K]) {
     using std::fabs;
-    if (done) return true;
+    if (done()) return true;
     for (int k = 0; k < K; ++k) {
       if (fabs(f[k] - S(1)) <= tolerance_) {
         finish(probe(k));
@@ -167,7 +167,7 @@ struct ThresholdSearch {
       const bool lo_nearer = f_hi < S(0) || (f_lo >= S(0) && f_lo - S(1) <= S(1) - f_hi);
       finish(lo_nearer ? lo : hi);
     }
-    return done;
+    return done();
   }
 
   WINNOW_HD ThresholdSearch(S alpha, S tolerance) : alpha_(alpha), tolerance_(tolerance) {}
@@ -175,7 +175,6 @@ struct ThresholdSearch {
  private:
   WINNOW_HD void finish(S tau) {
     lo = hi = first = last = tau;
-    done = true;
   }
   WINNOW_HD void consider(S estimate, S& c0, S& c1, int& count) const {
     if (!(estimate > lo && estimate < hi)) return;

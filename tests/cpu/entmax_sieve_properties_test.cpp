@@ -84,7 +84,7 @@ void check_threshold_search(double alpha, double tolerance, int max_sweeps) {
       em::ThresholdSearch<S, K> search{S(alpha), S(tolerance)};
       search.start(*std::max_element(x.begin(), x.end()), S(n));
       int sweeps = 1;  // the row maximum
-      while (!search.done && sweeps <= em::kMaxSearchSteps) {
+      while (!search.done() && sweeps <= em::kMaxSearchSteps) {
         S f[K] = {}, u[K] = {};
         for (int k = 0; k < K; ++k) {
           for (S xi : x) {
@@ -98,7 +98,7 @@ void check_threshold_search(double alpha, double tolerance, int max_sweeps) {
       double sum = 0;
       for (double zi : z) sum += em::weight((alpha - 1) * zi - double(search.tau()), alpha);
       SCOPED_TRACE(::testing::Message() << "alpha " << alpha << " K " << K << " n " << n << " std " << input_std);
-      EXPECT_TRUE(search.done);
+      EXPECT_TRUE(search.done());
       EXPECT_NEAR(sum, 1.0, 10 * tolerance);
       EXPECT_LE(sweeps, max_sweeps);
     }

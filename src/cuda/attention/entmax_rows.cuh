@@ -39,10 +39,28 @@ struct SavedSearch {
   __device__ __forceinline__ void restore(CudaThresholdSearch& s) const {
     s.lo = bracket.x, s.hi = bracket.y, s.first = bracket.z, s.last = bracket.w;
     s.f_lo = ends.x, s.u_lo = ends.y, s.f_hi = ends.z, s.u_hi = ends.w;
-    s.done = !(s.hi > s.lo);
   }
   __device__ __forceinline__ bool settled() const { return !(bracket.y > bracket.x); }
 };
+
+// Visits a thread's scores of one tile as gaps x - tau (x = (alpha - 1) z), invisible keys at
+// -infinity where every weight function is 0, with alpha's family fixed at compile time:
+// fn(family, n, i, half, gap). The loops stay fully unrolled for each family.
+template <bool Masked, int NT, class Fn>
+__device__ __forceinline__ void for_each_gap(const float (&s)[NT][4], const RowMask& mask, float x_scale,
+                                             const float (&tau)[2], float alpha, Fn&& fn) {
+  math::entmax::with_family(alpha, [&](auto family) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i / 2, e = i % 2;
+        const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -INFINITY;
+        fn(family, n, i, half, gap);
+      }
+    }
+  });
+}
 
 struct ThresholdCudaConfig {
   float alpha = 1.5f, tolerance = 1e-5f;
@@ -107,7 +125,7 @@ struct ThresholdStartRows : ThresholdSweepRows {
       } else {
         search.start((cfg.alpha - 1.f) * z_max, static_cast<float>(visible[half]));
         result = search.tau() * cfg.result_scale;
-        if (!search.done) atomicOr(cfg.unfinished, 1);
+        if (!search.done()) atomicOr(cfg.unfinished, 1);
       }
     }
     if (!cfg.bound) cfg.state.at<SavedSearch>(b, row, h)->save(search);
@@ -139,10 +157,10 @@ struct ThresholdStepRows : ThresholdSweepRows {
       float first = 0.f, last = 0.f;
       done[half] = true;
       if (row < qt.s.q_len) {
-        const float4 bracket = cfg.state.at<const SavedSearch>(qt.b, qt.s.q_start + row, qt.h)->bracket;
-        first = bracket.z;
-        last = bracket.w;
-        done[half] = !(bracket.y > bracket.x);
+        const SavedSearch* saved = cfg.state.at<const SavedSearch>(qt.b, qt.s.q_start + row, qt.h);
+        first = saved->bracket.z;
+        last = saved->bracket.w;
+        done[half] = saved->settled();
       }
 #pragma unroll
       for (int k = 0; k < K; ++k) probe[half][k] = CudaThresholdSearch::probe_between(first, last, k);
@@ -152,21 +170,13 @@ struct ThresholdStepRows : ThresholdSweepRows {
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     namespace em = math::entmax;
-    em::with_family(alpha, [&](auto family) {
+    const float no_shift[2] = {0.f, 0.f};  // gaps from 0: x itself, set against each probe
+    for_each_gap<Masked>(s, mask, x_scale, no_shift, alpha, [&](auto family, int, int, int half, float x) {
       constexpr em::Family F = decltype(family)::value;
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int half = i / 2, e = i % 2;
-          // Invisible keys sit at -infinity: weight and u both 0.
-          const float x = !Masked || mask.visible<8 * NT>(half, n, e) ? s[n][i] * x_scale : -INFINITY;
-#pragma unroll
-          for (int k = 0; k < K; ++k) {
-            f[half][k] += em::weight<F>(x - probe[half][k], alpha);
-            sum_u[half][k] += em::grad_weight<F>(x - probe[half][k], alpha);
-          }
-        }
+      for (int k = 0; k < K; ++k) {
+        f[half][k] += em::weight<F>(x - probe[half][k], alpha);
+        sum_u[half][k] += em::grad_weight<F>(x - probe[half][k], alpha);
       }
     });
   }
@@ -193,7 +203,7 @@ struct ThresholdStepRows : ThresholdSweepRows {
     search.step(f[half], sum_u[half]);
     saved->save(search);
     *cfg.result.at<float>(b, row, h) = search.tau() * cfg.result_scale;
-    if (!search.done) atomicOr(cfg.unfinished, 1);
+    if (!search.done()) atomicOr(cfg.unfinished, 1);
   }
 };
 
@@ -227,21 +237,13 @@ struct EntmaxRowsOf {
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     namespace em = math::entmax;
-    em::with_family(alpha, [&](auto family) {
+    for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int half, float gap) {
       constexpr em::Family F = decltype(family)::value;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int half = i / 2, e = i % 2;
-          const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -1.f;
-          if constexpr (kGradWeights) {
-            s[n][i] = em::grad_weight<F>(gap, alpha);
-            sum_u[half] += s[n][i];
-          } else {
-            s[n][i] = em::weight<F>(gap, alpha);
-          }
-        }
+      if constexpr (kGradWeights) {
+        s[n][i] = em::grad_weight<F>(gap, alpha);
+        sum_u[half] += s[n][i];
+      } else {
+        s[n][i] = em::weight<F>(gap, alpha);
       }
     });
   }
@@ -314,18 +316,10 @@ struct EntmaxBackwardRows {
   template <bool Masked, int NT>
   __device__ __forceinline__ void grads(float (&s)[NT][4], float (&dp)[NT][4], const RowMask& mask) const {
     namespace em = math::entmax;
-    em::with_family(alpha, [&](auto family) {
+    for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int half, float gap) {
       constexpr em::Family F = decltype(family)::value;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int half = i / 2, e = i % 2;
-          const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -1.f;
-          s[n][i] = em::weight<F>(gap, alpha);
-          dp[n][i] = scale * em::grad_logit(em::grad_weight<F>(gap, alpha), dp[n][i], delta[half]);
-        }
-      }
+      s[n][i] = em::weight<F>(gap, alpha);
+      dp[n][i] = scale * em::grad_logit(em::grad_weight<F>(gap, alpha), dp[n][i], delta[half]);
     });
   }
 };

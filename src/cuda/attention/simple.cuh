@@ -130,7 +130,7 @@ __global__ void thresholds_kernel(const AttentionParams p, const Extras x) {
       constexpr int K = em::kCudaSearchProbes;
       em::ThresholdSearch<float, K> search(a, x.tolerance);
       search.start((a - 1.f) * z_max, static_cast<float>(limit + 1));
-      for (int step = 0; step < em::kMaxSearchSteps && !search.done; ++step) {
+      for (int step = 0; step < em::kMaxSearchSteps && !search.done(); ++step) {
         float f[K] = {}, sum_u[K] = {}, probe[K];
         for (int k = 0; k < K; ++k) probe[k] = search.probe(k);
         for (std::int64_t key = lane; key <= limit; key += 32) {
