@@ -51,7 +51,7 @@ bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg) {
   const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
                   static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
   if (grid.x == 0 || grid.z == 0) return true;
-  const int smem = Sm90ForwardSmem<T, D>::kBytes;
+  const int smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>>::kBytes;
   allow_shared_memory(kernel, smem);
   kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, cfg);
   check_launch("attention_forward_sm90_kernel");

@@ -24,6 +24,9 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg) 
   clear_flag();
   launch_fused_forward<T, D, ThresholdStartRows>(p, cfg);
   if (cfg.bound || !unfinished()) return;
+  clear_flag();
+  launch_fused_forward<T, D, ThresholdCollectRows>(p, cfg);
+  if (!unfinished()) return;
   for (int step = 0; step < math::entmax::kMaxSearchSteps; ++step) {
     clear_flag();
     launch_fused_forward<T, D, ThresholdStepRows>(p, cfg);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "math/host_device.h"
@@ -113,13 +114,15 @@ struct ThresholdSearch {
   // The threshold: final once done; until then the left end of the bracket.
   WINNOW_HD S tau() const { return lo; }
 
-  WINNOW_HD void start(S x_max, S n_visible) {
+  // floor: a known lower bound on tau (threshold_floor), used where it beats m - 1.
+  WINNOW_HD void start(S x_max, S n_visible, S floor = S(-INFINITY)) {
     using std::pow;
     lo = x_max - S(1);
     hi = n_visible > S(1) ? x_max - pow(n_visible, S(1) - alpha_) : lo;
     f_lo = f_hi = S(-1);
     u_lo = u_hi = S(0);
     if (!(hi > lo)) return finish(lo);  // one key: its weight is 1 at m - 1
+    if (floor > lo && floor < hi) lo = floor;
     first = lo;
     last = lo + (hi - lo) * S(K - 1) / S(K);
   }
@@ -162,8 +165,11 @@ struct ThresholdSearch {
       first = c0;
       last = c1;
     }
-    const S resolution = S(4) * (sizeof(S) == 4 ? S(1.1920929e-7) : S(2.220446049250313e-16));
-    if (!(width > resolution * (fabs(lo) + S(1))) || !(first > lo && last < hi)) {
+    // Relative to tau's own magnitude: an absolute floor would stop rows of small, nearly equal
+    // scores early, where f' = -n (sparsemax) turns a tiny step into a large error in f.
+    const S resolution = S(4) * std::numeric_limits<S>::epsilon();
+    const S magnitude = fabs(lo) > fabs(hi) ? fabs(lo) : fabs(hi);
+    if (!(width > resolution * magnitude + std::numeric_limits<S>::min()) || !(first > lo && last < hi)) {
       const bool lo_nearer = f_hi < S(0) || (f_lo >= S(0) && f_lo - S(1) <= S(1) - f_hi);
       finish(lo_nearer ? lo : hi);
     }
@@ -185,6 +191,25 @@ struct ThresholdSearch {
 
   S alpha_, tolerance_;
 };
+
+// A lower bound on a row's threshold from some of its keys x[0..N) (the rest -infinity): f
+// over a subset of the keys is at most f over all of them, so the subset's own root is at
+// most the row's. Bisection on [m - 1, m] keeping f(lo) >= 1; `steps` halvings leave lo
+// within 2^-steps of the subset's root. The fused CUDA search takes each row's few largest
+// scores from its first sweep and collects only the keys above this bound.
+template <Family F, int N, class S>
+WINNOW_HD S threshold_floor(const S (&x)[N], S alpha, int steps = 16) {
+  S m = x[0];
+  for (int i = 1; i < N; ++i) m = x[i] > m ? x[i] : m;
+  S lo = m - S(1), hi = m;
+  for (int step = 0; step < steps; ++step) {
+    const S mid = S(0.5) * (lo + hi);
+    S f = S(0);
+    for (int i = 0; i < N; ++i) f += weight<F>(x[i] - mid, alpha);
+    (f >= S(1) ? lo : hi) = mid;
+  }
+  return lo;
+}
 
 // Steps a search takes at most (each one sweep). The bracket shrinks by at least K + 1 on
 // steps without estimates, so this bounds the worst case well past float64 resolution.

@@ -8,13 +8,18 @@
 // (math::entmax::ThresholdSearch with kCudaSearchProbes probes: bracket, the values at its ends,
 // the next probes) lives in a global buffer between sweeps:
 //   ThresholdStartRows   the row maximum; bound filter: threshold = max - eps, done;
-//                        otherwise ThresholdSearch::start
+//                        otherwise ThresholdSearch::start, its bracket's left end raised to
+//                        a floor found from the row's largest scores
+//   ThresholdCollectRows the keys above the floor, kept in shared memory, and the search run
+//                        to its end on them: one sweep settles every row whose keys fit
 //   ThresholdStepRows    one step; raises `unfinished` while some row of the problem still
 //                        moves. A block whose rows have all settled returns at once, so late
-//                        sweeps cost only the blocks still searching.
-// The host repeats the step sweep until no row moves (at most kMaxSearchSteps). Every sweep
-// writes its current threshold to `result` (scaled by result_scale: 1 for entmax's tau,
-// 1 / (alpha - 1) for Sieve's score-unit threshold), so the last one leaves the answer.
+//                        sweeps cost only the blocks still searching (rows whose lists
+//                        overflowed: flat rows with many keys near the maximum).
+// The host runs start, collect, then the step sweep until no row moves (at most
+// kMaxSearchSteps). Every sweep writes its current threshold to `result` (scaled by
+// result_scale: 1 for entmax's tau, 1 / (alpha - 1) for Sieve's score-unit threshold), so the
+// last one leaves the answer.
 #pragma once
 
 #include <cmath>
@@ -82,10 +87,17 @@ struct ThresholdSweepRows {
   __device__ __forceinline__ bool halted(const RowMask&) const { return false; }
 };
 
+// The first sweep: each row's maximum and, from its few largest scores, a floor under its
+// threshold (math::entmax::threshold_floor) that the collect sweep filters keys by. Each
+// thread keeps the two largest of its own scores per row, 3 operations per score; the quad's
+// union of 8 bounds the threshold closely enough that only a few dozen keys per row pass the
+// filter on random scores at 16K keys (against ~500 above m - 1).
 struct ThresholdStartRows : ThresholdSweepRows {
+  static constexpr int kKept = 2;  // per thread and row
   float scale;
-  float max[2] = {-INFINITY, -INFINITY};  // raw scores q . k
-  std::int64_t visible[2];                // keys the row sees
+  float top[2][kKept] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};  // raw scores q . k
+  float quad_top[2][4 * kKept];    // the quad's, after finish
+  std::int64_t visible[2];         // keys the row sees
 
   template <class Tile>
   __device__ __forceinline__ ThresholdStartRows(const AttentionParams& p, const ThresholdCudaConfig&,
@@ -97,33 +109,53 @@ struct ThresholdStartRows : ThresholdSweepRows {
 
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    static_assert(kKept == 2, "the update below keeps two");
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int half = i / 2, e = i % 2;
-        if (!Masked || mask.visible<8 * NT>(half, n, e)) max[half] = fmaxf(max[half], s[n][i]);
+        const float v = !Masked || mask.visible<8 * NT>(half, n, e) ? s[n][i] : -INFINITY;
+        top[half][1] = fmaxf(top[half][1], fminf(top[half][0], v));
+        top[half][0] = fmaxf(top[half][0], v);
       }
     }
   }
 
   template <int DT>
   __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) {
-    max[0] = tile::quad_max(max[0]);
-    max[1] = tile::quad_max(max[1]);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+#pragma unroll
+        for (int k = 0; k < kKept; ++k) {
+          quad_top[half][kKept * t + k] = t == 0 ? top[half][k] : __shfl_xor_sync(0xffffffffu, top[half][k], t);
+        }
+      }
+    }
   }
 
   __device__ __forceinline__ void store_extra(const AttentionParams&, const ThresholdCudaConfig& cfg,
                                               std::int64_t b, std::int64_t row, std::int64_t h,
                                               std::int64_t, int half) const {
-    const float z_max = max[half] * scale;
+    float z_max = -INFINITY;
+    for (int k = 0; k < 4 * kKept; ++k) z_max = fmaxf(z_max, quad_top[half][k]);
+    z_max *= scale;
     CudaThresholdSearch search(cfg.alpha, cfg.tolerance);  // done: a row that sees no key
     float result = 0.f;
     if (visible[half] > 0) {
       if (cfg.bound) {
         result = z_max - cfg.eps;
       } else {
-        search.start((cfg.alpha - 1.f) * z_max, static_cast<float>(visible[half]));
+        float x[4 * kKept];
+        const float x_scale = scale * (cfg.alpha - 1.f);
+        for (int k = 0; k < 4 * kKept; ++k) x[k] = quad_top[half][k] * x_scale;
+        float floor = -INFINITY;
+        math::entmax::with_family(cfg.alpha, [&](auto family) {
+          floor = math::entmax::threshold_floor<decltype(family)::value>(x, cfg.alpha);
+        });
+        search.start((cfg.alpha - 1.f) * z_max, static_cast<float>(visible[half]), floor);
         result = search.tau() * cfg.result_scale;
         if (!search.done()) atomicOr(cfg.unfinished, 1);
       }
@@ -205,6 +237,126 @@ struct ThresholdStepRows : ThresholdSweepRows {
     *cfg.result.at<float>(b, row, h) = search.tau() * cfg.result_scale;
     if (!search.done()) atomicOr(cfg.unfinished, 1);
   }
+};
+
+// The second sweep: every visible key above the row's floor (the bracket's left end) goes to
+// the thread's list in shared memory; the threshold is then found on the lists (the same
+// bracketed search, f and f' at K probes summed over the quad's lists), exactly as a sweep
+// would find it, since no key outside the lists passes any probe. A row whose lists overflow
+// keeps its bracket and goes on with step sweeps.
+struct ThresholdCollectRows : ThresholdSweepRows {
+  static constexpr int K = CudaThresholdSearch::kProbes;
+  static constexpr int kListLength = 48;  // per thread and row on Hopper
+  static constexpr int kScratchBytes = kForwardBQ * 4 * kListLength * static_cast<int>(sizeof(float));
+  static constexpr bool kSkipsSettledBlocks = true;
+  template <class Tile>
+  __device__ __forceinline__ static bool settled(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                                 const Tile& qt, std::int64_t row) {
+    return ThresholdStepRows::settled(p, cfg, qt, row);
+  }
+
+  float x_scale, alpha, tolerance, result_scale;
+  float floor[2];
+  int count[2] = {0, 0};
+  SavedSearch* state[2] = {nullptr, nullptr};  // null: the row is past the sequence or settled
+  float* result[2];
+  int* unfinished;
+  float* list[2];
+  int stride = 0, capacity = 0;
+
+  template <class Tile>
+  __device__ __forceinline__ ThresholdCollectRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                                  const Tile& qt, std::int64_t row0)
+      : x_scale(static_cast<float>(p.scale) * (cfg.alpha - 1.f)),
+        alpha(cfg.alpha),
+        tolerance(cfg.tolerance),
+        result_scale(cfg.result_scale),
+        unfinished(cfg.unfinished) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      floor[half] = INFINITY;
+      if (row < qt.s.q_len) {
+        SavedSearch* saved = cfg.state.at<SavedSearch>(qt.b, qt.s.q_start + row, qt.h);
+        result[half] = cfg.result.at<float>(qt.b, qt.s.q_start + row, qt.h);
+        if (!saved->settled()) {
+          state[half] = saved;
+          floor[half] = saved->bracket.x;
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void borrow_scratch(float* slot, int slot_stride, int slot_capacity) {
+    stride = slot_stride;
+    capacity = slot_capacity;
+    list[0] = slot;
+    list[1] = slot + 4 * 8;  // row + 8
+  }
+
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i / 2, e = i % 2;
+        const float x = s[n][i] * x_scale;
+        if (x > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
+          if (count[half] < capacity) list[half][count[half] * stride] = x;
+          ++count[half];
+        }
+      }
+    }
+  }
+
+  // Every thread of the warp runs the same number of steps (the sums are quad shuffles).
+  template <int DT>
+  __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) {
+    namespace em = math::entmax;
+    em::with_family(alpha, [&](auto family) {
+      constexpr em::Family F = decltype(family)::value;
+#pragma unroll 1
+      for (int half = 0; half < 2; ++half) {
+        const bool overflow = tile::quad_max(static_cast<float>(count[half] - capacity)) > 0.f;
+        const bool searching = state[half] != nullptr && !overflow;
+        CudaThresholdSearch search(alpha, tolerance);
+        if (state[half] != nullptr) state[half]->restore(search);
+        const int n = count[half] < capacity ? count[half] : capacity;
+#pragma unroll 1
+        for (int step = 0; step < em::kMaxSearchSteps; ++step) {
+          const bool moving = searching && !search.done();
+          if (!__any_sync(0xffffffffu, moving)) break;
+          float f[K] = {}, u[K] = {};
+          if (moving) {
+            for (int j = 0; j < n; ++j) {
+              const float x = list[half][j * stride];
+#pragma unroll
+              for (int k = 0; k < K; ++k) {
+                f[k] += em::weight<F>(x - search.probe(k), alpha);
+                u[k] += em::grad_weight<F>(x - search.probe(k), alpha);
+              }
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            f[k] = tile::quad_sum(f[k]);
+            u[k] = tile::quad_sum(u[k]);
+          }
+          if (moving) search.step(f, u);
+        }
+        if (state[half] != nullptr && (threadIdx.x & 3) == 0) {
+          state[half]->save(search);
+          *result[half] = search.tau() * result_scale;
+          if (!search.done()) atomicOr(unfinished, 1);
+        }
+      }
+    });
+  }
+
+  __device__ __forceinline__ void store_extra(const AttentionParams&, const ThresholdCudaConfig&,
+                                              std::int64_t, std::int64_t, std::int64_t,
+                                              std::int64_t, int) const {}
 };
 
 // The output sweep: p = [x - tau]_+^(1 / (alpha - 1)) with the row's final tau (absolute

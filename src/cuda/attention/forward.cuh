@@ -15,6 +15,12 @@
 //   halted(mask), finish(o, stat[2]), store_extra(...)
 //   kSkipsSettledBlocks,       optional: a block whose rows are all settled(...) returns before
 //   settled(p, cfg, qt, row)   loading anything (the threshold search's later sweeps)
+//   kScratchBytes,             optional, sweeps without values only: shared memory the policy
+//   borrow_scratch(slot,       keeps per-thread lists in (entmax's candidate keys). It lies
+//     stride, capacity)        where V would; thread (local row r, tig) owns floats
+//                              slot[j * stride], j < capacity, with slot = base + 4 r + tig
+//                              (consecutive lanes in consecutive banks). The Hopper kernel
+//                              grants kScratchBytes, the portable one V's space only.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +57,23 @@ struct RowMask {
     return !active || (key >= first[half] && key <= limit[half]);
   }
 };
+
+template <class Rows, class = void>
+inline constexpr int kScratchBytes = 0;
+template <class Rows>
+inline constexpr int kScratchBytes<Rows, std::void_t<decltype(Rows::kScratchBytes)>> = Rows::kScratchBytes;
+
+// Hands a value-free sweep's policy its share of the scratch (see above); bytes is what the
+// kernel has for it, BQ rows of four threads.
+template <int BQ, class Rows, class Tile>
+__device__ __forceinline__ void lend_scratch(Rows& rows, void* base, int bytes, const Tile& qt,
+                                             std::int64_t row0, int tig) {
+  if constexpr (kScratchBytes<Rows> > 0) {
+    static_assert(!Rows::kUsesValues, "scratch lies where V would");
+    float* const slot = static_cast<float*>(base) + 4 * static_cast<int>(row0 - qt.r0) + tig;
+    rows.borrow_scratch(slot, 4 * BQ, bytes / static_cast<int>(4 * BQ * sizeof(float)));
+  }
+}
 
 template <class Rows, class = void>
 inline constexpr bool kSkipsSettledBlocks = false;
@@ -121,6 +144,7 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
   mask.tig = tig;
 
   Rows rows(p, cfg, qt, row0);
+  lend_scratch<BQ>(rows, v_base, 2 * BK * D * static_cast<int>(sizeof(T)), qt, row0, tig);
   float o[DT][4];
   tile::zero(o);
   int kept_from_tile = 0;

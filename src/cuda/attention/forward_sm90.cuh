@@ -35,20 +35,24 @@ struct Sm90ForwardShape {
   static constexpr int kConsumerRegisters = 240;
 };
 
-template <class T, int D>
+// V's ring comes last: sweeps without values lend that space, grown to ScratchBytes, to their
+// row policy (forward.cuh, kScratchBytes).
+template <class T, int D, int ScratchBytes = 0>
 struct Sm90ForwardSmem {
   using Shape = Sm90ForwardShape;
   using QTile = tile::PanelTile<T, Shape::kBQ, D>;
   using KVTile = tile::PanelTile<T, Shape::kBK, D>;
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + QTile::kBytes;  // stage s at kK + s * KVTile::kBytes
-  static constexpr int kV = kK + Shape::kStages * KVTile::kBytes;
-  static constexpr int kSync = kV + Shape::kStages * KVTile::kBytes;
+  static constexpr int kSync = kK + Shape::kStages * KVTile::kBytes;
   // mbarriers k_full, k_empty, v_full, v_empty [stages]; end[stages] (-1: the producer
   // stopped before this stage's K); halted[2] (per consumer).
   static constexpr int kSyncBytes = 32 * Shape::kStages + 4 * Shape::kStages + 8;
+  static constexpr int kV = (kSync + kSyncBytes + 1023) / 1024 * 1024;
+  static constexpr int kVBytes = Shape::kStages * KVTile::kBytes;
+  static constexpr int kLastBytes = kVBytes > ScratchBytes ? kVBytes : ScratchBytes;
   // Dynamic shared memory is only 16-byte aligned; the swizzle needs 1024.
-  static constexpr int kBytes = kSync + kSyncBytes + 1024;
+  static constexpr int kBytes = kV + kLastBytes + 1024;
 };
 
 // Named barriers: 1 producer; 2, 3 each consumer's own; 4, 5 the consumers' turns.
@@ -59,7 +63,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     attention_forward_sm90_kernel(const AttentionParams p, const Config cfg) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Shape = Sm90ForwardShape;
-  using Smem = Sm90ForwardSmem<T, D>;
+  using Smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>>;
   constexpr int BQ = Shape::kBQ, BK = Shape::kBK, S = Shape::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
@@ -154,6 +158,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     mask.limit[1] = qt.limit(p, row0 + 8);
     mask.tig = tig;
     Rows rows(p, cfg, qt, row0);
+    lend_scratch<BQ>(rows, smem + Smem::kV, Smem::kLastBytes, qt, row0, tig);
     float o[D / 8][4];
     tile::zero(o);
     std::uint32_t pa[BK / 16][4];  // P of the previous tile, waiting for its product with V
