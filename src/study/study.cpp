@@ -10,6 +10,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -30,13 +31,28 @@ namespace {
   throw Error(ErrorKind::invalid_argument, "study: " + what);
 }
 
+// Nested objects count as their dotted leaves: {"model": {"attention": {"filter": x}}} is
+// "model.attention.filter": x. `--set mechanisms[5].set.model.attention.filter=exact` writes
+// the nested form into a set of flat keys; applied as one value it would replace the base's
+// whole model and then lose to the flat key. A leaf given both ways is an error.
+void flatten_into(const std::string& key, const json& value, std::map<std::string, json>& leaves,
+                  const std::string& where) {
+  if (value.is_object() && !value.empty()) {
+    for (auto it = value.begin(); it != value.end(); ++it) flatten_into(key + "." + it.key(), it.value(), leaves, where);
+    return;
+  }
+  if (!leaves.emplace(key, value).second) fail(where + ": key '" + key + "' is given twice (flat and nested)");
+}
+
 // Applies {"dotted.key": value, ...}; `where` names the object in errors.
 void apply_dotted(json& target, const json& dotted, const std::string& where) {
   if (!dotted.is_object())
     fail(where + ": expected an object of \"dotted.key\": value, got " + dotted.dump());
-  for (auto it = dotted.begin(); it != dotted.end(); ++it) {
+  std::map<std::string, json> leaves;
+  for (auto it = dotted.begin(); it != dotted.end(); ++it) flatten_into(it.key(), it.value(), leaves, where);
+  for (const auto& [key, value] : leaves) {
     try {
-      train::apply_override(target, it.key() + "=" + it.value().dump());
+      train::apply_override(target, key + "=" + value.dump());
     } catch (const Error& e) {
       fail(where + ": " + e.what());
     }

@@ -366,6 +366,12 @@ TEST(Cli, StudyErrorsNameTheMechanismAndKey) {
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("mechanism 'Softmax+RoPE (YaRN 16)'"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("colour"), std::string::npos) << r.output;
+  // A key reached through a mechanism's set by path lands nested beside the set's flat keys.
+  r = run({"study", study_file("mqrar"), "--set", "mechanisms[5].set.model.attention.filter=exact", "--print"}, dir);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("key 'model.attention.filter' is given twice"), std::string::npos) << r.output;
+  r = run({"study", study_file("mqrar"), "--set", "mechanisms[5].set.model.attention.eps=3", "--print"}, dir);
+  EXPECT_EQ(r.status, 0) << r.output;
   r = run({"study", study_file("mqrar"), "--only", "Softmax"}, dir);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("argument '--only'"), std::string::npos) << r.output;
