@@ -7,6 +7,8 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <random>
+#include <vector>
 
 #include "math/entmax.h"
 #include "support/attention_case.h"
@@ -113,6 +115,46 @@ TEST(Entmax, ThresholdSearchConvergesInFewSweeps) {
   check_threshold_search<double, 1>(1.5, 1e-5, 14);
   check_threshold_search<float, 4>(1.5, 1e-5, 8);
   check_threshold_search<float, 1>(1.5, 1e-5, 16);
+}
+
+// The CUDA search collects only keys above a floor from a few of the row's largest scores; the
+// floor must never exceed the row's threshold (else support keys would be lost), and for
+// alpha >= 1.5 it should leave few keys above it. Random rows of 4096 keys, the floor from 8 of the top 16 (the
+// kernel's eight are its threads' two largest, not always the row's top 8).
+TEST(Entmax, ThresholdFloorFromAFewKeysBoundsTheRowThreshold) {
+  namespace em = math::entmax;
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (double alpha : {1.25, 1.5, 2.0, 3.0}) {
+    em::with_family(alpha, [&](auto family) {
+      constexpr em::Family F = decltype(family)::value;
+      for (int row = 0; row < 20; ++row) {
+        std::vector<double> x(4096);
+        for (double& v : x) v = (alpha - 1) * normal(rng);
+        std::vector<double> sorted = x;
+        std::sort(sorted.begin(), sorted.end(), std::greater<>());
+        double subset[8];
+        for (int i = 0; i < 8; ++i) subset[i] = sorted[static_cast<std::size_t>(2 * i)];
+        const double floor = em::threshold_floor<F>(subset, alpha);
+        // The row's tau by bisection on all keys.
+        double lo = sorted[0] - 1, hi = sorted[0];
+        for (int step = 0; step < 100; ++step) {
+          const double mid = 0.5 * (lo + hi);
+          double f = 0;
+          for (double v : x) f += em::weight<F>(v - mid, alpha);
+          (f >= 1 ? lo : hi) = mid;
+        }
+        SCOPED_TRACE(::testing::Message() << "alpha " << alpha << " row " << row);
+        EXPECT_LE(floor, lo);
+        EXPECT_GE(floor, sorted[0] - 1);
+        // Few keys pass at alpha >= 1.5 (the lists hold 192 per row on Hopper). At 1.25 the
+        // spread in x units is a quarter of the scores' and about a quarter of the row passes:
+        // such rows overflow and finish in step sweeps.
+        const auto above = std::count_if(x.begin(), x.end(), [&](double v) { return v > floor; });
+        if (alpha >= 1.5) EXPECT_LT(above, 150);
+      }
+    });
+  }
 }
 
 TEST(Entmax, IsSparseAndAlphaTwoIsSortBasedSparsemax) {
