@@ -119,8 +119,8 @@ TEST(Entmax, ThresholdSearchConvergesInFewSweeps) {
 
 // The CUDA search collects only keys above a floor from a few of the row's largest scores; the
 // floor must never exceed the row's threshold (else support keys would be lost), and for
-// alpha >= 1.5 it should leave few keys above it. Random rows of 4096 keys, the floor from 8 of the top 16 (the
-// kernel's eight are its threads' two largest, not always the row's top 8).
+// alpha >= 1.5 it should leave few keys above it. Random rows of 4096 keys, the floor from 8
+// of the top 16 (the kernel's eight are its threads' two largest, not always the row's top 8).
 TEST(Entmax, ThresholdFloorFromAFewKeysBoundsTheRowThreshold) {
   namespace em = math::entmax;
   std::mt19937_64 rng(7);
