@@ -8,7 +8,8 @@ plots tokens/s against L: the table's tokens/s columns are B L over the forward 
 (inference) and over the forward+backward time (training).
 
 Shapes (issue 3): B * L = 16384 tokens, H = 12 at D = 128 and H = 16 at D = 64,
-L in {1024, 4096, 16384}, bf16, causal, (B, L, H, D) layout. Times are medians of CUDA-event
+L in {1024, 4096, 16384}, bf16, causal, (B, L, H, D) layout; inputs random (N(0, 1)) or, with
+--inputs local, scores peaked at the diagonal (local_inputs). Times are medians of CUDA-event
 timings after warm-up; TFLOP/s count causal FLOPs: 4 B H L^2 D / 2 forward, 2.5x that
 backward, 3.5x forward+backward. Writes JSON (--json) and prints a table.
 """
@@ -95,6 +96,36 @@ def composed_sieve(q, k, v, alpha=1.5):
     return (w.to(vh.dtype) @ vh).transpose(1, 2)
 
 
+def local_inputs(B, L, heads, dim, peak=24.0, noise=0.3):
+    """Queries and keys whose scores peak at the diagonal and fall off with distance, as in a
+    trained model's local heads (the CUDA tests' local problems): q_j . k_i / sqrt(D) =
+    peak * mean_f cos(w_f (j - i)) plus noise, w_f up to pi / 16. Entmax's support and Sieve's
+    candidates lie within a few keys of the diagonal, so their kernels skip most key tiles;
+    softmax and stick-breaking cost what they cost on random inputs."""
+    pairs = dim // 2
+    pos = torch.arange(L, device="cuda", dtype=torch.float32)
+    freq = torch.arange(1, pairs + 1, device="cuda", dtype=torch.float32) * (math.pi / 16 / pairs)
+    angle = pos[:, None] * freq[None, :]
+    amplitude = math.sqrt(peak * math.sqrt(dim) / pairs)
+    rot = torch.stack((angle.cos(), angle.sin()), -1).reshape(L, dim) * amplitude
+    out = []
+    for _ in range(2):
+        x = noise * torch.randn(B, L, heads, dim, device="cuda") + rot[None, :, None, :]
+        out.append(x.to(torch.bfloat16).requires_grad_())
+    out.append(torch.randn(B, L, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True))
+    return out
+
+
+def every_key_tile(fn):
+    def run(q, k, v):
+        os.environ["WINNOW_DENSE_KEY_TILES"] = "1"
+        try:
+            return fn(q, k, v)
+        finally:
+            del os.environ["WINNOW_DENSE_KEY_TILES"]
+    return run
+
+
 def methods():
     """name -> (prepare, run): prepare turns (B, L, H, D) leaves into the method's own input
     layout outside the timed region; run computes the attention output from them."""
@@ -110,6 +141,9 @@ def methods():
     m["winnow_sieve_exact"] = (same_layout, lambda q, k, v: winnow.sieve_attention(q, k, v)[0])
     m["winnow_sieve_bound"] = (
         same_layout, lambda q, k, v: winnow.sieve_attention(q, k, v, filter="bound")[0])
+    # The same kernels visiting every key tile (WINNOW_DENSE_KEY_TILES): what skipping saves.
+    for name in ("winnow_entmax15", "winnow_sieve_exact", "winnow_sieve_bound"):
+        m[name + "_all_tiles"] = (same_layout, every_key_tile(m[name][1]))
     m["composed_sieve"] = (same_layout, composed_sieve)
     try:  # AdaSplash-2 (causal 1.5-entmax), layout (B, H, L, D)
         from adasplash import adasplash
@@ -191,6 +225,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--methods", nargs="+", default=None, help="only these methods (sdpa_flash always)")
     ap.add_argument("--forward-only", action="store_true", help="time the forward pass alone")
+    ap.add_argument("--inputs", choices=["random", "local"], default="random",
+                    help="random: q, k, v ~ N(0, 1); local: scores peaked at the diagonal (local_inputs)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -201,8 +237,11 @@ def main():
         heads = 12 if dim == 128 else 16
         for L in args.lengths:
             B = max(1, args.tokens // L)
-            q, k, v = (torch.randn(B, L, heads, dim, device="cuda", dtype=torch.bfloat16,
-                                   requires_grad=True) for _ in range(3))
+            if args.inputs == "local":
+                q, k, v = local_inputs(B, L, heads, dim)
+            else:
+                q, k, v = (torch.randn(B, L, heads, dim, device="cuda", dtype=torch.bfloat16,
+                                       requires_grad=True) for _ in range(3))
             flops = 4 * B * heads * L * L * dim / 2
             rows = {}
             for name, (prepare, fn) in methods().items():
@@ -227,7 +266,7 @@ def main():
             if args.json:  # after every shape, so a cut-short run keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({"device": props.name, "torch": torch.__version__,
-                               "results": results}, f, indent=2)
+                               "inputs": args.inputs, "results": results}, f, indent=2)
 
     print_table(results)
 

@@ -1,6 +1,7 @@
 // alpha-entmax attention on CUDA. On the fused path (bf16 / fp16, D = Dv = 64 or 128) the row
 // thresholds come from value-free sweeps of the fused forward kernel (threshold_search.cuh),
-// then one sweep with the weights [x - tau]_+^(1 / (alpha - 1)); the backward is a sweep with
+// then one sweep with the weights [x - tau]_+^(1 / (alpha - 1)) over the key tiles where some
+// row of the block has support (key_tiles.cuh); the backward is a sweep with
 // the weights u (U = sum u v and sum u, for delta) and then the fused backward kernel.
 // Everything else runs on the simple path (a warp per query row).
 #include "cuda/cuda.h"
@@ -23,11 +24,12 @@ struct FusedEntmaxForward {
   void operator()() const {
     ThresholdCudaConfig t = threshold_config(cfg.alpha, cfg.tolerance);
     t.result = p.stats;  // entmax's statistic is tau (x units)
-    find_thresholds<T, D>(p, t);
+    LiveTileSelection tiles(p);
+    find_thresholds<T, D>(p, t, tiles);
     EntmaxCudaConfig e;
     e.alpha = static_cast<float>(cfg.alpha);
     e.tau = p.stats;
-    launch_fused_forward<T, D, EntmaxRows>(p, e);
+    launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, static_cast<float>(p.scale * (cfg.alpha - 1.0))));
   }
 };
 

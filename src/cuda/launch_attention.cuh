@@ -44,7 +44,7 @@ bool hopper_kernel_runs(Kernel kernel) {
 }
 
 template <class T, int D, class Rows, class Config>
-bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg) {
+bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live) {
   auto kernel = attention_forward_sm90_kernel<T, D, Rows, Config>;
   if (!hopper_kernel_runs(kernel)) return false;
   using Shape = Sm90ForwardShape;
@@ -53,21 +53,22 @@ bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg) {
   if (grid.x == 0 || grid.z == 0) return true;
   const int smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>>::kBytes;
   allow_shared_memory(kernel, smem);
-  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, cfg);
+  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, cfg, live);
   check_launch("attention_forward_sm90_kernel");
   return true;
 }
 
+// live: the key tiles each block visits (key_tiles.cuh); by default every one.
 template <class T, int D, class Rows, class Config>
-void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg) {
-  if (launch_sm90_forward<T, D, Rows>(p, cfg)) return;
+void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live = {}) {
+  if (launch_sm90_forward<T, D, Rows>(p, cfg, live)) return;
   const dim3 grid(static_cast<unsigned>((p.max_len_q + kForwardBQ - 1) / kForwardBQ),
                   static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
   if (grid.x == 0 || grid.z == 0) return;
   auto kernel = attention_forward_kernel<T, D, Rows, Config>;
   const int smem = ForwardSmem<T, D>::kBytes;
   allow_shared_memory(kernel, smem);
-  kernel<<<grid, 32 * kForwardWarps, smem, stream_of(p)>>>(p, cfg);
+  kernel<<<grid, 32 * kForwardWarps, smem, stream_of(p)>>>(p, cfg, live);
   check_launch("attention_forward_kernel");
 }
 

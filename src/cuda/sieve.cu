@@ -1,7 +1,8 @@
 // Sieve attention on CUDA. On the fused path (bf16 / fp16, D = Dv = 64 or 128): the row
 // thresholds (one sweep for the bound filter, the entmax search for the exact one;
 // threshold_search.cuh), then the stick-breaking kernels over each row's candidates only
-// (stick_breaking_rows.cuh). Everything else runs on the simple path.
+// (stick_breaking_rows.cuh), visiting only the key tiles where some row of the block has a
+// candidate (key_tiles.cuh). Everything else runs on the simple path.
 #include "cuda/attention/stick_breaking_rows.cuh"
 #include "cuda/cuda.h"
 #include "cuda/threshold_search.cuh"
@@ -37,8 +38,9 @@ struct FusedSieveForward {
     t.eps = static_cast<float>(cfg.eps);
     t.result = cfg.threshold;
     t.result_scale = static_cast<float>(1.0 / (cfg.alpha - 1.0));
-    find_thresholds<T, D>(p, t);
-    launch_fused_forward<T, D, SieveRows>(p, sieve_config(cfg));
+    LiveTileSelection tiles(p);
+    find_thresholds<T, D>(p, t, tiles);
+    launch_fused_forward<T, D, SieveRows>(p, sieve_config(cfg), tiles.select(cfg.threshold, static_cast<float>(p.scale)));
   }
 };
 

@@ -1,11 +1,117 @@
 // The threshold search of the fused path (entmax_rows.cuh), shared by entmax and Sieve.
 #include "cuda/threshold_search.cuh"
 
-namespace winnow::cuda {
+#include <cstdlib>
 
-// Between step sweeps one int comes back to the host: whether any row still moves.
+namespace winnow::cuda {
+namespace {
+
+std::int64_t query_blocks(const detail::AttentionParams& p) { return (p.max_len_q + kCellRows - 1) / kCellRows; }
+std::int64_t key_cells(const detail::AttentionParams& p) { return (p.max_len_k + kCellKeys - 1) / kCellKeys; }
+std::size_t blocks_of(const detail::AttentionParams& p) {
+  return static_cast<std::size_t>(p.num_seqs * p.heads_q * query_blocks(p));
+}
+bool skipping_enabled(const detail::AttentionParams& p) {
+  return std::getenv("WINNOW_DENSE_KEY_TILES") == nullptr && p.max_len_q > 0 && p.max_len_k > 0;
+}
+
+// Where a row's threshold comes from: a float per row, or a search's lower bound (the left end
+// of its bracket: no probe of a later sweep lies below it).
+struct RowThresholds {
+  detail::Operand rows;
+  __device__ float operator()(std::int64_t b, std::int64_t row, std::int64_t h) const {
+    return *rows.at<const float>(b, row, h);
+  }
+};
+struct SearchFloors {
+  detail::Operand state;
+  __device__ float operator()(std::int64_t b, std::int64_t row, std::int64_t h) const {
+    return state.at<const SavedSearch>(b, row, h)->bracket.x;
+  }
+};
+
+// One block per map row (the forward kernels' grid and query-tile order), 128 threads.
+template <class Thresholds>
+__global__ void select_live_key_tiles_kernel(const AttentionParams p, const TileMaxMap map,
+                                             const Thresholds threshold, float score_to_threshold,
+                                             std::uint32_t* bits, int words) {
+  const QueryTile<kCellRows, kCellKeys> qt(p);
+  if (qt.empty()) return;
+  const int tid = threadIdx.x;
+  // The smallest threshold of the block's rows; a NaN anywhere keeps every cell.
+  const std::int64_t row = qt.r0 + tid;
+  const float t = row < qt.s.q_len ? threshold(qt.b, qt.s.q_start + row, qt.h) : INFINITY;
+  const bool nan = __syncthreads_or(t != t) != 0;
+  float smallest = t;
+  for (int lane_bit = 1; lane_bit < 32; lane_bit *= 2) {
+    smallest = fminf(smallest, __shfl_xor_sync(0xffffffffu, smallest, lane_bit));
+  }
+  __shared__ float warp_smallest[kCellRows / 32];
+  if (tid % 32 == 0) warp_smallest[tid / 32] = smallest;
+  __syncthreads();
+  for (int w = 0; w < kCellRows / 32; ++w) smallest = fminf(smallest, warp_smallest[w]);
+
+  const int* cell_max = map.block_row(qt.b, qt.h, p.heads_q, qt.r0);
+  std::uint32_t* const block_bits = bits + (cell_max - map.data) / map.cells * words;
+  for (int w = tid; w < words; w += blockDim.x) {
+    std::uint32_t word = 0;
+    for (int c = 32 * w; c < 32 * w + 32 && c < qt.key_tiles; ++c) {
+      const float most = ordered_float(cell_max[c]) * score_to_threshold;
+      // Dead only when clearly below: the sweeps compare with fused operations, whose rounding
+      // differs from this product's by an ulp or so.
+      const float margin = 1e-5f * fmaxf(fabsf(most), fabsf(smallest)) + 1e-30f;
+      const bool dead = !nan && most < smallest - margin;
+      word |= dead ? 0u : 1u << (c - 32 * w);
+    }
+    block_bits[w] = word;
+  }
+}
+
+}  // namespace
+
+LiveTileSelection::LiveTileSelection(const detail::AttentionParams& p)
+    : p_(p),
+      enabled_(skipping_enabled(p)),
+      words_(static_cast<int>((key_cells(p) + 31) / 32)),
+      buffer_(p, enabled_ ? blocks_of(p) * static_cast<std::size_t>(key_cells(p) + words_) * sizeof(int) : 0) {
+  if (!enabled_) return;
+  map_.data = buffer_.as<int>();
+  map_.q_blocks = static_cast<int>(query_blocks(p));
+  map_.cells = static_cast<int>(key_cells(p));
+  // Bytes of 0x80: an int below every score's ordered_int.
+  check(cudaMemsetAsync(map_.data, 0x80, blocks_of(p) * map_.cells * sizeof(int), stream_of(p)),
+        "clearing the tile-max map");
+}
+
+template <class Thresholds>
+LiveKeyTiles LiveTileSelection::select_by(const Thresholds& threshold, float score_to_threshold) {
+  LiveKeyTiles live;
+  if (!enabled_) return live;
+  std::uint32_t* bits = reinterpret_cast<std::uint32_t*>(map_.data + blocks_of(p_) * map_.cells);
+  const dim3 grid(static_cast<unsigned>(map_.q_blocks), static_cast<unsigned>(p_.heads_q),
+                  static_cast<unsigned>(p_.num_seqs));
+  select_live_key_tiles_kernel<<<grid, kCellRows, 0, stream_of(p_)>>>(p_, map_, threshold, score_to_threshold,
+                                                                      bits, words_);
+  check_launch("select_live_key_tiles_kernel");
+  live.bits = bits;
+  live.q_blocks = map_.q_blocks;
+  live.words = words_;
+  return live;
+}
+
+LiveKeyTiles LiveTileSelection::select(const detail::Operand& threshold, float score_to_threshold) {
+  return select_by(RowThresholds{threshold}, score_to_threshold);
+}
+
+LiveKeyTiles LiveTileSelection::select_above_floors(const detail::Operand& state, float score_to_x) {
+  return select_by(SearchFloors{state}, score_to_x);
+}
+
+// Between step sweeps one int comes back to the host: whether any row still moves. After the
+// first sweep, the later ones visit only the key tiles with a score above the smallest floor
+// of their block (every probe lies above its row's floor).
 template <class T, int D>
-void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg) {
+void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles) {
   const std::size_t rows = static_cast<std::size_t>(p.rows_q * p.heads_q);
   DeviceBuffer buffer(p, rows * sizeof(SavedSearch) + sizeof(int));
   cfg.state = row_buffer(p, buffer.as<void>(), 1);
@@ -22,21 +128,25 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg) 
     return host != 0;
   };
   clear_flag();
+  cfg.tile_max = tiles.map();
   launch_fused_forward<T, D, ThresholdStartRows>(p, cfg);
   if (cfg.bound || !unfinished()) return;
+  cfg.tile_max = TileMaxMap{};
+  const float score_to_x = static_cast<float>(p.scale) * (cfg.alpha - 1.f);
   clear_flag();
-  launch_fused_forward<T, D, ThresholdCollectRows>(p, cfg);
+  launch_fused_forward<T, D, ThresholdCollectRows>(p, cfg, tiles.select_above_floors(cfg.state, score_to_x));
   if (!unfinished()) return;
+  const LiveKeyTiles live = tiles.select_above_floors(cfg.state, score_to_x);
   for (int step = 0; step < math::entmax::kMaxSearchSteps; ++step) {
     clear_flag();
-    launch_fused_forward<T, D, ThresholdStepRows>(p, cfg);
+    launch_fused_forward<T, D, ThresholdStepRows>(p, cfg, live);
     if (!unfinished()) return;
   }
 }
 
-template void find_thresholds<__nv_bfloat16, 64>(const detail::AttentionParams&, ThresholdCudaConfig);
-template void find_thresholds<__nv_bfloat16, 128>(const detail::AttentionParams&, ThresholdCudaConfig);
-template void find_thresholds<__half, 64>(const detail::AttentionParams&, ThresholdCudaConfig);
-template void find_thresholds<__half, 128>(const detail::AttentionParams&, ThresholdCudaConfig);
+template void find_thresholds<__nv_bfloat16, 64>(const detail::AttentionParams&, ThresholdCudaConfig, LiveTileSelection&);
+template void find_thresholds<__nv_bfloat16, 128>(const detail::AttentionParams&, ThresholdCudaConfig, LiveTileSelection&);
+template void find_thresholds<__half, 64>(const detail::AttentionParams&, ThresholdCudaConfig, LiveTileSelection&);
+template void find_thresholds<__half, 128>(const detail::AttentionParams&, ThresholdCudaConfig, LiveTileSelection&);
 
 }  // namespace winnow::cuda

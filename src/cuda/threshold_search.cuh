@@ -26,11 +26,38 @@ inline ThresholdCudaConfig threshold_config(double alpha, double tolerance) {
   return c;
 }
 
-// Runs the threshold sweeps (entmax_rows.cuh); cfg.result then holds each row's threshold.
-// Defined once in threshold_search.cu for the fused path's types and head dimensions, so that
-// entmax.cu and sieve.cu do not each compile the sweep kernels.
+// The key tiles an output sweep after the threshold search visits (key_tiles.cuh): the first
+// threshold sweep records the tile-max map into map(); select() then marks the cells whose
+// largest score clears the smallest threshold of their block. Owns the map and the bits, which
+// the sweeps launched after a select() read: keep it alive until they are enqueued. WINNOW_DENSE_KEY_TILES set in
+// the environment turns skipping off (every tile is visited), for comparison.
+class LiveTileSelection {
+ public:
+  explicit LiveTileSelection(const detail::AttentionParams& p);
+  const TileMaxMap& map() const { return map_; }
+  // threshold: float per row, in units of score_to_threshold * q . k (entmax's tau: the scale
+  // times alpha - 1; Sieve's threshold: the scale).
+  LiveKeyTiles select(const detail::Operand& threshold, float score_to_threshold);
+  // The same against the floors of searches in progress (SavedSearch per row, x units).
+  LiveKeyTiles select_above_floors(const detail::Operand& state, float score_to_x);
+
+ private:
+  template <class Thresholds>
+  LiveKeyTiles select_by(const Thresholds& threshold, float score_to_threshold);
+
+  const detail::AttentionParams& p_;
+  bool enabled_;
+  int words_ = 0;
+  DeviceBuffer buffer_;
+  TileMaxMap map_;
+};
+
+// Runs the threshold sweeps (entmax_rows.cuh); cfg.result then holds each row's threshold and
+// tiles the tile-max map of the first sweep. Defined once in threshold_search.cu for the fused
+// path's types and head dimensions, so that entmax.cu and sieve.cu do not each compile the
+// sweep kernels.
 template <class T, int D>
-void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg);
+void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles);
 
 // The simple path's launch for either mechanism (a warp per query row).
 template <simple::Mechanism M>

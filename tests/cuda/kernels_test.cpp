@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <tuple>
@@ -332,6 +333,84 @@ TEST(CudaEntmax, LongRowsSumToOneWithTheDefaultTolerance) {
         }
       }
       EXPECT_LT(worst, 1e-4) << name_of(m) << " input std " << input_std;
+    }
+  }
+}
+
+// Queries and keys whose scores peak near the diagonal and fall off with distance, as a
+// trained model's local heads do: q_j . k_i = A^2 sum_f cos(w_f (j - i)) (positions
+// bottom-right aligned per sequence, w_f up to pi / 16) plus noise. Entmax's support and
+// Sieve's candidates then lie within a few dozen keys of the diagonal, so most key tiles hold
+// no weight for any row of their query block.
+Problem local_problem(const ProblemShape& shape, std::uint64_t seed) {
+  Problem p = Problem::random(shape, seed, 0.3);
+  const std::int64_t dim = shape.dim, pairs = dim / 2;
+  const double amplitude = 4.0 / std::sqrt(std::sqrt(static_cast<double>(pairs) / 2));  // peak score ~16
+  auto place = [&](HostTensor& t, std::int64_t heads, bool queries) {
+    std::vector<double> x = t.values();
+    std::int64_t row = 0;
+    for (auto [lq, lk] : shape.seqs) {
+      const std::int64_t len = queries ? lq : lk, offset = queries ? lk - lq : 0;
+      for (std::int64_t i = 0; i < len; ++i, ++row) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          for (std::int64_t f = 0; f < pairs; ++f) {
+            const double angle = static_cast<double>(offset + i) * M_PI / 16 * static_cast<double>(f + 1) / static_cast<double>(pairs);
+            double* e = &x[static_cast<std::size_t>((row * heads + h) * dim + 2 * f)];
+            e[0] += amplitude * std::cos(angle);
+            e[1] += amplitude * std::sin(angle);
+          }
+        }
+      }
+    }
+    t.set_values(x);
+  };
+  place(p.q, shape.heads_q, true);
+  place(p.k, shape.heads_kv, false);
+  return p;
+}
+
+// Entmax and Sieve visit only the key tiles where some row of the block has support (or
+// candidates). On local scores most tiles are skipped; the result must match the float64
+// reference, and the forward's outputs must equal, bit for bit, those of the sweep that visits
+// every tile (WINNOW_DENSE_KEY_TILES): a skipped tile would only have added zeros.
+TEST(CudaTileSkipping, LocalScoresMatchTheReferenceAndTheDenseSweep) {
+  const std::vector<ProblemShape> cases = {
+      {"local_d64_gqa", {{600, 600}, {600, 600}}, false, 4, 2, 64, 64},
+      {"local_d128_varlen", {{300, 300}, {200, 900}, {1, 1}, {520, 777}}, true, 2, 1, 128, 128},
+  };
+  for (const ProblemShape& shape : cases) {
+    const Problem problem = local_problem(shape, 31);
+    for (Mechanism m : {Mechanism::entmax15, Mechanism::sparsemax, Mechanism::sieve_exact, Mechanism::sieve_bound}) {
+      SCOPED_TRACE(shape.name + " " + name_of(m));
+      RunConfig cfg;
+      cfg.mechanism = m;
+      cfg.dtype = DType::bfloat16;
+      CudaPlacement gpu, dense_gpu;
+      cfg.placement = &gpu;
+      const Results got = run(problem, cfg);
+      ASSERT_EQ(setenv("WINNOW_DENSE_KEY_TILES", "1", 1), 0);
+      cfg.placement = &dense_gpu;
+      const Results dense = run(problem, cfg);
+      ASSERT_EQ(unsetenv("WINNOW_DENSE_KEY_TILES"), 0);
+      EXPECT_EQ(got.out, dense.out);
+      EXPECT_EQ(got.stat, dense.stat);
+      EXPECT_EQ(got.count, dense.count);
+
+      RunConfig ref;
+      ref.mechanism = m;
+      ref.backend = Backend::reference;
+      const Results want = run(rounded(problem, DType::bfloat16), ref);
+      const double tol = tolerance(DType::bfloat16);
+      EXPECT_LT(relative_error(got.out, want.out), tol) << "out";
+      EXPECT_LT(relative_error(got.stat, want.stat), tol) << "per-row statistic";
+      EXPECT_LT(relative_error(got.dq, want.dq), tol) << "dq";
+      EXPECT_LT(relative_error(got.dk, want.dk), tol) << "dk";
+      EXPECT_LT(relative_error(got.dv, want.dv), tol) << "dv";
+      if (is_sieve(m)) {
+        double most = 0;
+        for (double c : want.count) most = std::max(most, c);
+        EXPECT_LT(most, 64) << "the problem must be local for tiles to be skipped";
+      }
     }
   }
 }

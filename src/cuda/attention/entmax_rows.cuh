@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "cuda/attention/forward.cuh"
+#include "cuda/attention/key_tiles.cuh"
 #include "math/entmax.h"
 
 namespace winnow::cuda {
@@ -75,6 +76,7 @@ struct ThresholdCudaConfig {
   detail::Operand result;    // float per row
   float result_scale = 1.f;  // result = tau * result_scale (bound: the threshold itself)
   int* unfinished = nullptr;
+  TileMaxMap tile_max;       // recorded by the first sweep when data != nullptr (key_tiles.cuh)
 };
 
 // What every threshold sweep shares: no values, no halting, nothing to rescale.
@@ -91,18 +93,22 @@ struct ThresholdSweepRows {
 // threshold (math::entmax::threshold_floor) that the collect sweep filters keys by. Each
 // thread keeps the two largest of its own scores per row, 3 operations per score; the quad's
 // union of 8 bounds the threshold closely enough that only a few dozen keys per row pass the
-// filter on random scores at 16K keys (against ~500 above m - 1).
+// filter on random scores at 16K keys (against ~500 above m - 1). It also records the block's
+// largest score per cell of keys, from which the output sweep learns which key tiles it may
+// skip (key_tiles.cuh): one more operation per score and a warp reduction per tile.
 struct ThresholdStartRows : ThresholdSweepRows {
   static constexpr int kKept = 2;  // per thread and row
   float scale;
   float top[2][kKept] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};  // raw scores q . k
   float quad_top[2][4 * kKept];    // the quad's, after finish
   std::int64_t visible[2];         // keys the row sees
+  int* cell_max;                   // this block's row of the tile-max map, or null
 
   template <class Tile>
-  __device__ __forceinline__ ThresholdStartRows(const AttentionParams& p, const ThresholdCudaConfig&,
+  __device__ __forceinline__ ThresholdStartRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
                                                 const Tile& qt, std::int64_t row0)
-      : scale(static_cast<float>(p.scale)) {
+      : scale(static_cast<float>(p.scale)),
+        cell_max(cfg.tile_max.data != nullptr ? cfg.tile_max.block_row(qt.b, qt.h, p.heads_q, qt.r0) : nullptr) {
     visible[0] = qt.limit(p, row0) + 1;
     visible[1] = qt.limit(p, row0 + 8) + 1;
   }
@@ -110,14 +116,25 @@ struct ThresholdStartRows : ThresholdSweepRows {
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     static_assert(kKept == 2, "the update below keeps two");
+    float tile_max = -INFINITY;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int half = i / 2, e = i % 2;
         const float v = !Masked || mask.visible<8 * NT>(half, n, e) ? s[n][i] : -INFINITY;
+        tile_max = fmaxf(tile_max, v);
         top[half][1] = fmaxf(top[half][1], fminf(top[half][0], v));
         top[half][0] = fmaxf(top[half][0], v);
+      }
+    }
+    if (cell_max != nullptr) {
+#pragma unroll
+      for (int lane_bit = 1; lane_bit < 32; lane_bit *= 2) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, lane_bit));
+      }
+      if ((threadIdx.x & 31) == 0 && tile_max > -INFINITY) {
+        atomicMax(cell_max + mask.key0 / kCellKeys, ordered_int(tile_max));
       }
     }
   }

@@ -2,7 +2,8 @@
 // of 8 warps owns 128 query rows (16 per warp) of one head; it sweeps key tiles of 64 from
 // the diagonal leftwards, double-buffering K and V through shared memory with cp.async, and
 // per tile computes S = Q K^T on the matrix units, lets the mechanism turn S into weights P
-// (rescaling the running output where it must), and adds P V.
+// (rescaling the running output where it must), and adds P V. Given live key tiles
+// (key_tiles.cuh), it visits only those.
 //
 // A mechanism is a Rows policy holding its per-row running state in registers, constructed
 // from (params, config, query tile, the thread's first row):
@@ -27,6 +28,7 @@
 #include <type_traits>
 
 #include "cuda/attention/geometry.cuh"
+#include "cuda/attention/key_tiles.cuh"
 #include "cuda/tile/fragment.cuh"
 #include "cuda/tile/rows.cuh"
 #include "cuda/tile/smem_tile.cuh"
@@ -99,7 +101,7 @@ struct ForwardSmem {
 
 template <class T, int D, class Rows, class Config>
 __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
-    attention_forward_kernel(const AttentionParams p, const Config cfg) {
+    attention_forward_kernel(const AttentionParams p, const Config cfg, const LiveKeyTiles live) {
   constexpr int BQ = kForwardBQ, BK = kForwardBK, NT = BK / 8, DT = D / 8, KS = D / 16;
   constexpr int kThreads = 32 * kForwardWarps;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -135,7 +137,9 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
     const std::int64_t row = qt.r0 + r;
     return row < qt.s.q_len ? p.q.at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
   });
-  if (qt.key_tiles > 0) load_kv(qt.key_tiles - 1, 0);
+  const KeyTileSweep<BK> sweep(p, live, qt);
+  int kt = sweep.last();
+  if (kt >= 0) load_kv(kt, 0);
   tile::cp_async_commit();
 
   RowMask mask;
@@ -149,10 +153,10 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
   tile::zero(o);
   int kept_from_tile = 0;
 
-  for (int i = 0; i < qt.key_tiles; ++i) {
-    const int kt = qt.key_tiles - 1 - i, buf = i & 1;
-    if (i + 1 < qt.key_tiles) {
-      load_kv(kt - 1, buf ^ 1);
+  for (int i = 0; kt >= 0; ++i) {
+    const int buf = i & 1, next = sweep.before(kt);
+    if (next >= 0) {
+      load_kv(next, buf ^ 1);
       tile::cp_async_commit();
       tile::cp_async_wait<1>();
     } else {
@@ -182,6 +186,7 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
     kept_from_tile = kt;
     if (Rows::kCanHalt && rows.can_halt() && __syncthreads_and(rows.halted(mask))) break;
     __syncthreads();
+    kt = next;
   }
   tile::cp_async_wait<0>();  // a halted sweep may leave a prefetch in flight
 

@@ -15,6 +15,7 @@
 // issue no P V; the rounds keep their turns so the schedule is the same.
 // Early halting (stick-breaking): a consumer whose 64 rows have all halted stops computing and
 // raises a flag; once both have, the producer stops loading and sends an end marker.
+// Given live key tiles (key_tiles.cuh), producer and consumers walk the same live tiles.
 #pragma once
 
 #include <cstdint>
@@ -60,7 +61,7 @@ inline constexpr int kProducerBarrier = 1, kConsumerBarrier = 2, kTurnBarrier = 
 
 template <class T, int D, class Rows, class Config>
 __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
-    attention_forward_sm90_kernel(const AttentionParams p, const Config cfg) {
+    attention_forward_sm90_kernel(const AttentionParams p, const Config cfg, const LiveKeyTiles live) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Shape = Sm90ForwardShape;
   using Smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>>;
@@ -95,7 +96,8 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
 
   bool may_halt = false;
   if constexpr (Rows::kCanHalt) may_halt = cfg.halt_cutoff > 0.f;
-  const int n_tiles = qt.key_tiles;
+  const KeyTileSweep<BK> sweep(p, live, qt);
+  const int n_tiles = sweep.count;
 
   if (tid < 128) {
     // ---------------------------------------------------------------- producer
@@ -114,8 +116,9 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       const std::int64_t left = qt.s.k_len - static_cast<std::int64_t>(kt) * BK - key0;
       return left <= 0 ? 0 : static_cast<int>(left < BK ? (left + P / 4 - 1) / (P / 4) : BK);
     };
-    for (int i = 0; i < n_tiles; ++i) {
-      const int s = i % S, kt = n_tiles - 1 - i;
+    int kt = sweep.last();
+    for (int i = 0; i < n_tiles; ++i, kt = sweep.before(kt)) {
+      const int s = i % S;
       if (i >= S) {
         tile::mbar_wait_sleepy(&k_empty[s], ((i / S) - 1) & 1);
         // Both consumers halted: one thread reads the flags so every producer thread agrees.
@@ -183,9 +186,8 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       }
       tile::wgmma_commit();
     };
-    // S_i -> P_i (in pa), and what the policy asks of the output.
-    auto weigh = [&](float (&sc)[BK / 8][4], int i) {
-      const int kt = n_tiles - 1 - i;
+    // S_i -> P_i (in pa), and what the policy asks of the output; kt: tile i's index.
+    auto weigh = [&](float (&sc)[BK / 8][4], int kt) {
       if (!done) {
         mask.key0 = static_cast<std::int64_t>(kt) * BK;
         mask.active = qt.needs_mask(kt);
@@ -198,10 +200,10 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         tile::zero(sc);
       }
     };
-    auto after_weights = [&](float (&sc)[BK / 8][4], int i) {
+    auto after_weights = [&](float (&sc)[BK / 8][4], int kt) {
       if (!done) {
         if constexpr (Rows::kUsesValues) rows.rescale(o);
-        kept_from_tile = n_tiles - 1 - i;
+        kept_from_tile = kt;
         if (may_halt) {
           done = tile::named_sync_and(kConsumerBarrier + wg, 128, rows.halted(mask));
           if (done && wtid == 0) halted[wg] = 1;
@@ -211,7 +213,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     };
 
     if (wg == 1) tile::named_arrive(kTurnBarrier, 256);  // consumer 0 takes the first turn
-    int i = 0;
+    int i = 0, kt = sweep.last();
     if (n_tiles > 0) {
       // First round: S_0 alone.
       tile::mbar_wait(&k_full[0], 0);
@@ -225,10 +227,11 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       tile::wgmma_wait<0>();
       tile::pin(sc);
       tile::mbar_arrive(&k_empty[0]);
-      weigh(sc, 0);
-      after_weights(sc, 0);
+      weigh(sc, kt);
+      after_weights(sc, kt);
 
       for (i = 1; i < n_tiles; ++i) {
+        kt = sweep.before(kt);
         const int s = i % S, prev = (i - 1) % S;
         tile::mbar_wait(&k_full[s], (i / S) & 1);
         if (end[s] < 0) break;
@@ -247,13 +250,13 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         }
         tile::pin(sc);
         tile::mbar_arrive(&k_empty[s]);
-        weigh(sc, i);
+        weigh(sc, kt);
         if constexpr (Rows::kUsesValues) {
           tile::wgmma_wait<0>();
           tile::pin(o);
           tile::mbar_arrive(&v_empty[prev]);
         }
-        after_weights(sc, i);
+        after_weights(sc, kt);
       }
 
       // Last round: the last P with its V. Consumer 1 gives no turn back after it, so every
