@@ -74,7 +74,7 @@ void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg, c
 
 template <class T, int D, class Rows, class Config>
 void launch_fused_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
-                           const Config& cfg) {
+                           const Config& cfg, const LiveKeyTiles& live = {}) {
   auto sm90_kernel = attention_backward_sm90_kernel<T, D, Rows, Config>;
   const bool sm90 = hopper_kernel_runs(sm90_kernel);
   KeyGradAccumulators acc;
@@ -98,7 +98,7 @@ void launch_fused_backward(const detail::AttentionParams& p, const detail::Gradi
     if (grid.x > 0 && grid.z > 0) {
       const int smem = Sm90BackwardSmem<T, D>::kBytes;
       allow_shared_memory(sm90_kernel, smem);
-      sm90_kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, cfg, acc);
+      sm90_kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, cfg, acc, live);
       check_launch("attention_backward_sm90_kernel");
     }
   } else {
@@ -108,7 +108,7 @@ void launch_fused_backward(const detail::AttentionParams& p, const detail::Gradi
       auto kernel = attention_backward_kernel<T, D, Rows, Config>;
       const int smem = BackwardSmem<T, D>::kBytes;
       allow_shared_memory(kernel, smem);
-      kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc);
+      kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc, live);
       check_launch("attention_backward_kernel");
     }
   }

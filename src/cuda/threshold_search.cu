@@ -1,19 +1,8 @@
 // The threshold search of the fused path (entmax_rows.cuh), shared by entmax and Sieve.
 #include "cuda/threshold_search.cuh"
 
-#include <cstdlib>
-
 namespace winnow::cuda {
 namespace {
-
-std::int64_t query_blocks(const detail::AttentionParams& p) { return (p.max_len_q + kCellRows - 1) / kCellRows; }
-std::int64_t key_cells(const detail::AttentionParams& p) { return (p.max_len_k + kCellKeys - 1) / kCellKeys; }
-std::size_t blocks_of(const detail::AttentionParams& p) {
-  return static_cast<std::size_t>(p.num_seqs * p.heads_q * query_blocks(p));
-}
-bool skipping_enabled(const detail::AttentionParams& p) {
-  return std::getenv("WINNOW_DENSE_KEY_TILES") == nullptr && p.max_len_q > 0 && p.max_len_k > 0;
-}
 
 // Where a row's threshold comes from: a float per row, or a search's lower bound (the left end
 // of its bracket: no probe of a later sweep lies below it).
@@ -71,15 +60,15 @@ __global__ void select_live_key_tiles_kernel(const AttentionParams p, const Tile
 
 LiveTileSelection::LiveTileSelection(const detail::AttentionParams& p)
     : p_(p),
-      enabled_(skipping_enabled(p)),
-      words_(static_cast<int>((key_cells(p) + 31) / 32)),
-      buffer_(p, enabled_ ? blocks_of(p) * static_cast<std::size_t>(key_cells(p) + words_) * sizeof(int) : 0) {
+      enabled_(key_tile_skipping_enabled(p)),
+      words_(map_words(p)),
+      buffer_(p, enabled_ ? map_blocks(p) * static_cast<std::size_t>(map_cells(p) + words_) * sizeof(int) : 0) {
   if (!enabled_) return;
   map_.data = buffer_.as<int>();
-  map_.q_blocks = static_cast<int>(query_blocks(p));
-  map_.cells = static_cast<int>(key_cells(p));
+  map_.q_blocks = map_query_blocks(p);
+  map_.cells = map_cells(p);
   // Bytes of 0x80: an int below every score's ordered_int.
-  check(cudaMemsetAsync(map_.data, 0x80, blocks_of(p) * map_.cells * sizeof(int), stream_of(p)),
+  check(cudaMemsetAsync(map_.data, 0x80, map_blocks(p) * map_.cells * sizeof(int), stream_of(p)),
         "clearing the tile-max map");
 }
 
@@ -87,7 +76,7 @@ template <class Thresholds>
 LiveKeyTiles LiveTileSelection::select_by(const Thresholds& threshold, float score_to_threshold) {
   LiveKeyTiles live;
   if (!enabled_) return live;
-  std::uint32_t* bits = reinterpret_cast<std::uint32_t*>(map_.data + blocks_of(p_) * map_.cells);
+  std::uint32_t* bits = reinterpret_cast<std::uint32_t*>(map_.data + map_blocks(p_) * map_.cells);
   const dim3 grid(static_cast<unsigned>(map_.q_blocks), static_cast<unsigned>(p_.heads_q),
                   static_cast<unsigned>(p_.num_seqs));
   select_live_key_tiles_kernel<<<grid, kCellRows, 0, stream_of(p_)>>>(p_, map_, threshold, score_to_threshold,

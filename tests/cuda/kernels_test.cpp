@@ -370,9 +370,11 @@ Problem local_problem(const ProblemShape& shape, std::uint64_t seed) {
 }
 
 // Entmax and Sieve visit only the key tiles where some row of the block has support (or
-// candidates). On local scores most tiles are skipped; the result must match the float64
-// reference, and the forward's outputs must equal, bit for bit, those of the sweep that visits
-// every tile (WINNOW_DENSE_KEY_TILES): a skipped tile would only have added zeros.
+// candidates); entmax's backward too. On local scores most tiles are skipped; the result must
+// match the float64 reference, and the outputs must equal, bit for bit, those of the sweeps
+// that visit every tile (WINNOW_DENSE_KEY_TILES): a skipped tile would only have added zeros.
+// The gradients are compared bit for bit in the deterministic mode, where skipped tiles still
+// take their turn on the key accumulators.
 TEST(CudaTileSkipping, LocalScoresMatchTheReferenceAndTheDenseSweep) {
   const std::vector<ProblemShape> cases = {
       {"local_d64_gqa", {{600, 600}, {600, 600}}, false, 4, 2, 64, 64},
@@ -385,9 +387,12 @@ TEST(CudaTileSkipping, LocalScoresMatchTheReferenceAndTheDenseSweep) {
       RunConfig cfg;
       cfg.mechanism = m;
       cfg.dtype = DType::bfloat16;
-      CudaPlacement gpu, dense_gpu;
+      CudaPlacement gpu, deterministic_gpu, dense_gpu;
       cfg.placement = &gpu;
       const Results got = run(problem, cfg);
+      cfg.deterministic = true;
+      cfg.placement = &deterministic_gpu;
+      const Results deterministic = run(problem, cfg);
       ASSERT_EQ(setenv("WINNOW_DENSE_KEY_TILES", "1", 1), 0);
       cfg.placement = &dense_gpu;
       const Results dense = run(problem, cfg);
@@ -395,6 +400,9 @@ TEST(CudaTileSkipping, LocalScoresMatchTheReferenceAndTheDenseSweep) {
       EXPECT_EQ(got.out, dense.out);
       EXPECT_EQ(got.stat, dense.stat);
       EXPECT_EQ(got.count, dense.count);
+      EXPECT_EQ(deterministic.dq, dense.dq);
+      EXPECT_EQ(deterministic.dk, dense.dk);
+      EXPECT_EQ(deterministic.dv, dense.dv);
 
       RunConfig ref;
       ref.mechanism = m;

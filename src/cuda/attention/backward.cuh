@@ -10,12 +10,14 @@
 //                                                 accumulators: atomics, or in the
 //                                                 deterministic mode in a fixed block order
 // A mechanism is a backward Rows policy: constructed from the saved per-row statistics,
-// first_key(half, mask), grads(s, dp, mask).
+// first_key(half, mask), grads(s, dp, mask). Given live key tiles (key_tiles.cuh), the sweep
+// visits only those; in the deterministic mode the others still take their turn.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/attention/forward.cuh"
+#include "cuda/attention/key_tiles.cuh"
 
 namespace winnow::cuda {
 
@@ -64,7 +66,7 @@ __device__ __forceinline__ void pass_turn(int* counter) {
 template <class T, int D, class Rows, class Config>
 __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
     attention_backward_kernel(const AttentionParams p, const detail::GradientParams g,
-                              const Config cfg, const KeyGradAccumulators acc) {
+                              const Config cfg, const KeyGradAccumulators acc, const LiveKeyTiles live) {
   constexpr int BQ = kBackwardBQ, BK = kBackwardBK, NT = BK / 8, DT = D / 8, KS = D / 16;
   constexpr int kThreads = 32 * kBackwardWarps;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -98,7 +100,8 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
     if (mask.limit[half] >= 0) atomicMin(&block_first_tile, static_cast<int>(mask.first[half] / BK));
   }
   __syncthreads();
-  const int first_tile = block_first_tile;
+  const KeyTileSweep<BK> sweep(p, live, qt);
+  const int first_tile = sweep.at_or_after(block_first_tile);
 
   auto load_kv = [&](int kt, int buf) {
     const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
@@ -135,23 +138,26 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
     *counter = acc.order + (qt.b * p.heads_kv + qt.hk) * acc.key_tiles + kt;
     return group_index * contributors + static_cast<int>(blockIdx.x);
   };
-  if (acc.deterministic) {
-    // Tiles this block skips (left of its first kept key) still take their turn.
-    for (int kt = 0; kt < first_tile; ++kt) {
+  // Tiles this block skips (left of its first kept key, or without support) still take their
+  // turn in the deterministic mode.
+  auto skip_turns = [&](int from, int to) {
+    if (!acc.deterministic) return;
+    for (int kt = from; kt < to; ++kt) {
       int* counter;
       const int rank = rank_and_counter(kt, &counter);
       wait_turn(counter, rank);
       pass_turn(counter);
     }
-  }
+  };
+  skip_turns(0, first_tile);
 
   float dq[DT][4];
   tile::zero(dq);
 
-  for (int kt = first_tile; kt < qt.key_tiles; ++kt) {
-    const int buf = (kt - first_tile) & 1;
-    if (kt + 1 < qt.key_tiles) {
-      load_kv(kt + 1, buf ^ 1);
+  for (int kt = first_tile, i = 0; kt < qt.key_tiles; ++i) {
+    const int buf = i & 1, next = sweep.after(kt);
+    if (next < qt.key_tiles) {
+      load_kv(next, buf ^ 1);
       tile::cp_async_commit();
       tile::cp_async_wait<1>();
     } else {
@@ -230,6 +236,8 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
     reduce_into(ds_tile, q_tile, acc.dk);
     if (acc.deterministic) pass_turn(counter);
     __syncthreads();
+    skip_turns(kt + 1, next);
+    kt = next;
   }
   tile::cp_async_wait<0>();
 

@@ -15,6 +15,8 @@
 //                consumer 1: dK_t = dS^T Q
 //                then adds its tile into the fp32 accumulator (atomics, or in the
 //                deterministic mode in a fixed block order, one counter per accumulator).
+// Given live key tiles (key_tiles.cuh), producer and consumers walk the same live tiles; in the
+// deterministic mode the others still take their turn.
 #pragma once
 
 #include <cstdint>
@@ -58,7 +60,8 @@ inline constexpr int kBwdConsumersBarrier = 1, kBwdConsumerBarrier = 2, kBwdStar
 template <class T, int D, class Rows, class Config>
 __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
     attention_backward_sm90_kernel(const AttentionParams p, const detail::GradientParams g,
-                                   const Config cfg, const KeyGradAccumulators acc) {
+                                   const Config cfg, const KeyGradAccumulators acc,
+                                   const LiveKeyTiles live) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Shape = Sm90BackwardShape;
   using Smem = Sm90BackwardSmem<T, D>;
@@ -78,6 +81,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
 
   const QueryTile<BQ, BK> qt(p);
   if (qt.empty()) return;
+  const KeyTileSweep<BK> sweep(p, live, qt);
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
@@ -95,7 +99,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
     // ---------------------------------------------------------------- producer
     tile::registers_release<Shape::kProducerRegisters>();
     tile::named_sync(kBwdStartBarrier, Shape::kThreads);
-    const int first_tile = block_first_tile, n_tiles = qt.key_tiles - first_tile;
+    const int first_tile = sweep.at_or_after(block_first_tile);
     const int ptid = tid;
     using KV = typename Smem::KVTile;
     using RT = typename Smem::RowTile;
@@ -103,8 +107,8 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
     const std::int64_t key0 = key_of_column<BK>(KV::template first_row_of<128>(ptid));
     const T* const k_base = p.k.at<const T>(qt.b, qt.s.k_start, qt.hk);
     const T* const v_base = p.v.at<const T>(qt.b, qt.s.k_start, qt.hk);
-    for (int i = 0; i < n_tiles; ++i) {
-      const int s = i % S, kt = first_tile + i;
+    for (int i = 0, kt = first_tile; kt < qt.key_tiles; ++i, kt = sweep.after(kt)) {
+      const int s = i % S;
       if (i == 0) {
         const int q0 = RT::template first_row_of<128>(ptid);
         constexpr int QP = RT::template row_stride_of<128>();
@@ -144,7 +148,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       if (mask.limit[half] >= 0) atomicMin(&block_first_tile, static_cast<int>(mask.first[half] / BK));
     }
     tile::named_sync(kBwdStartBarrier, Shape::kThreads);
-    const int first_tile = block_first_tile, n_tiles = qt.key_tiles - first_tile;
+    const int first_tile = sweep.at_or_after(block_first_tile);
     const int own_barrier = kBwdConsumerBarrier + wg;
     // Consumer 0 accumulates dV, consumer 1 dK; each has its own order in the deterministic mode.
     float* const dst_base = wg == 0 ? acc.dv : acc.dk;
@@ -176,19 +180,21 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       tile::named_sync(own_barrier, 128);
       if (wtid == 0) atomicAdd(counter, 1);
     };
-    if (acc.deterministic) {
-      for (int kt = 0; kt < first_tile; ++kt) {  // skipped tiles still take their turn
+    auto skip_turns = [&](int from, int to) {  // skipped tiles still take their turn
+      if (!acc.deterministic) return;
+      for (int kt = from; kt < to; ++kt) {
         int* counter;
         const int rank = rank_and_counter(kt, &counter);
         wait_turn(counter, rank);
         pass_turn(counter);
       }
-    }
+    };
+    skip_turns(0, first_tile);
 
     float dq[D / 8][4];
     tile::zero(dq);
-    for (int i = 0; i < n_tiles; ++i) {
-      const int s = i % S, kt = first_tile + i, buf = i & 1;
+    for (int i = 0, kt = first_tile; kt < qt.key_tiles; ++i) {
+      const int s = i % S, buf = i & 1, next = sweep.after(kt);
       tile::mbar_wait(&k_full[s], (i / S) & 1);
       tile::mbar_wait(&v_full[s], (i / S) & 1);
       tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
@@ -298,6 +304,8 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
         }
       }
       if (acc.deterministic) pass_turn(counter);
+      skip_turns(kt + 1, next);
+      kt = next;
     }
 
 #pragma unroll

@@ -380,9 +380,12 @@ struct ThresholdCollectRows : ThresholdSweepRows {
 // weights: no running maximum, no normalisation); the statistic is tau itself. With
 // kGradWeights it weighs by u = p^(2 - alpha) instead and its statistic is sum_i u_i: the
 // backward's first sweep, whose output U = sum_i u_i v_i gives delta = <dout, U> / sum_i u_i.
+// That sweep also marks the cells of keys where some row of the block has support (u > 0),
+// so that the backward kernel skips the others.
 struct EntmaxCudaConfig {
   float alpha = 1.5f;
   detail::Operand tau;  // float per row, x units (the threshold sweeps' result)
+  SupportBits support;  // kGradWeights: set where u > 0, when bits != nullptr
 };
 
 template <bool kGradWeights>
@@ -391,11 +394,14 @@ struct EntmaxRowsOf {
   static constexpr bool kUsesValues = true;
   float x_scale, alpha;
   float tau[2], sum_u[2] = {0.f, 0.f};
+  std::uint32_t* support;  // this block's bits, or null
 
   template <class Tile>
   __device__ __forceinline__ EntmaxRowsOf(const AttentionParams& p, const EntmaxCudaConfig& cfg,
                                           const Tile& qt, std::int64_t row0)
-      : x_scale(static_cast<float>(p.scale) * (cfg.alpha - 1.f)), alpha(cfg.alpha) {
+      : x_scale(static_cast<float>(p.scale) * (cfg.alpha - 1.f)),
+        alpha(cfg.alpha),
+        support(kGradWeights ? cfg.support.block_row(qt.b, qt.h, p.heads_q, qt.r0) : nullptr) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
@@ -406,15 +412,18 @@ struct EntmaxRowsOf {
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     namespace em = math::entmax;
+    float tile_u = 0.f;
     for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int half, float gap) {
       constexpr em::Family F = decltype(family)::value;
       if constexpr (kGradWeights) {
         s[n][i] = em::grad_weight<F>(gap, alpha);
         sum_u[half] += s[n][i];
+        tile_u += s[n][i];
       } else {
         s[n][i] = em::weight<F>(gap, alpha);
       }
     });
+    if constexpr (kGradWeights) mark_support(support, mask.key0, tile_u > 0.f);
   }
 
   template <int DT>

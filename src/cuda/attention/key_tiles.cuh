@@ -8,10 +8,14 @@
 // Once the thresholds are known, a cell is live when its largest score clears the smallest
 // threshold of the block's rows (select_live_key_tiles): a superset of the cells that hold a
 // weight, since a row's kept keys score above its own threshold, hence above the smallest.
-// The kernels then walk the live cells' tiles (KeyTileSweep), right to left, as bits.
+// The kernels then walk the live cells' tiles (KeyTileSweep), as bits: the forward right to
+// left, the backward left to right. A sweep with values may also set the bits itself as it
+// meets nonzero weights (SupportBits), exact per block, for a later kernel.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "cuda/attention/geometry.cuh"
 
@@ -45,6 +49,43 @@ struct LiveKeyTiles {
   int q_blocks = 0, words = 0;  // words per block
 };
 
+// The map's extent for a problem: query blocks per (sequence, head), cells, words of bits.
+inline int map_query_blocks(const AttentionParams& p) {
+  return static_cast<int>((p.max_len_q + kCellRows - 1) / kCellRows);
+}
+inline int map_cells(const AttentionParams& p) { return static_cast<int>((p.max_len_k + kCellKeys - 1) / kCellKeys); }
+inline int map_words(const AttentionParams& p) { return (map_cells(p) + 31) / 32; }
+inline std::size_t map_blocks(const AttentionParams& p) {
+  return static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(map_query_blocks(p));
+}
+// Skipping is on unless WINNOW_DENSE_KEY_TILES is set (for comparison: every tile visited).
+inline bool key_tile_skipping_enabled(const AttentionParams& p) {
+  return std::getenv("WINNOW_DENSE_KEY_TILES") == nullptr && p.max_len_q > 0 && p.max_len_k > 0;
+}
+
+// Bits a sweep with values sets as it goes: a cell's bit once some weight of the block in it is
+// nonzero (entmax's grad-weight sweep, for the backward). Cleared to zero before the sweep.
+struct SupportBits {
+  std::uint32_t* bits = nullptr;  // null: not recorded
+  int q_blocks = 0, words = 0;
+
+  __device__ __forceinline__ std::uint32_t* block_row(std::int64_t b, std::int64_t h, std::int64_t heads_q,
+                                                      std::int64_t r0) const {
+    return bits == nullptr ? nullptr : bits + ((b * heads_q + h) * q_blocks + r0 / kCellRows) * words;
+  }
+  LiveKeyTiles live() const { return {bits, q_blocks, words}; }
+};
+
+// Called by every thread of a warp per tile (key0: the tile's first key): sets the tile's
+// cell bit when some thread of the warp has a nonzero weight in it.
+__device__ __forceinline__ void mark_support(std::uint32_t* block_row, std::int64_t key0, bool any) {
+  if (block_row == nullptr) return;
+  if (__any_sync(0xffffffffu, any) && (threadIdx.x & 31) == 0) {
+    const std::int64_t cell = key0 / kCellKeys;
+    atomicOr(block_row + (cell >> 5), 1u << (cell & 31));
+  }
+}
+
 // The key tiles of BK keys a block visits: those of its live cells, below key_tiles.
 template <int BK>
 struct KeyTileSweep {
@@ -75,6 +116,22 @@ struct KeyTileSweep {
   __device__ __forceinline__ bool live_cell(int c) const {
     return c >= 0 && (bits == nullptr || ((bits[c >> 5] >> (c & 31)) & 1u) != 0);
   }
+
+  // The first visited tile at or after kt, or key_tiles (the backward walks left to right).
+  __device__ __forceinline__ int at_or_after(int kt) const {
+    if (kt >= key_tiles) return key_tiles;
+    if (bits == nullptr) return kt;
+    const int cells = (key_tiles + kTilesPerCell - 1) / kTilesPerCell;
+    for (int c = kt / kTilesPerCell; c < cells; c = (c & ~31) + 32) {
+      const std::uint32_t word = bits[c >> 5] & (0xffffffffu << (c & 31));
+      if (word != 0) {
+        const int start = ((c & ~31) + __ffs(word) - 1) * kTilesPerCell;
+        return start < kt ? kt : (start < key_tiles ? start : key_tiles);
+      }
+    }
+    return key_tiles;
+  }
+  __device__ __forceinline__ int after(int kt) const { return at_or_after(kt + 1); }
 
   // The last tile visited: before(key_tiles).
   __device__ __forceinline__ int last() const { return before(key_tiles); }
