@@ -41,7 +41,7 @@ __global__ void select_live_key_tiles_kernel(const AttentionParams p, const Tile
   for (int w = 0; w < kCellRows / 32; ++w) smallest = fminf(smallest, warp_smallest[w]);
 
   const int* cell_max = map.block_row(qt.b, qt.h, p.heads_q, qt.r0);
-  std::uint32_t* const block_bits = bits + (cell_max - map.data) / map.cells * words;
+  std::uint32_t* const block_bits = bits + map_block(qt.b, qt.h, p.heads_q, map.q_blocks, qt.r0) * words;
   for (int w = tid; w < words; w += blockDim.x) {
     std::uint32_t word = 0;
     for (int c = 32 * w; c < 32 * w + 32 && c < qt.key_tiles; ++c) {

@@ -29,8 +29,9 @@ inline ThresholdCudaConfig threshold_config(double alpha, double tolerance) {
 // The key tiles an output sweep after the threshold search visits (key_tiles.cuh): the first
 // threshold sweep records the tile-max map into map(); select() then marks the cells whose
 // largest score clears the smallest threshold of their block. Owns the map and the bits, which
-// the sweeps launched after a select() read: keep it alive until they are enqueued. WINNOW_DENSE_KEY_TILES set in
-// the environment turns skipping off (every tile is visited), for comparison.
+// the sweeps launched after a select() read: keep it alive until they are enqueued.
+// WINNOW_DENSE_KEY_TILES set in the environment turns skipping off (every tile is visited),
+// for comparison.
 class LiveTileSelection {
  public:
   explicit LiveTileSelection(const detail::AttentionParams& p);

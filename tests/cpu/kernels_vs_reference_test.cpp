@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "support/attention_case.h"
+#include "support/expect_results.h"
 
 namespace winnow::testing {
 namespace {
@@ -52,11 +53,7 @@ TEST_P(KernelsVsReference, ForwardAndEveryGradientMatch) {
   const Results got = run(problem, fast);
   const double tol = tolerance(dtype);
   SCOPED_TRACE(describe(shape));
-  EXPECT_LT(relative_error(got.out, want.out), tol) << "out";
-  EXPECT_LT(relative_error(got.stat, want.stat), tol) << "per-row statistic";
-  EXPECT_LT(relative_error(got.dq, want.dq), tol) << "dq";
-  EXPECT_LT(relative_error(got.dk, want.dk), tol) << "dk";
-  EXPECT_LT(relative_error(got.dv, want.dv), tol) << "dv";
+  expect_results_close(got, want, tol);
   if (is_sieve(mechanism)) {
     EXPECT_LT(relative_error(got.threshold, want.threshold), tol) << "threshold";
     EXPECT_EQ(got.count, want.count) << "candidate counts";

@@ -17,6 +17,7 @@
 #include "math/elementwise.h"
 #include "math/entmax.h"
 #include "support/attention_case.h"
+#include "support/expect_results.h"
 
 namespace winnow::testing {
 namespace {
@@ -111,11 +112,7 @@ TEST_P(CudaVsReference, ForwardAndEveryGradientMatch) {
   const Results& want = references[key];
   const double tol = tolerance(dtype);
   SCOPED_TRACE(describe(shape));
-  EXPECT_LT(relative_error(got.out, want.out), tol) << "out";
-  EXPECT_LT(relative_error(got.stat, want.stat), tol) << "per-row statistic";
-  EXPECT_LT(relative_error(got.dq, want.dq), tol) << "dq";
-  EXPECT_LT(relative_error(got.dk, want.dk), tol) << "dk";
-  EXPECT_LT(relative_error(got.dv, want.dv), tol) << "dv";
+  expect_results_close(got, want, tol);
   if (mechanism == Mechanism::stick_breaking) {
     for (double k : got.kept_from) ASSERT_EQ(k, 0.0) << "no halting: every key is kept";
   }
@@ -409,11 +406,7 @@ TEST(CudaTileSkipping, LocalScoresMatchTheReferenceAndTheDenseSweep) {
       ref.backend = Backend::reference;
       const Results want = run(rounded(problem, DType::bfloat16), ref);
       const double tol = tolerance(DType::bfloat16);
-      EXPECT_LT(relative_error(got.out, want.out), tol) << "out";
-      EXPECT_LT(relative_error(got.stat, want.stat), tol) << "per-row statistic";
-      EXPECT_LT(relative_error(got.dq, want.dq), tol) << "dq";
-      EXPECT_LT(relative_error(got.dk, want.dk), tol) << "dk";
-      EXPECT_LT(relative_error(got.dv, want.dv), tol) << "dv";
+      expect_results_close(got, want, tol);
       if (is_sieve(m)) {
         double most = 0;
         for (double c : want.count) most = std::max(most, c);

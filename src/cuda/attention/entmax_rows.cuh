@@ -129,12 +129,10 @@ struct ThresholdStartRows : ThresholdSweepRows {
       }
     }
     if (cell_max != nullptr) {
-#pragma unroll
-      for (int lane_bit = 1; lane_bit < 32; lane_bit *= 2) {
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, lane_bit));
-      }
-      if ((threadIdx.x & 31) == 0 && tile_max > -INFINITY) {
-        atomicMax(cell_max + mask.key0 / kCellKeys, ordered_int(tile_max));
+      // ordered_int keeps the order, so one warp reduction on ints gives the warp's maximum.
+      const int warp_max = __reduce_max_sync(0xffffffffu, ordered_int(tile_max));
+      if ((threadIdx.x & 31) == 0 && warp_max > ordered_int(-INFINITY)) {
+        atomicMax(cell_max + mask.key0 / kCellKeys, warp_max);
       }
     }
   }

@@ -30,6 +30,13 @@ __device__ __forceinline__ int ordered_int(float x) {
 }
 __device__ __forceinline__ float ordered_float(int i) { return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff); }
 
+// Which row of a map (of any per-block record) belongs to the block of query rows from r0, in
+// sequence b, query head h.
+__host__ __device__ __forceinline__ std::int64_t map_block(std::int64_t b, std::int64_t h, std::int64_t heads_q,
+                                                           int q_blocks, std::int64_t r0) {
+  return (b * heads_q + h) * q_blocks + r0 / kCellRows;
+}
+
 // Per (sequence, query head, block of kCellRows rows, cell of kCellKeys keys): the largest raw
 // score q . k the block's rows see in the cell, as ordered_int. Cleared to bytes of 0x80 (an
 // int below every score's). data == nullptr: not recorded.
@@ -39,7 +46,7 @@ struct TileMaxMap {
 
   __device__ __forceinline__ int* block_row(std::int64_t b, std::int64_t h, std::int64_t heads_q,
                                             std::int64_t r0) const {
-    return data + ((b * heads_q + h) * q_blocks + r0 / kCellRows) * cells;
+    return data + map_block(b, h, heads_q, q_blocks, r0) * cells;
   }
 };
 
@@ -71,7 +78,7 @@ struct SupportBits {
 
   __device__ __forceinline__ std::uint32_t* block_row(std::int64_t b, std::int64_t h, std::int64_t heads_q,
                                                       std::int64_t r0) const {
-    return bits == nullptr ? nullptr : bits + ((b * heads_q + h) * q_blocks + r0 / kCellRows) * words;
+    return bits == nullptr ? nullptr : bits + map_block(b, h, heads_q, q_blocks, r0) * words;
   }
   LiveKeyTiles live() const { return {bits, q_blocks, words}; }
 };
@@ -101,7 +108,7 @@ struct KeyTileSweep {
       : bits(nullptr), key_tiles(qt.key_tiles), count(qt.key_tiles) {
     static_assert(BQ == kCellRows, "a block's rows are one row of the map");
     if (live.bits == nullptr) return;
-    bits = live.bits + ((qt.b * p.heads_q + qt.h) * live.q_blocks + qt.r0 / kCellRows) * live.words;
+    bits = live.bits + map_block(qt.b, qt.h, p.heads_q, live.q_blocks, qt.r0) * live.words;
     const int cells = (key_tiles + kTilesPerCell - 1) / kTilesPerCell;
     count = 0;
     for (int w = 0; 32 * w < cells; ++w) {
