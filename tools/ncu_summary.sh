@@ -7,7 +7,7 @@ set -uo pipefail
 name=$1 kernel=$2; shift 2; [[ "$1" == "--" ]] && shift
 OUT=${OUT:-$PWD/gpu-out}
 export WINNOW_LIBRARY=${WINNOW_LIBRARY:-$PWD/${BUILD:-build-gpu}/libwinnow_torch.so}
-ncu --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 --set full \
+ncu --kernel-name-base "${NCU_NAME_BASE:-function}" --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 --set full \
     --import-source no -f -o "$OUT/$name" "$@" > "$OUT/$name.ncu.log" 2>&1 || { tail -20 "$OUT/$name.ncu.log"; exit 1; }
 ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/$name.details.txt" 2>&1
 grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|DRAM Throughput|Bank Conflicts|Shared Memory Configuration Size" "$OUT/$name.details.txt" | head -30

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import winnow  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--mechanism", choices=["softmax", "stick_breaking"], default="stick_breaking")
+ap.add_argument("--mechanism", choices=["softmax", "stick_breaking", "entmax15", "sieve_exact", "sieve_bound"], default="stick_breaking")
 ap.add_argument("--length", type=int, default=16384)
 ap.add_argument("--dim", type=int, default=128)
 ap.add_argument("--tokens", type=int, default=16384)
@@ -25,8 +25,13 @@ batch = max(1, args.tokens // args.length)
 torch.manual_seed(0)
 q, k, v = (torch.randn(batch, args.length, heads, args.dim, device="cuda", dtype=torch.bfloat16,
                        requires_grad=args.backward) for _ in range(3))
-fn = winnow.softmax_attention if args.mechanism == "softmax" else (
-    lambda *a: winnow.stick_breaking_attention(*a)[0])
+fn = {
+    "softmax": winnow.softmax_attention,
+    "stick_breaking": lambda *a: winnow.stick_breaking_attention(*a)[0],
+    "entmax15": lambda *a: winnow.entmax_attention(*a, alpha=1.5),
+    "sieve_exact": lambda *a: winnow.sieve_attention(*a)[0],
+    "sieve_bound": lambda *a: winnow.sieve_attention(*a, filter="bound")[0],
+}[args.mechanism]
 for _ in range(2):
     out = fn(q, k, v)
     if args.backward:

@@ -96,8 +96,8 @@ LiveKeyTiles LiveTileSelection::select_above_floors(const detail::Operand& state
   return select_by(SearchFloors{state}, score_to_x);
 }
 
-// Between step sweeps one int comes back to the host: whether any row still moves. After the
-// first sweep, the later ones visit only the key tiles with a score above the smallest floor
+// After the collect sweep and each step sweep one int comes back to the host: whether any row
+// still moves. After the first sweep, the later ones visit only the key tiles with a score above the smallest floor
 // of their block (every probe lies above its row's floor).
 template <class T, int D>
 void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles) {
@@ -116,10 +116,11 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
     check(cudaStreamSynchronize(stream), "waiting for a threshold sweep");
     return host != 0;
   };
-  clear_flag();
   cfg.tile_max = tiles.map();
   launch_fused_forward<T, D, ThresholdStartRows>(p, cfg);
-  if (cfg.bound || !unfinished()) return;
+  if (cfg.bound) return;
+  // No look at the flag between the first two sweeps: the collect sweep's blocks whose rows all
+  // settled in the first return at once, which costs less than waiting for the host.
   cfg.tile_max = TileMaxMap{};
   const float score_to_x = static_cast<float>(p.scale) * (cfg.alpha - 1.f);
   clear_flag();

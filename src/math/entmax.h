@@ -108,7 +108,8 @@ struct ThresholdSearch {
   WINNOW_HD bool done() const { return !(hi > lo); }
 
   WINNOW_HD static S probe_between(S first, S last, int k) {
-    return K == 1 ? first : first + (last - first) * S(k) / S(K - 1);
+    // A constant factor, not a division: the CUDA search runs this per list entry.
+    return K == 1 ? first : first + (last - first) * (S(k) / S(K - 1));
   }
   WINNOW_HD S probe(int k) const { return probe_between(first, last, k); }
   // The threshold: final once done; until then the left end of the bracket.
@@ -124,7 +125,7 @@ struct ThresholdSearch {
     if (!(hi > lo)) return finish(lo);  // one key: its weight is 1 at m - 1
     if (floor > lo && floor < hi) lo = floor;
     first = lo;
-    last = lo + (hi - lo) * S(K - 1) / S(K);
+    last = lo + (hi - lo) * (S(K - 1) / S(K));
   }
 
   // Records f and sum_i u_i at each probe; returns true once tau is final.
@@ -156,11 +157,11 @@ struct ThresholdSearch {
     if (f_lo >= S(0) && f_hi >= S(0)) consider(lo + (hi - lo) * (f_lo - S(1)) / (f_lo - f_hi), c0, c1, estimates);
     const S width = hi - lo;
     if (estimates == 0) {
-      first = lo + width / S(K + 1);
-      last = lo + width * S(K) / S(K + 1);
+      first = lo + width * (S(1) / S(K + 1));
+      last = lo + width * (S(K) / S(K + 1));
     } else if (!(c1 > c0)) {
       first = c0;
-      last = c0 + (hi - c0) * S(K - 1) / S(K);
+      last = c0 + (hi - c0) * (S(K - 1) / S(K));
     } else {
       first = c0;
       last = c1;

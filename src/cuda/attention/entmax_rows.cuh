@@ -16,7 +16,7 @@
 //                        moves. A block whose rows have all settled returns at once, so late
 //                        sweeps cost only the blocks still searching (rows whose lists
 //                        overflowed: flat rows with many keys near the maximum).
-// The host runs start, collect, then the step sweep until no row moves (at most
+// The host runs start and collect, then the step sweep until no row moves (at most
 // kMaxSearchSteps). Every sweep writes its current threshold to `result` (scaled by
 // result_scale: 1 for entmax's tau, 1 / (alpha - 1) for Sieve's score-unit threshold), so the
 // last one leaves the answer.
@@ -172,7 +172,6 @@ struct ThresholdStartRows : ThresholdSweepRows {
         });
         search.start((cfg.alpha - 1.f) * z_max, static_cast<float>(visible[half]), floor);
         result = search.tau() * cfg.result_scale;
-        if (!search.done()) atomicOr(cfg.unfinished, 1);
       }
     }
     if (!cfg.bound) cfg.state.at<SavedSearch>(b, row, h)->save(search);
@@ -261,7 +260,11 @@ struct ThresholdStepRows : ThresholdSweepRows {
 // keeps its bracket and goes on with step sweeps.
 struct ThresholdCollectRows : ThresholdSweepRows {
   static constexpr int K = CudaThresholdSearch::kProbes;
-  static constexpr int kListLength = 48;  // per thread and row on Hopper
+  // Per thread and row on Hopper. On random scores a thread's list at 16K keys averages about
+  // 10 and reached 47 in 200000 simulated rows: at 48, a few of the 196608 rows of a 16K x 12
+  // head problem overflowed, and each such row left the whole search to step sweeps (four,
+  // 1.6 ms, measured). 64 fills the Hopper kernel's shared memory.
+  static constexpr int kListLength = 64;
   static constexpr int kScratchBytes = kForwardBQ * 4 * kListLength * static_cast<int>(sizeof(float));
   static constexpr bool kSkipsSettledBlocks = true;
   template <class Tile>
@@ -276,8 +279,8 @@ struct ThresholdCollectRows : ThresholdSweepRows {
   SavedSearch* state[2] = {nullptr, nullptr};  // null: the row is past the sequence or settled
   float* result[2];
   int* unfinished;
-  float* list[2];
-  int stride = 0, capacity = 0;
+  std::uint32_t list[2];  // shared addresses of the two rows' slots
+  int stride = 0, capacity = 0;  // stride in bytes
 
   template <class Tile>
   __device__ __forceinline__ ThresholdCollectRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
@@ -303,10 +306,10 @@ struct ThresholdCollectRows : ThresholdSweepRows {
   }
 
   __device__ __forceinline__ void borrow_scratch(float* slot, int slot_stride, int slot_capacity) {
-    stride = slot_stride;
+    stride = slot_stride * static_cast<int>(sizeof(float));
     capacity = slot_capacity;
-    list[0] = slot;
-    list[1] = slot + 4 * 8;  // row + 8
+    list[0] = tile::smem_address(slot);
+    list[1] = tile::smem_address(slot + 4 * 8);  // row + 8
   }
 
   template <bool Masked, int NT>
@@ -318,7 +321,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
         const int half = i / 2, e = i % 2;
         const float x = s[n][i] * x_scale;
         if (x > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
-          if (count[half] < capacity) list[half][count[half] * stride] = x;
+          if (count[half] < capacity) tile::st_shared_f32(list[half] + count[half] * stride, x);
           ++count[half];
         }
       }
@@ -345,7 +348,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
           float f[K] = {}, u[K] = {};
           if (moving) {
             for (int j = 0; j < n; ++j) {
-              const float x = list[half][j * stride];
+              const float x = tile::ld_shared_f32(list[half] + j * stride);
 #pragma unroll
               for (int k = 0; k < K; ++k) {
                 f[k] += em::weight<F>(x - search.probe(k), alpha);

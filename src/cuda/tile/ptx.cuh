@@ -15,6 +15,17 @@ __device__ __forceinline__ std::uint32_t smem_address(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// A float in shared memory by its 32-bit shared address: a pointer handed through a function
+// is generic to the compiler, whose generic loads cost more than ld.shared in a hot loop.
+__device__ __forceinline__ void st_shared_f32(std::uint32_t address, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(address), "f"(v));
+}
+__device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(address));
+  return v;
+}
+
 // 16-byte asynchronous copy; when `valid` is false the destination is zero-filled and the
 // source is not read.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {

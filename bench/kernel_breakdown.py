@@ -1,0 +1,85 @@
+"""Where a method's time goes, kernel by kernel: runs the forward and the backward of the
+benchmark's methods (gpu_attention_bench.py: same names, same inputs) under torch.profiler and
+prints each CUDA kernel's time per call, so a change to one sweep of a multi-sweep mechanism
+(entmax's threshold search, its output sweep, the backward's U sweep) can be predicted and
+checked on its own.
+
+  python3 bench/kernel_breakdown.py --lengths 4096 16384 --methods winnow_entmax15 adasplash2_entmax15
+"""
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_attention_bench as bench  # noqa: E402
+
+
+def kernel_times(fn, calls):
+    """kernel name -> (total microseconds per call, launches per call)."""
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = totals[e.name]
+            t[0] += e.device_time / calls
+            t[1] += 1
+    return {name: (us, n / calls) for name, (us, n) in totals.items()}
+
+
+def short(name, width=90):
+    name = name.replace("winnow::cuda::", "").replace("(anonymous namespace)::", "")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--methods", nargs="+", default=["winnow_entmax15"])
+    ap.add_argument("--inputs", choices=["random", "local"], default="random")
+    ap.add_argument("--calls", type=int, default=5)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    heads = 12 if args.dim == 128 else 16
+    available = bench.methods()
+    for L in args.lengths:
+        B = max(1, args.tokens // L)
+        if args.inputs == "local":
+            q, k, v = bench.local_inputs(B, L, heads, args.dim)
+        else:
+            q, k, v = (torch.randn(B, L, heads, args.dim, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+        for name in args.methods:
+            if name not in available:
+                print(f"# {name}: not available")
+                continue
+            prepare, fn = available[name]
+            inputs = prepare(q, k, v)
+            out = fn(*inputs)
+            grad = torch.randn_like(out)
+            phases = {
+                "forward": lambda: fn(*inputs),
+                "backward": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True),
+            }
+            for phase, call in phases.items():
+                times = kernel_times(call, args.calls)
+                total = sum(us for us, _ in times.values())
+                print(f"\n## L={L} B={B} {name} {phase}: {total / 1e3:.3f} ms of kernels per call")
+                for kname, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
+                    print(f"{us / 1e3:9.3f} ms {us / total * 100:5.1f}% x{n:4.1f}  {short(kname)}")
+
+
+if __name__ == "__main__":
+    main()
