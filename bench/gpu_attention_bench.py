@@ -116,6 +116,14 @@ def local_inputs(B, L, heads, dim, peak=24.0, noise=0.3):
     return out
 
 
+def make_inputs(kind, B, L, heads, dim):
+    """q, k, v leaves in (B, L, H, D), bf16: `random` N(0, 1), or `local` (local_inputs)."""
+    if kind == "local":
+        return local_inputs(B, L, heads, dim)
+    return [torch.randn(B, L, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)]
+
+
 def every_key_tile(fn):
     def run(q, k, v):
         os.environ["WINNOW_DENSE_KEY_TILES"] = "1"
@@ -237,11 +245,7 @@ def main():
         heads = 12 if dim == 128 else 16
         for L in args.lengths:
             B = max(1, args.tokens // L)
-            if args.inputs == "local":
-                q, k, v = local_inputs(B, L, heads, dim)
-            else:
-                q, k, v = (torch.randn(B, L, heads, dim, device="cuda", dtype=torch.bfloat16,
-                                       requires_grad=True) for _ in range(3))
+            q, k, v = make_inputs(args.inputs, B, L, heads, dim)
             flops = 4 * B * heads * L * L * dim / 2
             rows = {}
             for name, (prepare, fn) in methods().items():

@@ -56,11 +56,7 @@ def main():
     available = bench.methods()
     for L in args.lengths:
         B = max(1, args.tokens // L)
-        if args.inputs == "local":
-            q, k, v = bench.local_inputs(B, L, heads, args.dim)
-        else:
-            q, k, v = (torch.randn(B, L, heads, args.dim, device="cuda", dtype=torch.bfloat16,
-                                   requires_grad=True) for _ in range(3))
+        q, k, v = bench.make_inputs(args.inputs, B, L, heads, args.dim)
         for name in args.methods:
             if name not in available:
                 print(f"# {name}: not available")

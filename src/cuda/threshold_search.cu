@@ -97,8 +97,8 @@ LiveKeyTiles LiveTileSelection::select_above_floors(const detail::Operand& state
 }
 
 // After the collect sweep and each step sweep one int comes back to the host: whether any row
-// still moves. After the first sweep, the later ones visit only the key tiles with a score above the smallest floor
-// of their block (every probe lies above its row's floor).
+// still moves. After the first sweep, the later ones visit only the key tiles with a score
+// above the smallest floor of their block (every probe lies above its row's floor).
 template <class T, int D>
 void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles) {
   const std::size_t rows = static_cast<std::size_t>(p.rows_q * p.heads_q);
