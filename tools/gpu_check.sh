@@ -8,7 +8,7 @@
 #              machine, then the CPU tests against this LibTorch
 #   cudatest   only the CUDA tests, both kernel sets
 #   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests and the
-#              tile-skipping ones
+#              tile-skipping and sparse-backward ones
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
 #              when $BASELINES has stickbreaking_attention/, AdaSplash-2 when .whl/ has its
 #              wheel, winnow)
@@ -71,7 +71,7 @@ for stage in "${stages[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 \
-          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*' > "$OUT/sanitize_$tool.log" 2>&1
+          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*' > "$OUT/sanitize_$tool.log" 2>&1
         rc=$?
         note "sanitize $tool: rc $rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done

@@ -17,6 +17,9 @@ void stick_breaking_backward(const detail::AttentionParams& p, const detail::Gra
 void entmax_forward(const detail::AttentionParams& p, const detail::EntmaxConfig& cfg);
 void entmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                      const detail::EntmaxConfig& cfg);
+// Backward calls that took the support-list path since the process started (for tests: the
+// path runs only when every row's support fits its list).
+std::int64_t entmax_sparse_backward_calls();
 
 void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& cfg);
 void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,

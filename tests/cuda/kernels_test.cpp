@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "cpu/tile_sizes.h"
+#include "cuda/cuda.h"
 #include "math/elementwise.h"
 #include "math/entmax.h"
 #include "support/attention_case.h"
@@ -330,6 +331,61 @@ TEST(CudaEntmax, LongRowsSumToOneWithTheDefaultTolerance) {
         }
       }
       EXPECT_LT(worst, 1e-4) << name_of(m) << " input std " << input_std;
+    }
+  }
+}
+
+// The backward over support lists (entmax_sparse.cuh) takes every call whose rows' supports
+// fit their lists; wider ones go back to the dense backward. Both must match the reference:
+// random scores (narrow, scattered supports: the sparse path, including GQA, varlen, q_len <
+// k_len and (B, H, L, D) views), and nearly flat rows of 300 keys (input std 0.05: supports
+// of nearly every key, past the lists' 128), which the dense path takes. Every gradient is
+// also held to the dense backward's (WINNOW_DENSE_ENTMAX_BACKWARD) on the same inputs.
+TEST(CudaEntmax, SparseBackwardMatchesTheReferenceAndTheDenseBackward) {
+  struct Case {
+    ProblemShape shape;
+    double input_std;
+    bool sparse;
+  };
+  const std::vector<Case> cases = {
+      {{"gqa_d128", {{300, 300}, {300, 300}}, false, 8, 2, 128, 128}, 1.0, true},
+      {{"varlen_d64", {{5, 5}, {0, 0}, {200, 260}, {129, 300}, {1, 1}}, true, 4, 2, 64, 64}, 1.0, true},
+      {{"flat_d64", {{300, 300}}, false, 2, 1, 64, 64}, 0.05, false},
+  };
+  for (const Case& c : cases) {
+    const Problem problem = Problem::random(c.shape, 77, c.input_std);
+    for (Mechanism m : {Mechanism::entmax15, Mechanism::sparsemax, Mechanism::entmax13}) {
+      for (bool permuted : {false, true}) {
+        SCOPED_TRACE(c.shape.name + " " + name_of(m) + (permuted ? " permuted" : ""));
+        RunConfig cfg;
+        cfg.mechanism = m;
+        cfg.dtype = DType::bfloat16;
+        cfg.permuted = permuted;
+        CudaPlacement gpu, dense_gpu;
+        cfg.placement = &gpu;
+        const std::int64_t calls = cuda::entmax_sparse_backward_calls();
+        const Results got = run(problem, cfg);
+        const bool took_sparse = cuda::entmax_sparse_backward_calls() > calls;
+        if (c.sparse) {
+          EXPECT_TRUE(took_sparse) << "random scores fit the support lists";
+        } else {
+          EXPECT_FALSE(took_sparse) << "flat rows overflow the support lists";
+        }
+        ASSERT_EQ(setenv("WINNOW_DENSE_ENTMAX_BACKWARD", "1", 1), 0);
+        cfg.placement = &dense_gpu;
+        const Results dense = run(problem, cfg);
+        ASSERT_EQ(unsetenv("WINNOW_DENSE_ENTMAX_BACKWARD"), 0);
+        EXPECT_EQ(got.out, dense.out);
+        EXPECT_LT(relative_error(got.dq, dense.dq), 1e-2) << "dq";
+        EXPECT_LT(relative_error(got.dk, dense.dk), 1e-2) << "dk";
+        EXPECT_LT(relative_error(got.dv, dense.dv), 1e-2) << "dv";
+
+        RunConfig ref;
+        ref.mechanism = m;
+        ref.backend = Backend::reference;
+        const Results want = run(rounded(problem, DType::bfloat16), ref);
+        expect_results_close(got, want, tolerance(DType::bfloat16));
+      }
     }
   }
 }

@@ -1,0 +1,327 @@
+// alpha-entmax's backward over each row's support only (spec/entmax.md):
+//   dz_ij = u_ij (dp_ij - delta_j),  dp_ij = dout_j . v_i,
+//   delta_j = sum_i u_ij dp_ij / sum_i u_ij,  u = p^(2 - alpha),
+// and every term vanishes outside the support {i : x_ij > tau_j}. On scores without local
+// structure (random ones, or heads that look far back) the support holds a few dozen keys
+// scattered over every key tile, so the dense backward (a sweep for U = sum u v, then the
+// fused kernel over all tiles with support) computes almost only zeros. Here:
+//   1. EntmaxSupportRows, a value-free sweep of the fused forward kernel, lists each row's
+//      support keys (at most kSupportCapacity per row) and counts, per key, the rows that hold it;
+//   2. an exclusive scan of those counts (CUB) places each key's entries;
+//   3. the row pass (a warp per query row) gathers k and v of its support: scores, u, dp,
+//      delta, dz; dq = sum dz k; it files (query, dz, p) under each key;
+//   4. the key pass (a warp per key) sums dk = sum dz q and dv = sum p dout over its entries.
+// A row whose support overflows its list sends the whole call back to the dense backward
+// (entmax.cu decides after the sweep). The entries of a key arrive in no fixed order, so the
+// sums of the key pass are not bitwise repeatable: deterministic calls take the dense path.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/entmax_rows.cuh"
+#include "cuda/tile/row_vector.cuh"
+
+namespace winnow::cuda {
+
+// Support entries a row may list: on random scores at 16K keys a row's support averages
+// about 27 keys (simulated), and a wider one is rare there.
+inline constexpr int kSupportCapacity = 128;
+
+// Query rows and keys as flat slots over the whole batch: (row over all sequences, head).
+__host__ __device__ __forceinline__ std::int64_t query_slot(const AttentionParams& p, std::int64_t b,
+                                                            std::int64_t q_row, std::int64_t h) {
+  return ((p.cu_seqlens_q != nullptr ? 0 : b * p.len_q) + q_row) * p.heads_q + h;
+}
+__host__ __device__ __forceinline__ std::int64_t key_slot(const AttentionParams& p, std::int64_t b,
+                                                          std::int64_t k_row, std::int64_t hk) {
+  return ((p.cu_seqlens_k != nullptr ? 0 : b * p.len_k) + k_row) * p.heads_kv + hk;
+}
+
+struct SupportLists {
+  int* keys = nullptr;        // [query slot][kSupportCapacity]: operand rows of k (k_start + key)
+  int* counts = nullptr;      // [query slot]: the row's support size (past capacity: overflowed)
+  int* key_counts = nullptr;  // [key slot]: rows whose support holds the key
+  int* totals = nullptr;      // [0]: entries listed over all rows; [1]: nonzero if some row overflowed
+};
+
+struct EntmaxSupportConfig {
+  float alpha = 1.5f;
+  detail::Operand tau;  // float per row, x units
+  SupportLists lists;
+};
+
+// The listing sweep. Per tile, each thread counts its support keys per row, the quad scans
+// the counts so that its four threads write disjoint stretches of the row's list, and each
+// key's count goes up by one per row that holds it.
+struct EntmaxSupportRows : ThresholdSweepRows {
+  float x_scale, alpha;
+  float tau[2];
+  int count[2] = {0, 0};
+  int* list[2];
+  int* totals;
+  int* key_counts;          // at key 0 of the sequence, kv head hk
+  std::int64_t key_stride;  // between consecutive keys' slots: heads_kv
+  std::int64_t key_row0;    // operand row of key 0: k_start
+
+  template <class Tile>
+  __device__ __forceinline__ EntmaxSupportRows(const AttentionParams& p, const EntmaxSupportConfig& cfg,
+                                               const Tile& qt, std::int64_t row0)
+      : x_scale(static_cast<float>(p.scale) * (cfg.alpha - 1.f)),
+        alpha(cfg.alpha),
+        totals(cfg.lists.totals),
+        key_counts(cfg.lists.key_counts + key_slot(p, qt.b, qt.s.k_start, qt.hk)),
+        key_stride(p.heads_kv),
+        key_row0(qt.s.k_start) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      const bool valid = row < qt.s.q_len;
+      // +infinity: no gap of a row past the sequence is positive.
+      tau[half] = valid ? *cfg.tau.at<const float>(qt.b, qt.s.q_start + row, qt.h) : INFINITY;
+      list[half] = valid ? cfg.lists.keys + query_slot(p, qt.b, qt.s.q_start + row, qt.h) * kSupportCapacity : nullptr;
+    }
+  }
+
+  // One bit per score with a positive gap (bit 4 n + i for s[n][i]); the list is then written
+  // from the bits, so the pass that writes costs per support key, not per score.
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    static_assert(4 * NT <= 64, "a bit per score of the thread");
+    std::uint64_t bits = 0;
+    for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto, int n, int i, int, float gap) {
+      if (gap > 0.f) bits |= std::uint64_t{1} << (4 * n + i);
+    });
+    if (!__any_sync(0xffffffffu, bits != 0)) return;
+    const int mine[2] = {__popcll(bits & 0x3333333333333333ull), __popcll(bits & 0xccccccccccccccccull)};
+    int at[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const tile::QuadScan scan = tile::quad_scan(static_cast<float>(mine[half]), mask.tig);
+      at[half] = count[half] + static_cast<int>(scan.before);
+      count[half] += static_cast<int>(scan.total);
+    }
+    while (bits != 0) {
+      const int bit = __ffsll(static_cast<long long>(bits)) - 1;
+      bits &= bits - 1;
+      const int n = bit >> 2, half = (bit >> 1) & 1, e = bit & 1;
+      const std::int64_t key = mask.key0 + key_of<8 * NT>(mask.tig, n, e);
+      if (at[half] < kSupportCapacity) list[half][at[half]] = static_cast<int>(key_row0 + key);
+      ++at[half];
+      atomicAdd(key_counts + key * key_stride, 1);
+    }
+  }
+
+  // The totals once per warp (counts are the same on the four threads of a quad).
+  template <int DT>
+  __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) const {
+    const int listed = (threadIdx.x & 3) == 0 ? min(count[0], kSupportCapacity) + min(count[1], kSupportCapacity) : 0;
+    const int warp_listed = __reduce_add_sync(0xffffffffu, listed);
+    const bool overflow = __any_sync(0xffffffffu, count[0] > kSupportCapacity || count[1] > kSupportCapacity);
+    if ((threadIdx.x & 31) == 0) {
+      if (warp_listed > 0) atomicAdd(totals, warp_listed);
+      if (overflow) atomicOr(totals + 1, 1);
+    }
+  }
+
+  __device__ __forceinline__ void store_extra(const AttentionParams& p, const EntmaxSupportConfig& cfg,
+                                              std::int64_t b, std::int64_t row, std::int64_t h,
+                                              std::int64_t, int half) const {
+    cfg.lists.counts[query_slot(p, b, row, h)] = count[half];
+  }
+};
+
+// What the row and key passes share.
+struct SparseBackwardParams {
+  float alpha = 1.5f;
+  const int* keys = nullptr;    // SupportLists::keys
+  const int* counts = nullptr;  // SupportLists::counts
+  const int* key_counts = nullptr;
+  const int* key_offsets = nullptr;  // exclusive scan of key_counts: each key's first entry
+  int* key_fill = nullptr;           // entries filed so far per key (zeroed before the row pass)
+  // Per entry, in key order: the query (query operand row * heads_q + head), dz (times the
+  // scale: the gradient of the raw score q . k) and p.
+  int* entry_query = nullptr;
+  float* entry_dz = nullptr;
+  float* entry_p = nullptr;
+};
+
+inline constexpr int kSparseWarps = 8;
+
+// A warp per query row. Its support's key indices come in with one coalesced load; then each
+// group of kLanes lanes takes one key at a time, two in flight (eight per warp), so that a
+// score or dp costs three shuffle steps, not five, and the loads of k and v overlap. Once
+// delta is known, dz and p are per entry and a lane each: the lanes file their entries (one
+// atomic round trip per 32 entries, not one per entry), and the groups gather dq = sum dz k.
+template <class T, int D>
+__global__ void __launch_bounds__(32 * kSparseWarps)
+    entmax_sparse_rows_kernel(const AttentionParams p, const detail::GradientParams g, const SparseBackwardParams sp) {
+  constexpr int kLanes = 8, kGroups = 32 / kLanes, E = D / kLanes;
+  __shared__ int key_of_entry[kSparseWarps][kSupportCapacity];
+  __shared__ float gap_of[kSparseWarps][kSupportCapacity], dp_of[kSparseWarps][kSupportCapacity];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / kLanes, sub = lane % kLanes;
+  const std::int64_t b = blockIdx.z, h = blockIdx.y;
+  const SequenceExtent s = p.sequence(b);
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kSparseWarps + warp;
+  if (row >= s.q_len) return;
+  const std::int64_t q_row = s.q_start + row, hk = p.kv_head(h);
+  const std::int64_t slot = query_slot(p, b, q_row, h);
+  const int n = min(sp.counts[slot], kSupportCapacity);  // the caller made sure none overflowed
+  int* const keys = key_of_entry[warp];
+  float* const gaps = gap_of[warp];
+  float* const dps = dp_of[warp];  // dp, then dz
+  for (int j = lane; j < n; j += 32) keys[j] = sp.keys[slot * kSupportCapacity + j];
+  const float tau = *p.stats.at<const float>(b, q_row, h);
+  const float scale = static_cast<float>(p.scale), x_scale = scale * (sp.alpha - 1.f);
+
+  float q[E], dout[E], dq[E];
+  tile::load_slice<T>(p.q.at<const T>(b, q_row, h) + sub * E, q);
+  tile::load_slice<T>(g.dout.at<const T>(b, q_row, h) + sub * E, dout);
+#pragma unroll
+  for (int e = 0; e < E; ++e) dq[e] = 0.f;
+  __syncwarp();
+
+  math::entmax::with_family(sp.alpha, [&](auto family) {
+    namespace em = math::entmax;
+    constexpr em::Family F = decltype(family)::value;
+    constexpr int kInFlight = 2;
+    float sum_u = 0.f, sum_u_dp = 0.f;
+    for (int j0 = 0; j0 < n; j0 += kInFlight * kGroups) {
+      float qk[kInFlight], dp[kInFlight];
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        const int j = j0 + f * kGroups + group;
+        qk[f] = dp[f] = 0.f;
+        if (j < n) {
+          float k[E], v[E];
+          tile::load_slice<T>(p.k.at<const T>(b, keys[j], hk) + sub * E, k);
+          tile::load_slice<T>(p.v.at<const T>(b, keys[j], hk) + sub * E, v);
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            qk[f] = fmaf(q[e], k[e], qk[f]);
+            dp[f] = fmaf(dout[e], v[e], dp[f]);
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 1; o < kLanes; o *= 2) {
+#pragma unroll
+        for (int f = 0; f < kInFlight; ++f) {
+          qk[f] += __shfl_xor_sync(0xffffffffu, qk[f], o);
+          dp[f] += __shfl_xor_sync(0xffffffffu, dp[f], o);
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        const int j = j0 + f * kGroups + group;
+        if (j < n && sub == 0) {
+          const float gap = fmaf(qk[f], x_scale, -tau);
+          const float u = em::grad_weight<F>(gap, sp.alpha);
+          sum_u += u;
+          sum_u_dp = fmaf(u, dp[f], sum_u_dp);
+          gaps[j] = gap;
+          dps[j] = dp[f];
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      sum_u += __shfl_xor_sync(0xffffffffu, sum_u, o);
+      sum_u_dp += __shfl_xor_sync(0xffffffffu, sum_u_dp, o);
+    }
+    const float delta = sum_u > 0.f ? sum_u_dp / sum_u : 0.f;
+    __syncwarp();
+    const int query = static_cast<int>(q_row * p.heads_q + h);
+    for (int j = lane; j < n; j += 32) {
+      const float gap = gaps[j];
+      const float dz = scale * em::grad_logit(em::grad_weight<F>(gap, sp.alpha), dps[j], delta);
+      const std::int64_t kslot = key_slot(p, b, keys[j], hk);
+      const int at = sp.key_offsets[kslot] + atomicAdd(sp.key_fill + kslot, 1);
+      sp.entry_query[at] = query;
+      sp.entry_dz[at] = dz;
+      sp.entry_p[at] = em::weight<F>(gap, sp.alpha);
+      dps[j] = dz;
+    }
+  });
+  __syncwarp();
+  // dq = sum dz k: k once more (from L2; accumulating sum u dp k and sum u k in the first loop
+  // instead, to subtract delta sum u k at the end, needs registers enough to halve the warps
+  // in flight: measured 2.8x slower on an H100).
+#pragma unroll 2
+  for (int j = group; j < n; j += kGroups) {
+    float k[E];
+    tile::load_slice<T>(p.k.at<const T>(b, keys[j], hk) + sub * E, k);
+    const float dz = dps[j];
+#pragma unroll
+    for (int e = 0; e < E; ++e) dq[e] = fmaf(dz, k[e], dq[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+#pragma unroll
+    for (int o = kLanes; o < 32; o *= 2) dq[e] += __shfl_xor_sync(0xffffffffu, dq[e], o);
+  }
+  if (group == 0) tile::store_slice<T>(g.dq.at<T>(b, q_row, h) + sub * E, dq);
+}
+
+// A warp per key (and kv head): dk = sum dz q, dv = sum p dout over the entries the row pass
+// filed under it, every query head of the group included. Keys no row supports get zeros.
+// The lanes fetch 32 entries' (query, dz, p) at once; groups of kLanes lanes then take one
+// entry each, two in flight, and the groups' sums meet at the end.
+template <class T, int D>
+__global__ void __launch_bounds__(32 * kSparseWarps)
+    entmax_sparse_keys_kernel(const AttentionParams p, const detail::GradientParams g, const SparseBackwardParams sp) {
+  constexpr int kLanes = 8, kGroups = 32 / kLanes, E = D / kLanes, kInFlight = 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / kLanes, sub = lane % kLanes;
+  const std::int64_t b = blockIdx.z, hk = blockIdx.y;
+  const SequenceExtent s = p.sequence(b);
+  const std::int64_t key = static_cast<std::int64_t>(blockIdx.x) * kSparseWarps + warp;
+  if (key >= s.k_len) return;
+  const std::int64_t k_row = s.k_start + key, kslot = key_slot(p, b, k_row, hk);
+  const int first = sp.key_offsets[kslot], end = first + sp.key_counts[kslot];
+  float dk[E], dv[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) dk[e] = dv[e] = 0.f;
+  for (int c0 = first; c0 < end; c0 += 32) {
+    int query = 0;
+    float dz = 0.f, weight = 0.f;
+    if (c0 + lane < end) {
+      query = sp.entry_query[c0 + lane];
+      dz = sp.entry_dz[c0 + lane];
+      weight = sp.entry_p[c0 + lane];
+    }
+    const int m = min(32, end - c0);
+    for (int t0 = 0; t0 < m; t0 += kInFlight * kGroups) {
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        const int t = t0 + f * kGroups + group;
+        const int src = t < 32 ? t : 31;
+        const int qid = __shfl_sync(0xffffffffu, query, src);
+        const float dz_t = __shfl_sync(0xffffffffu, dz, src), p_t = __shfl_sync(0xffffffffu, weight, src);
+        if (t < m) {
+          const std::int64_t q_row = qid / p.heads_q, h = qid % p.heads_q;
+          float q[E], dout[E];
+          tile::load_slice<T>(p.q.at<const T>(b, q_row, h) + sub * E, q);
+          tile::load_slice<T>(g.dout.at<const T>(b, q_row, h) + sub * E, dout);
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            dk[e] = fmaf(dz_t, q[e], dk[e]);
+            dv[e] = fmaf(p_t, dout[e], dv[e]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+#pragma unroll
+    for (int o = kLanes; o < 32; o *= 2) {
+      dk[e] += __shfl_xor_sync(0xffffffffu, dk[e], o);
+      dv[e] += __shfl_xor_sync(0xffffffffu, dv[e], o);
+    }
+  }
+  if (group == 0) {
+    tile::store_slice<T>(g.dk.at<T>(b, k_row, hk) + sub * E, dk);
+    tile::store_slice<T>(g.dv.at<T>(b, k_row, hk) + sub * E, dv);
+  }
+}
+
+}  // namespace winnow::cuda
