@@ -46,10 +46,15 @@ struct FusedEntmaxForward {
 std::atomic<std::int64_t> sparse_backward_calls{0};
 
 // Whether the support-list backward may take the call: not in deterministic mode, not when
-// WINNOW_DENSE_ENTMAX_BACKWARD is set (for comparison), and only with slots that fit an int.
+// WINNOW_DENSE_ENTMAX_BACKWARD is set (for comparison), only with slots that fit an int, and
+// only while the lists (516 bytes per query row and head, twice the dense path's scratch at
+// D = 128) stay under 2 GiB: past that the dense path's smaller footprint is worth more.
 bool sparse_backward_allowed(const detail::AttentionParams& p) {
   const bool dense_forced = std::getenv("WINNOW_DENSE_ENTMAX_BACKWARD") != nullptr;
-  return !p.deterministic && !dense_forced && p.rows_q * p.heads_q < INT_MAX && p.rows_k * p.heads_kv < INT_MAX;
+  const std::int64_t rows = p.rows_q * p.heads_q;
+  const std::int64_t list_bytes = rows * (kSupportCapacity + 1) * static_cast<std::int64_t>(sizeof(int));
+  return !p.deterministic && !dense_forced && rows < INT_MAX && p.rows_k * p.heads_kv < INT_MAX &&
+         list_bytes <= (std::int64_t{1} << 31);
 }
 
 // The backward over the support lists (entmax_sparse.cuh). Returns false, having written
