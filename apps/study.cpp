@@ -84,25 +84,35 @@ void add_plot(CLI::App& app) {
     std::string result, out;
   };
   auto args = std::make_shared<Args>();
-  CLI::App* cmd =
-      app.add_subcommand("plot", "Draw a study's result.json as SVG (and print its table)");
-  cmd->add_option("RESULT", args->result, "a study's result.json")
+  CLI::App* cmd = app.add_subcommand(
+      "plot",
+      "Draw a study's result.json (accuracy against length) or a GPU benchmark's JSON "
+      "(bench/gpu_attention_bench.py --json: tokens/s against length) as SVG");
+  cmd->add_option("RESULT", args->result, "a study's result.json or a benchmark's JSON")
       ->required()
       ->check(CLI::ExistingFile);
-  cmd->add_option("--out", args->out, "the SVG to write (default: accuracy.svg beside RESULT)");
+  cmd->add_option("--out", args->out,
+                  "the SVG to write (default beside RESULT: accuracy.svg, or throughput.svg for a "
+                  "benchmark)");
   cmd->callback([args] {
     const json r = train::read_json_file(args->result, "RESULT");
-    if (!r.contains("mechanisms") || !r["mechanisms"].is_array()) {
+    const auto beside = [&](const char* name) {
+      return args->out.empty() ? (fs::path(args->result).parent_path() / name).string() : args->out;
+    };
+    if (r.contains("mechanisms") && r["mechanisms"].is_array()) {
+      std::printf("%s", study::markdown_report(r).c_str());
+      const std::string out = beside("accuracy.svg");
+      study::plot_result(r, out);
+      std::printf("\nplot: %s\n", out.c_str());
+    } else if (r.contains("results") && r["results"].is_array()) {
+      const std::string out = beside("throughput.svg");
+      study::plot_throughput(r, out);
+      std::printf("plot: %s\n", out.c_str());
+    } else {
       throw Error(ErrorKind::invalid_argument,
-                  "argument 'RESULT': expected a study result (with \"mechanisms\"), got '" +
-                      args->result + "'");
+                  "argument 'RESULT': expected a study result (with \"mechanisms\") or a "
+                  "benchmark's JSON (with \"results\"), got '" + args->result + "'");
     }
-    std::printf("%s", study::markdown_report(r).c_str());
-    const std::string out = args->out.empty()
-                                ? (fs::path(args->result).parent_path() / "accuracy.svg").string()
-                                : args->out;
-    study::plot_result(r, out);
-    std::printf("\nplot: %s\n", out.c_str());
   });
 }
 

@@ -141,6 +141,8 @@ def methods():
     if sdpa_kernel is not None:
         m["sdpa_flash"] = (same_layout, sdpa(SDPBackend.FLASH_ATTENTION))
         m["sdpa_cudnn"] = (same_layout, sdpa(SDPBackend.CUDNN_ATTENTION))
+        # The score matrix materialized: the "standard softmax" of 000's figure 4 left.
+        m["sdpa_math"] = (same_layout, sdpa(SDPBackend.MATH))
     m["winnow_softmax"] = (same_layout, lambda q, k, v: winnow.softmax_attention(q, k, v))
     m["winnow_stick_breaking"] = (same_layout, lambda q, k, v: winnow.stick_breaking_attention(q, k, v)[0])
     m["winnow_stick_breaking_halt40"] = (

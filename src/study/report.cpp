@@ -1,5 +1,6 @@
 #include "study/report.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -241,10 +242,108 @@ void plot_result(const json& r, const std::string& path) {
              nullptr, nullptr, nullptr, line_colors.data(), line_styles.data(), line_widths.data(),
              nullptr, nullptr, nullptr, nullptr);
 }
+
+namespace {
+// One panel of the throughput plot, in the viewport [x0, x1] of the page's width: tokens/s
+// (log) against L (log), one line per method; the last panel carries the legend, outside it.
+void throughput_panel(plstream& pls, const json& rows, const std::vector<std::string>& methods,
+                      const char* key, const char* title, double x0, double x1, bool legend) {
+  double x_lo = 1e300, x_hi = -1e300, y_lo = 1e300, y_hi = -1e300;
+  for (const json& row : rows) {
+    if (!row.contains(key)) continue;
+    x_lo = std::min(x_lo, std::log10(row["L"].get<double>()));
+    x_hi = std::max(x_hi, std::log10(row["L"].get<double>()));
+    y_lo = std::min(y_lo, std::log10(row[key].get<double>()));
+    y_hi = std::max(y_hi, std::log10(row[key].get<double>()));
+  }
+  if (!(x_hi >= x_lo)) throw Error(ErrorKind::invalid_argument, std::string("plot: no row has ") + key);
+  const double x_pad = std::max(0.05, 0.04 * (x_hi - x_lo)), y_pad = std::max(0.1, 0.05 * (y_hi - y_lo));
+  pls.vpor(x0, x1, 0.15, 0.9);
+  pls.wind(x_lo - x_pad, x_hi + x_pad, y_lo - y_pad, y_hi + y_pad);
+  pls.col0(15);
+  pls.box("bcgnstl", 0, 0, "bcgnstvl", 0, 0);
+  pls.lab("sequence length L (tokens)", "tokens/s", title);
+  const PLINT colours[] = {1, 9, 3, 13, 8, 10, 4, 14};
+  std::vector<PLINT> opt, line_colors, line_styles, text_colors;
+  std::vector<PLFLT> line_widths;
+  std::vector<const char*> text;
+  for (std::size_t i = 0; i < methods.size(); ++i) {
+    std::vector<PLFLT> x, y;
+    for (const json& row : rows) {
+      if (row["method"] != methods[i] || !row.contains(key)) continue;
+      x.push_back(std::log10(row["L"].get<double>()));
+      y.push_back(std::log10(row[key].get<double>()));
+    }
+    const PLINT colour = colours[i % 8], style = static_cast<PLINT>(i / 8 % 8 + 1);
+    pls.col0(colour);
+    pls.lsty(style);
+    pls.width(2.5);
+    if (!x.empty()) {
+      pls.line(static_cast<PLINT>(x.size()), x.data(), y.data());
+      pls.poin(static_cast<PLINT>(x.size()), x.data(), y.data(), 4);
+    }
+    opt.push_back(PL_LEGEND_LINE);
+    line_colors.push_back(colour);
+    line_styles.push_back(style);
+    line_widths.push_back(2.5);
+    text_colors.push_back(15);
+    text.push_back(methods[i].c_str());
+  }
+  pls.lsty(1);
+  pls.width(1);
+  if (!legend) return;
+  PLFLT width = 0, height = 0;
+  const auto n = static_cast<PLINT>(methods.size());
+  pls.legend(&width, &height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX,
+             PL_POSITION_RIGHT | PL_POSITION_OUTSIDE, 0.03, 0.0, 0.06, 0, 15, 1,
+             n, 1, n, opt.data(), 1.0, 0.75, 2.0, 0.0, text_colors.data(), text.data(), nullptr,
+             nullptr, nullptr, nullptr, line_colors.data(), line_styles.data(), line_widths.data(),
+             nullptr, nullptr, nullptr, nullptr);
+}
+}  // namespace
+
+void plot_throughput(const json& bench, const std::string& path) {
+  if (!bench.contains("results") || !bench["results"].is_array())
+    throw Error(ErrorKind::invalid_argument, "plot: expected a benchmark JSON with a \"results\" list");
+  const json& rows = bench["results"];
+  std::vector<std::string> methods;  // in the order the benchmark ran them
+  for (const json& row : rows) {
+    if (!row.is_object() || !row.contains("method") || !row["method"].is_string() || !row.contains("L") ||
+        !row["L"].is_number() || row["L"].get<double>() <= 0) {
+      throw Error(ErrorKind::invalid_argument,
+                  "plot: expected every benchmark row to have a \"method\" and a positive \"L\", got " +
+                      row.dump());
+    }
+    for (const char* key : {"inference_tokens_per_s", "training_tokens_per_s"}) {
+      if (row.contains(key) && !(row[key].is_number() && row[key].get<double>() > 0)) {
+        throw Error(ErrorKind::invalid_argument,
+                    std::string("plot: expected \"") + key + "\" to be a positive number, got " + row.dump());
+      }
+    }
+    const std::string m = row["method"].get<std::string>();
+    if (std::find(methods.begin(), methods.end(), m) == methods.end()) methods.push_back(m);
+  }
+  if (methods.empty()) throw Error(ErrorKind::invalid_argument, "plot: the benchmark has no rows");
+  plstream pls;
+  pls.sdev("svg");
+  pls.sfnam(path.c_str());
+  pls.spage(0, 0, 1300, 520, 0, 0);
+  pls.scolbg(255, 255, 255);
+  pls.scol0(15, 0, 0, 0);
+  pls.init();
+  pls.scol0(3, 0, 150, 0);
+  pls.adv(0);
+  throughput_panel(pls, rows, methods, "inference_tokens_per_s", "inference (forward)", 0.08, 0.36, false);
+  throughput_panel(pls, rows, methods, "training_tokens_per_s", "training (forward + backward)", 0.45, 0.73, true);
+}
 #else
 bool can_plot() { return false; }
 
 void plot_result(const json&, const std::string&) {
+  throw Error(ErrorKind::unsupported,
+              "plot: this build has no PLplot (install libplplot-dev and rebuild)");
+}
+void plot_throughput(const json&, const std::string&) {
   throw Error(ErrorKind::unsupported,
               "plot: this build has no PLplot (install libplplot-dev and rebuild)");
 }

@@ -16,5 +16,9 @@ std::string markdown_report(const nlohmann::json& result);
 bool can_plot();
 // Draws the measure against length as SVG into `path`; throws when !can_plot().
 void plot_result(const nlohmann::json& result, const std::string& path);
+// Draws a GPU benchmark's tokens/s against sequence length (bench/gpu_attention_bench.py --json:
+// rows with method, L, inference_tokens_per_s, training_tokens_per_s), inference and training
+// side by side, both axes logarithmic: 000's figure 4 left. Throws when !can_plot().
+void plot_throughput(const nlohmann::json& bench, const std::string& path);
 
 }  // namespace winnow::study

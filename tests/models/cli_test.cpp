@@ -308,6 +308,38 @@ TEST(Cli, MqrarStudyRunsEndToEndThenEvalAndPlot) {
   winnow::train::remove_tree(dir);
 }
 
+// `winnow plot` on a GPU benchmark's JSON (000's figure 4 left): tokens/s against length,
+// rows that failed (no tokens/s) left out; a row without its length is an error naming it.
+TEST(Cli, PlotDrawsABenchmarksThroughput) {
+  const std::string dir = scratch("plot_bench");
+  const nlohmann::json bench = {
+      {"device", "test"},
+      {"results",
+       {{{"method", "sdpa_flash"}, {"L", 1024}, {"inference_tokens_per_s", 5.7e7}, {"training_tokens_per_s", 1.5e7}},
+        {{"method", "winnow_sieve_bound"}, {"L", 1024}, {"inference_tokens_per_s", 3.5e7}, {"training_tokens_per_s", 1.1e7}},
+        {{"method", "sdpa_flash"}, {"L", 4096}, {"inference_tokens_per_s", 1.4e7}, {"training_tokens_per_s", 5.8e6}},
+        {{"method", "winnow_sieve_bound"}, {"L", 4096}, {"inference_tokens_per_s", 1.4e7}, {"training_tokens_per_s", 4.3e6}},
+        {{"method", "composed_sieve"}, {"L", 4096}, {"error", "OutOfMemoryError"}}}}};
+  std::ofstream(dir + "/bench.json") << bench.dump();
+  Outcome r = run({"plot", dir + "/bench.json"}, dir);
+  if (study::can_plot()) {
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(slurp(dir + "/throughput.svg").find("<svg"), std::string::npos);
+  } else {
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(r.output.find("no PLplot"), std::string::npos) << r.output;
+  }
+  nlohmann::json bad = bench;
+  bad["results"][1].erase("L");
+  std::ofstream(dir + "/bad.json") << bad.dump();
+  r = run({"plot", dir + "/bad.json"}, dir);
+  EXPECT_NE(r.status, 0);
+  if (study::can_plot()) EXPECT_NE(r.output.find("positive \"L\""), std::string::npos) << r.output;
+  r = run({"plot", dir + "/bench.json", "--out", dir + "/x.svg", "--extra"}, dir);
+  EXPECT_NE(r.status, 0);
+  winnow::train::remove_tree(dir);
+}
+
 TEST(Cli, GenerativeStudiesRunEndToEnd) {
   for (const std::string name : {"passkey", "abcdigits"}) {
     const std::string dir = scratch("study_" + name);
