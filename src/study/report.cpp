@@ -157,6 +157,59 @@ std::string markdown_report(const json& r) {
 #ifdef WINNOW_HAVE_PLPLOT
 bool can_plot() { return true; }
 
+namespace {
+// An SVG page of width x height pixels, black on white.
+void start_svg(plstream& pls, const std::string& path, PLINT width, PLINT height) {
+  pls.sdev("svg");
+  pls.sfnam(path.c_str());
+  pls.spage(0, 0, width, height, 0, 0);
+  pls.scolbg(255, 255, 255);
+  pls.scol0(15, 0, 0, 0);
+  pls.init();
+}
+
+// Lines with point markers, series i in colour i of PLplot's default map (then its line styles,
+// every eight), and their legend. The labels stay here: the legend reads them as C strings.
+class Series {
+ public:
+  void draw(plstream& pls, const std::string& label, const std::vector<PLFLT>& x,
+            const std::vector<PLFLT>& y) {
+    static constexpr PLINT kColours[] = {1, 9, 3, 13, 8, 10, 4, 14};
+    const std::size_t i = labels_.size();
+    const PLINT colour = kColours[i % 8], style = static_cast<PLINT>(i / 8 % 8 + 1);
+    pls.col0(colour);
+    pls.lsty(style);
+    pls.width(2.5);
+    if (!x.empty()) {
+      pls.line(static_cast<PLINT>(x.size()), x.data(), y.data());
+      pls.poin(static_cast<PLINT>(x.size()), x.data(), y.data(), 4);
+    }
+    pls.lsty(1);
+    pls.width(1);
+    colours_.push_back(colour);
+    styles_.push_back(style);
+    labels_.push_back(label);
+  }
+
+  void legend(plstream& pls, PLINT position, PLFLT x, PLFLT y, PLFLT plot_width, PLFLT text_scale) const {
+    const auto n = static_cast<PLINT>(labels_.size());
+    std::vector<PLINT> opt(labels_.size(), PL_LEGEND_LINE), text_colours(labels_.size(), 15);
+    std::vector<PLFLT> widths(labels_.size(), 2.5);
+    std::vector<const char*> text;
+    for (const std::string& l : labels_) text.push_back(l.c_str());
+    PLFLT width = 0, height = 0;
+    pls.legend(&width, &height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX, position, x, y,
+               plot_width, 0, 15, 1, n, 1, n, opt.data(), 1.0, text_scale, 2.0, 0.0,
+               text_colours.data(), text.data(), nullptr, nullptr, nullptr, nullptr,
+               colours_.data(), styles_.data(), widths.data(), nullptr, nullptr, nullptr, nullptr);
+  }
+
+ private:
+  std::vector<PLINT> colours_, styles_;
+  std::vector<std::string> labels_;
+};
+}  // namespace
+
 void plot_result(const json& r, const std::string& path) {
   const std::string measure = main_measure(r);
   const json& mechs = r["mechanisms"];
@@ -176,12 +229,7 @@ void plot_result(const json& r, const std::string& path) {
   }
   const double pad = 0.04 * (hi - lo);
   plstream pls;
-  pls.sdev("svg");
-  pls.sfnam(path.c_str());
-  pls.spage(0, 0, 800, 560, 0, 0);
-  pls.scolbg(255, 255, 255);
-  pls.scol0(15, 0, 0, 0);
-  pls.init();
+  start_svg(pls, path, 800, 560);
   pls.adv(0);
   pls.vpor(0.1, 0.95, 0.12, 0.9);
   pls.wind(lo - pad, hi + pad, -3, 105);
@@ -205,42 +253,17 @@ void plot_result(const json& r, const std::string& path) {
   const std::string title = r.value("title", std::string());
   pls.lab("sequence length in tokens (multiple of the training length)",
           measure_words(r, measure).c_str(), title.c_str());
-  // Distinct colours from PLplot's default map, then its line styles.
-  const PLINT colours[] = {1, 9, 3, 13, 8, 10, 4, 14};
   pls.scol0(3, 0, 150, 0);  // a green that reads on white
-  std::vector<PLINT> opt, line_colors, line_styles, text_colors;
-  std::vector<PLFLT> line_widths;
-  std::vector<std::string> labels;
-  for (std::size_t i = 0; i < mechs.size(); ++i) {
+  Series series;
+  for (const json& m : mechs) {
     std::vector<PLFLT> x, y;
-    for (const json& p : mechs[i]["results"]) {
+    for (const json& p : m["results"]) {
       x.push_back(std::log10(p["length"].get<double>()));
       y.push_back(100.0 * p.value(measure, 0.0));
     }
-    const PLINT colour = colours[i % 8];
-    pls.col0(colour);
-    pls.lsty(static_cast<PLINT>(i / 8 % 8 + 1));
-    pls.width(2.5);
-    pls.line(static_cast<PLINT>(x.size()), x.data(), y.data());
-    pls.poin(static_cast<PLINT>(x.size()), x.data(), y.data(), 4);
-    opt.push_back(PL_LEGEND_LINE);
-    line_colors.push_back(colour);
-    line_styles.push_back(static_cast<PLINT>(i / 8 % 8 + 1));
-    line_widths.push_back(2.5);
-    text_colors.push_back(15);
-    labels.push_back(mechs[i]["label"].get<std::string>());
+    series.draw(pls, m["label"].get<std::string>(), x, y);
   }
-  pls.lsty(1);
-  pls.width(1);
-  std::vector<const char*> text;
-  for (const std::string& l : labels) text.push_back(l.c_str());
-  PLFLT width = 0, height = 0;
-  const auto n = static_cast<PLINT>(labels.size());
-  pls.legend(&width, &height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX,
-             PL_POSITION_LEFT | PL_POSITION_BOTTOM | PL_POSITION_INSIDE, 0.03, 0.14, 0.12, 0, 15, 1,
-             n, 1, n, opt.data(), 1.0, 0.9, 2.0, 0.0, text_colors.data(), text.data(), nullptr,
-             nullptr, nullptr, nullptr, line_colors.data(), line_styles.data(), line_widths.data(),
-             nullptr, nullptr, nullptr, nullptr);
+  series.legend(pls, PL_POSITION_LEFT | PL_POSITION_BOTTOM | PL_POSITION_INSIDE, 0.03, 0.14, 0.12, 0.9);
 }
 
 namespace {
@@ -263,42 +286,17 @@ void throughput_panel(plstream& pls, const json& rows, const std::vector<std::st
   pls.col0(15);
   pls.box("bcgnstl", 0, 0, "bcgnstvl", 0, 0);
   pls.lab("sequence length L (tokens)", "tokens/s", title);
-  const PLINT colours[] = {1, 9, 3, 13, 8, 10, 4, 14};
-  std::vector<PLINT> opt, line_colors, line_styles, text_colors;
-  std::vector<PLFLT> line_widths;
-  std::vector<const char*> text;
-  for (std::size_t i = 0; i < methods.size(); ++i) {
+  Series series;
+  for (const std::string& method : methods) {
     std::vector<PLFLT> x, y;
     for (const json& row : rows) {
-      if (row["method"] != methods[i] || !row.contains(key)) continue;
+      if (row["method"] != method || !row.contains(key)) continue;
       x.push_back(std::log10(row["L"].get<double>()));
       y.push_back(std::log10(row[key].get<double>()));
     }
-    const PLINT colour = colours[i % 8], style = static_cast<PLINT>(i / 8 % 8 + 1);
-    pls.col0(colour);
-    pls.lsty(style);
-    pls.width(2.5);
-    if (!x.empty()) {
-      pls.line(static_cast<PLINT>(x.size()), x.data(), y.data());
-      pls.poin(static_cast<PLINT>(x.size()), x.data(), y.data(), 4);
-    }
-    opt.push_back(PL_LEGEND_LINE);
-    line_colors.push_back(colour);
-    line_styles.push_back(style);
-    line_widths.push_back(2.5);
-    text_colors.push_back(15);
-    text.push_back(methods[i].c_str());
+    series.draw(pls, method, x, y);
   }
-  pls.lsty(1);
-  pls.width(1);
-  if (!legend) return;
-  PLFLT width = 0, height = 0;
-  const auto n = static_cast<PLINT>(methods.size());
-  pls.legend(&width, &height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX,
-             PL_POSITION_RIGHT | PL_POSITION_OUTSIDE, 0.03, 0.0, 0.06, 0, 15, 1,
-             n, 1, n, opt.data(), 1.0, 0.75, 2.0, 0.0, text_colors.data(), text.data(), nullptr,
-             nullptr, nullptr, nullptr, line_colors.data(), line_styles.data(), line_widths.data(),
-             nullptr, nullptr, nullptr, nullptr);
+  if (legend) series.legend(pls, PL_POSITION_RIGHT | PL_POSITION_OUTSIDE, 0.03, 0.0, 0.06, 0.75);
 }
 }  // namespace
 
@@ -325,12 +323,7 @@ void plot_throughput(const json& bench, const std::string& path) {
   }
   if (methods.empty()) throw Error(ErrorKind::invalid_argument, "plot: the benchmark has no rows");
   plstream pls;
-  pls.sdev("svg");
-  pls.sfnam(path.c_str());
-  pls.spage(0, 0, 1300, 520, 0, 0);
-  pls.scolbg(255, 255, 255);
-  pls.scol0(15, 0, 0, 0);
-  pls.init();
+  start_svg(pls, path, 1300, 520);
   pls.scol0(3, 0, 150, 0);
   pls.adv(0);
   throughput_panel(pls, rows, methods, "inference_tokens_per_s", "inference (forward)", 0.08, 0.36, false);
