@@ -190,10 +190,19 @@ void add_train_bench(CLI::App& app) {
           train::Trainer trainer(config);
           trainer.quiet = true;
           device_name = trainer.device().str();
-          for (std::int64_t i = 0; i < args->warmup; ++i) trainer.step();
+          // The parameter count and the loss of the first step (before any update), which
+          // bench/train_baseline.py checks its PyTorch model against.
+          std::int64_t parameters = 0;
+          for (const auto& p : trainer.model()->parameters()) parameters += p.numel();
+          record["parameters"] = parameters;
+          auto step = [&] {
+            const train::StepStats s = trainer.step();
+            if (!record.contains("initial_loss")) record["initial_loss"] = s.loss;
+          };
+          for (std::int64_t i = 0; i < args->warmup; ++i) step();
           if (trainer.device().is_cuda()) torch::cuda::synchronize();
           const auto start = std::chrono::steady_clock::now();
-          for (std::int64_t i = 0; i < args->steps; ++i) trainer.step();
+          for (std::int64_t i = 0; i < args->steps; ++i) step();
           if (trainer.device().is_cuda()) torch::cuda::synchronize();
           const double seconds =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -12,6 +12,11 @@
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
 #              when $BASELINES has stickbreaking_attention/, AdaSplash-2 when .whl/ has its
 #              wheel, winnow)
+#   trainbench winnow train-bench (the build's tool) on the compared kinds, then
+#              bench/train_baseline.py (the same model and step in PyTorch, eager and
+#              torch.compile) against its JSON: parameter count and initial loss checked, tokens/s
+#              side by side (issue 11); $TRAINBENCH_ARGS go to both (e.g. --lengths 64),
+#              $BASELINE_ARGS to the baseline only; JSON and logs in $OUT/train_bench_*
 #   study      winnow study $STUDY (default studies/mqrar.json, its cuda profile) with
 #              $STUDY_ARGS; runs under runs/ (kept while the machine stays warm, so a later call
 #              continues), result.json and table.md copied to $OUT/study-<name>/
@@ -87,6 +92,20 @@ for stage in "${stages[@]}"; do
       [[ -d "$BASELINES" ]] && export PYTHONPATH="$BASELINES${PYTHONPATH:+:$PYTHONPATH}"
       python3 bench/gpu_attention_bench.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
       note "bench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
+      ;;
+    trainbench)
+      # The fused kinds the baseline writes in PyTorch, and winnow's composed runs beside them.
+      # shellcheck disable=SC2086
+      "$BUILD/apps/winnow" train-bench --device cuda \
+        --kinds softmax_rope,stick_breaking,softmax_rope@composed,stick_breaking@composed \
+        --json "$OUT/train_bench_winnow.json" ${TRAINBENCH_ARGS:-} 2>&1 | tee "$OUT/train_bench_winnow.txt"
+      winnow_rc=${PIPESTATUS[0]}
+      # shellcheck disable=SC2086
+      python3 bench/train_baseline.py --device cuda --kinds softmax_rope,stick_breaking \
+        --winnow-json "$OUT/train_bench_winnow.json" --json "$OUT/train_bench_baseline.json" \
+        ${TRAINBENCH_ARGS:-} ${BASELINE_ARGS:-} 2>&1 | tee "$OUT/train_bench_baseline.txt"
+      baseline_rc=${PIPESTATUS[0]}
+      note "trainbench: winnow rc $winnow_rc, baseline rc $baseline_rc ($(( $(date +%s) - start )) s)"
       ;;
     study)
       file=${STUDY:-studies/mqrar.json}

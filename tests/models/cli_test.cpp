@@ -232,6 +232,9 @@ TEST(Cli, TrainBenchMeasuresFusedAndComposed) {
   ASSERT_EQ(j["results"].size(), 3u) << j.dump(2);
   for (const auto& result : j["results"]) {
     EXPECT_GT(result.value("tokens_per_s", 0.0), 0) << result.dump();
+    // What bench/train_baseline.py checks its PyTorch model against.
+    EXPECT_EQ(result.value("parameters", 0), j["results"][0].value("parameters", -1)) << result.dump();
+    EXPECT_GT(result.value("initial_loss", 0.0), 0) << result.dump();
   }
   EXPECT_EQ(j["results"][1]["implementation"], "composed");
   EXPECT_EQ(j["results"][2]["implementation"], "composed");  // ALiBi has no fused path
