@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <numeric>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "math/entmax.h"
@@ -115,6 +117,85 @@ TEST(Entmax, ThresholdSearchConvergesInFewSweeps) {
   check_threshold_search<double, 1>(1.5, 1e-5, 14);
   check_threshold_search<float, 4>(1.5, 1e-5, 8);
   check_threshold_search<float, 1>(1.5, 1e-5, 16);
+}
+
+// 1.5-entmax's threshold by sorting (Peters et al. 2019), written here independently of
+// winnow's searches: with the k largest x, sum_{i<=k} (x_i - tau)^2 = 1 gives
+// tau_k = mean_k - sqrt((1 - ss_k) / k); the support is the largest k with tau_k <= x_k.
+double entmax15_threshold_by_sorting(std::vector<double> x) {
+  std::sort(x.begin(), x.end(), std::greater<double>());
+  double sum = 0, sum_sq = 0, tau = x[0] - 1;
+  for (std::size_t k = 1; k <= x.size(); ++k) {
+    sum += x[k - 1];
+    sum_sq += x[k - 1] * x[k - 1];
+    const double n = static_cast<double>(k), mean = sum / n, ss = sum_sq - n * mean * mean;
+    if (ss > 1) break;
+    const double tau_k = mean - std::sqrt((1 - ss) / n);
+    if (tau_k <= x[k - 1]) tau = tau_k;
+  }
+  return tau;
+}
+
+// The CUDA collect sweep's exact threshold on its lists (ListThreshold), run on the keys above
+// the same floor the kernel uses: it lands on the sort-based threshold, in few steps.
+template <class S, math::entmax::Family F>
+void check_list_threshold(int max_steps) {
+  namespace em = math::entmax;
+  const double alpha = F == em::Family::sparsemax ? 2.0 : 1.5;
+  int worst = 0, total = 0, rows = 0;
+  for (double input_std : {0.5, 1.0, 3.0}) {
+    for (std::int64_t n : {1, 2, 3, 10, 300, 4096, 16384}) {
+      const std::vector<double> z = random_logits(n, 5 * n + static_cast<std::uint64_t>(10 * input_std), input_std);
+      std::vector<double> x(z.size());
+      for (std::size_t i = 0; i < z.size(); ++i) x[i] = (alpha - 1) * z[i];
+      std::vector<double> sorted = x;
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      S top[8];
+      for (int i = 0; i < 8; ++i) top[i] = i < n ? S(sorted[static_cast<std::size_t>(i)]) : S(-INFINITY);
+      const S floor = std::max(em::threshold_floor<F>(top, S(alpha)), S(sorted[0] - 1));
+      std::vector<S> list;
+      for (double v : x) {
+        if (S(v) > floor) list.push_back(S(v));
+      }
+      em::ListThreshold<F, S> search(floor);
+      int steps = 0;
+      while (!search.done && steps < em::kMaxSearchSteps) {
+        em::GapMoments<S> m;
+        for (S v : list) m.add(v - search.tau);
+        search.step(m, S(1e-5));
+        ++steps;
+      }
+      worst = std::max(worst, steps);
+      total += steps;
+      ++rows;
+      const double want = F == em::Family::sparsemax ? [&] {
+        const std::vector<double> p = sparsemax(x);  // x = z for alpha = 2
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          if (p[i] > 0) return x[i] - p[i];
+        }
+        return 0.0;
+      }()
+                                                     : entmax15_threshold_by_sorting(x);
+      double sum = 0;
+      for (double v : x) sum += em::weight<F>(v - double(search.tau), alpha);
+      SCOPED_TRACE(::testing::Message() << "alpha " << alpha << " n " << n << " std " << input_std << " list "
+                                        << list.size() << " steps " << steps);
+      EXPECT_TRUE(search.done);
+      const bool single = std::is_same_v<S, float>;
+      EXPECT_NEAR(double(search.tau), want, (single ? 1e-6 : 1e-13) * (1 + std::fabs(want)));
+      EXPECT_NEAR(sum, 1.0, single ? 1e-5 : 1e-12);
+      EXPECT_LE(steps, max_steps);
+    }
+  }
+  std::printf("ListThreshold alpha %.1f %s: %.1f steps on average, at most %d\n", alpha,
+              std::is_same_v<S, float> ? "float" : "double", double(total) / rows, worst);
+}
+
+TEST(Entmax, ListThresholdIsTheSortBasedThreshold) {
+  check_list_threshold<double, math::entmax::Family::entmax15>(6);
+  check_list_threshold<float, math::entmax::Family::entmax15>(6);
+  check_list_threshold<double, math::entmax::Family::sparsemax>(6);
+  check_list_threshold<float, math::entmax::Family::sparsemax>(6);
 }
 
 // The CUDA search collects only keys above a floor from a few of the row's largest scores; the

@@ -254,10 +254,11 @@ struct ThresholdStepRows : ThresholdSweepRows {
 };
 
 // The second sweep: every visible key above the row's floor (the bracket's left end) goes to
-// the thread's list in shared memory; the threshold is then found on the lists (the same
-// bracketed search, f and f' at K probes summed over the quad's lists), exactly as a sweep
-// would find it, since no key outside the lists passes any probe. A row whose lists overflow
-// keeps its bracket and goes on with step sweeps.
+// the thread's list in shared memory; the threshold is then found on the lists, exactly as a
+// sweep would find it, since no key outside the lists lies above the floor: for sparsemax and
+// 1.5-entmax by math::entmax::ListThreshold (exact), for other alphas by the same bracketed
+// search as the sweeps (f and f' at K probes), the sums taken over the quad's four lists. A row
+// whose lists overflow keeps its bracket and goes on with step sweeps.
 struct ThresholdCollectRows : ThresholdSweepRows {
   static constexpr int K = CudaThresholdSearch::kProbes;
   // Per thread and row on Hopper. On random scores a thread's list at 16K keys averages about
@@ -274,13 +275,18 @@ struct ThresholdCollectRows : ThresholdSweepRows {
   }
 
   float x_scale, alpha, tolerance, result_scale;
+  // The row's floor in units of raw scores q . k when x_scale > 0, so that a score is tested
+  // as it comes out of the product; otherwise (scale <= 0) in x units.
   float floor[2];
-  int count[2] = {0, 0};
   SavedSearch* state[2] = {nullptr, nullptr};  // null: the row is past the sequence or settled
   float* result[2];
   int* unfinished;
-  std::uint32_t list[2];  // shared addresses of the two rows' slots
-  int stride = 0, capacity = 0;  // stride in bytes
+  // Shared addresses: each row's first slot, the next free one and the end. A key is filed with
+  // one compare, one store and one add; a per-tile check for room keeps the end test off that
+  // path. Lists hold raw scores (x_scale > 0) or x.
+  std::uint32_t list[2], next[2], end[2];
+  int full[2] = {0, 0};           // a key found no room (ints: bools get packed into bytes)
+  int stride = 0;                 // bytes between a list's entries
 
   template <class Tile>
   __device__ __forceinline__ ThresholdCollectRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
@@ -299,7 +305,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
         result[half] = cfg.result.at<float>(qt.b, qt.s.q_start + row, qt.h);
         if (!saved->settled()) {
           state[half] = saved;
-          floor[half] = saved->bracket.x;
+          floor[half] = x_scale > 0.f ? saved->bracket.x / x_scale : saved->bracket.x;
         }
       }
     }
@@ -307,22 +313,43 @@ struct ThresholdCollectRows : ThresholdSweepRows {
 
   __device__ __forceinline__ void borrow_scratch(float* slot, int slot_stride, int slot_capacity) {
     stride = slot_stride * static_cast<int>(sizeof(float));
-    capacity = slot_capacity;
-    list[0] = tile::smem_address(slot);
-    list[1] = tile::smem_address(slot + 4 * 8);  // row + 8
+    list[0] = next[0] = tile::smem_address(slot);
+    list[1] = next[1] = tile::smem_address(slot + 4 * 8);  // row + 8
+    end[0] = list[0] + slot_capacity * stride;
+    end[1] = list[1] + slot_capacity * stride;
   }
 
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    // A thread files at most 2 NT keys per row and tile.
+    const std::uint32_t need = 2 * NT * stride;
+    const bool room = next[0] + need <= end[0] && next[1] + need <= end[1];
+    if (x_scale > 0.f) {
+      if (room) {
+        collect<Masked, false>(s, mask, [](float z) { return z; });
+      } else {
+        collect<Masked, true>(s, mask, [](float z) { return z; });
+      }
+    } else {
+      collect<Masked, true>(s, mask, [&](float z) { return z * x_scale; });
+    }
+  }
+
+  template <bool Masked, bool Checked, int NT, class Units>
+  __device__ __forceinline__ void collect(const float (&s)[NT][4], const RowMask& mask, Units&& units) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int half = i / 2, e = i % 2;
-        const float x = s[n][i] * x_scale;
-        if (x > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
-          if (count[half] < capacity) tile::st_shared_f32(list[half] + count[half] * stride, x);
-          ++count[half];
+        const float v = units(s[n][i]);
+        if (v > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
+          if (!Checked || next[half] < end[half]) {
+            tile::st_shared_f32(next[half], v);
+            next[half] += stride;
+          } else {
+            full[half] = 1;
+          }
         }
       }
     }
@@ -334,38 +361,66 @@ struct ThresholdCollectRows : ThresholdSweepRows {
     namespace em = math::entmax;
     em::with_family(alpha, [&](auto family) {
       constexpr em::Family F = decltype(family)::value;
+      // Entries in x units: raw scores times this.
+      const float entry_scale = x_scale > 0.f ? x_scale : 1.f;
 #pragma unroll 1
       for (int half = 0; half < 2; ++half) {
-        const bool overflow = tile::quad_max(static_cast<float>(count[half] - capacity)) > 0.f;
-        const bool searching = state[half] != nullptr && !overflow;
+        // Selects, not indexing by half: the loop is not unrolled, and an indexed member array
+        // would live in local memory for the whole kernel.
+        const std::uint32_t first = half == 0 ? list[0] : list[1];
+        const std::uint32_t last = half == 0 ? next[0] : next[1];
+        SavedSearch* const saved = half == 0 ? state[0] : state[1];
+        const bool overflow = tile::quad_max(static_cast<float>(half == 0 ? full[0] : full[1])) > 0.f;
+        const bool searching = saved != nullptr && !overflow;
         CudaThresholdSearch search(alpha, tolerance);
-        if (state[half] != nullptr) state[half]->restore(search);
-        const int n = count[half] < capacity ? count[half] : capacity;
+        if (saved != nullptr) saved->restore(search);
+        if constexpr (F == em::Family::sparsemax || F == em::Family::entmax15) {
+          em::ListThreshold<F, float> list_search(search.tau());
 #pragma unroll 1
-        for (int step = 0; step < em::kMaxSearchSteps; ++step) {
-          const bool moving = searching && !search.done();
-          if (!__any_sync(0xffffffffu, moving)) break;
-          float f[K] = {}, u[K] = {};
-          if (moving) {
-            for (int j = 0; j < n; ++j) {
-              const float x = tile::ld_shared_f32(list[half] + j * stride);
-#pragma unroll
-              for (int k = 0; k < K; ++k) {
-                f[k] += em::weight<F>(x - search.probe(k), alpha);
-                u[k] += em::grad_weight<F>(x - search.probe(k), alpha);
+          for (int step = 0; step < em::kMaxSearchSteps; ++step) {
+            const bool moving = searching && !list_search.done;
+            if (!__any_sync(0xffffffffu, moving)) break;
+            em::GapMoments<float> m;
+            if (moving) {
+              for (std::uint32_t a = first; a < last; a += stride) {
+                m.add(fmaf(tile::ld_shared_f32(a), entry_scale, -list_search.tau));
               }
             }
+            m.count = tile::quad_sum(m.count);
+            m.sum = tile::quad_sum(m.sum);
+            if constexpr (F == em::Family::entmax15) m.sum_sq = tile::quad_sum(m.sum_sq);
+            m.min = tile::quad_min(m.min);
+            if (moving) list_search.step(m, tolerance);
           }
+          // At the step limit tau is still a lower bound within Newton's reach of the root.
+          if (searching) search.settle(list_search.tau);
+        } else {
+#pragma unroll 1
+          for (int step = 0; step < em::kMaxSearchSteps; ++step) {
+            const bool moving = searching && !search.done();
+            if (!__any_sync(0xffffffffu, moving)) break;
+            float f[K] = {}, u[K] = {};
+            if (moving) {
+              for (std::uint32_t a = first; a < last; a += stride) {
+                const float x = tile::ld_shared_f32(a) * entry_scale;
 #pragma unroll
-          for (int k = 0; k < K; ++k) {
-            f[k] = tile::quad_sum(f[k]);
-            u[k] = tile::quad_sum(u[k]);
+                for (int k = 0; k < K; ++k) {
+                  f[k] += em::weight<F>(x - search.probe(k), alpha);
+                  u[k] += em::grad_weight<F>(x - search.probe(k), alpha);
+                }
+              }
+            }
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+              f[k] = tile::quad_sum(f[k]);
+              u[k] = tile::quad_sum(u[k]);
+            }
+            if (moving) search.step(f, u);
           }
-          if (moving) search.step(f, u);
         }
-        if (state[half] != nullptr && (threadIdx.x & 3) == 0) {
-          state[half]->save(search);
-          *result[half] = search.tau() * result_scale;
+        if (saved != nullptr && (threadIdx.x & 3) == 0) {
+          saved->save(search);
+          *(half == 0 ? result[0] : result[1]) = search.tau() * result_scale;
           if (!search.done()) atomicOr(unfinished, 1);
         }
       }

@@ -15,6 +15,11 @@ __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
   return x;
 }
+__device__ __forceinline__ float quad_min(float x) {
+  x = fminf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = fminf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  return x;
+}
 
 // Quad-level scans of one value per thread, in thread order tig = 0 .. 3.
 struct QuadScan {
