@@ -21,6 +21,11 @@ void entmax_backward(const detail::AttentionParams& p, const detail::GradientPar
 // path runs only when every row's support fits its list).
 std::int64_t entmax_sparse_backward_calls();
 
+// Forward calls of entmax and Sieve (exact) whose threshold search went on past the collect
+// sweep (some row's candidate lists overflowed), so that the output sweep enqueued behind that
+// sweep ran again (for tests).
+std::int64_t threshold_output_reruns();
+
 void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& cfg);
 void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                     const detail::SieveConfig& cfg);

@@ -35,11 +35,12 @@ struct FusedEntmaxForward {
     ThresholdCudaConfig t = threshold_config(cfg.alpha, cfg.tolerance);
     t.result = p.stats;  // entmax's statistic is tau (x units)
     LiveTileSelection tiles(p);
-    find_thresholds<T, D>(p, t, tiles);
     EntmaxCudaConfig e;
     e.alpha = static_cast<float>(cfg.alpha);
     e.tau = p.stats;
-    launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, static_cast<float>(p.scale * (cfg.alpha - 1.0))));
+    find_thresholds<T, D>(p, t, tiles, [&] {
+      launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, static_cast<float>(p.scale * (cfg.alpha - 1.0))));
+    });
   }
 };
 

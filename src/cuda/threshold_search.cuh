@@ -2,6 +2,8 @@
 // threshold search on the fused path, and per-row scratch buffers.
 #pragma once
 
+#include <functional>
+
 #include "cuda/attention/entmax_rows.cuh"
 #include "cuda/launch_attention.cuh"
 
@@ -53,12 +55,14 @@ class LiveTileSelection {
   TileMaxMap map_;
 };
 
-// Runs the threshold sweeps (entmax_rows.cuh); cfg.result then holds each row's threshold and
-// tiles the tile-max map of the first sweep. Defined once in threshold_search.cu for the fused
+// Runs the threshold sweeps (entmax_rows.cuh) and enqueues output_sweep (which reads
+// cfg.result, each row's threshold, and may select tiles by the first sweep's tile-max map),
+// possibly twice: see threshold_search.cu. Defined once in threshold_search.cu for the fused
 // path's types and head dimensions, so that entmax.cu and sieve.cu do not each compile the
 // sweep kernels.
 template <class T, int D>
-void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles);
+void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles,
+                     const std::function<void()>& output_sweep);
 
 // The simple path's launch for either mechanism (a warp per query row).
 template <simple::Mechanism M>

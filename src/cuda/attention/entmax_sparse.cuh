@@ -54,7 +54,7 @@ struct EntmaxSupportConfig {
 // the counts so that its four threads write disjoint stretches of the row's list, and each
 // key's count goes up by one per row that holds it.
 struct EntmaxSupportRows : ThresholdSweepRows {
-  float x_scale, alpha;
+  float x_scale;
   float tau[2];
   int count[2] = {0, 0};
   int* list[2];
@@ -67,7 +67,6 @@ struct EntmaxSupportRows : ThresholdSweepRows {
   __device__ __forceinline__ EntmaxSupportRows(const AttentionParams& p, const EntmaxSupportConfig& cfg,
                                                const Tile& qt, std::int64_t row0)
       : x_scale(static_cast<float>(p.scale) * (cfg.alpha - 1.f)),
-        alpha(cfg.alpha),
         totals(cfg.lists.totals),
         key_counts(cfg.lists.key_counts + key_slot(p, qt.b, qt.s.k_start, qt.hk)),
         key_stride(p.heads_kv),
@@ -87,10 +86,19 @@ struct EntmaxSupportRows : ThresholdSweepRows {
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     static_assert(4 * NT <= 64, "a bit per score of the thread");
-    std::uint64_t bits = 0;
-    for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto, int n, int i, int, float gap) {
-      if (gap > 0.f) bits |= std::uint64_t{1} << (4 * n + i);
-    });
+    // Four partial words, so that no score waits on the one before it (one word made a chain
+    // of 64 dependent ORs per tile).
+    std::uint64_t part[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i / 2, e = i % 2;
+        const bool in = (!Masked || mask.visible<8 * NT>(half, n, e)) && fmaf(s[n][i], x_scale, -tau[half]) > 0.f;
+        if (in) part[n % 4] |= std::uint64_t{1} << (4 * n + i);
+      }
+    }
+    std::uint64_t bits = (part[0] | part[1]) | (part[2] | part[3]);
     if (!__any_sync(0xffffffffu, bits != 0)) return;
     const int mine[2] = {__popcll(bits & 0x3333333333333333ull), __popcll(bits & 0xccccccccccccccccull)};
     int at[2];
@@ -100,13 +108,19 @@ struct EntmaxSupportRows : ThresholdSweepRows {
       at[half] = count[half] + static_cast<int>(scan.before);
       count[half] += static_cast<int>(scan.total);
     }
+    // The row of each bit is known only at run time: selects rather than indexing at[] and
+    // list[] by it, which would put both arrays in local memory.
+    int at0 = at[0], at1 = at[1];
     while (bits != 0) {
       const int bit = __ffsll(static_cast<long long>(bits)) - 1;
       bits &= bits - 1;
-      const int n = bit >> 2, half = (bit >> 1) & 1, e = bit & 1;
+      const int n = bit >> 2, e = bit & 1;
+      const bool second = (bit >> 1) & 1;
       const std::int64_t key = mask.key0 + key_of<8 * NT>(mask.tig, n, e);
-      if (at[half] < kSupportCapacity) list[half][at[half]] = static_cast<int>(key_row0 + key);
-      ++at[half];
+      const int slot = second ? at1 : at0;
+      if (slot < kSupportCapacity) (second ? list[1] : list[0])[slot] = static_cast<int>(key_row0 + key);
+      at0 += second ? 0 : 1;
+      at1 += second ? 1 : 0;
       atomicAdd(key_counts + key * key_stride, 1);
     }
   }
