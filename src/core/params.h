@@ -68,6 +68,14 @@ struct AttentionParams {
     }
     return s;
   }
+  // An operand row of sequence b (q_start + r or k_start + r; the starts are 0 in batched mode)
+  // as a row over the whole batch: the index that per-row buffers laid out [row][head] use.
+  WINNOW_HD std::int64_t batch_row_q(std::int64_t b, std::int64_t row) const {
+    return (cu_seqlens_q != nullptr ? 0 : b * len_q) + row;
+  }
+  WINNOW_HD std::int64_t batch_row_k(std::int64_t b, std::int64_t row) const {
+    return (cu_seqlens_k != nullptr ? 0 : b * len_k) + row;
+  }
   WINNOW_HD std::int64_t kv_head(std::int64_t hq) const { return hq / (heads_q / heads_kv); }
   WINNOW_HD std::int64_t group_size() const { return heads_q / heads_kv; }
   // Last key index visible to the query at absolute position j (-1: none).

@@ -25,19 +25,14 @@ inline constexpr int kBackwardWarps = 8;
 inline constexpr int kBackwardBQ = 16 * kBackwardWarps;
 inline constexpr int kBackwardBK = 64;
 
-// fp32 accumulators of dk and dv, [key row][kv head][dim] with key row = b * len_k + key
-// (batched) or k_start + key (packed); semaphores for the deterministic order.
+// fp32 accumulators of dk and dv, [key row over the batch][kv head][dim]; semaphores for the
+// deterministic order.
 struct KeyGradAccumulators {
   float* dk = nullptr;
   float* dv = nullptr;
   int* order = nullptr;  // per (sequence, kv head, key tile): contributions so far
   int key_tiles = 0;     // key tiles per sequence (of the longest)
   bool deterministic = false;
-
-  __device__ __forceinline__ std::int64_t key_row(const AttentionParams& p, std::int64_t b,
-                                                  const SequenceExtent& s, std::int64_t key) const {
-    return p.cu_seqlens_k != nullptr ? s.k_start + key : b * p.len_k + key;
-  }
 };
 
 template <class T, int D>
@@ -220,7 +215,7 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
       for (int half = 0; half < 2; ++half) {
         const std::int64_t key = mask.key0 + key_of_column<BK>(m0 + gq + 8 * half);
         if (key >= qt.s.k_len) continue;
-        float* row = dst + (acc.key_row(p, qt.b, qt.s, key) * p.heads_kv + qt.hk) * D + c0 + 2 * tig;
+        float* row = dst + (p.batch_row_k(qt.b, qt.s.k_start + key) * p.heads_kv + qt.hk) * D + c0 + 2 * tig;
 #pragma unroll
         for (int n = 0; n < HT; ++n) {
           if (acc.deterministic) {

@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       const bool odd = (tig & 1) != 0;
       const std::int64_t key = mask.key0 + key_of_column<BK>(16 * warp + gq + (odd ? 8 : 0));
       float* const row = key < qt.s.k_len
-                             ? dst_base + (acc.key_row(p, qt.b, qt.s, key) * p.heads_kv + qt.hk) * D + 2 * (tig & ~1)
+                             ? dst_base + (p.batch_row_k(qt.b, qt.s.k_start + key) * p.heads_kv + qt.hk) * D + 2 * (tig & ~1)
                              : nullptr;
       if (acc.deterministic) {
 #pragma unroll

@@ -30,11 +30,11 @@ inline constexpr int kSupportCapacity = 128;
 // Query rows and keys as flat slots over the whole batch: (row over all sequences, head).
 __host__ __device__ __forceinline__ std::int64_t query_slot(const AttentionParams& p, std::int64_t b,
                                                             std::int64_t q_row, std::int64_t h) {
-  return ((p.cu_seqlens_q != nullptr ? 0 : b * p.len_q) + q_row) * p.heads_q + h;
+  return p.batch_row_q(b, q_row) * p.heads_q + h;
 }
 __host__ __device__ __forceinline__ std::int64_t key_slot(const AttentionParams& p, std::int64_t b,
                                                           std::int64_t k_row, std::int64_t hk) {
-  return ((p.cu_seqlens_k != nullptr ? 0 : b * p.len_k) + k_row) * p.heads_kv + hk;
+  return p.batch_row_k(b, k_row) * p.heads_kv + hk;
 }
 
 struct SupportLists {

@@ -286,9 +286,6 @@ __global__ void __launch_bounds__(kBackwardThreads)
   const std::int64_t b = blockIdx.y, hk = blockIdx.x;
   const SequenceExtent s = p.sequence(b);
   const float scale = static_cast<float>(p.scale);
-  auto key_row = [&](std::int64_t key) {
-    return p.cu_seqlens_k != nullptr ? s.k_start + key : b * p.len_k + key;
-  };
   auto block_sum = [&](float x) {
     const float total = Reduce(reduce_storage).Sum(x);
     if (t == 0) broadcast = total;
@@ -369,8 +366,8 @@ __global__ void __launch_bounds__(kBackwardThreads)
           }
           dz_of[t] = scale * dz;
           if (visible) {
-            float* dk_row = dk_acc + (key_row(key) * p.heads_kv + hk) * p.dim_qk;
-            float* dv_row = dv_acc + (key_row(key) * p.heads_kv + hk) * p.dim_v;
+            float* dk_row = dk_acc + (p.batch_row_k(b, s.k_start + key) * p.heads_kv + hk) * p.dim_qk;
+            float* dv_row = dv_acc + (p.batch_row_k(b, s.k_start + key) * p.heads_kv + hk) * p.dim_v;
             for (int d = 0; d < p.dim_qk; ++d) dk_row[d] += scale * dz * q[d];
             for (int d = 0; d < p.dim_v; ++d) dv_row[d] += w * dout[d];
           }
