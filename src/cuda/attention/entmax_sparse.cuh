@@ -86,8 +86,8 @@ struct EntmaxSupportRows : ThresholdSweepRows {
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     static_assert(4 * NT <= 64, "a bit per score of the thread");
-    // Four partial words, so that no score waits on the one before it (one word made a chain
-    // of 64 dependent ORs per tile).
+    // Four partial words, so that the ORs are not one chain of 64 per tile (measured only
+    // together with the selects below: the sweep went 0.51 -> 0.45 ms at 4K keys, H100).
     std::uint64_t part[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
