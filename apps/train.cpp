@@ -6,12 +6,21 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <unistd.h>
+
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+// LibTorch's profiler (Kineto) as it is from 2.4 on: kernel times per phase of a step.
+#include <torch/csrc/autograd/profiler_kineto.h>
+#define WINNOW_KERNEL_PROFILE 1
+#endif
 
 #include "commands.h"
 #include "train/files.h"
@@ -110,10 +119,127 @@ std::vector<std::string> split(const std::string& text) {
   return out;
 }
 
+// `steps` training steps with a StepProfile attached and, on CUDA with LibTorch >= 2.4, under
+// LibTorch's profiler, whose kernels are assigned to the phase whose user scope they started
+// in (the waits at phase ends make that exact). Prints a table; returns it as JSON.
+nlohmann::json profile_steps(train::Trainer& trainer, std::int64_t steps, double free_ms_per_step) {
+  train::StepProfile profile;
+  std::map<std::string, std::pair<double, std::int64_t>> kernel_ns_by_phase, kernel_ns_by_name;
+  bool kernel_times = false;
+#ifdef WINNOW_KERNEL_PROFILE
+  namespace prof = torch::profiler::impl;
+  const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+  const std::set<prof::ActivityType> activities = {prof::ActivityType::CPU, prof::ActivityType::CUDA};
+  kernel_times = trainer.device().is_cuda();
+  if (kernel_times) {
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+  }
+#endif
+  trainer.profile = &profile;
+  try {
+    for (std::int64_t i = 0; i < steps; ++i) trainer.step();
+  } catch (...) {
+    trainer.profile = nullptr;
+    throw;
+  }
+  trainer.profile = nullptr;
+#ifdef WINNOW_KERNEL_PROFILE
+  if (kernel_times) {
+    const auto result = torch::autograd::profiler::disableProfiler();
+    struct Span {
+      std::string phase;
+      std::uint64_t start, end;
+    };
+    std::vector<Span> spans;
+    const std::string prefix = "winnow.step.";
+    for (const auto& e : result->events()) {
+      const std::string name = e.name();
+      if (e.deviceType() == c10::DeviceType::CPU && name.rfind(prefix, 0) == 0) {
+        spans.push_back({name.substr(prefix.size()), e.startNs(), e.endNs()});
+      }
+    }
+    for (const auto& e : result->events()) {
+      if (e.deviceType() != c10::DeviceType::CUDA) continue;
+      std::string phase = "outside the phases";
+      for (const Span& s : spans) {
+        if (e.startNs() >= s.start && e.startNs() < s.end) phase = s.phase;
+      }
+      auto& p = kernel_ns_by_phase[phase];
+      p.first += static_cast<double>(e.durationNs());
+      p.second += 1;
+      auto& k = kernel_ns_by_name[e.name()];
+      k.first += static_cast<double>(e.durationNs());
+      k.second += 1;
+    }
+  }
+#endif
+  const double n = static_cast<double>(std::max<std::int64_t>(profile.steps, 1));
+  nlohmann::json phases = nlohmann::json::array();
+  double wall_total = 0, kernel_total = 0;
+  std::int64_t kernels_total = 0;
+  std::printf("    %-22s %14s %16s %14s\n", "phase (synchronized)", "wall ms/step",
+              kernel_times ? "GPU busy ms/step" : "", kernel_times ? "GPU ops/step" : "");
+  auto row = [&](const std::string& name, double wall_s, const std::pair<double, std::int64_t>* k) {
+    nlohmann::json r = {{"phase", name}, {"wall_ms", 1e3 * wall_s / n}};
+    if (k != nullptr) {
+      r["gpu_busy_ms"] = 1e-6 * k->first / n;
+      r["gpu_ops"] = static_cast<double>(k->second) / n;
+      std::printf("    %-22s %14.3f %16.3f %14.1f\n", name.c_str(), 1e3 * wall_s / n, 1e-6 * k->first / n,
+                  static_cast<double>(k->second) / n);
+    } else {
+      std::printf("    %-22s %14.3f\n", name.c_str(), 1e3 * wall_s / n);
+    }
+    phases.push_back(r);
+  };
+  for (const auto& [name, seconds] : profile.seconds) {
+    const auto it = kernel_ns_by_phase.find(name);
+    const std::pair<double, std::int64_t> none{0, 0};
+    row(name, seconds, kernel_times ? (it == kernel_ns_by_phase.end() ? &none : &it->second) : nullptr);
+    wall_total += seconds;
+    if (it != kernel_ns_by_phase.end()) {
+      kernel_total += it->second.first;
+      kernels_total += it->second.second;
+    }
+  }
+  if (const auto it = kernel_ns_by_phase.find("outside the phases"); it != kernel_ns_by_phase.end()) {
+    row(it->first, 0, &it->second);
+    kernel_total += it->second.first;
+    kernels_total += it->second.second;
+  }
+  std::printf("    %-22s %14.3f", "synchronized step", 1e3 * wall_total / n);
+  if (kernel_times) {
+    std::printf(" %16.3f %14.1f", 1e-6 * kernel_total / n, static_cast<double>(kernels_total) / n);
+  }
+  std::printf("\n    %-22s %14.3f\n", "free-running step", free_ms_per_step);
+  nlohmann::json out = {{"steps", profile.steps},
+                        {"phases", phases},
+                        {"synchronized_ms_per_step", 1e3 * wall_total / n},
+                        {"free_running_ms_per_step", free_ms_per_step}};
+  if (kernel_times) {
+    out["gpu_busy_ms_per_step"] = 1e-6 * kernel_total / n;
+    out["gpu_ops_per_step"] = static_cast<double>(kernels_total) / n;
+    std::vector<std::pair<std::string, std::pair<double, std::int64_t>>> top(kernel_ns_by_name.begin(),
+                                                                             kernel_ns_by_name.end());
+    std::sort(top.begin(), top.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+    if (top.size() > 12) top.resize(12);
+    nlohmann::json kernels = nlohmann::json::array();
+    std::printf("    %-70s %10s %8s\n", "GPU op (largest total time)", "ms/step", "n/step");
+    for (const auto& [name, k] : top) {
+      kernels.push_back({{"name", name}, {"ms", 1e-6 * k.first / n}, {"count", static_cast<double>(k.second) / n}});
+      std::printf("    %-70.70s %10.3f %8.1f\n", name.c_str(), 1e-6 * k.first / n,
+                  static_cast<double>(k.second) / n);
+    }
+    out["top_gpu_ops"] = kernels;
+  }
+  return out;
+}
+
 void add_train_bench(CLI::App& app) {
   struct Args {
     std::string device = "auto", lengths = "64,1024", kinds, json_path;
     std::int64_t tokens = 65536, steps = 10, warmup = 3;
+    bool profile = false;
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
@@ -131,6 +257,10 @@ void add_train_bench(CLI::App& app) {
   for (const auto& k : bench_kinds()) kind_names += (kind_names.empty() ? "" : ", ") + k.name;
   cmd->add_option("--kinds", args->kinds, "subset of: " + kind_names + " (default: all)");
   cmd->add_option("--json", args->json_path, "also write the results to this file");
+  cmd->add_flag("--profile", args->profile,
+                "after the timed steps, as many again synchronized at each phase of the step "
+                "(wall time per phase; on CUDA also GPU time and operations per phase, and the "
+                "largest kernels)");
   cmd->callback([args] {
     std::vector<const BenchKind*> kinds;
     if (args->kinds.empty()) {
@@ -179,7 +309,7 @@ void add_train_bench(CLI::App& app) {
             {"device", args->device},
             {"model", {{"d_model", 256}, {"layers", 2}, {"attention", kind->attention}}},
             {"train",
-             {{"steps", args->warmup + args->steps}, {"batch_size", batch}, {"seq_len", L},
+             {{"steps", args->warmup + args->steps * (args->profile ? 2 : 1)}, {"batch_size", batch}, {"seq_len", L},
               {"schedule", "constant"}, {"lr", 1e-3}, {"out_dir", scratch.string()}}},
             {"task", {{"name", "progression"}, {"vocab_size", 64}}}};
         experiment["model"]["attention"]["heads"] = 4;
@@ -212,6 +342,10 @@ void add_train_bench(CLI::App& app) {
                       static_cast<long long>(batch), kind->name.c_str(),
                       record["implementation"].get<std::string>().c_str(),
                       record["tokens_per_s"].get<double>(), record["ms_per_step"].get<double>());
+          if (args->profile) {
+            std::fflush(stdout);
+            record["profile"] = profile_steps(trainer, args->steps, record["ms_per_step"].get<double>());
+          }
         } catch (const std::exception& e) {
           std::string what = e.what();
           if (const auto nl = what.find('\n'); nl != std::string::npos) what = what.substr(0, nl);

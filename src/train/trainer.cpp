@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/version.h>
 
 #include <chrono>
@@ -84,7 +85,57 @@ bool may_differ_on_resume(const std::string& key) {
   return free.count(key) > 0;
 }
 
+// One phase of a profiled step (see StepProfile); does nothing without a profile. `scope` is the
+// user scope's name, "winnow.step.<phase>": the profiler keeps the pointer, so a literal.
+class PhaseScope {
+ public:
+  PhaseScope(StepProfile* profile, const char* scope, const torch::Device& device)
+      : profile_(profile), scope_name_(scope), device_(device) {
+    if (profile_ == nullptr) return;
+    scope_.emplace(at::RecordScope::USER_SCOPE);
+    if (scope_->isActive()) scope_->before(scope);
+    start_ = std::chrono::steady_clock::now();
+  }
+  ~PhaseScope() {
+    try {
+      close();
+    } catch (...) {
+      // An error in the step is already on its way out; the profile can lose this phase.
+    }
+  }
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+  void close() {
+    if (profile_ == nullptr) return;
+    StepProfile* profile = profile_;
+    profile_ = nullptr;
+    if (device_.is_cuda()) torch::cuda::synchronize();
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    scope_.reset();
+    profile->add(std::string(scope_name_).substr(std::string("winnow.step.").size()), s);
+  }
+
+ private:
+  StepProfile* profile_;
+  const char* scope_name_;
+  torch::Device device_;
+  std::optional<at::RecordFunction> scope_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 }  // namespace
+
+void StepProfile::add(const std::string& phase, double s) {
+  for (auto& [name, total] : seconds) {
+    if (name == phase) {
+      total += s;
+      return;
+    }
+  }
+  seconds.emplace_back(phase, s);
+}
 
 torch::Device pick_device(const std::string& name, bool needs_winnow_cuda) {
   const bool cuda = torch::cuda::is_available();
@@ -269,18 +320,23 @@ StepStats Trainer::step() {
   // gradient would still move them through the moments and weight decay).
   for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
 
+  PhaseScope sample(profile, "winnow.step.sample", device_);
   const tasks::Batch batch = task_->sample_training(
       t.batch_size, t.seq_len, tasks::batch_seed(config_.seed, kTrainStream, step_));
   // The loss is the mean over every counted position of the whole batch, however it is split
   // into micro-batches: accumulation then computes the same gradient as one big batch.
   const double counted = std::max(1.0, batch.loss_mask.sum().item<double>());
   const std::int64_t micro = t.batch_size / t.grad_accum;
+  sample.close();
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(device_));
   std::map<std::string, torch::Tensor> aux_sums;
   for (std::int64_t m = 0; m < t.grad_accum; ++m) {
+    PhaseScope copy(profile, "winnow.step.copy", device_);
     const tasks::Batch mb = to_device(rows(batch, m * micro, micro), device_);
+    copy.close();
     torch::Tensor total;
     {
+      PhaseScope forward(profile, "winnow.step.forward", device_);
       Autocast autocast(autocast_);
       const torch::Tensor logits = model_->forward(mb.inputs);
       const torch::Tensor loss = masked_cross_entropy_sum(logits, mb) / counted;
@@ -309,9 +365,11 @@ StepStats Trainer::step() {
       }
       loss_sum = loss_sum + loss.detach();
     }
+    PhaseScope backward(profile, "winnow.step.backward", device_);
     if (total.requires_grad()) total.backward();
   }
 
+  PhaseScope clip(profile, "winnow.step.clip", device_);
   std::vector<torch::Tensor> grads;
   for (auto& p : model_->parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
@@ -326,6 +384,8 @@ StepStats Trainer::step() {
       for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
     }
   }
+  clip.close();
+  PhaseScope report_phase(profile, "winnow.step.report", device_);
   // One device-to-host transfer per step for everything the step reports.
   std::vector<torch::Tensor> report = {loss_sum, norm};
   for (auto& [name, value] : aux_sums) report.push_back(value.to(torch::kFloat32));
@@ -344,7 +404,11 @@ StepStats Trainer::step() {
                                         std::to_string(s.grad_norm) +
                                         " (lower train.lr or set train.clip)");
   }
+  report_phase.close();
+  PhaseScope optimizer(profile, "winnow.step.optimizer", device_);
   optimizer_->step();
+  optimizer.close();
+  if (profile != nullptr) ++profile->steps;
   s.step = ++step_;
   return s;
 }

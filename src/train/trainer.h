@@ -40,6 +40,17 @@ struct StepStats {
   std::string phase;
 };
 
+// Where a training step's time goes. While one is attached (Trainer::profile), step() waits
+// for the device at the end of each phase and adds the wall time since the phase began to it,
+// so the phases add up to a synchronized step (slower than a free-running one by the overlap
+// of host and device that the waits remove). Each phase is also a user scope
+// ("winnow.step.<phase>") for LibTorch's profiler, which can then assign kernels to phases.
+struct StepProfile {
+  std::vector<std::pair<std::string, double>> seconds;  // per phase, in the order first seen
+  std::int64_t steps = 0;
+  void add(const std::string& phase, double s);
+};
+
 class Trainer {
  public:
   explicit Trainer(const ExperimentConfig& config);
@@ -79,6 +90,7 @@ class Trainer {
   // Add keys to every evaluation.
   std::vector<std::function<nlohmann::json(Trainer&)>> eval_hooks;
   bool quiet = false;  // no progress lines on stdout
+  StepProfile* profile = nullptr;  // see StepProfile; nullptr: free-running steps
 
  private:
   void enter_phase(std::size_t index);
