@@ -160,7 +160,8 @@ nlohmann::json profile_steps(train::Trainer& trainer, std::int64_t steps, double
       }
     }
     for (const auto& e : result->events()) {
-      if (e.deviceType() != c10::DeviceType::CUDA) continue;
+      // The phases' own scopes come back as GPU-side ranges too; they are not work.
+      if (e.deviceType() != c10::DeviceType::CUDA || e.name().rfind(prefix, 0) == 0) continue;
       std::string phase = "outside the phases";
       for (const Span& s : spans) {
         if (e.startNs() >= s.start && e.startNs() < s.end) phase = s.phase;
@@ -325,14 +326,20 @@ void add_train_bench(CLI::App& app) {
           std::int64_t parameters = 0;
           for (const auto& p : trainer.model()->parameters()) parameters += p.numel();
           record["parameters"] = parameters;
+          // Free-running steps, as `winnow train` runs them; the first one waits for its loss.
           auto step = [&] {
-            const train::StepStats s = trainer.step();
-            if (!record.contains("initial_loss")) record["initial_loss"] = s.loss;
+            if (!record.contains("initial_loss")) {
+              record["initial_loss"] = trainer.step().loss;
+            } else {
+              trainer.enqueue_step();
+            }
           };
           for (std::int64_t i = 0; i < args->warmup; ++i) step();
+          trainer.wait_for_steps();
           if (trainer.device().is_cuda()) torch::cuda::synchronize();
           const auto start = std::chrono::steady_clock::now();
           for (std::int64_t i = 0; i < args->steps; ++i) step();
+          trainer.wait_for_steps();
           if (trainer.device().is_cuda()) torch::cuda::synchronize();
           const double seconds =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -16,7 +16,8 @@
 #              bench/train_baseline.py (the same model and step in PyTorch, eager and
 #              torch.compile) against its JSON: parameter count and initial loss checked, tokens/s
 #              side by side (issue 11); $TRAINBENCH_ARGS go to both (e.g. --lengths 64),
-#              $BASELINE_ARGS to the baseline only; JSON and logs in $OUT/train_bench_*
+#              $BASELINE_ARGS to the baseline only, $WINNOW_TRAINBENCH_ARGS to winnow's only
+#              (e.g. --profile); JSON and logs in $OUT/train_bench_*
 #   study      winnow study $STUDY (default studies/mqrar.json, its cuda profile) with
 #              $STUDY_ARGS; runs under runs/ (kept while the machine stays warm, so a later call
 #              continues), result.json and table.md copied to $OUT/study-<name>/
@@ -98,7 +99,7 @@ for stage in "${stages[@]}"; do
       # shellcheck disable=SC2086
       "$BUILD/apps/winnow" train-bench --device cuda \
         --kinds softmax_rope,stick_breaking,softmax_rope@composed,stick_breaking@composed \
-        --json "$OUT/train_bench_winnow.json" ${TRAINBENCH_ARGS:-} 2>&1 | tee "$OUT/train_bench_winnow.txt"
+        --json "$OUT/train_bench_winnow.json" ${TRAINBENCH_ARGS:-} ${WINNOW_TRAINBENCH_ARGS:-} 2>&1 | tee "$OUT/train_bench_winnow.txt"
       winnow_rc=${PIPESTATUS[0]}
       # shellcheck disable=SC2086
       python3 bench/train_baseline.py --device cuda --kinds softmax_rope,stick_breaking \

@@ -4,6 +4,7 @@
 #include "winnow/attention.h"
 #include "winnow/entmax.h"
 #include "winnow/error.h"
+#include "winnow/rotary.h"
 #include "winnow/sieve.h"
 #include "winnow/softmax.h"
 #include "winnow/stick_breaking.h"

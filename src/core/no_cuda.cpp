@@ -36,6 +36,7 @@ void entmax_backward(const detail::AttentionParams&, const detail::GradientParam
                      const detail::EntmaxConfig&) {
   no_cuda();
 }
+void rotary(const detail::RotaryParams&) { no_cuda(); }
 void sieve_forward(const detail::AttentionParams&, const detail::SieveConfig&) { no_cuda(); }
 void sieve_backward(const detail::AttentionParams&, const detail::GradientParams&,
                     const detail::SieveConfig&) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "core/params.h"
+#include "core/rotary_params.h"
 
 namespace winnow::cpu {
 
@@ -20,5 +21,7 @@ void entmax_backward(const detail::AttentionParams& p, const detail::GradientPar
 void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& cfg);
 void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                     const detail::SieveConfig& cfg);
+
+void rotary(const detail::RotaryParams& p);
 
 }  // namespace winnow::cpu

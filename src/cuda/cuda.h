@@ -4,6 +4,7 @@
 #pragma once
 
 #include "core/params.h"
+#include "core/rotary_params.h"
 
 namespace winnow::cuda {
 
@@ -29,5 +30,8 @@ std::int64_t threshold_output_reruns();
 void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& cfg);
 void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                     const detail::SieveConfig& cfg);
+
+// Rotary position embedding (winnow/rotary.h), one element-wise pass.
+void rotary(const detail::RotaryParams& p);
 
 }  // namespace winnow::cuda

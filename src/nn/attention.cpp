@@ -45,7 +45,7 @@ torch::Tensor alibi_slopes(std::int64_t heads) {
 
 PositionalEncoding::PositionalEncoding(const ModelConfig& model, std::int64_t head_dim)
     : kind_(model.attention.position) {
-  if (kind_ == "rope") rope_.emplace(model.attention.rope, head_dim, model.context_len);
+  if (kind_ == "rope") rope_.emplace(model.attention.rope, head_dim, model.context_len, uses_kernel(model.attention));
 }
 
 PositionalEncoding::Prepared PositionalEncoding::prepare(const torch::Tensor& q,

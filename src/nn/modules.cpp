@@ -3,6 +3,15 @@
 #include <algorithm>
 #include <cmath>
 
+#include "torch/ops.h"
+
+// LibTorch from 2.8 on has a fused RMSNorm kernel on CUDA behind at::rms_norm.
+#if __has_include(<ATen/ops/_fused_rms_norm.h>)
+#include <ATen/ops/rms_norm.h>
+#define WINNOW_FUSED_RMS_NORM 1
+#else
+#define WINNOW_FUSED_RMS_NORM 0
+#endif
 #include "winnow/error.h"
 
 namespace winnow::nn {
@@ -33,6 +42,13 @@ RMSNormImpl::RMSNormImpl(std::int64_t dim, double eps) : eps_(eps) {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+#if WINNOW_FUSED_RMS_NORM
+  // LibTorch's fused kernel, forward and backward, on CUDA: the expression below in one pass
+  // (float32 statistics). The residual stream is float32 under autocast.
+  if (x.is_cuda() && x.scalar_type() == torch::kFloat32 && weight_.scalar_type() == torch::kFloat32) {
+    return at::rms_norm(x, {weight_.size(0)}, weight_, eps_);
+  }
+#endif
   const torch::Tensor xf = x.to(stats_type(x));
   const torch::Tensor normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   return (normed * weight_).to(x.scalar_type());
@@ -72,8 +88,8 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
 
 // ------------------------------------------------------------------ RoPE
 
-Rope::Rope(const RopeConfig& config, std::int64_t head_dim, std::int64_t context_len)
-    : config_(config), head_dim_(head_dim), context_len_(context_len) {
+Rope::Rope(const RopeConfig& config, std::int64_t head_dim, std::int64_t context_len, bool fused)
+    : config_(config), head_dim_(head_dim), context_len_(context_len), fused_(fused) {
   if (head_dim % 2 != 0) {
     config::fail("model.attention.head_dim", "an even head dimension for RoPE",
                  std::to_string(head_dim));
@@ -139,10 +155,15 @@ torch::Tensor Rope::apply(const torch::Tensor& x, std::int64_t offset, std::int6
     cos = cos_.narrow(0, offset, len);
     sin = sin_.narrow(0, offset, len);
   }
+  const std::int64_t half = head_dim_ / 2;
+  if (fused_ && (x.is_cuda() || x.scalar_type() == torch::kFloat32 ||
+                 x.scalar_type() == torch::kFloat64)) {
+    // The tables repeat their first half (the pairs (i, i + D/2) share an angle).
+    return torch_ops::rotary_embedding(x, cos.narrow(1, 0, half), sin.narrow(1, 0, half));
+  }
   cos = cos.view({1, len, 1, head_dim_});
   sin = sin.view({1, len, 1, head_dim_});
   const torch::Tensor xw = x.to(work);
-  const std::int64_t half = head_dim_ / 2;
   const torch::Tensor rotated = torch::cat({-xw.narrow(-1, half, half), xw.narrow(-1, 0, half)}, -1);
   return (xw * cos + rotated * sin).to(x.scalar_type());
 }

@@ -64,10 +64,13 @@ TORCH_MODULE(MLP);
 // Rotary position embedding on (B, L, H, D) tensors, rotating the pairs (i, i + D/2), with the
 // variants of spec/softmax.md: linear position interpolation, NTK-aware base scaling, dynamic
 // NTK (the base grows with the tokens seen once they exceed the training context) and YaRN.
-// Applied outside the attention operators as element-wise LibTorch operations.
+// fused: rotate through winnow's rotary operator (one kernel forward, one backward; float32 and
+// float64 on the CPU, any float dtype on CUDA); otherwise, and for the dtypes it lacks, as
+// element-wise LibTorch operations (the composed path, kept for checking).
 class Rope {
  public:
-  Rope(const RopeConfig& config, std::int64_t head_dim, std::int64_t context_len);
+  Rope(const RopeConfig& config, std::int64_t head_dim, std::int64_t context_len,
+       bool fused = false);
 
   // Dynamic scaling depends on how many tokens the sequence holds, so keys rotated earlier
   // would go stale; the layers cache such keys unrotated and rotate them on every call. (Beyond
@@ -88,6 +91,7 @@ class Rope {
 
   RopeConfig config_;
   std::int64_t head_dim_, context_len_;
+  bool fused_;
   // Tables for positions [0, cached) on the device and dtype last used: RoPE would otherwise
   // rebuild them on the host for every layer and step.
   mutable torch::Tensor cos_, sin_;

@@ -440,6 +440,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention_no_grad(
   return std::make_tuple(out, log_rem.exp(), count);
 }
 
+// ------------------------------------------------------------------ rotary embedding
+
+at::Tensor rotary_apply_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                           bool transpose) {
+  constexpr const char* op = "winnow.rotary_embedding_apply";
+  return translate_errors([&] {
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    const DeviceScope scope(x);
+    rotary::apply(view_of(x, op, "x"), view_of(cos, op, "cos"), view_of(sin, op, "sin"), transpose,
+                  view_of(out, op, "out"), scope.context(false, false));
+    return out;
+  });
+}
+
+// Gradients flow to x only: the tables are functions of positions, not parameters.
+struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                               const at::Tensor& sin, bool transpose) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["transpose"] = transpose;
+    return {rotary_apply_op(x, cos, sin, transpose)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const bool transpose = ctx->saved_data["transpose"].toBool();
+    at::Tensor dx;
+    if (grads[0].defined()) dx = rotary_apply_op(grads[0], saved[0], saved[1], !transpose);
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor rotary_embedding_autograd(const at::Tensor& x, const at::Tensor& cos,
+                                     const at::Tensor& sin, bool transpose) {
+  return RotaryFunction::apply(x, cos, sin, transpose)[0];
+}
+
+at::Tensor rotary_embedding_no_grad(const at::Tensor& x, const at::Tensor& cos,
+                                    const at::Tensor& sin, bool transpose) {
+  return rotary_apply_op(x, cos, sin, transpose);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(winnow, m) {
@@ -500,6 +542,8 @@ TORCH_LIBRARY(winnow, m) {
       "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
       "float alpha=1.5, str filter=\"exact\", float? eps=None, bool deterministic=False, "
       "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
+  m.def("rotary_embedding_apply(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
 }
 
 // The kernel calls dispatch on the tensors' device themselves (winnow's API), so one
@@ -513,6 +557,7 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("entmax_attention_backward", entmax_backward_op);
   m.impl("sieve_attention_forward", sieve_forward_op);
   m.impl("sieve_attention_backward", sieve_backward_op);
+  m.impl("rotary_embedding_apply", rotary_apply_op);
 }
 
 // The differentiable operators: the autograd kernel records the backward; below autograd
@@ -522,6 +567,7 @@ TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("stick_breaking_attention", stick_breaking_attention_autograd);
   m.impl("entmax_attention", entmax_attention_autograd);
   m.impl("sieve_attention", sieve_attention_autograd);
+  m.impl("rotary_embedding", rotary_embedding_autograd);
 }
 
 TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
@@ -529,6 +575,7 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("stick_breaking_attention", stick_breaking_attention_no_grad);
   m.impl("entmax_attention", entmax_attention_no_grad);
   m.impl("sieve_attention", sieve_attention_no_grad);
+  m.impl("rotary_embedding", rotary_embedding_no_grad);
 }
 
 // The C++ entry points (torch/ops.h) call the registered operators through the dispatcher,
@@ -580,6 +627,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention(
                            double, c10::string_view, Opt<double>)>();
   return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current,
                  alpha, filter, eps);
+}
+
+at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                            bool transpose) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::rotary_embedding", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+  return op.call(x, cos, sin, transpose);
 }
 
 }  // namespace winnow::torch_ops

@@ -39,4 +39,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionCall& call,
     double alpha = 1.5, const std::string& filter = "exact", Opt<double> eps = Opt<double>());
 
+// Rotary position embedding of x (B, L, H, D) by tables cos and sin (L, D/2) (winnow/rotary.h):
+// one kernel forward and one backward (the transposed rotation); gradients reach x only.
+at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                            bool transpose = false);
+
 }  // namespace winnow::torch_ops

@@ -2,7 +2,30 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/version.h>
+
+// LibTorch's fused multi-tensor AdamW (CUDA) and the multi-tensor norm and scale, where this
+// LibTorch has them (2.x); older ones take torch::optim::AdamW's per-parameter loop.
+#if __has_include(<ATen/ops/_fused_adamw.h>)
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_sub.h>
+#define WINNOW_FUSED_ADAMW 1
+#else
+#define WINNOW_FUSED_ADAMW 0
+#endif
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_norm.h>
+#define WINNOW_FOREACH_CLIP 1
+#else
+#define WINNOW_FOREACH_CLIP 0
+#endif
+#include <future>
+#include <sstream>
+#include <thread>
 
 #include <chrono>
 #include <cmath>
@@ -52,10 +75,11 @@ torch::Tensor masked_cross_entropy_sum(const torch::Tensor& logits, const tasks:
   return -(target * batch.loss_mask).sum();
 }
 
+// Asynchronous from pinned memory (training batches on CUDA).
 tasks::Batch to_device(tasks::Batch b, const torch::Device& device) {
-  b.inputs = b.inputs.to(device);
-  b.targets = b.targets.to(device);
-  b.loss_mask = b.loss_mask.to(device);
+  b.inputs = b.inputs.to(device, /*non_blocking=*/b.inputs.is_pinned());
+  b.targets = b.targets.to(device, /*non_blocking=*/b.targets.is_pinned());
+  b.loss_mask = b.loss_mask.to(device, /*non_blocking=*/b.loss_mask.is_pinned());
   return b;
 }
 
@@ -83,6 +107,47 @@ bool may_differ_on_resume(const std::string& key) {
       "device", "threads", "train.steps", "train.log_every", "train.eval_every",
       "train.eval_batches", "train.checkpoint_every", "train.keep_checkpoints", "train.out_dir"};
   return free.count(key) > 0;
+}
+
+// The gradients' norm and their scaling by a device scalar, one multi-tensor kernel each where
+// LibTorch has them (float32 gradients).
+#if WINNOW_FOREACH_CLIP
+torch::Tensor foreach_norm(const std::vector<torch::Tensor>& grads) {
+  return torch::stack(at::_foreach_norm(grads, 2)).norm();
+}
+void foreach_scale(std::vector<torch::Tensor>& grads, const torch::Tensor& coef) {
+  at::_foreach_mul_(grads, coef);
+}
+#else
+torch::Tensor foreach_norm(const std::vector<torch::Tensor>&) {
+  throw Error(ErrorKind::unsupported, "multi-tensor norm needs LibTorch >= 2.4");
+}
+void foreach_scale(std::vector<torch::Tensor>&, const torch::Tensor&) {
+  throw Error(ErrorKind::unsupported, "multi-tensor scaling needs LibTorch >= 2.4");
+}
+#endif
+
+// c10::Event::synchronize arrived in LibTorch 2.x; before it, poll.
+template <class Event>
+auto wait_for(const Event& e, int) -> decltype(e.synchronize(), void()) {
+  e.synchronize();
+}
+template <class Event>
+void wait_for(const Event& e, long) {
+  while (!e.query()) std::this_thread::yield();
+}
+
+// torch::optim keys its state by the parameter's TensorImpl: as a string before LibTorch 2.x,
+// as the pointer after.
+template <class StateMap>
+typename StateMap::key_type state_key(const StateMap&, const torch::Tensor& p) {
+  if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
+    std::ostringstream key;  // what c10::guts::to_string wrote
+    key << p.unsafeGetTensorImpl();
+    return key.str();
+  } else {
+    return static_cast<typename StateMap::key_type>(p.unsafeGetTensorImpl());
+  }
 }
 
 // One phase of a profiled step (see StepProfile); does nothing without a profile. `scope` is the
@@ -305,7 +370,90 @@ void Trainer::check_aux_names(const std::map<std::string, torch::Tensor>& produc
   }
 }
 
-StepStats Trainer::step() {
+tasks::Batch Trainer::training_batch(std::int64_t step) const {
+  const TrainConfig& t = config_.train;
+  tasks::Batch b = task_->sample_training(t.batch_size, t.seq_len,
+                                          tasks::batch_seed(config_.seed, kTrainStream, step));
+  if (device_.is_cuda()) {
+    // Pinned, so that the copy to the device is asynchronous: a pageable copy would wait for
+    // the device to drain the work queued before it.
+    b.inputs = b.inputs.pin_memory();
+    b.targets = b.targets.pin_memory();
+    b.loss_mask = b.loss_mask.pin_memory();
+  }
+  return b;
+}
+
+bool fused_adamw_available(const torch::Device& device) {
+  return WINNOW_FUSED_ADAMW != 0 && device.is_cuda();
+}
+
+void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
+                      const torch::Tensor& found_inf) {
+#if WINNOW_FUSED_ADAMW
+  // LibTorch's fused AdamW: a few kernels per parameter group instead of about ten
+  // operations per parameter. Same update as torch::optim::AdamW's, whose state it keeps.
+  for (auto& group : optimizer.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      if (!p.is_cuda()) {
+        throw Error(ErrorKind::invalid_argument,
+                    "fused_adamw_step: argument 'optimizer': expected CUDA parameters, got one on " +
+                        p.device().str());
+      }
+      auto& state_map = optimizer.state();
+      auto it = state_map.find(state_key(state_map, p));
+      if (it == state_map.end()) {
+        auto state = std::make_unique<torch::optim::AdamWParamState>();
+        state->step(0);
+        state->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        it = state_map.emplace(state_key(state_map, p), std::move(state)).first;
+      }
+      auto& state = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      torch::Tensor& step = device_steps[p.unsafeGetTensorImpl()];
+      if (!step.defined()) {
+        step = torch::full({}, static_cast<double>(state.step()),
+                           torch::TensorOptions().dtype(torch::kFloat32).device(p.device()));
+      }
+      state.step(state.step() + 1);
+      params.push_back(p);
+      grads.push_back(p.grad());
+      exp_avgs.push_back(state.exp_avg());
+      exp_avg_sqs.push_back(state.exp_avg_sq());
+      steps.push_back(step);
+    }
+    if (params.empty()) continue;
+    if (o.amsgrad()) {
+      throw Error(ErrorKind::unsupported, "fused_adamw_step: amsgrad is not supported");
+    }
+    // A step with found_inf nonzero leaves parameters, moments and step counts as they were.
+    at::_foreach_add_(steps, 1);
+    std::optional<at::Tensor> skip;
+    if (found_inf.defined()) skip = found_inf;
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
+                      std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
+    if (found_inf.defined()) {
+      at::_foreach_sub_(steps, std::vector<torch::Tensor>(steps.size(), found_inf));
+    }
+  }
+#else
+  throw Error(ErrorKind::unsupported, "fused_adamw_step: this LibTorch has no fused AdamW");
+#endif
+}
+
+void Trainer::optimizer_step(const torch::Tensor& found_inf) {
+  if (fused_adamw_available(device_)) {
+    fused_adamw_step(*optimizer_, device_steps_, found_inf);
+  } else {
+    optimizer_->step();
+  }
+}
+
+void Trainer::enqueue_step() {
   const TrainConfig& t = config_.train;
   enter_phase(phase_index(step_));
   for (auto& hook : step_hooks) hook(*this, step_);
@@ -321,8 +469,13 @@ StepStats Trainer::step() {
   for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
 
   PhaseScope sample(profile, "winnow.step.sample", device_);
-  const tasks::Batch batch = task_->sample_training(
-      t.batch_size, t.seq_len, tasks::batch_seed(config_.seed, kTrainStream, step_));
+  const tasks::Batch batch =
+      next_batch_step_ == step_ ? next_batch_.get() : training_batch(step_);
+  next_batch_step_ = -1;
+  if (device_.is_cuda()) {
+    next_batch_ = std::async(std::launch::async, [this, s = step_ + 1] { return training_batch(s); });
+    next_batch_step_ = step_ + 1;
+  }
   // The loss is the mean over every counted position of the whole batch, however it is split
   // into micro-batches: accumulation then computes the same gradient as one big batch.
   const double counted = std::max(1.0, batch.loss_mask.sum().item<double>());
@@ -376,44 +529,105 @@ StepStats Trainer::step() {
   }
   torch::Tensor norm = torch::zeros({}, torch::TensorOptions().device(device_));
   if (!grads.empty()) {
-    std::vector<torch::Tensor> norms;
-    for (const auto& g : grads) norms.push_back(g.to(torch::kFloat32).norm());
-    norm = torch::stack(norms).norm();
+    bool foreach = WINNOW_FOREACH_CLIP != 0;
+    for (const auto& g : grads) foreach &= g.scalar_type() == torch::kFloat32;
+    if (foreach) {
+      norm = foreach_norm(grads);
+    } else {
+      std::vector<torch::Tensor> norms;
+      for (const auto& g : grads) norms.push_back(g.to(torch::kFloat32).norm());
+      norm = torch::stack(norms).norm();
+    }
     if (t.clip > 0) {
       const torch::Tensor coef = (t.clip / (norm + 1e-6)).clamp_max(1.0);
-      for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+      if (foreach) {
+        foreach_scale(grads, coef);
+      } else {
+        for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+      }
     }
   }
   clip.close();
   PhaseScope report_phase(profile, "winnow.step.report", device_);
-  // One device-to-host transfer per step for everything the step reports.
+  // One device-to-host transfer per step for everything the step reports, read later.
   std::vector<torch::Tensor> report = {loss_sum, norm};
-  for (auto& [name, value] : aux_sums) report.push_back(value.to(torch::kFloat32));
-  const torch::Tensor host =
-      torch::stack(report).to(torch::TensorOptions().dtype(torch::kFloat64).device(torch::kCPU));
-  StepStats s;
-  s.loss = host[0].item<double>();
-  s.grad_norm = host[1].item<double>();
-  std::size_t i = 2;
-  for (auto& [name, value] : aux_sums) s.aux[name] = host[static_cast<std::int64_t>(i++)].item<double>();
-  s.lr = lr;
-  s.phase = t.phases.empty() ? "" : t.phases[phase_].name;
+  PendingReport pending;
+  for (auto& [name, value] : aux_sums) {
+    report.push_back(value.to(torch::kFloat32));
+    pending.aux_names.push_back(name);
+  }
+  const torch::Tensor values = torch::stack(report).to(torch::kFloat64);
+  if (device_.is_cuda()) {
+    pending.values = torch::empty(values.sizes(), torch::TensorOptions().dtype(torch::kFloat64).pinned_memory(true));
+    pending.values.copy_(values, /*non_blocking=*/true);
+    auto event = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+    event->record(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device_));
+    pending.landed = event;
+  } else {
+    pending.values = values;
+  }
+  pending.stats.lr = lr;
+  pending.stats.phase = t.phases.empty() ? "" : t.phases[phase_].name;
+  pending.stats.step = step_ + 1;
+  report_phase.close();
+  PhaseScope optimizer(profile, "winnow.step.optimizer", device_);
+  // On CUDA the update is enqueued before the report is read; the fused AdamW then skips a step
+  // whose loss or gradient norm is not finite, and the error comes when the report is read.
+  // Elsewhere the report is read first.
+  torch::Tensor found_inf;
+  if (fused_adamw_available(device_)) {
+    found_inf = values.narrow(0, 0, 2).isfinite().all().logical_not().to(torch::kFloat32);
+  } else {
+    resolve(pending);
+  }
+  optimizer_step(found_inf);
+  optimizer.close();
+  if (profile != nullptr) ++profile->steps;
+  ++step_;
+  pending_.push_back(std::move(pending));
+  // Two steps in flight at most: the host waits for the older one while the device still has
+  // the newer one queued.
+  while (pending_.size() > 2) {
+    PendingReport front = std::move(pending_.front());
+    pending_.pop_front();
+    resolve(front);
+  }
+}
+
+StepStats Trainer::resolve(PendingReport& report) {
+  if (report.landed) wait_for(*static_cast<c10::Event*>(report.landed.get()), 0);
+  StepStats s = report.stats;
+  const double* v = report.values.data_ptr<double>();
+  s.loss = v[0];
+  s.grad_norm = v[1];
+  for (std::size_t i = 0; i < report.aux_names.size(); ++i) s.aux[report.aux_names[i]] = v[2 + i];
   if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) {
-    throw Error(ErrorKind::runtime, "training diverged at step " + std::to_string(step_ + 1) +
+    pending_.clear();
+    throw Error(ErrorKind::runtime, "training diverged at step " + std::to_string(s.step) +
                                         ": loss " + std::to_string(s.loss) + ", gradient norm " +
                                         std::to_string(s.grad_norm) +
                                         " (lower train.lr or set train.clip)");
   }
-  report_phase.close();
-  PhaseScope optimizer(profile, "winnow.step.optimizer", device_);
-  optimizer_->step();
-  optimizer.close();
-  if (profile != nullptr) ++profile->steps;
-  s.step = ++step_;
   return s;
 }
 
+StepStats Trainer::wait_for_steps() {
+  StepStats last;
+  while (!pending_.empty()) {
+    PendingReport front = std::move(pending_.front());
+    pending_.pop_front();
+    last = resolve(front);
+  }
+  return last;
+}
+
+StepStats Trainer::step() {
+  enqueue_step();
+  return wait_for_steps();
+}
+
 nlohmann::json Trainer::evaluate() {
+  wait_for_steps();
   const TrainConfig& t = config_.train;
   torch::NoGradGuard no_grad;
   model_->eval();
@@ -446,6 +660,7 @@ void Trainer::log(const nlohmann::json& record) {
 }
 
 std::string Trainer::save() {
+  wait_for_steps();
   std::error_code ec;
   const auto bytes = fs::exists(metrics_path_) ? fs::file_size(metrics_path_, ec) : 0;
   CheckpointMeta meta;
@@ -482,6 +697,9 @@ bool Trainer::resume() {
       }
     }
   }
+  pending_.clear();
+  device_steps_.clear();
+  next_batch_step_ = -1;
   restore_checkpoint(folder, *model_, *optimizer_,
                      device_.is_cuda() ? std::optional<torch::Device>(device_) : std::nullopt);
   step_ = meta.step;
@@ -512,10 +730,12 @@ nlohmann::json Trainer::train(std::int64_t until_step) {
   nlohmann::json last_eval;
   bool evaluated_now = false;
   while (step_ < until_step) {
-    const StepStats s = step();
+    enqueue_step();
+    const std::int64_t done = step_;
     evaluated_now = false;
     window_tokens += tokens_per_step();
-    if (s.step % t.log_every == 0 || s.step == until_step) {
+    if (done % t.log_every == 0 || done == until_step) {
+      const StepStats s = wait_for_steps();
       if (device_.is_cuda()) torch::cuda::synchronize();
       const auto now = Clock::now();
       const double window = std::chrono::duration<double>(now - window_start).count();
@@ -546,13 +766,13 @@ nlohmann::json Trainer::train(std::int64_t until_step) {
       window_start = now;
       window_tokens = 0;
     }
-    if (t.eval_every > 0 && s.step % t.eval_every == 0) {
+    if (t.eval_every > 0 && done % t.eval_every == 0) {
       last_eval = evaluate();
       evaluated_now = true;
       log(last_eval);
       if (!quiet) std::printf("eval %s\n", last_eval.dump().c_str());
     }
-    if (t.checkpoint_every > 0 && s.step % t.checkpoint_every == 0 && s.step < until_step) save();
+    if (t.checkpoint_every > 0 && done % t.checkpoint_every == 0 && done < until_step) save();
   }
   if (!evaluated_now) {
     last_eval = evaluate();

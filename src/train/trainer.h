@@ -8,10 +8,12 @@
 
 #include <torch/torch.h>
 
+#include <deque>
 #include <functional>
+#include <future>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -51,6 +53,14 @@ struct StepProfile {
   void add(const std::string& phase, double s);
 };
 
+// LibTorch's fused multi-tensor AdamW (CUDA, LibTorch 2.x) over the parameters of `optimizer`
+// that have gradients: the same update as optimizer.step(), kept in its state (moments and step
+// counts, so checkpoints read the same); device_steps holds the step counts as device tensors
+// between calls. found_inf (a float32 device scalar, or undefined): nonzero skips the step.
+bool fused_adamw_available(const torch::Device& device);
+void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
+                      const torch::Tensor& found_inf = {});
+
 class Trainer {
  public:
   explicit Trainer(const ExperimentConfig& config);
@@ -65,8 +75,15 @@ class Trainer {
   // Trains until `until_step` (default: train.steps), logging, evaluating and checkpointing as
   // configured; evaluates and saves a checkpoint at the end. Returns the last evaluation.
   nlohmann::json train(std::int64_t until_step = -1);
-  // One optimizer step, without logging or checkpointing.
+  // One optimizer step, without logging or checkpointing; waits for the device to report the
+  // step's loss and gradient norm (and throws if either is not finite).
   StepStats step();
+  // The same step without waiting: on CUDA the host goes on to the next step while the device
+  // works. Its report lands in pinned memory and is checked for divergence two steps later, or
+  // at wait_for_steps(), save() and evaluate(), whichever comes first.
+  void enqueue_step();
+  // Waits for every enqueued step, checks each report, and returns the last step's statistics.
+  StepStats wait_for_steps();
   // Mean loss and accuracy over train.eval_batches held-out batches, plus the eval hooks' keys.
   nlohmann::json evaluate();
   std::string save();
@@ -98,6 +115,17 @@ class Trainer {
   double aux_weight(const std::string& name) const;
   void check_aux_names(const std::map<std::string, torch::Tensor>& produced);
   void log(const nlohmann::json& record);
+  // A step's report: loss, gradient norm and auxiliary losses, in flight to the host.
+  struct PendingReport {
+    StepStats stats;  // all but the numbers the device reports
+    std::vector<std::string> aux_names;
+    torch::Tensor values;  // float64 on the host (pinned on CUDA), filled when `landed` is
+    std::shared_ptr<void> landed;  // a c10::Event recorded after the copy; null on the CPU
+  };
+  StepStats resolve(PendingReport& report);
+  tasks::Batch training_batch(std::int64_t step) const;
+  // found_inf: a float32 device scalar, nonzero to skip the update (CUDA's fused AdamW only).
+  void optimizer_step(const torch::Tensor& found_inf);
 
   ExperimentConfig config_;
   torch::Device device_;
@@ -110,6 +138,14 @@ class Trainer {
   std::size_t phase_ = static_cast<std::size_t>(-1);  // none entered yet
   std::set<std::size_t> aux_checked_;                  // phases whose aux names were checked
   std::string metrics_path_;
+  std::deque<PendingReport> pending_;
+  // The next step's batch, drawn on another thread while the device runs this one (CUDA only:
+  // on the CPU that thread would compete with the kernels).
+  std::future<tasks::Batch> next_batch_;
+  std::int64_t next_batch_step_ = -1;
+  // The optimizer's step counts as device tensors, for LibTorch's fused AdamW (kept equal to
+  // the counts in the optimizer's state, which checkpoints hold).
+  std::map<const void*, torch::Tensor> device_steps_;
 };
 
 }  // namespace winnow::train

@@ -1,0 +1,206 @@
+// The model layer's fused pieces on CUDA against the composed LibTorch expressions they replace
+// (rotary embedding, RMSNorm, AdamW), forward and gradients; and the CUDA trainer's
+// asynchronous step (pinned batches drawn ahead, reports read two steps later, the update
+// skipped on the device for a diverged step) against synchronous steps and across a resume.
+// Label `cuda`: runs on a machine with a GPU (tools/gpu_check.sh).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "nn/modules.h"
+#include "train/config.h"
+#include "train/files.h"
+#include "train/trainer.h"
+#include "winnow/error.h"
+
+namespace winnow::train {
+namespace {
+namespace fs = std::filesystem;
+using torch::Tensor;
+
+double rel(const Tensor& a, const Tensor& b) {
+  const Tensor a64 = a.to(torch::kCPU, torch::kFloat64), b64 = b.to(torch::kCPU, torch::kFloat64);
+  return ((a64 - b64).norm() / b64.norm().clamp_min(1e-300)).item<double>();
+}
+
+const torch::Device kCuda(torch::kCUDA, 0);
+
+TEST(CudaFusedPieces, RotaryMatchesTheComposedExpression) {
+  for (const char* scaling : {"none", "yarn", "dynamic"}) {
+    for (torch::ScalarType dtype : {torch::kBFloat16, torch::kFloat32}) {
+      nn::RopeConfig c;
+      c.scaling = scaling;
+      c.factor = 4;
+      const nn::Rope composed(c, 64, 32), fused(c, 64, 32, /*fused=*/true);
+      torch::manual_seed(2);
+      const Tensor x = torch::randn({3, 37, 5, 64}, torch::TensorOptions().dtype(dtype).device(kCuda))
+                           .requires_grad_(true);
+      const Tensor w = torch::randn_like(x);
+      const Tensor y_composed = composed.apply(x, 7, 44), y_fused = fused.apply(x, 7, 44);
+      const Tensor g_composed = torch::autograd::grad({(y_composed.to(torch::kFloat32) * w).sum()}, {x})[0];
+      const Tensor g_fused = torch::autograd::grad({(y_fused.to(torch::kFloat32) * w).sum()}, {x})[0];
+      // Both rotate in float32 and round once to the input's dtype.
+      const double tol = dtype == torch::kBFloat16 ? 4e-3 : 1e-6;
+      EXPECT_EQ(y_fused.scalar_type(), dtype);
+      EXPECT_LT(rel(y_fused, y_composed), tol) << scaling;
+      EXPECT_LT(rel(g_fused, g_composed), tol) << scaling;
+    }
+  }
+}
+
+TEST(CudaFusedPieces, RmsNormMatchesTheComposedExpression) {
+  torch::manual_seed(3);
+  nn::RMSNorm norm(96, 1e-5);
+  norm->to(kCuda);
+  {
+    torch::NoGradGuard no_grad;
+    norm->named_parameters()["weight"].normal_(1.0, 0.2);
+  }
+  const Tensor weight = norm->named_parameters()["weight"];
+  const Tensor x = torch::randn({4, 33, 96}, torch::TensorOptions().device(kCuda)).requires_grad_(true);
+  const Tensor w = torch::randn_like(x);
+  const Tensor y = norm(x);
+  const Tensor expected = x * torch::rsqrt(x.pow(2).mean(-1, true) + 1e-5) * weight;
+  EXPECT_LT(rel(y, expected), 1e-6);
+  const auto g = torch::autograd::grad({(y * w).sum()}, {x, weight});
+  const auto ge = torch::autograd::grad({(expected * w).sum()}, {x, weight});
+  EXPECT_LT(rel(g[0], ge[0]), 1e-5);
+  EXPECT_LT(rel(g[1], ge[1]), 1e-5);
+}
+
+TEST(CudaFusedPieces, FusedAdamWMatchesTorchOptimAdamW) {
+  ASSERT_TRUE(fused_adamw_available(kCuda)) << "this LibTorch has no fused AdamW";
+  torch::manual_seed(4);
+  std::vector<Tensor> mine, theirs;
+  for (auto shape : {std::vector<std::int64_t>{64, 48}, {48}, {7, 3, 5}}) {
+    const Tensor p = torch::randn(shape, torch::TensorOptions().device(kCuda));
+    mine.push_back(p.clone().requires_grad_(true));
+    theirs.push_back(p.clone().requires_grad_(true));
+  }
+  auto make = [](std::vector<Tensor>& params) {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    auto decay = std::make_unique<torch::optim::AdamWOptions>(2e-3);
+    decay->betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1);
+    groups.emplace_back(std::vector<Tensor>{params[0], params[2]}, std::move(decay));
+    auto plain = std::make_unique<torch::optim::AdamWOptions>(1e-3);
+    plain->betas({0.9, 0.95}).eps(1e-8).weight_decay(0.0);
+    groups.emplace_back(std::vector<Tensor>{params[1]}, std::move(plain));
+    return torch::optim::AdamW(groups, torch::optim::AdamWOptions(1e-3));
+  };
+  torch::optim::AdamW fused = make(mine), reference = make(theirs);
+  std::map<const void*, Tensor> steps;
+  for (int step = 0; step < 5; ++step) {
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      const Tensor g = torch::randn_like(mine[i]);
+      mine[i].mutable_grad() = g.clone();
+      theirs[i].mutable_grad() = g.clone();
+    }
+    if (step == 2) {
+      // A skipped step: nothing moves, and the next step is the reference's third.
+      std::vector<Tensor> before;
+      for (const Tensor& p : mine) before.push_back(p.detach().clone());
+      fused_adamw_step(fused, steps, torch::ones({}, torch::TensorOptions().device(kCuda)));
+      for (std::size_t i = 0; i < mine.size(); ++i) EXPECT_TRUE(torch::equal(before[i], mine[i]));
+      continue;
+    }
+    fused_adamw_step(fused, steps, torch::zeros({}, torch::TensorOptions().device(kCuda)));
+    reference.step();
+    for (std::size_t i = 0; i < mine.size(); ++i) EXPECT_LT(rel(mine[i], theirs[i]), 1e-6) << step << " " << i;
+  }
+}
+
+// ------------------------------------------------------------------ the CUDA trainer
+
+std::string scratch(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("winnow_cuda_test_" + name + "_" + std::to_string(::getpid()));
+  remove_tree(p);
+  return p.string();
+}
+
+ExperimentConfig small(const std::string& out_dir, const std::string& kind) {
+  nlohmann::json j = {
+      {"seed", 7},
+      {"device", "cuda"},
+      {"model", {{"d_model", 64}, {"layers", 2}, {"attention", {{"kind", kind}, {"heads", 2}}}}},
+      {"train",
+       {{"steps", 6}, {"batch_size", 8}, {"grad_accum", 2}, {"seq_len", 32}, {"lr", 3e-3},
+        {"warmup", 2}, {"clip", 1.0}, {"log_every", 2}, {"eval_batches", 1},
+        {"deterministic", true}, {"out_dir", out_dir}}},
+      {"task", {{"name", "progression"}, {"vocab_size", 12}}},
+  };
+  if (kind == "softmax") j["model"]["attention"]["position"] = "rope";
+  return parse_experiment(j);
+}
+
+void expect_same_parameters(Trainer& a, Trainer& b) {
+  auto pa = a.model()->named_parameters(), pb = b.model()->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& item : pa) EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << item.key();
+}
+
+TEST(CudaTrainer, EnqueuedStepsEqualSynchronousSteps) {
+  for (const char* kind : {"softmax", "stick_breaking"}) {
+    const std::string dir_a = scratch("sync"), dir_b = scratch("async");
+    Trainer a(small(dir_a, kind)), b(small(dir_b, kind));
+    a.quiet = b.quiet = true;
+    double last_loss = 0;
+    for (int i = 0; i < 5; ++i) last_loss = a.step().loss;
+    for (int i = 0; i < 5; ++i) b.enqueue_step();
+    const StepStats s = b.wait_for_steps();
+    EXPECT_EQ(s.step, 5);
+    EXPECT_EQ(s.loss, last_loss) << kind;
+    expect_same_parameters(a, b);
+    remove_tree(dir_a);
+    remove_tree(dir_b);
+  }
+}
+
+TEST(CudaTrainer, ResumeGivesBitIdenticalParameters) {
+  const std::string dir_a = scratch("straight"), dir_b = scratch("resumed");
+  Trainer straight(small(dir_a, "softmax"));
+  straight.quiet = true;
+  straight.train();
+  {
+    Trainer first(small(dir_b, "softmax"));
+    first.quiet = true;
+    first.train(3);
+  }
+  Trainer second(small(dir_b, "softmax"));
+  second.quiet = true;
+  ASSERT_TRUE(second.resume());
+  second.train();
+  expect_same_parameters(straight, second);
+  straight.step();
+  second.step();
+  expect_same_parameters(straight, second);
+  remove_tree(dir_a);
+  remove_tree(dir_b);
+}
+
+TEST(CudaTrainer, DivergedStepLeavesTheModelAndSaysWhere) {
+  const std::string dir = scratch("diverge");
+  Trainer t(small(dir, "softmax"));
+  t.quiet = true;
+  t.aux_loss_fns.emplace_back("nan", [](Trainer&, const tasks::Batch&, const Tensor& logits) {
+    return logits.sum() * std::numeric_limits<double>::quiet_NaN();
+  });
+  const Tensor before = t.model()->named_parameters()["block0.attention.q.weight"].detach().clone();
+  // Enqueued steps run ahead of the check; none of them may move the model.
+  try {
+    for (int i = 0; i < 4; ++i) t.enqueue_step();
+    t.wait_for_steps();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("training diverged at step 1"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(torch::equal(before, t.model()->named_parameters()["block0.attention.q.weight"]));
+  remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace winnow::train
