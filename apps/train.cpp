@@ -301,7 +301,7 @@ void add_train_bench(CLI::App& app) {
     const fs::path scratch = fs::temp_directory_path() / ("winnow-train-bench-" + std::to_string(::getpid()));
     nlohmann::json results = nlohmann::json::array();
     std::string device_name;
-    std::printf("%6s %6s  %-24s %-9s %12s %10s\n", "L", "batch", "kind", "impl", "tokens/s", "ms/step");
+    std::printf("%6s %6s  %-24s %-9s %12s %10s  %s\n", "L", "batch", "kind", "impl", "tokens/s", "ms/step", "step");
     for (std::int64_t L : lengths) {
       for (const BenchKind* kind : kinds) {
         const std::int64_t batch = std::max<std::int64_t>(1, args->tokens / L);
@@ -344,11 +344,14 @@ void add_train_bench(CLI::App& app) {
           const double seconds =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           record["tokens_per_s"] = static_cast<double>(args->steps * trainer.tokens_per_step()) / seconds;
+          const std::string blocker = trainer.graph_blocker();
+          record["cuda_graph"] = blocker.empty() ? std::string("on") : "off: " + blocker;
           record["ms_per_step"] = 1e3 * seconds / static_cast<double>(args->steps);
-          std::printf("%6lld %6lld  %-24s %-9s %12.0f %10.2f\n", static_cast<long long>(L),
+          std::printf("%6lld %6lld  %-24s %-9s %12.0f %10.2f  %s\n", static_cast<long long>(L),
                       static_cast<long long>(batch), kind->name.c_str(),
                       record["implementation"].get<std::string>().c_str(),
-                      record["tokens_per_s"].get<double>(), record["ms_per_step"].get<double>());
+                      record["tokens_per_s"].get<double>(), record["ms_per_step"].get<double>(),
+                      blocker.empty() ? "graph" : "");
           if (args->profile) {
             std::fflush(stdout);
             record["profile"] = profile_steps(trainer, args->steps, record["ms_per_step"].get<double>());

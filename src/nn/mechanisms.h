@@ -27,6 +27,9 @@ struct Mechanism {
   std::string fused_operator;          // the winnow operator its kernel path calls
   std::vector<std::string> positions;  // the positional encodings it takes; the first is its default
   std::vector<std::string> option_keys;  // its own keys in model.attention, for messages and info
+  // Whether a training step with this layer can be captured as a CUDA graph: no host
+  // synchronization and no tensors built from host data inside its forward and backward.
+  bool graph_capturable = false;
 
   // Checks the mechanism's own keys (found in the attention object at `path`) and returns them
   // with every default filled in; an unknown key or bad value is an error naming it.

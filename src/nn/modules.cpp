@@ -149,6 +149,10 @@ torch::Tensor Rope::apply(const torch::Tensor& x, std::int64_t offset, std::int6
       const std::int64_t have = cos_.defined() ? cos_.size(0) : 0;
       const std::int64_t n = std::max<std::int64_t>({offset + len, 2 * have, 64});
       auto [c, s] = compute(0, n, n);
+      if (cos_.defined()) {
+        retired_.push_back(cos_);
+        retired_.push_back(sin_);
+      }
       cos_ = c.to(options);
       sin_ = s.to(options);
     }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "nn/config.h"
 
@@ -95,6 +96,10 @@ class Rope {
   // Tables for positions [0, cached) on the device and dtype last used: RoPE would otherwise
   // rebuild them on the host for every layer and step.
   mutable torch::Tensor cos_, sin_;
+  // Tables replaced by longer ones stay allocated: a captured CUDA graph (the trainer's) reads
+  // the tables it was captured with at their addresses, and evaluation at longer lengths must
+  // not hand that memory to something else.
+  mutable std::vector<torch::Tensor> retired_;
 };
 
 // One layer's keys and values for incremental decoding, (B, T, Hkv, D) and (B, T, Hkv, Dv).

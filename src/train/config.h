@@ -59,6 +59,12 @@ struct TrainConfig {
   // Deterministic kernels (winnow's backward without atomics on CUDA); the CPU is
   // deterministic for a fixed thread count either way.
   bool deterministic = false;
+  // On CUDA, capture the whole step (forward, backward, clipping, AdamW) as a CUDA graph after a
+  // few ordinary steps, and replay it: one launch instead of hundreds. Taken where the layer
+  // kind allows it (softmax and stick-breaking without dynamic RoPE; see
+  // Trainer::graph_blocker) and nothing on the host (step hooks, auxiliary loss functions, a
+  // profile) needs to run inside the step. Same results as without it.
+  bool cuda_graph = true;
   std::map<std::string, double> aux_loss_weights;  // by name; an unlisted aux loss weighs 1
   std::vector<Phase> phases;
   std::int64_t log_every = 10;
@@ -87,6 +93,7 @@ struct TrainConfig {
     v("clip", clip, config::with_words(config::at_least(0), "0: off"));
     v("dtype", dtype, config::one_of({"auto", "float32", "bfloat16"}));
     v("deterministic", deterministic);
+    v("cuda_graph", cuda_graph);
     v("aux_loss_weights", aux_loss_weights, config::at_least(0));
     v("phases", phases);
     v("log_every", log_every, config::at_least(1));

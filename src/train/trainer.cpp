@@ -23,6 +23,15 @@
 #else
 #define WINNOW_FOREACH_CLIP 0
 #endif
+#if defined(WINNOW_TORCH_CUDA) && __has_include(<ATen/cuda/CUDAGraph.h>) && WINNOW_FUSED_ADAMW
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#define WINNOW_CUDA_GRAPHS 1
+#else
+#define WINNOW_CUDA_GRAPHS 0
+#endif
 #include <future>
 #include <sstream>
 #include <thread>
@@ -104,7 +113,7 @@ void flatten(const nlohmann::json& j, const std::string& prefix,
 // run computes: its length, reporting cadence, output folder, and where it runs.
 bool may_differ_on_resume(const std::string& key) {
   static const std::set<std::string> free = {
-      "device", "threads", "train.steps", "train.log_every", "train.eval_every",
+      "device", "threads", "train.cuda_graph", "train.steps", "train.log_every", "train.eval_every",
       "train.eval_batches", "train.checkpoint_every", "train.keep_checkpoints", "train.out_dir"};
   return free.count(key) > 0;
 }
@@ -191,6 +200,20 @@ class PhaseScope {
 };
 
 }  // namespace
+
+// The captured step: the graph and the tensors it reads and writes, at fixed addresses.
+struct Trainer::GraphState {
+#if WINNOW_CUDA_GRAPHS
+  at::cuda::CUDAGraph graph;
+#endif
+  std::size_t phase = 0;
+  torch::Tensor inputs, targets, loss_mask, counted, values;
+  std::vector<std::string> aux_names;
+};
+
+Trainer::~Trainer() = default;
+Trainer::Trainer(Trainer&&) noexcept = default;
+Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 
 void StepProfile::add(const std::string& phase, double s) {
   for (auto& [name, total] : seconds) {
@@ -326,6 +349,7 @@ std::size_t Trainer::phase_index(std::int64_t step) const {
 void Trainer::enter_phase(std::size_t index) {
   if (index == phase_) return;
   phase_ = index;
+  eager_steps_in_phase_ = 0;
   const auto& phases = config_.train.phases;
   if (phases.empty()) return;
   const Phase& p = phases[index];
@@ -388,12 +412,33 @@ bool fused_adamw_available(const torch::Device& device) {
   return WINNOW_FUSED_ADAMW != 0 && device.is_cuda();
 }
 
+void ensure_adamw_state(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
+                        const torch::Tensor& p) {
+  auto& state_map = optimizer.state();
+  auto it = state_map.find(state_key(state_map, p));
+  if (it == state_map.end()) {
+    auto state = std::make_unique<torch::optim::AdamWParamState>();
+    state->step(0);
+    state->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    it = state_map.emplace(state_key(state_map, p), std::move(state)).first;
+  }
+  torch::Tensor& step = device_steps[p.unsafeGetTensorImpl()];
+  if (!step.defined()) {
+    const auto& state = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    step = torch::full({}, static_cast<double>(state.step()),
+                       torch::TensorOptions().dtype(torch::kFloat32).device(p.device()));
+  }
+}
+
 void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
-                      const torch::Tensor& found_inf) {
+                      const torch::Tensor& found_inf, const std::vector<torch::Tensor>* group_lrs) {
 #if WINNOW_FUSED_ADAMW
   // LibTorch's fused AdamW: a few kernels per parameter group instead of about ten
   // operations per parameter. Same update as torch::optim::AdamW's, whose state it keeps.
-  for (auto& group : optimizer.param_groups()) {
+  auto& param_groups = optimizer.param_groups();
+  for (std::size_t g = 0; g < param_groups.size(); ++g) {
+    auto& group = param_groups[g];
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
     std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
     for (auto& p : group.params()) {
@@ -403,27 +448,17 @@ void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torc
                     "fused_adamw_step: argument 'optimizer': expected CUDA parameters, got one on " +
                         p.device().str());
       }
-      auto& state_map = optimizer.state();
-      auto it = state_map.find(state_key(state_map, p));
-      if (it == state_map.end()) {
-        auto state = std::make_unique<torch::optim::AdamWParamState>();
-        state->step(0);
-        state->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        it = state_map.emplace(state_key(state_map, p), std::move(state)).first;
-      }
-      auto& state = static_cast<torch::optim::AdamWParamState&>(*it->second);
-      torch::Tensor& step = device_steps[p.unsafeGetTensorImpl()];
-      if (!step.defined()) {
-        step = torch::full({}, static_cast<double>(state.step()),
-                           torch::TensorOptions().dtype(torch::kFloat32).device(p.device()));
-      }
+      ensure_adamw_state(optimizer, device_steps, p);
+      auto& state = static_cast<torch::optim::AdamWParamState&>(
+          *optimizer.state().find(state_key(optimizer.state(), p))->second);
+      // The host count is what checkpoints hold; under a CUDA graph only the device count
+      // moves, and sync_optimizer_steps() brings the host's up to date.
       state.step(state.step() + 1);
       params.push_back(p);
       grads.push_back(p.grad());
       exp_avgs.push_back(state.exp_avg());
       exp_avg_sqs.push_back(state.exp_avg_sq());
-      steps.push_back(step);
+      steps.push_back(device_steps[p.unsafeGetTensorImpl()]);
     }
     if (params.empty()) continue;
     if (o.amsgrad()) {
@@ -433,9 +468,16 @@ void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torc
     at::_foreach_add_(steps, 1);
     std::optional<at::Tensor> skip;
     if (found_inf.defined()) skip = found_inf;
-    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
-                      std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
-                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
+    if (group_lrs != nullptr && group_lrs->size() == param_groups.size()) {
+      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps,
+                        (*group_lrs)[g], std::get<0>(o.betas()), std::get<1>(o.betas()),
+                        o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false,
+                        /*grad_scale=*/std::nullopt, skip);
+    } else {
+      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
+                        std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                        /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
+    }
     if (found_inf.defined()) {
       at::_foreach_sub_(steps, std::vector<torch::Tensor>(steps.size(), found_inf));
     }
@@ -445,42 +487,44 @@ void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torc
 #endif
 }
 
-void Trainer::optimizer_step(const torch::Tensor& found_inf) {
-  if (fused_adamw_available(device_)) {
-    fused_adamw_step(*optimizer_, device_steps_, found_inf);
-  } else {
-    optimizer_->step();
+void sync_optimizer_steps(torch::optim::AdamW& optimizer,
+                          const std::map<const void*, torch::Tensor>& device_steps) {
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      const auto d = device_steps.find(p.unsafeGetTensorImpl());
+      auto it = optimizer.state().find(state_key(optimizer.state(), p));
+      if (d == device_steps.end() || it == optimizer.state().end()) continue;
+      static_cast<torch::optim::AdamWParamState&>(*it->second)
+          .step(static_cast<std::int64_t>(d->second.item<double>()));
+    }
   }
 }
 
-void Trainer::enqueue_step() {
-  const TrainConfig& t = config_.train;
-  enter_phase(phase_index(step_));
-  for (auto& hook : step_hooks) hook(*this, step_);
-  const double phase_scale = t.phases.empty() ? 1.0 : t.phases[phase_].lr_scale;
-  const double lr = t.lr * lr_factor(t, step_) * phase_scale;
-  auto& groups = optimizer_->param_groups();
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    static_cast<torch::optim::AdamWOptions&>(groups[g].options()).lr(lr * group_multipliers_[g]);
+// Why this run's steps cannot be captured as a CUDA graph, or "" when they can.
+std::string Trainer::graph_blocker() const {
+#if WINNOW_CUDA_GRAPHS
+  if (!config_.train.cuda_graph) return "train.cuda_graph is false";
+  if (!device_.is_cuda()) return "not on CUDA";
+  if (!fused_adamw_available(device_)) return "no fused AdamW";
+  if (profile != nullptr) return "a profile is attached";
+  if (!step_hooks.empty() || !aux_loss_fns.empty()) return "host code runs inside the step";
+  const nn::AttentionConfig& a = config_.model.attention;
+  if (!nn::find_mechanism(a.kind, "model.attention.kind").graph_capturable) {
+    return a.kind + " attention synchronizes with the host";
   }
-  model_->train();
-  // Gradients start undefined, not zero: AdamW then skips frozen parameters entirely (a zero
-  // gradient would still move them through the moments and weight decay).
-  for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
+  if (a.position == "rope" && a.rope.scaling == "dynamic") {
+    return "dynamic RoPE builds its tables on the host every call";
+  }
+  return "";
+#else
+  return "this LibTorch has no CUDA graphs";
+#endif
+}
 
-  PhaseScope sample(profile, "winnow.step.sample", device_);
-  const tasks::Batch batch =
-      next_batch_step_ == step_ ? next_batch_.get() : training_batch(step_);
-  next_batch_step_ = -1;
-  if (device_.is_cuda()) {
-    next_batch_ = std::async(std::launch::async, [this, s = step_ + 1] { return training_batch(s); });
-    next_batch_step_ = step_ + 1;
-  }
-  // The loss is the mean over every counted position of the whole batch, however it is split
-  // into micro-batches: accumulation then computes the same gradient as one big batch.
-  const double counted = std::max(1.0, batch.loss_mask.sum().item<double>());
+torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor& counted,
+                                 std::vector<std::string>& aux_names) {
+  const TrainConfig& t = config_.train;
   const std::int64_t micro = t.batch_size / t.grad_accum;
-  sample.close();
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(device_));
   std::map<std::string, torch::Tensor> aux_sums;
   for (std::int64_t m = 0; m < t.grad_accum; ++m) {
@@ -548,16 +592,98 @@ void Trainer::enqueue_step() {
     }
   }
   clip.close();
-  PhaseScope report_phase(profile, "winnow.step.report", device_);
-  // One device-to-host transfer per step for everything the step reports, read later.
   std::vector<torch::Tensor> report = {loss_sum, norm};
-  PendingReport pending;
+  aux_names.clear();
   for (auto& [name, value] : aux_sums) {
     report.push_back(value.to(torch::kFloat32));
-    pending.aux_names.push_back(name);
+    aux_names.push_back(name);
   }
-  const torch::Tensor values = torch::stack(report).to(torch::kFloat64);
+  return torch::stack(report).to(torch::kFloat64);
+}
+
+void Trainer::enqueue_step() {
+  const TrainConfig& t = config_.train;
+  enter_phase(phase_index(step_));
+  for (auto& hook : step_hooks) hook(*this, step_);
+  const double phase_scale = t.phases.empty() ? 1.0 : t.phases[phase_].lr_scale;
+  const double lr = t.lr * lr_factor(t, step_) * phase_scale;
+  auto& groups = optimizer_->param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    static_cast<torch::optim::AdamWOptions&>(groups[g].options()).lr(lr * group_multipliers_[g]);
+  }
+  model_->train();
+
+  PhaseScope sample(profile, "winnow.step.sample", device_);
+  const tasks::Batch batch =
+      next_batch_step_ == step_ ? next_batch_.get() : training_batch(step_);
+  next_batch_step_ = -1;
+  // The loss is the mean over every counted position of the whole batch, however it is split
+  // into micro-batches: accumulation then computes the same gradient as one big batch.
+  const double counted = std::max(1.0, batch.loss_mask.sum().item<double>());
+  sample.close();
+
+  PendingReport pending;
+  torch::Tensor values;
+  const bool fused = fused_adamw_available(device_);
+#if WINNOW_CUDA_GRAPHS
+  const bool graphs = graph_blocker().empty();
+  if (graphs && graph_ && graph_->phase != phase_) graph_.reset();  // frozen sets changed
+  if (graphs && graph_) {
+    // Replay: the step's inputs go into the captured tensors, then one launch.
+    graph_->inputs.copy_(batch.inputs, /*non_blocking=*/true);
+    graph_->targets.copy_(batch.targets, /*non_blocking=*/true);
+    graph_->loss_mask.copy_(batch.loss_mask, /*non_blocking=*/true);
+    graph_->counted.fill_(counted);
+    for (std::size_t g = 0; g < groups.size(); ++g) lr_tensors_[g].fill_(lr * group_multipliers_[g]);
+    graph_->graph.replay();
+    values = graph_->values;
+    pending.aux_names = graph_->aux_names;
+  } else if (graphs && eager_steps_in_phase_ + 1 >= kEagerStepsBeforeCapture) {
+    capture_and_replay(batch, counted, lr);
+    values = graph_->values;
+    pending.aux_names = graph_->aux_names;
+  } else
+#endif
+  {
+#if WINNOW_CUDA_GRAPHS
+    // The step before a capture runs on the stream the capture will use (see capture_and_replay).
+    std::optional<c10::cuda::CUDAStreamGuard> side;
+    if (graphs && eager_steps_in_phase_ + 2 == kEagerStepsBeforeCapture) {
+      torch::cuda::synchronize();
+      side.emplace(capture_stream());
+    }
+#endif
+    // Gradients start undefined, not zero: AdamW then skips frozen parameters entirely (a zero
+    // gradient would still move them through the moments and weight decay).
+    for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
+    torch::Tensor counted_tensor = torch::full({}, counted, torch::TensorOptions().device(device_));
+    values = step_body(batch, counted_tensor, pending.aux_names);
+    PhaseScope optimizer(profile, "winnow.step.optimizer", device_);
+    // On CUDA the update is enqueued before the report is read; the fused AdamW then skips a
+    // step whose loss or gradient norm is not finite, and the error comes when the report is
+    // read. Elsewhere the report is read first.
+    if (fused) {
+      set_lr_tensors(lr);
+      optimizer_step(values.narrow(0, 0, 2).isfinite().all().logical_not().to(torch::kFloat32));
+    } else {
+      pending.values = values;
+      pending.stats.step = step_ + 1;
+      resolve(pending);
+      optimizer_step({});
+    }
+    optimizer.close();
+    ++eager_steps_in_phase_;
+#if WINNOW_CUDA_GRAPHS
+    if (side) {
+      side.reset();
+      torch::cuda::synchronize();
+    }
+#endif
+  }
+
+  PhaseScope report_phase(profile, "winnow.step.report", device_);
   if (device_.is_cuda()) {
+    // One device-to-host transfer per step for everything the step reports, read later.
     pending.values = torch::empty(values.sizes(), torch::TensorOptions().dtype(torch::kFloat64).pinned_memory(true));
     pending.values.copy_(values, /*non_blocking=*/true);
     auto event = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
@@ -566,22 +692,16 @@ void Trainer::enqueue_step() {
   } else {
     pending.values = values;
   }
+  report_phase.close();
+  // The next batch is drawn while the device works on this step. Not earlier: pinning memory on
+  // another thread during a graph capture would invalidate the capture.
+  if (device_.is_cuda()) {
+    next_batch_ = std::async(std::launch::async, [this, s = step_ + 1] { return training_batch(s); });
+    next_batch_step_ = step_ + 1;
+  }
   pending.stats.lr = lr;
   pending.stats.phase = t.phases.empty() ? "" : t.phases[phase_].name;
   pending.stats.step = step_ + 1;
-  report_phase.close();
-  PhaseScope optimizer(profile, "winnow.step.optimizer", device_);
-  // On CUDA the update is enqueued before the report is read; the fused AdamW then skips a step
-  // whose loss or gradient norm is not finite, and the error comes when the report is read.
-  // Elsewhere the report is read first.
-  torch::Tensor found_inf;
-  if (fused_adamw_available(device_)) {
-    found_inf = values.narrow(0, 0, 2).isfinite().all().logical_not().to(torch::kFloat32);
-  } else {
-    resolve(pending);
-  }
-  optimizer_step(found_inf);
-  optimizer.close();
   if (profile != nullptr) ++profile->steps;
   ++step_;
   pending_.push_back(std::move(pending));
@@ -593,6 +713,79 @@ void Trainer::enqueue_step() {
     resolve(front);
   }
 }
+
+void Trainer::set_lr_tensors(double lr) {
+  auto& groups = optimizer_->param_groups();
+  if (lr_tensors_.size() != groups.size()) {
+    lr_tensors_.clear();
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      lr_tensors_.push_back(torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(device_)));
+    }
+  }
+  for (std::size_t g = 0; g < groups.size(); ++g) lr_tensors_[g].fill_(lr * group_multipliers_[g]);
+}
+
+void Trainer::optimizer_step(const torch::Tensor& found_inf) {
+  if (fused_adamw_available(device_)) {
+    fused_adamw_step(*optimizer_, device_steps_, found_inf, lr_tensors_.empty() ? nullptr : &lr_tensors_);
+  } else {
+    optimizer_->step();
+  }
+}
+
+#if WINNOW_CUDA_GRAPHS
+// Captures this step on a side stream after one more ordinary step there (lazily created
+// library state, cuBLAS's workspace for that stream among it, must not first appear inside a
+// capture), then replays it to take the step. The captured tensors keep their addresses for
+// every replay.
+c10::Stream Trainer::capture_stream() {
+  if (!capture_stream_) capture_stream_ = c10::cuda::getStreamFromPool(false, device_.index());
+  return *capture_stream_;
+}
+
+void Trainer::capture_and_replay(const tasks::Batch& batch, double counted, double lr) {
+  auto state = std::make_unique<GraphState>();
+  state->phase = phase_;
+  state->inputs = batch.inputs.to(device_);
+  state->targets = batch.targets.to(device_);
+  state->loss_mask = batch.loss_mask.to(device_);
+  state->counted = torch::full({}, counted, torch::TensorOptions().device(device_));
+  set_lr_tensors(lr);
+  const tasks::Batch on_device{state->inputs, state->targets, state->loss_mask};
+  // Optimizer state created inside the capture would be recreated (zeroed) by every replay.
+  for (auto& group : optimizer_->param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.requires_grad()) ensure_adamw_state(*optimizer_, device_steps_, p);
+    }
+  }
+  torch::cuda::synchronize();
+  // The capture allocates from a pool of its own; memory cached by the ordinary pool (earlier
+  // steps, earlier runs in this process) would otherwise stay out of its reach.
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  {
+    c10::cuda::CUDAStreamGuard side(capture_stream());
+    for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
+    state->graph.capture_begin();
+    try {
+      state->values = step_body(on_device, state->counted, state->aux_names);
+      optimizer_step(state->values.narrow(0, 0, 2).isfinite().all().logical_not().to(torch::kFloat32));
+      state->graph.capture_end();
+    } catch (const std::exception& e) {
+      // End the capture so that the stream (and with it the process) stays usable.
+      cudaGraph_t partial = nullptr;
+      cudaStreamEndCapture(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), &partial);
+      if (partial != nullptr) cudaGraphDestroy(partial);
+      cudaGetLastError();
+      throw Error(ErrorKind::runtime,
+                  std::string("capturing the training step as a CUDA graph failed (set "
+                              "train.cuda_graph to false to train without): ") + e.what());
+    }
+  }
+  torch::cuda::synchronize();
+  graph_ = std::move(state);
+  graph_->graph.replay();
+}
+#endif
 
 StepStats Trainer::resolve(PendingReport& report) {
   if (report.landed) wait_for(*static_cast<c10::Event*>(report.landed.get()), 0);
@@ -661,6 +854,7 @@ void Trainer::log(const nlohmann::json& record) {
 
 std::string Trainer::save() {
   wait_for_steps();
+  sync_optimizer_steps(*optimizer_, device_steps_);
   std::error_code ec;
   const auto bytes = fs::exists(metrics_path_) ? fs::file_size(metrics_path_, ec) : 0;
   CheckpointMeta meta;
@@ -698,7 +892,9 @@ bool Trainer::resume() {
     }
   }
   pending_.clear();
+  graph_.reset();
   device_steps_.clear();
+  eager_steps_in_phase_ = 0;
   next_batch_step_ = -1;
   restore_checkpoint(folder, *model_, *optimizer_,
                      device_.is_cuda() ? std::optional<torch::Device>(device_) : std::nullopt);

@@ -13,6 +13,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -58,12 +59,24 @@ struct StepProfile {
 // counts, so checkpoints read the same); device_steps holds the step counts as device tensors
 // between calls. found_inf (a float32 device scalar, or undefined): nonzero skips the step.
 bool fused_adamw_available(const torch::Device& device);
+// group_lrs: one float32 device scalar per group, read by the kernel (what a CUDA graph
+// replays); otherwise the groups' own lr.
 void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
-                      const torch::Tensor& found_inf = {});
+                      const torch::Tensor& found_inf = {},
+                      const std::vector<torch::Tensor>* group_lrs = nullptr);
+// Creates p's AdamW state (zero moments, step 0) and device step count where missing.
+void ensure_adamw_state(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
+                        const torch::Tensor& p);
+// Copies the device step counts into the optimizer's state (before a checkpoint).
+void sync_optimizer_steps(torch::optim::AdamW& optimizer,
+                          const std::map<const void*, torch::Tensor>& device_steps);
 
 class Trainer {
  public:
   explicit Trainer(const ExperimentConfig& config);
+  ~Trainer();
+  Trainer(Trainer&&) noexcept;
+  Trainer& operator=(Trainer&&) noexcept;
 
   // Continues from <out_dir>/checkpoints/latest; returns false when there is none. A checkpoint
   // written under a different model, task, seed or optimization setting is refused with the
@@ -75,6 +88,13 @@ class Trainer {
   // Trains until `until_step` (default: train.steps), logging, evaluating and checkpointing as
   // configured; evaluates and saves a checkpoint at the end. Returns the last evaluation.
   nlohmann::json train(std::int64_t until_step = -1);
+  // Why this run's steps are not captured as a CUDA graph (train.cuda_graph), or "" when they
+  // are, after kEagerStepsBeforeCapture ordinary steps in each phase.
+  std::string graph_blocker() const;
+  static constexpr std::int64_t kEagerStepsBeforeCapture = 3;
+  // Whether the last step replayed (or captured) a CUDA graph.
+  bool graph_active() const { return graph_ != nullptr; }
+
   // One optimizer step, without logging or checkpointing; waits for the device to report the
   // step's loss and gradient norm (and throws if either is not finite).
   StepStats step();
@@ -126,6 +146,15 @@ class Trainer {
   tasks::Batch training_batch(std::int64_t step) const;
   // found_inf: a float32 device scalar, nonzero to skip the update (CUDA's fused AdamW only).
   void optimizer_step(const torch::Tensor& found_inf);
+  void set_lr_tensors(double lr);
+  // Forward and backward over the micro-batches and the gradient clipping; returns the report
+  // (loss, gradient norm, auxiliary losses named in aux_names) as a float64 device vector.
+  torch::Tensor step_body(const tasks::Batch& batch, const torch::Tensor& counted,
+                          std::vector<std::string>& aux_names);
+  struct GraphState;
+  void capture_and_replay(const tasks::Batch& batch, double counted, double lr);
+  c10::Stream capture_stream();  // a side stream from LibTorch's pool, kept for the run
+  std::optional<c10::Stream> capture_stream_;
 
   ExperimentConfig config_;
   torch::Device device_;
@@ -146,6 +175,9 @@ class Trainer {
   // The optimizer's step counts as device tensors, for LibTorch's fused AdamW (kept equal to
   // the counts in the optimizer's state, which checkpoints hold).
   std::map<const void*, torch::Tensor> device_steps_;
+  std::vector<torch::Tensor> lr_tensors_;  // per parameter group, float32 on the device
+  std::unique_ptr<GraphState> graph_;
+  std::int64_t eager_steps_in_phase_ = 0;
 };
 
 }  // namespace winnow::train

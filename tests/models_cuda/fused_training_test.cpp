@@ -160,17 +160,54 @@ TEST(CudaTrainer, EnqueuedStepsEqualSynchronousSteps) {
   }
 }
 
+TEST(CudaTrainer, GraphReplaysEqualOrdinarySteps) {
+  for (const char* kind : {"softmax", "stick_breaking"}) {
+    const std::string dir_a = scratch("eager"), dir_b = scratch("graph");
+    ExperimentConfig eager_config = small(dir_a, kind), graph_config = small(dir_b, kind);
+    eager_config.train.cuda_graph = false;
+    Trainer a(eager_config), b(graph_config);
+    a.quiet = b.quiet = true;
+    EXPECT_EQ(b.graph_blocker(), "");
+    EXPECT_NE(a.graph_blocker(), "");
+    for (int i = 0; i < 7; ++i) {
+      const StepStats sa = a.step(), sb = b.step();
+      EXPECT_EQ(sa.loss, sb.loss) << kind << " step " << i + 1;
+      EXPECT_EQ(sa.grad_norm, sb.grad_norm) << kind << " step " << i + 1;
+    }
+    EXPECT_TRUE(b.graph_active());
+    EXPECT_FALSE(a.graph_active());
+    expect_same_parameters(a, b);
+    remove_tree(dir_a);
+    remove_tree(dir_b);
+  }
+}
+
+// Through a phase change (the graph is captured again for the new set of trained parameters)
+// and a resume in the middle of the first phase's replays.
 TEST(CudaTrainer, ResumeGivesBitIdenticalParameters) {
   const std::string dir_a = scratch("straight"), dir_b = scratch("resumed");
-  Trainer straight(small(dir_a, "softmax"));
+  auto config = [](const std::string& dir) {
+    ExperimentConfig c = small(dir, "softmax");
+    c.train.steps = 12;
+    Phase first;
+    first.name = "first";
+    first.steps = 6;
+    first.freeze = {"mlp"};
+    Phase second;
+    second.name = "second";
+    c.train.phases = {first, second};
+    return c;
+  };
+  Trainer straight(config(dir_a));
   straight.quiet = true;
   straight.train();
+  EXPECT_TRUE(straight.graph_active());
   {
-    Trainer first(small(dir_b, "softmax"));
+    Trainer first(config(dir_b));
     first.quiet = true;
-    first.train(3);
+    first.train(5);
   }
-  Trainer second(small(dir_b, "softmax"));
+  Trainer second(config(dir_b));
   second.quiet = true;
   ASSERT_TRUE(second.resume());
   second.train();
