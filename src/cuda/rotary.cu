@@ -4,6 +4,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
 #include "cuda/cuda.h"
 #include "cuda/launch.h"
 #include "math/rotary.h"
@@ -64,13 +68,76 @@ __global__ void rotary_kernel(detail::RotaryParams p) {
   }
 }
 
+// Four consecutive pairs per thread with 8- or 16-byte accesses and 32-bit index arithmetic:
+// the common case (contiguous head vectors and tables, D/2 a multiple of 4, aligned rows).
+// The general kernel above spent most of its time on 64-bit divisions and 2-byte accesses.
+template <class T>
+struct alignas(4 * sizeof(T)) Vec4 {
+  T v[4];
+};
+
+template <class T>
+__global__ void rotary_vec4_kernel(detail::RotaryParams p, std::uint32_t chunks_per_row,
+                                   std::uint32_t total) {
+  const std::uint32_t n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= total) return;
+  const std::uint32_t chunk = n % chunks_per_row, row = n / chunks_per_row;
+  const std::uint32_t heads = static_cast<std::uint32_t>(p.heads), length = static_cast<std::uint32_t>(p.length);
+  const std::uint32_t h = row % heads, l = (row / heads) % length, b = row / (heads * length);
+  const std::int64_t i = 4 * static_cast<std::int64_t>(chunk);
+  const T* x = static_cast<const T*>(p.x) + b * p.x_stride[0] + l * p.x_stride[1] + h * p.x_stride[2] + i;
+  T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + l * p.out_stride[1] + h * p.out_stride[2] + i;
+  const Vec4<T> low = *reinterpret_cast<const Vec4<T>*>(x);
+  const Vec4<T> high = *reinterpret_cast<const Vec4<T>*>(x + p.half);
+  const Vec4<float> c = *reinterpret_cast<const Vec4<float>*>(static_cast<const float*>(p.cos) + l * p.table_stride[0] + i);
+  const Vec4<float> s = *reinterpret_cast<const Vec4<float>*>(static_cast<const float*>(p.sin) + l * p.table_stride[0] + i);
+  Vec4<T> out_low, out_high;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float y_low, y_high;
+    math::rotary::rotate(widen(low.v[k]), widen(high.v[k]), c.v[k], s.v[k], p.transpose, y_low, y_high);
+    out_low.v[k] = narrow_to<T>(y_low);
+    out_high.v[k] = narrow_to<T>(y_high);
+  }
+  *reinterpret_cast<Vec4<T>*>(out) = out_low;
+  *reinterpret_cast<Vec4<T>*>(out + p.half) = out_high;
+}
+
+template <class T>
+bool takes_vec4(const detail::RotaryParams& p) {
+  if constexpr (std::is_same_v<T, double>) {
+    return false;
+  } else {
+    const auto aligned = [](const void* ptr, std::size_t bytes) {
+      return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0;
+    };
+    const std::int64_t rows = p.batch * p.length * p.heads;
+    return p.half % 4 == 0 && p.x_stride[3] == 1 && p.out_stride[3] == 1 && p.table_stride[1] == 1 &&
+           p.x_stride[0] % 4 == 0 && p.x_stride[1] % 4 == 0 && p.x_stride[2] % 4 == 0 &&
+           p.out_stride[0] % 4 == 0 && p.out_stride[1] % 4 == 0 && p.out_stride[2] % 4 == 0 &&
+           p.table_stride[0] % 4 == 0 && aligned(p.x, 4 * sizeof(T)) && aligned(p.out, 4 * sizeof(T)) &&
+           aligned(p.cos, 16) && aligned(p.sin, 16) && rows * (p.half / 4) < (std::int64_t{1} << 31) &&
+           p.heads * p.length < (std::int64_t{1} << 31);
+  }
+}
+
 template <class T>
 void launch(const detail::RotaryParams& p) {
-  const std::int64_t pairs = p.batch * p.length * p.heads * p.half;
   constexpr int kThreads = 256;
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.cuda_stream);
+  if constexpr (!std::is_same_v<T, double>) {
+    if (takes_vec4<T>(p)) {
+      const auto chunks = static_cast<std::uint32_t>(p.half / 4);
+      const auto total = static_cast<std::uint32_t>(p.batch * p.length * p.heads * (p.half / 4));
+      rotary_vec4_kernel<T><<<(total + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p, chunks, total);
+      check_launch("rotary_vec4_kernel");
+      return;
+    }
+  }
+  const std::int64_t pairs = p.batch * p.length * p.heads * p.half;
   // Enough blocks to fill the GPU several times over; the grid-stride loop covers the rest.
   const std::int64_t blocks = std::min<std::int64_t>((pairs + kThreads - 1) / kThreads, 65536);
-  rotary_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(p.cuda_stream)>>>(p);
+  rotary_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   check_launch("rotary_kernel");
 }
 

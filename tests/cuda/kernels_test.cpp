@@ -516,48 +516,56 @@ TEST(CudaErrors, MixedDevicesAndHostOffsetsAreRejected) {
 
 // ------------------------------------------------------------------ rotary embedding
 
-// The rotary kernel in every dtype and an awkward layout (heads outermost, odd L and H) against
+// The rotary kernels in every dtype and an awkward layout (heads outermost, odd L and H) against
 // the rotation written out in float64 on the same rounded inputs; in place; the transpose.
 TEST(CudaRotary, MatchesTheRotationInFloat64ForEveryDtype) {
   std::mt19937_64 rng(11);
-  const std::int64_t B = 3, L = 37, H = 5, D = 96, half = D / 2;
-  for (DType dtype : {DType::bfloat16, DType::float16, DType::float32, DType::float64}) {
-    for (bool transpose : {false, true}) {
-      const DType table_dtype = dtype == DType::float64 ? DType::float64 : DType::float32;
-      HostTensor x({B, L, H, D}, dtype, {2, 0, 1, 3}), out({B, L, H, D}, dtype);
-      x.set_values(random_normal(x.numel(), rng));
-      HostTensor cos({L, half}, table_dtype), sin({L, half}, table_dtype);
-      std::vector<double> c(L * half), s(L * half);
-      for (std::int64_t l = 0; l < L; ++l) {
-        for (std::int64_t i = 0; i < half; ++i) {
-          const double angle = static_cast<double>(l) * std::pow(500.0, -static_cast<double>(i) / half);
-          c[l * half + i] = 1.2 * std::cos(angle);
-          s[l * half + i] = 1.2 * std::sin(angle);
+  // D = 96: four pairs a thread with vector accesses; D = 10: the general kernel.
+  for (const std::int64_t D : {96, 10}) {
+    const std::int64_t B = 3, L = 37, H = 5, half = D / 2;
+    for (DType dtype : {DType::bfloat16, DType::float16, DType::float32, DType::float64}) {
+      for (bool transpose : {false, true}) {
+        const DType table_dtype = dtype == DType::float64 ? DType::float64 : DType::float32;
+        HostTensor x({B, L, H, D}, dtype, {2, 0, 1, 3}), out({B, L, H, D}, dtype);
+        x.set_values(random_normal(x.numel(), rng));
+        HostTensor cos({L, half}, table_dtype), sin({L, half}, table_dtype);
+        std::vector<double> c(L * half), s(L * half);
+        for (std::int64_t l = 0; l < L; ++l) {
+          for (std::int64_t i = 0; i < half; ++i) {
+            const double angle =
+                static_cast<double>(l) * std::pow(500.0, -static_cast<double>(i) / half);
+            c[l * half + i] = 1.2 * std::cos(angle);
+            s[l * half + i] = 1.2 * std::sin(angle);
+          }
         }
-      }
-      cos.set_values(c);
-      sin.set_values(s);
-      const std::vector<double> xs = x.values(), cs = cos.values(), sn = sin.values();
-      std::vector<double> want(xs.size());
-      for (std::int64_t row = 0; row < B * L * H; ++row) {
-        const std::int64_t l = (row / H) % L;
-        for (std::int64_t i = 0; i < half; ++i) {
-          const double a = xs[row * D + i], b = xs[row * D + i + half];
-          const double sg = transpose ? -sn[l * half + i] : sn[l * half + i];
-          want[row * D + i] = a * cs[l * half + i] - b * sg;
-          want[row * D + i + half] = b * cs[l * half + i] + a * sg;
+        cos.set_values(c);
+        sin.set_values(s);
+        const std::vector<double> xs = x.values(), cs = cos.values(), sn = sin.values();
+        std::vector<double> want(xs.size());
+        for (std::int64_t row = 0; row < B * L * H; ++row) {
+          const std::int64_t l = (row / H) % L;
+          for (std::int64_t i = 0; i < half; ++i) {
+            const double a = xs[row * D + i], b = xs[row * D + i + half];
+            const double sg = transpose ? -sn[l * half + i] : sn[l * half + i];
+            want[row * D + i] = a * cs[l * half + i] - b * sg;
+            want[row * D + i + half] = b * cs[l * half + i] + a * sg;
+          }
         }
+        CudaPlacement gpu;
+        const TensorView xd = gpu.place(x), od = gpu.place(out);
+        rotary::apply(xd, gpu.place(cos), gpu.place(sin), transpose, od);
+        gpu.fetch(od, out);
+        const double tol = dtype == DType::float64   ? 1e-14
+                           : dtype == DType::float32 ? 1e-6
+                                                     : tolerance(dtype) / 4;
+        EXPECT_LT(relative_error(out.values(), want), tol)
+            << to_string(dtype) << " transpose " << transpose;
+        // In place over x's own (strided) memory.
+        rotary::apply(xd, gpu.place(cos), gpu.place(sin), transpose, xd);
+        gpu.fetch(xd, x);
+        EXPECT_LT(relative_error(x.values(), want), tol)
+            << to_string(dtype) << " in place, D " << D;
       }
-      CudaPlacement gpu;
-      const TensorView xd = gpu.place(x), od = gpu.place(out);
-      rotary::apply(xd, gpu.place(cos), gpu.place(sin), transpose, od);
-      gpu.fetch(od, out);
-      const double tol = dtype == DType::float64 ? 1e-14 : dtype == DType::float32 ? 1e-6 : tolerance(dtype) / 4;
-      EXPECT_LT(relative_error(out.values(), want), tol) << to_string(dtype) << " transpose " << transpose;
-      // In place over x's own (strided) memory.
-      rotary::apply(xd, gpu.place(cos), gpu.place(sin), transpose, xd);
-      gpu.fetch(xd, x);
-      EXPECT_LT(relative_error(x.values(), want), tol) << to_string(dtype) << " in place";
     }
   }
 }
