@@ -22,6 +22,7 @@ __all__ = [
     "stick_breaking_attention",
     "entmax_attention",
     "sieve_attention",
+    "rotary_embedding",
 ]
 
 
@@ -157,3 +158,18 @@ def sieve_attention(
     return torch.ops.winnow.sieve_attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
         attend_current=attend_current, alpha=alpha, filter=filter, eps=eps)
+
+
+def rotary_embedding(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, transpose: bool = False
+) -> torch.Tensor:
+    """Rotary position embedding as one kernel: the pairs (i, i + D/2) of every head vector of
+    x (B, L, H, D) turn by their position's angle,
+    ``y_i = x_i cos_li - x_{i+D/2} sin_li`` and ``y_{i+D/2} = x_{i+D/2} cos_li + x_i sin_li``.
+
+    ``cos`` and ``sin``: (L, D/2) tables (float32, or float64 for float64 x) that carry any
+    attention factor (YaRN's). ``transpose=True`` rotates by the negated angle: the gradient of
+    the forward. Differentiable in x (the tables get no gradient); float32 and float64 on the
+    CPU, every float dtype on CUDA.
+    """
+    return torch.ops.winnow.rotary_embedding(x, cos, sin, transpose)

@@ -267,3 +267,40 @@ def test_entmax_and_sieve_bad_options_name_the_argument():
         winnow.sieve_attention(q, q, q, eps=0.5)  # eps belongs to the bound filter
     with pytest.raises(ValueError, match="argument 'eps'"):
         winnow.sieve_attention(q, q, q, filter="bound", eps=-1.0)
+
+
+def rope_tables(length, half, dtype, scale=1.0):
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * torch.pow(
+        10000.0, -torch.arange(half, dtype=torch.float64) / half)[None, :]
+    return (scale * angles.cos()).to(dtype), (scale * angles.sin()).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rotary_embedding_matches_composed(dtype):
+    torch.manual_seed(3)
+    x = torch.randn(2, 7, 3, 12, dtype=dtype)
+    cos, sin = rope_tables(7, 6, dtype, scale=1.1)
+    low, high = x[..., :6], x[..., 6:]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    expected = torch.cat([low * c - high * s, high * c + low * s], -1)
+    tol = 1e-14 if dtype == torch.float64 else 1e-6
+    assert torch.allclose(winnow.rotary_embedding(x, cos, sin), expected, atol=tol, rtol=tol)
+    # The transpose undoes the rotation (unit-scale tables).
+    cos1, sin1 = rope_tables(7, 6, dtype)
+    y = winnow.rotary_embedding(x, cos1, sin1)
+    assert torch.allclose(winnow.rotary_embedding(y, cos1, sin1, transpose=True), x, atol=tol, rtol=tol)
+
+
+def test_rotary_embedding_gradcheck():
+    torch.manual_seed(4)
+    x = torch.randn(1, 5, 2, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin = rope_tables(5, 4, torch.float64, scale=0.9)
+    assert torch.autograd.gradcheck(lambda t: winnow.rotary_embedding(t, cos, sin), (x,))
+
+
+def test_rotary_embedding_bad_tables_name_the_argument():
+    x = torch.randn(1, 5, 2, 8)
+    cos, sin = rope_tables(4, 4, torch.float32)
+    with pytest.raises(ValueError, match="argument 'cos': expected \\(5, 4\\) float32"):
+        winnow.rotary_embedding(x, cos, sin)
+
