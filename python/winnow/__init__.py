@@ -16,7 +16,11 @@ from typing import Optional, Tuple
 
 import torch
 
+# The project's version (CMakeLists.txt's project(VERSION), checked by the tests).
+__version__ = "0.1.0"
+
 __all__ = [
+    "__version__",
     "library_path",
     "softmax_attention",
     "stick_breaking_attention",

@@ -304,3 +304,10 @@ def test_rotary_embedding_bad_tables_name_the_argument():
     with pytest.raises(ValueError, match="argument 'cos': expected \\(5, 4\\) float32"):
         winnow.rotary_embedding(x, cos, sin)
 
+
+def test_version_is_the_projects():
+    import pathlib
+    import re
+    cmake = (pathlib.Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
+    assert winnow.__version__ == re.search(r"project\(winnow VERSION ([0-9.]+)", cmake).group(1)
+
