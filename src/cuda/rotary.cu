@@ -10,6 +10,7 @@
 
 #include "cuda/cuda.h"
 #include "cuda/launch.h"
+#include "cuda/tile/ptx.cuh"
 #include "math/rotary.h"
 
 namespace winnow::cuda {
@@ -26,15 +27,11 @@ struct Compute<double> {
 
 template <class T>
 __device__ __forceinline__ typename Compute<T>::type widen(T x) {
-  return static_cast<typename Compute<T>::type>(x);
-}
-template <>
-__device__ __forceinline__ float widen(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float widen(__half x) {
-  return __half2float(x);
+  if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
+    return tile::to_float(x);
+  } else {
+    return static_cast<typename Compute<T>::type>(x);
+  }
 }
 template <class T, class C>
 __device__ __forceinline__ T narrow_to(C x) {

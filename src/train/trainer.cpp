@@ -2,7 +2,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
-#include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/version.h>
 
@@ -157,6 +156,12 @@ typename StateMap::key_type state_key(const StateMap&, const torch::Tensor& p) {
   } else {
     return static_cast<typename StateMap::key_type>(p.unsafeGetTensorImpl());
   }
+}
+
+// The fused AdamW's found_inf from a step's report: 1 where its loss or gradient norm (the
+// first two entries) is not finite, else 0.
+torch::Tensor non_finite(const torch::Tensor& report) {
+  return report.narrow(0, 0, 2).isfinite().all().logical_not().to(torch::kFloat32);
 }
 
 // One phase of a profiled step (see StepProfile); does nothing without a profile. `scope` is the
@@ -412,8 +417,9 @@ bool fused_adamw_available(const torch::Device& device) {
   return WINNOW_FUSED_ADAMW != 0 && device.is_cuda();
 }
 
-void ensure_adamw_state(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
-                        const torch::Tensor& p) {
+torch::optim::AdamWParamState& ensure_adamw_state(torch::optim::AdamW& optimizer,
+                                                  std::map<const void*, torch::Tensor>& device_steps,
+                                                  const torch::Tensor& p) {
   auto& state_map = optimizer.state();
   auto it = state_map.find(state_key(state_map, p));
   if (it == state_map.end()) {
@@ -423,12 +429,13 @@ void ensure_adamw_state(torch::optim::AdamW& optimizer, std::map<const void*, to
     state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
     it = state_map.emplace(state_key(state_map, p), std::move(state)).first;
   }
+  auto& state = static_cast<torch::optim::AdamWParamState&>(*it->second);
   torch::Tensor& step = device_steps[p.unsafeGetTensorImpl()];
   if (!step.defined()) {
-    const auto& state = static_cast<const torch::optim::AdamWParamState&>(*it->second);
     step = torch::full({}, static_cast<double>(state.step()),
                        torch::TensorOptions().dtype(torch::kFloat32).device(p.device()));
   }
+  return state;
 }
 
 void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
@@ -448,9 +455,7 @@ void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torc
                     "fused_adamw_step: argument 'optimizer': expected CUDA parameters, got one on " +
                         p.device().str());
       }
-      ensure_adamw_state(optimizer, device_steps, p);
-      auto& state = static_cast<torch::optim::AdamWParamState&>(
-          *optimizer.state().find(state_key(optimizer.state(), p))->second);
+      auto& state = ensure_adamw_state(optimizer, device_steps, p);
       // The host count is what checkpoints hold; under a CUDA graph only the device count
       // moves, and sync_optimizer_steps() brings the host's up to date.
       state.step(state.step() + 1);
@@ -458,7 +463,7 @@ void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torc
       grads.push_back(p.grad());
       exp_avgs.push_back(state.exp_avg());
       exp_avg_sqs.push_back(state.exp_avg_sq());
-      steps.push_back(device_steps[p.unsafeGetTensorImpl()]);
+      steps.push_back(device_steps.at(p.unsafeGetTensorImpl()));
     }
     if (params.empty()) continue;
     if (o.amsgrad()) {
@@ -623,6 +628,9 @@ void Trainer::enqueue_step() {
   sample.close();
 
   PendingReport pending;
+  pending.stats.lr = lr;
+  pending.stats.phase = t.phases.empty() ? "" : t.phases[phase_].name;
+  pending.stats.step = step_ + 1;
   torch::Tensor values;
   const bool fused = fused_adamw_available(device_);
 #if WINNOW_CUDA_GRAPHS
@@ -634,7 +642,7 @@ void Trainer::enqueue_step() {
     graph_->targets.copy_(batch.targets, /*non_blocking=*/true);
     graph_->loss_mask.copy_(batch.loss_mask, /*non_blocking=*/true);
     graph_->counted.fill_(counted);
-    for (std::size_t g = 0; g < groups.size(); ++g) lr_tensors_[g].fill_(lr * group_multipliers_[g]);
+    set_lr_tensors(lr);
     graph_->graph.replay();
     values = graph_->values;
     pending.aux_names = graph_->aux_names;
@@ -664,10 +672,9 @@ void Trainer::enqueue_step() {
     // read. Elsewhere the report is read first.
     if (fused) {
       set_lr_tensors(lr);
-      optimizer_step(values.narrow(0, 0, 2).isfinite().all().logical_not().to(torch::kFloat32));
+      optimizer_step(non_finite(values));
     } else {
       pending.values = values;
-      pending.stats.step = step_ + 1;
       resolve(pending);
       optimizer_step({});
     }
@@ -699,9 +706,6 @@ void Trainer::enqueue_step() {
     next_batch_ = std::async(std::launch::async, [this, s = step_ + 1] { return training_batch(s); });
     next_batch_step_ = step_ + 1;
   }
-  pending.stats.lr = lr;
-  pending.stats.phase = t.phases.empty() ? "" : t.phases[phase_].name;
-  pending.stats.step = step_ + 1;
   if (profile != nullptr) ++profile->steps;
   ++step_;
   pending_.push_back(std::move(pending));
@@ -768,7 +772,7 @@ void Trainer::capture_and_replay(const tasks::Batch& batch, double counted, doub
     state->graph.capture_begin();
     try {
       state->values = step_body(on_device, state->counted, state->aux_names);
-      optimizer_step(state->values.narrow(0, 0, 2).isfinite().all().logical_not().to(torch::kFloat32));
+      optimizer_step(non_finite(state->values));
       state->graph.capture_end();
     } catch (const std::exception& e) {
       // End the capture so that the stream (and with it the process) stays usable.
@@ -788,7 +792,7 @@ void Trainer::capture_and_replay(const tasks::Batch& batch, double counted, doub
 #endif
 
 StepStats Trainer::resolve(PendingReport& report) {
-  if (report.landed) wait_for(*static_cast<c10::Event*>(report.landed.get()), 0);
+  if (report.landed) wait_for(*report.landed, 0);
   StepStats s = report.stats;
   const double* v = report.values.data_ptr<double>();
   s.loss = v[0];

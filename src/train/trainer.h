@@ -6,6 +6,7 @@
 // JSON-lines metrics log; a progress line; periodic evaluation with hooks.
 #pragma once
 
+#include <c10/core/Event.h>
 #include <torch/torch.h>
 
 #include <deque>
@@ -64,9 +65,11 @@ bool fused_adamw_available(const torch::Device& device);
 void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
                       const torch::Tensor& found_inf = {},
                       const std::vector<torch::Tensor>* group_lrs = nullptr);
-// Creates p's AdamW state (zero moments, step 0) and device step count where missing.
-void ensure_adamw_state(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
-                        const torch::Tensor& p);
+// Creates p's AdamW state (zero moments, step 0) and device step count where missing; returns
+// the state.
+torch::optim::AdamWParamState& ensure_adamw_state(torch::optim::AdamW& optimizer,
+                                                  std::map<const void*, torch::Tensor>& device_steps,
+                                                  const torch::Tensor& p);
 // Copies the device step counts into the optimizer's state (before a checkpoint).
 void sync_optimizer_steps(torch::optim::AdamW& optimizer,
                           const std::map<const void*, torch::Tensor>& device_steps);
@@ -140,7 +143,7 @@ class Trainer {
     StepStats stats;  // all but the numbers the device reports
     std::vector<std::string> aux_names;
     torch::Tensor values;  // float64 on the host (pinned on CUDA), filled when `landed` is
-    std::shared_ptr<void> landed;  // a c10::Event recorded after the copy; null on the CPU
+    std::shared_ptr<c10::Event> landed;  // recorded after the copy; null on the CPU
   };
   StepStats resolve(PendingReport& report);
   tasks::Batch training_batch(std::int64_t step) const;

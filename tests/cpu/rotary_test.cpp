@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "support/expect_error.h"
 #include "support/host_tensor.h"
 #include "winnow/error.h"
 #include "winnow/rotary.h"
@@ -81,15 +82,6 @@ TEST(Rotary, TransposeUndoesTheRotationAndInPlaceWorks) {
   rotary::apply(x.view(), t.cos.view(), t.sin.view(), false, y.view());
   rotary::apply(y.view(), t.cos.view(), t.sin.view(), true, y.view());  // in place
   EXPECT_LT(relative_error(y.values(), start), 1e-14);
-}
-
-void expect_error(const std::function<void()>& call, const std::string& needle) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one mentioning " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 
 TEST(Rotary, BadArgumentsNameTheArgumentAndWhatWasExpected) {

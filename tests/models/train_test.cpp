@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "models/trainer_test_support.h"
+#include "support/expect_error.h"
 #include "train/checkpoint.h"
 #include "train/files.h"
 #include "train/config.h"
@@ -27,26 +29,12 @@ namespace {
 namespace fs = std::filesystem;
 using torch::Tensor;
 
-std::string scratch(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() /
-                     ("winnow_test_" + name + "_" + std::to_string(::getpid()));
-  winnow::train::remove_tree(p);
-  return p.string();
-}
-
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream f(path);
   return nlohmann::json::parse(f);
 }
 
-void expect_error(const std::function<void()>& fn, const std::string& fragment) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning " << fragment;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
+using winnow::testing::expect_error;
 
 // ------------------------------------------------------------------ the toy task, every kind
 
@@ -115,12 +103,6 @@ Trainer quiet_trainer(const ExperimentConfig& c) {
   Trainer t(c);
   t.quiet = true;
   return t;
-}
-
-void expect_same_parameters(Trainer& a, Trainer& b) {
-  auto pa = a.model()->named_parameters(), pb = b.model()->named_parameters();
-  ASSERT_EQ(pa.size(), pb.size());
-  for (const auto& item : pa) EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << item.key();
 }
 
 TEST(Schedules, WarmupThenTheChosenShape) {

@@ -5,13 +5,12 @@
 // Label `cuda`: runs on a machine with a GPU (tools/gpu_check.sh).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
-#include <filesystem>
 #include <functional>
 #include <limits>
 #include <string>
 
+#include "models/trainer_test_support.h"
 #include "nn/modules.h"
 #include "train/config.h"
 #include "train/files.h"
@@ -20,7 +19,6 @@
 
 namespace winnow::train {
 namespace {
-namespace fs = std::filesystem;
 using torch::Tensor;
 
 double rel(const Tensor& a, const Tensor& b) {
@@ -116,12 +114,6 @@ TEST(CudaFusedPieces, FusedAdamWMatchesTorchOptimAdamW) {
 
 // ------------------------------------------------------------------ the CUDA trainer
 
-std::string scratch(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("winnow_cuda_test_" + name + "_" + std::to_string(::getpid()));
-  remove_tree(p);
-  return p.string();
-}
-
 ExperimentConfig small(const std::string& out_dir, const std::string& kind) {
   nlohmann::json j = {
       {"seed", 7},
@@ -135,12 +127,6 @@ ExperimentConfig small(const std::string& out_dir, const std::string& kind) {
   };
   if (kind == "softmax") j["model"]["attention"]["position"] = "rope";
   return parse_experiment(j);
-}
-
-void expect_same_parameters(Trainer& a, Trainer& b) {
-  auto pa = a.model()->named_parameters(), pb = b.model()->named_parameters();
-  ASSERT_EQ(pa.size(), pb.size());
-  for (const auto& item : pa) EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << item.key();
 }
 
 TEST(CudaTrainer, EnqueuedStepsEqualSynchronousSteps) {
