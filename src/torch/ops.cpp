@@ -16,8 +16,8 @@
 
 #include <tuple>
 
-#include "torch/bridge.h"
-#include "torch/ops.h"
+#include "winnow/torch/bridge.h"
+#include "winnow/torch/ops.h"
 
 namespace winnow::torch_ops {
 namespace {
@@ -99,48 +99,79 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_backward_op(
   });
 }
 
-// What every autograd Function here saves besides tensors: the varlen offsets and options.
-void save_call(AutogradContext* ctx, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
-               Opt<double> scale, bool attend_current) {
-  ctx->saved_data["cu_q"] = cu_q.has_value() ? c10::IValue(*cu_q) : c10::IValue();
-  ctx->saved_data["cu_k"] = cu_k.has_value() ? c10::IValue(*cu_k) : c10::IValue();
+// What every autograd Function here saves after its own tensors: the varlen offsets (undefined
+// when absent) through save_for_backward, so that torch.compile's tracing sees them as saved
+// tensors, and the options as plain values.
+void save_call(AutogradContext* ctx, variable_list tensors, const Opt<at::Tensor>& cu_q,
+               const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current) {
+  tensors.push_back(cu_q.has_value() ? *cu_q : at::Tensor());
+  tensors.push_back(cu_k.has_value() ? *cu_k : at::Tensor());
+  ctx->save_for_backward(tensors);
   ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
   ctx->saved_data["attend_current"] = attend_current;
 }
 
 struct SavedCall {
+  variable_list tensors;  // the Function's own, in the order it saved them
   Opt<at::Tensor> cu_q, cu_k;
   Opt<double> scale;
   bool attend_current;
 };
 SavedCall saved_call(AutogradContext* ctx) {
   SavedCall c;
-  if (!ctx->saved_data["cu_q"].isNone()) c.cu_q = ctx->saved_data["cu_q"].toTensor();
-  if (!ctx->saved_data["cu_k"].isNone()) c.cu_k = ctx->saved_data["cu_k"].toTensor();
+  c.tensors = ctx->get_saved_variables();
+  const at::Tensor cu_k = c.tensors.back();
+  c.tensors.pop_back();
+  const at::Tensor cu_q = c.tensors.back();
+  c.tensors.pop_back();
+  if (cu_q.defined()) c.cu_q = cu_q;
+  if (cu_k.defined()) c.cu_k = cu_k;
   if (!ctx->saved_data["scale"].isNone()) c.scale = ctx->saved_data["scale"].toDouble();
   c.attend_current = ctx->saved_data["attend_current"].toBool();
   return c;
 }
+
+// The registered operator `name` with the C++ signature of its kernel Fn. The autograd Functions
+// and the inference paths call the forward and backward operators through these handles, not
+// the kernels directly: the dispatcher then sends fake and meta tensors to the Meta kernels
+// below, and torch.compile's tracing records the calls as operators of the graph.
+template <class Fn>
+c10::TypedOperatorHandle<Fn> operator_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+// A callable that runs Kernel's operator through the dispatcher.
+template <auto Kernel>
+struct Dispatched {
+  const char* name;
+  template <class... Args>
+  auto operator()(Args&&... args) const {
+    static const auto handle = operator_handle<std::remove_pointer_t<decltype(Kernel)>>(name);
+    return handle.call(std::forward<Args>(args)...);
+  }
+};
+
+constexpr Dispatched<&softmax_forward_op> softmax_forward{"winnow::softmax_attention_forward"};
+constexpr Dispatched<&softmax_backward_op> softmax_backward{"winnow::softmax_attention_backward"};
 
 struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, Opt<double> scale,
                                bool attend_current) {
-    auto [out, lse] = softmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, false);
-    ctx->save_for_backward({q, k, v, out, lse});
-    save_call(ctx, cu_q, cu_k, scale, attend_current);
+    auto [out, lse] = softmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, false);
+    save_call(ctx, {q, k, v, out, lse}, cu_q, cu_k, scale, attend_current);
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
     const SavedCall c = saved_call(ctx);
-    auto [dq, dk, dv] = softmax_backward_op(saved[0], saved[1], saved[2], saved[3], saved[4], dout,
-                                            c.cu_q, c.cu_k, c.scale, c.attend_current,
-                                            at::globalContext().deterministicAlgorithms(), false);
+    const variable_list& saved = c.tensors;
+    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
+    auto [dq, dk, dv] = softmax_backward(saved[0], saved[1], saved[2], saved[3], saved[4], dout,
+                                         c.cu_q, c.cu_k, c.scale, c.attend_current,
+                                         at::globalContext().deterministicAlgorithms(), false);
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -154,7 +185,7 @@ at::Tensor softmax_attention_autograd(const at::Tensor& q, const at::Tensor& k, 
 at::Tensor softmax_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
                                      Opt<double> scale, bool attend_current) {
-  return std::get<0>(softmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, false));
+  return std::get<0>(softmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, false));
 }
 
 // ------------------------------------------------------------------ stick-breaking
@@ -200,27 +231,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_backward_op(
   });
 }
 
+constexpr Dispatched<&stick_breaking_forward_op> stick_breaking_forward{
+    "winnow::stick_breaking_attention_forward"};
+constexpr Dispatched<&stick_breaking_backward_op> stick_breaking_backward{
+    "winnow::stick_breaking_attention_backward"};
+
 struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, Opt<double> scale,
                                bool attend_current, double halt_cutoff) {
     auto [out, log_rem, kept_from] =
-        stick_breaking_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
-    ctx->save_for_backward({q, k, v, out, log_rem, kept_from});
+        stick_breaking_forward(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
+    save_call(ctx, {q, k, v, out, log_rem, kept_from}, cu_q, cu_k, scale, attend_current);
     ctx->mark_non_differentiable({kept_from});
-    save_call(ctx, cu_q, cu_k, scale, attend_current);
     ctx->saved_data["halt_cutoff"] = halt_cutoff;
     return {out, log_rem};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
+    const SavedCall c = saved_call(ctx);
+    const variable_list& saved = c.tensors;
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
     Opt<at::Tensor> dlog_rem;
     if (grads[1].defined()) dlog_rem = grads[1];
-    const SavedCall c = saved_call(ctx);
-    auto [dq, dk, dv] = stick_breaking_backward_op(
+    auto [dq, dk, dv] = stick_breaking_backward(
         saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, c.cu_q, c.cu_k,
         c.scale, c.attend_current, ctx->saved_data["halt_cutoff"].toDouble(),
         at::globalContext().deterministicAlgorithms(), false);
@@ -241,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_attention_no_grad(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
     const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double halt_cutoff) {
   auto [out, log_rem, kept_from] =
-      stick_breaking_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
+      stick_breaking_forward(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
   return std::make_tuple(out, log_rem.exp());
 }
 
@@ -284,25 +319,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_backward_op(
   });
 }
 
+constexpr Dispatched<&entmax_forward_op> entmax_forward{"winnow::entmax_attention_forward"};
+constexpr Dispatched<&entmax_backward_op> entmax_backward{"winnow::entmax_attention_backward"};
+
 struct EntmaxFunction : public torch::autograd::Function<EntmaxFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, Opt<double> scale,
                                bool attend_current, double alpha) {
-    auto [out, tau] = entmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
-                                        Opt<double>(), false);
-    ctx->save_for_backward({q, k, v, out, tau});
-    save_call(ctx, cu_q, cu_k, scale, attend_current);
+    auto [out, tau] = entmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
+                                     Opt<double>(), false);
+    save_call(ctx, {q, k, v, out, tau}, cu_q, cu_k, scale, attend_current);
     ctx->saved_data["alpha"] = alpha;
     ctx->mark_non_differentiable({tau});
     return {out, tau};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
     const SavedCall c = saved_call(ctx);
+    const variable_list& saved = c.tensors;
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
-    auto [dq, dk, dv] = entmax_backward_op(
+    auto [dq, dk, dv] = entmax_backward(
         saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
         c.attend_current, ctx->saved_data["alpha"].toDouble(),
         at::globalContext().deterministicAlgorithms(), false);
@@ -319,8 +356,8 @@ at::Tensor entmax_attention_autograd(const at::Tensor& q, const at::Tensor& k, c
 at::Tensor entmax_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
                                     Opt<double> scale, bool attend_current, double alpha) {
-  return std::get<0>(entmax_forward_op(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
-                                       Opt<double>(), false));
+  return std::get<0>(entmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
+                                    Opt<double>(), false));
 }
 
 // ------------------------------------------------------------------ Sieve
@@ -388,16 +425,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_backward_op(
   });
 }
 
+constexpr Dispatched<&sieve_forward_op> sieve_forward{"winnow::sieve_attention_forward"};
+constexpr Dispatched<&sieve_backward_op> sieve_backward{"winnow::sieve_attention_backward"};
+
 struct SieveFunction : public torch::autograd::Function<SieveFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current,
                                double alpha, c10::string_view filter, Opt<double> eps) {
-    auto [out, log_rem, threshold, count] = sieve_forward_op(
+    auto [out, log_rem, threshold, count] = sieve_forward(
         q, k, v, cu_q, cu_k, scale, attend_current, alpha, filter, eps, Opt<double>(), false);
-    ctx->save_for_backward({q, k, v, out, log_rem, threshold});
+    save_call(ctx, {q, k, v, out, log_rem, threshold}, cu_q, cu_k, scale, attend_current);
     ctx->mark_non_differentiable({count});
-    save_call(ctx, cu_q, cu_k, scale, attend_current);
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["filter"] = std::string(filter);
     ctx->saved_data["eps"] = eps.has_value() ? c10::IValue(*eps) : c10::IValue();
@@ -405,15 +444,15 @@ struct SieveFunction : public torch::autograd::Function<SieveFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
     const SavedCall c = saved_call(ctx);
+    const variable_list& saved = c.tensors;
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
     Opt<at::Tensor> dlog_rem;
     if (grads[1].defined()) dlog_rem = grads[1];
     Opt<double> eps;
     if (!ctx->saved_data["eps"].isNone()) eps = ctx->saved_data["eps"].toDouble();
     const std::string filter = ctx->saved_data["filter"].toStringRef();
-    auto [dq, dk, dv] = sieve_backward_op(
+    auto [dq, dk, dv] = sieve_backward(
         saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, c.cu_q,
         c.cu_k, c.scale, c.attend_current, ctx->saved_data["alpha"].toDouble(), filter, eps,
         at::globalContext().deterministicAlgorithms(), false);
@@ -435,7 +474,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention_no_grad(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
     const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
     c10::string_view filter, Opt<double> eps) {
-  auto [out, log_rem, threshold, count] = sieve_forward_op(
+  auto [out, log_rem, threshold, count] = sieve_forward(
       q, k, v, cu_q, cu_k, scale, attend_current, alpha, filter, eps, Opt<double>(), false);
   return std::make_tuple(out, log_rem.exp(), count);
 }
@@ -454,20 +493,22 @@ at::Tensor rotary_apply_op(const at::Tensor& x, const at::Tensor& cos, const at:
   });
 }
 
+constexpr Dispatched<&rotary_apply_op> rotary_apply{"winnow::rotary_embedding_apply"};
+
 // Gradients flow to x only: the tables are functions of positions, not parameters.
 struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
                                const at::Tensor& sin, bool transpose) {
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["transpose"] = transpose;
-    return {rotary_apply_op(x, cos, sin, transpose)};
+    return {rotary_apply(x, cos, sin, transpose)};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const bool transpose = ctx->saved_data["transpose"].toBool();
     at::Tensor dx;
-    if (grads[0].defined()) dx = rotary_apply_op(grads[0], saved[0], saved[1], !transpose);
+    if (grads[0].defined()) dx = rotary_apply(grads[0], saved[0], saved[1], !transpose);
     return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -479,8 +520,125 @@ at::Tensor rotary_embedding_autograd(const at::Tensor& x, const at::Tensor& cos,
 
 at::Tensor rotary_embedding_no_grad(const at::Tensor& x, const at::Tensor& cos,
                                     const at::Tensor& sin, bool transpose) {
-  return rotary_apply_op(x, cos, sin, transpose);
+  return rotary_apply(x, cos, sin, transpose);
 }
+
+// ------------------------------------------------------------------ Meta kernels
+// What each forward and backward operator returns, computed from shapes alone: the same
+// shapes, dtypes and strides as the kernels above allocate, from symbolic sizes, so that the
+// meta device, fake tensors and torch.compile's tracing (dynamic shapes included) never
+// reach a kernel. The full argument checks run with the kernel, on real tensors.
+namespace meta {
+
+// Ranks only: enough to build the output shapes safely. q, k, v are (B, L, H, D) or packed
+// (T, H, D).
+void check_rank(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined() && (t.dim() == 3 || t.dim() == 4), op, ": argument '", name,
+                    "': expected a tensor of 3 or 4 dimensions, got ",
+                    t.defined() ? std::to_string(t.dim()) + " dimensions" : std::string("None"));
+}
+
+void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_rank(op, "q", q);
+  check_rank(op, "k", k);
+  check_rank(op, "v", v);
+}
+
+std::vector<c10::SymInt> out_shape(const at::Tensor& q, const at::Tensor& v) {
+  std::vector<c10::SymInt> shape = q.sym_sizes().vec();
+  shape.back() = v.sym_sizes().back();
+  return shape;
+}
+
+std::vector<c10::SymInt> stats_shape(const at::Tensor& q) {
+  std::vector<c10::SymInt> shape = q.sym_sizes().vec();
+  shape.pop_back();
+  return shape;
+}
+
+at::Tensor out(const at::Tensor& q, const at::Tensor& v) {
+  return at::empty_symint(out_shape(q, v), q.options());
+}
+at::Tensor stats(const at::Tensor& q) {
+  return at::empty_symint(stats_shape(q), q.options().dtype(stats_dtype(q)));
+}
+at::Tensor counts(const at::Tensor& q) {
+  return at::empty_symint(stats_shape(q), q.options().dtype(at::kInt));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grads(const char* op, const at::Tensor& q,
+                                                     const at::Tensor& k, const at::Tensor& v) {
+  check_attention(op, q, k, v);
+  return std::make_tuple(at::empty_like(q), at::empty_like(k), at::empty_like(v));
+}
+
+std::tuple<at::Tensor, at::Tensor> softmax_forward(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const Opt<at::Tensor>&,
+                                                   const Opt<at::Tensor>&, Opt<double>, bool, bool) {
+  check_attention("winnow.softmax_attention_forward", q, k, v);
+  return std::make_tuple(out(q, v), stats(q));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+    Opt<double>, bool, bool, bool) {
+  return grads("winnow.softmax_attention_backward", q, k, v);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>&,
+    const Opt<at::Tensor>&, Opt<double>, bool, double, bool) {
+  check_attention("winnow.stick_breaking_attention_forward", q, k, v);
+  return std::make_tuple(out(q, v), stats(q), counts(q));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const at::Tensor&, const Opt<at::Tensor>&, const at::Tensor&, const Opt<at::Tensor>&,
+    const Opt<at::Tensor>&, const Opt<at::Tensor>&, Opt<double>, bool, double, bool, bool) {
+  return grads("winnow.stick_breaking_attention_backward", q, k, v);
+}
+
+std::tuple<at::Tensor, at::Tensor> entmax_forward(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const Opt<at::Tensor>&,
+                                                  const Opt<at::Tensor>&, Opt<double>, bool,
+                                                  double, Opt<double>, bool) {
+  check_attention("winnow.entmax_attention_forward", q, k, v);
+  return std::make_tuple(out(q, v), stats(q));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+    Opt<double>, bool, double, bool, bool) {
+  return grads("winnow.entmax_attention_backward", q, k, v);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sieve_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>&,
+    const Opt<at::Tensor>&, Opt<double>, bool, double, c10::string_view, Opt<double>,
+    Opt<double>, bool) {
+  check_attention("winnow.sieve_attention_forward", q, k, v);
+  return std::make_tuple(out(q, v), stats(q), stats(q), counts(q));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt<at::Tensor>&,
+    const Opt<at::Tensor>&, const Opt<at::Tensor>&, Opt<double>, bool, double, c10::string_view,
+    Opt<double>, bool, bool) {
+  return grads("winnow.sieve_attention_backward", q, k, v);
+}
+
+at::Tensor rotary_apply(const at::Tensor& x, const at::Tensor&, const at::Tensor&, bool) {
+  TORCH_CHECK_VALUE(x.defined() && x.dim() == 4, "winnow.rotary_embedding_apply: argument 'x': ",
+                    "expected a tensor of 4 dimensions, got ",
+                    x.defined() ? std::to_string(x.dim()) + " dimensions" : std::string("None"));
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+}  // namespace meta
 
 }  // namespace
 
@@ -547,7 +705,8 @@ TORCH_LIBRARY(winnow, m) {
 }
 
 // The kernel calls dispatch on the tensors' device themselves (winnow's API), so one
-// registration serves every backend.
+// registration serves CPU and CUDA; the Meta kernels above take precedence for meta and fake
+// tensors.
 TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("softmax_attention_forward", softmax_forward_op);
   m.impl("softmax_attention_backward", softmax_backward_op);
@@ -559,6 +718,32 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("sieve_attention_backward", sieve_backward_op);
   m.impl("rotary_embedding_apply", rotary_apply_op);
 }
+
+TORCH_LIBRARY_IMPL(winnow, Meta, m) {
+  m.impl("softmax_attention_forward", meta::softmax_forward);
+  m.impl("softmax_attention_backward", meta::softmax_backward);
+  m.impl("stick_breaking_attention_forward", meta::stick_breaking_forward);
+  m.impl("stick_breaking_attention_backward", meta::stick_breaking_backward);
+  m.impl("entmax_attention_forward", meta::entmax_forward);
+  m.impl("entmax_attention_backward", meta::entmax_backward);
+  m.impl("sieve_attention_forward", meta::sieve_forward);
+  m.impl("sieve_attention_backward", meta::sieve_backward);
+  m.impl("rotary_embedding_apply", meta::rotary_apply);
+}
+
+#if TORCH_VERSION_MAJOR < 2
+// LibTorch 1.x has no autograd fallback for meta tensors: let them through to the Meta kernels
+// (later versions fall through by themselves).
+TORCH_LIBRARY_IMPL(winnow, AutogradMeta, m) {
+  for (const char* name : {"softmax_attention_forward", "softmax_attention_backward",
+                           "stick_breaking_attention_forward", "stick_breaking_attention_backward",
+                           "entmax_attention_forward", "entmax_attention_backward",
+                           "sieve_attention_forward", "sieve_attention_backward",
+                           "rotary_embedding_apply"}) {
+    m.impl(name, torch::CppFunction::makeFallthrough());
+  }
+}
+#endif
 
 // The differentiable operators: the autograd kernel records the backward; below autograd
 // (inference mode, or tensors that never need gradients) the plain forward runs.

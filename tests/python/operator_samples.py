@@ -1,0 +1,125 @@
+"""Sample calls of every winnow operator, for the tests that check how the operators behave
+under PyTorch's machinery (the meta device, fake tensors, torch.library.opcheck,
+torch.compile) rather than what they compute. Shared by the CPU tests and the CUDA tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+import winnow
+
+# The operators a user calls (each with its autograd formula) and the forward / backward
+# operators those call. Every registered operator must appear here: test_every_operator_has_samples
+# compares this list with torch.ops.winnow.
+DIFFERENTIABLE = ["softmax_attention", "stick_breaking_attention", "entmax_attention",
+                  "sieve_attention", "rotary_embedding"]
+KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
+           "stick_breaking_attention_forward", "stick_breaking_attention_backward",
+           "entmax_attention_forward", "entmax_attention_backward",
+           "sieve_attention_forward", "sieve_attention_backward", "rotary_embedding_apply"]
+
+
+@dataclass
+class Sample:
+    op: str
+    args: Tuple
+    kwargs: Dict = field(default_factory=dict)
+    label: str = ""
+
+    def __str__(self):
+        return f"{self.op}[{self.label}]"
+
+
+def _qkv(b, lq, lk, hq, hkv, d, dv, dtype, device, requires_grad, gen):
+    def rnd(*shape, scale=1.0):
+        t = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+        return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+    # Scaled queries: entmax and Sieve then select a handful of keys rather than nearly all.
+    return rnd(b, lq, hq, d, scale=2.0), rnd(b, lk, hkv, d), rnd(b, lk, hkv, dv)
+
+
+def _packed(d, dtype, device, requires_grad, gen):
+    """Packed (T, H, D) sequences of lengths 5, 0 and 7 queries against 8, 3 and 9 keys."""
+    def rnd(*shape, scale=1.0):
+        t = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+        return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+    cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 8, 11, 20], dtype=torch.int32, device=device)
+    return rnd(12, 4, d, scale=2.0), rnd(20, 2, d), rnd(20, 2, d // 2), cu_q, cu_k
+
+
+def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List[Sample]:
+    """One or two calls of each operator: batched with grouped-query heads and more keys than
+    queries, and packed sequences (varlen) with an empty one. d: the head dimension (64 or 128
+    reach the fused CUDA kernels for 16-bit inputs)."""
+    gen = torch.Generator().manual_seed(0)
+    out: List[Sample] = []
+    attention = {
+        "softmax_attention": {},
+        "stick_breaking_attention": {"halt_cutoff": 0.0},
+        "entmax_attention": {"alpha": 1.5},
+        "sieve_attention": {"filter": "bound"},
+    }
+    for name, options in attention.items():
+        q, k, v = _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, requires_grad, gen)
+        out.append(Sample(name, (q, k, v), dict(options), "batched"))
+        q, k, v, cu_q, cu_k = _packed(d, dtype, device, requires_grad, gen)
+        out.append(Sample(name, (q, k, v), dict(options, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+                          "packed"))
+    out.append(Sample("sieve_attention", _qkv(1, 11, 11, 2, 1, d, d, dtype, device,
+                                              requires_grad, gen),
+                      {"filter": "exact", "alpha": 2.0}, "exact"))
+
+    # The forward and backward operators, each with what its forward returned.
+    with torch.no_grad():
+        q, k, v = (t.detach() for t in _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, False, gen))
+        dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=gen,
+                           dtype=torch.float64).to(device=device, dtype=dtype)
+        ops = torch.ops.winnow
+        o, lse = ops.softmax_attention_forward(q, k, v)
+        out.append(Sample("softmax_attention_forward", (q, k, v), {}, "batched"))
+        out.append(Sample("softmax_attention_backward", (q, k, v, o, lse, dout), {}, "batched"))
+        o, log_rem, kept = ops.stick_breaking_attention_forward(q, k, v)
+        out.append(Sample("stick_breaking_attention_forward", (q, k, v), {}, "batched"))
+        out.append(Sample("stick_breaking_attention_backward",
+                          (q, k, v, o, log_rem, kept, dout, torch.randn_like(log_rem)), {},
+                          "batched"))
+        o, tau = ops.entmax_attention_forward(q, k, v, alpha=1.5)
+        out.append(Sample("entmax_attention_forward", (q, k, v), {"alpha": 1.5}, "batched"))
+        out.append(Sample("entmax_attention_backward", (q, k, v, o, tau, dout), {"alpha": 1.5},
+                          "batched"))
+        o, log_rem, threshold, count = ops.sieve_attention_forward(q, k, v, filter="bound")
+        out.append(Sample("sieve_attention_forward", (q, k, v), {"filter": "bound"}, "batched"))
+        out.append(Sample("sieve_attention_backward",
+                          (q, k, v, o, log_rem, threshold, dout, torch.randn_like(log_rem)),
+                          {"filter": "bound"}, "batched"))
+
+    # Rotary embedding: x (B, L, H, D), tables (L, D/2) in float32 (float64 for float64 x).
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = torch.arange(9, dtype=torch.float64)[:, None] * torch.pow(
+        10000.0, -torch.arange(8, dtype=torch.float64) / 8)[None, :]
+    cos, sin = (t.to(device=device, dtype=table_dtype) for t in (angles.cos(), angles.sin()))
+    x = torch.randn(2, 9, 3, 16, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+    out.append(Sample("rotary_embedding", (x.clone().requires_grad_(requires_grad), cos, sin), {},
+                      "rotate"))
+    out.append(Sample("rotary_embedding", (x.clone().requires_grad_(requires_grad), cos, sin),
+                      {"transpose": True}, "transpose"))
+    out.append(Sample("rotary_embedding_apply", (x, cos, sin), {}, "rotate"))
+    return out
+
+
+def operator(sample: Sample):
+    return getattr(torch.ops.winnow, sample.op).default
+
+
+# Python-level functions of the package, with the operator each wraps: a model calls these.
+FUNCTIONS: Dict[str, Callable] = {
+    "softmax_attention": winnow.softmax_attention,
+    "stick_breaking_attention": winnow.stick_breaking_attention,
+    "entmax_attention": winnow.entmax_attention,
+    "sieve_attention": winnow.sieve_attention,
+    "rotary_embedding": winnow.rotary_embedding,
+}
