@@ -4,7 +4,7 @@
 // option.
 #include "nn/attention.h"
 #include "nn/composed.h"
-#include "torch/ops.h"
+#include "winnow/torch/ops.h"
 
 namespace winnow::nn {
 namespace {

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "torch/ops.h"
+#include "winnow/torch/ops.h"
 
 // LibTorch from 2.8 on has a fused RMSNorm kernel on CUDA behind at::rms_norm.
 #if __has_include(<ATen/ops/_fused_rms_norm.h>)

@@ -8,7 +8,7 @@
 
 #include "nn/composed.h"
 #include "nn/stick_breaking_layer.h"
-#include "torch/ops.h"
+#include "winnow/torch/ops.h"
 
 namespace winnow::nn {
 namespace {

@@ -5,7 +5,7 @@
 
 #include "nn/attention.h"
 #include "nn/composed.h"
-#include "torch/ops.h"
+#include "winnow/torch/ops.h"
 
 namespace winnow::nn {
 namespace {

@@ -1,4 +1,4 @@
-#include "torch/bridge.h"
+#include "winnow/torch/bridge.h"
 
 #ifdef WINNOW_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

@@ -24,7 +24,7 @@
 #include "nn/modules.h"
 #include "nn/probe.h"
 #include "nn/transformer.h"
-#include "torch/ops.h"
+#include "winnow/torch/ops.h"
 #include "winnow/error.h"
 
 namespace winnow::nn {

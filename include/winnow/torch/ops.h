@@ -7,7 +7,7 @@
 #include <string>
 #include <tuple>
 
-#include "torch/bridge.h"
+#include "winnow/torch/bridge.h"
 
 namespace winnow::torch_ops {
 
