@@ -2,7 +2,8 @@
 #   make demo   build the tool, then run the main job: the MQRAR length-extrapolation study
 #               (studies/mqrar.json: its CPU profile here, its larger CUDA profile on a machine
 #               whose python3 has a CUDA build of PyTorch, which the tool is then built against)
-#   make test   build, then run every CPU test (C++ and Python)
+#   make test   build, then run every CPU test (C++ and Python), then `pip install .` into a
+#               fresh environment and the Python tests against that installed package
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 # A CUDA PyTorch makes the demo a GPU run: its LibTorch, its own build folder.
@@ -39,6 +40,7 @@ build: configure
 
 test: build
 	ctest --test-dir $(BUILD) -L cpu --output-on-failure -j $(JOBS)
+	tools/check_pip_install.sh
 
 # Only the tool and what it links: the tests are not needed to run the study.
 demo: $(DEMO_DEPS)

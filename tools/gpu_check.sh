@@ -18,6 +18,12 @@
 #              side by side (issue 11); $TRAINBENCH_ARGS go to both (e.g. --lengths 64),
 #              $BASELINE_ARGS to the baseline only, $WINNOW_TRAINBENCH_ARGS to winnow's only
 #              (e.g. --profile); JSON and logs in $OUT/train_bench_*
+#   pipinstall `pip install .` against this machine's torch (CUDA kernels for the GPU present),
+#              then the CPU and CUDA Python tests against the installed package
+#              (tools/check_pip_install.sh; scikit-build-core from .whl/)
+#   gpt        examples/python_gpt/train_gpt.py --compare under torch.compile: the GPT with
+#              winnow.nn attention against the composed expression ($GPT_ARGS; default
+#              stick-breaking, L 1024, 50 steps); JSON in $OUT/gpt.json
 #   study      winnow study $STUDY (default studies/mqrar.json, its cuda profile) with
 #              $STUDY_ARGS; runs under runs/ (kept while the machine stays warm, so a later call
 #              continues), result.json and table.md copied to $OUT/study-<name>/
@@ -77,10 +83,17 @@ for stage in "${stages[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 \
-          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*' > "$OUT/sanitize_$tool.log" 2>&1
+          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaRotary.*' > "$OUT/sanitize_$tool.log" 2>&1
         rc=$?
         note "sanitize $tool: rc $rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done
+      # The model layer's CUDA paths: fused rotary / RMSNorm / AdamW and the captured step.
+      if [[ -x "$BUILD/tests/winnow_model_cuda_tests" ]]; then
+        compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/winnow_model_cuda_tests" \
+          > "$OUT/sanitize_model_memcheck.log" 2>&1
+        rc=$?
+        note "sanitize model memcheck: rc $rc, $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_model_memcheck.log" | tail -1)"
+      fi
       ;;
     bench)
       export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
@@ -107,6 +120,21 @@ for stage in "${stages[@]}"; do
         ${TRAINBENCH_ARGS:-} ${BASELINE_ARGS:-} 2>&1 | tee "$OUT/train_bench_baseline.txt"
       baseline_rc=${PIPESTATUS[0]}
       note "trainbench: winnow rc $winnow_rc, baseline rc $baseline_rc ($(( $(date +%s) - start )) s)"
+      ;;
+    pipinstall)
+      WINNOW_PIP_CHECK_DIR=/tmp/winnow-pip-check WINNOW_PIP_CHECK_TESTS="$PWD/tests/python_cuda" \
+        tools/check_pip_install.sh "$(command -v python3)" > "$OUT/pip_install.log" 2>&1
+      rc=$?
+      tail -5 "$OUT/pip_install.log"
+      note "pipinstall: rc $rc, $(grep -E '^pip install:' "$OUT/pip_install.log"), $(grep -E '[0-9]+ (passed|failed)' "$OUT/pip_install.log" | tail -1) ($(( $(date +%s) - start )) s)"
+      ;;
+    gpt)
+      export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      # shellcheck disable=SC2086
+      python3 examples/python_gpt/train_gpt.py --device cuda --compare --json "$OUT/gpt.json" \
+        ${GPT_ARGS:---mechanism stick_breaking --length 1024 --steps 50} 2>&1 | tee "$OUT/gpt.txt" \
+        | grep -vE "^W[0-9]{4} "
+      note "gpt: rc ${PIPESTATUS[0]}, $(grep -E '^kernel / composed' "$OUT/gpt.txt") ($(( $(date +%s) - start )) s)"
       ;;
     study)
       file=${STUDY:-studies/mqrar.json}

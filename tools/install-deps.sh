@@ -4,13 +4,14 @@
 #   tools/install-deps.sh bench    also what the CPU benchmark compares against
 set -euo pipefail
 
-# libplplot-dev: the plots of `winnow study`.
+# libplplot-dev: the plots of `winnow study`. python3-venv: the environment `pip install .` is
+# checked in (tools/check_pip_install.sh).
 # libopenblas0-pthread: Debian's LibTorch links the reference BLAS unless an optimized one is
 # installed (it then takes over libblas.so.3 through Debian's alternatives); the model tests
 # train small transformers and run about 20x slower on the reference BLAS.
 packages=(cmake g++ make libeigen3-dev libgtest-dev libcli11-dev nlohmann-json3-dev
           libtorch-dev python3-torch python3-pytest libopenblas0-pthread pkg-config
-          libplplot-dev)
+          libplplot-dev python3-venv)
 if [[ "${1:-}" == "bench" ]]; then
   # An optimized BLAS for LibTorch's composed baseline (Debian's default is the reference BLAS).
   packages+=(libopenblas0-pthread)

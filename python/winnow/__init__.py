@@ -4,8 +4,9 @@ This package loads winnow's LibTorch operator library and exposes its operators 
 functions. The operators themselves live in ``torch.ops.winnow`` once loaded, so C++ and
 Python callers share one implementation and one autograd definition.
 
-The library is found, in order, at ``$WINNOW_LIBRARY``, inside this package
-(``winnow/lib/libwinnow_torch.so``), or in the repository's ``build/`` folder.
+The library is found, in order, at ``$WINNOW_LIBRARY``, where ``pip install`` put it (inside
+this package, ``winnow/lib/libwinnow_torch.so``; also for an editable install), or in the
+repository's ``build/`` folder.
 """
 
 from __future__ import annotations
@@ -27,16 +28,39 @@ __all__ = [
     "entmax_attention",
     "sieve_attention",
     "rotary_embedding",
+    "composed",
+    "nn",
 ]
+
+try:  # written by the build behind `pip install` (cmake/build_info.py.in)
+    from . import _build_info
+except ImportError:  # a source tree: the library comes from build/ or $WINNOW_LIBRARY
+    _build_info = None
 
 
 def _candidates():
     env = os.environ.get("WINNOW_LIBRARY")
     if env:
         yield Path(env)
+    if _build_info is not None:
+        yield _build_info.LIBRARY_DIR / "libwinnow_torch.so"
     here = Path(__file__).resolve().parent
     yield here / "lib" / "libwinnow_torch.so"
     yield here.parent.parent / "build" / "libwinnow_torch.so"
+
+
+def _check_torch_abi(path: Path) -> None:
+    """An installed library was compiled against one torch; another one's C++ ABI differs,
+    and loading would fail obscurely or crash later."""
+    if _build_info is None or path.parent != _build_info.LIBRARY_DIR:
+        return
+    built = _build_info.TORCH_VERSION.split(".")[:2]
+    running = torch.__version__.split("+")[0].split(".")[:2]
+    if built != running:
+        raise ImportError(
+            f"winnow: this installation was built against torch {_build_info.TORCH_VERSION}, "
+            f"but torch {torch.__version__} is imported; reinstall winnow with this torch "
+            "(pip install --no-build-isolation .)")
 
 
 def _load() -> Path:
@@ -44,11 +68,13 @@ def _load() -> Path:
     for path in _candidates():
         tried.append(str(path))
         if path.is_file():
+            _check_torch_abi(path)
             torch.ops.load_library(str(path))
             return path
     raise ImportError(
         "winnow: the operator library libwinnow_torch.so was not found; build it "
-        "(`make build`) or set WINNOW_LIBRARY. Looked at: " + ", ".join(tried)
+        "(`make build`), install the package (`pip install .`) or set WINNOW_LIBRARY. "
+        "Looked at: " + ", ".join(tried)
     )
 
 
@@ -177,3 +203,9 @@ def rotary_embedding(
     CPU, every float dtype on CUDA.
     """
     return torch.ops.winnow.rotary_embedding(x, cos, sin, transpose)
+
+
+# Modules built on the functions above (imported last: they use them).
+from . import composed  # noqa: E402
+from . import nn  # noqa: E402
+
