@@ -7,6 +7,8 @@
 #              the C++ CUDA tests again with the portable (sm_80) kernels forced on the Hopper
 #              machine, then the CPU tests against this LibTorch
 #   cudatest   only the CUDA tests, both kernel sets
+#   pycuda     only the Python CUDA tests (tests/python_cuda) against the build's library
+#   portable   only the C++ CUDA tests with the portable (sm_80) kernels forced
 #   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests and the
 #              tile-skipping and sparse-backward ones
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
@@ -28,6 +30,8 @@
 #              $STUDY_ARGS; runs under runs/ (kept while the machine stays warm, so a later call
 #              continues), result.json and table.md copied to $OUT/study-<name>/
 # Logs and JSON go to $OUT (default ./gpu-out); a short table is printed last.
+# $DEADLINE (seconds): stages that would start later than that after the script's start are
+# skipped and listed, so one call of a limited length still prints its table.
 # Header-only dependencies come from .gpudeps (tools/prepare_gpu_deps.sh) when the machine
 # has no Debian packages.
 set -uo pipefail
@@ -41,8 +45,13 @@ stages=("$@")
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
+script_start=$(date +%s)
 for stage in "${stages[@]}"; do
   start=$(date +%s)
+  if [[ -n "${DEADLINE:-}" ]] && (( start - script_start > DEADLINE )); then
+    note "$stage: skipped (past DEADLINE=$DEADLINE s)"
+    continue
+  fi
   case "$stage" in
     build)
       prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
@@ -61,6 +70,19 @@ for stage in "${stages[@]}"; do
         note "build: FAILED"
         break
       fi
+      ;;
+    pycuda)
+      WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so" PYTHONPATH="$PWD/python:$PWD/tests/python" \
+        python3 -m pytest -q -p no:cacheprovider tests/python_cuda > "$OUT/pycuda.log" 2>&1
+      rc=$?
+      grep -E "^(FAILED|ERROR)" "$OUT/pycuda.log" | head -20
+      note "pycuda: rc $rc, $(tail -1 "$OUT/pycuda.log") ($(( $(date +%s) - start )) s)"
+      ;;
+    portable)
+      WINNOW_PORTABLE_KERNELS=1 "$BUILD/tests/winnow_cuda_tests" --gtest_brief=1 > "$OUT/cuda_tests_portable.log" 2>&1
+      rc=$?
+      grep -E "FAILED|PASSED" "$OUT/cuda_tests_portable.log" | head -20
+      note "portable: rc $rc, $(grep -E 'PASSED|FAILED' "$OUT/cuda_tests_portable.log" | head -1) ($(( $(date +%s) - start )) s)"
       ;;
     test|cudatest)
       ctest --test-dir "$BUILD" -L cuda --output-on-failure -j 4 > "$OUT/cuda_tests.log" 2>&1
