@@ -25,7 +25,8 @@
 #              (tools/check_pip_install.sh; scikit-build-core from .whl/)
 #   gpt        examples/python_gpt/train_gpt.py --compare under torch.compile: the GPT with
 #              winnow.nn attention against the composed expression ($GPT_ARGS; default
-#              stick-breaking, L 1024, 50 steps); JSON in $OUT/gpt.json
+#              stick-breaking, L 1024, 50 steps); JSON in $OUT/gpt.json. Uses the build's
+#              library, or without a build the package pipinstall left in /tmp
 #   study      winnow study $STUDY (default studies/mqrar.json, its cuda profile) with
 #              $STUDY_ARGS; runs under runs/ (kept while the machine stays warm, so a later call
 #              continues), result.json and table.md copied to $OUT/study-<name>/
@@ -151,7 +152,12 @@ for stage in "${stages[@]}"; do
       note "pipinstall: rc $rc, $(grep -E '^pip install:' "$OUT/pip_install.log"), $(grep -E '[0-9]+ (passed|failed)' "$OUT/pip_install.log" | tail -1) ($(( $(date +%s) - start )) s)"
       ;;
     gpt)
-      export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      # The build's library, else the package the pipinstall stage installed.
+      if [[ -f "$BUILD/libwinnow_torch.so" ]]; then
+        export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      elif [[ -d /tmp/winnow-pip-check/site/winnow ]]; then
+        export PYTHONPATH=/tmp/winnow-pip-check/site
+      fi
       # shellcheck disable=SC2086
       python3 examples/python_gpt/train_gpt.py --device cuda --compare --json "$OUT/gpt.json" \
         ${GPT_ARGS:---mechanism stick_breaking --length 1024 --steps 50} 2>&1 | tee "$OUT/gpt.txt" \

@@ -13,7 +13,8 @@ prints both loss curves and their speeds side by side.
     python3 examples/python_gpt/train_gpt.py --device cpu --length 64 --steps 20 --no-compile
 
 On CUDA the step runs under bf16 autocast; on the CPU in float32. Tokens/s is the median over
-the steps after --timing-warmup (compilation excluded).
+the steps after --timing-warmup (compilation excluded). --profile N prints where N more steps
+spend their time.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def train(args, implementation: str):
                   f"{elapsed * 1e3:.1f} ms", flush=True)
     timed = times[args.timing_warmup:] or times
     median = statistics.median(timed)
+    if args.profile:
+        profile_steps(args, implementation, step_fn, optimizer, autocast, gen, device)
     return {
         "implementation": implementation,
         "parameters": params,
@@ -146,6 +149,24 @@ def train(args, implementation: str):
     }
 
 
+def profile_steps(args, implementation, step_fn, optimizer, autocast, gen, device) -> None:
+    """--profile N: N more steps under torch.profiler; prints where the device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile):
+            tokens, targets = copy_batch(gen, args.batch, args.length, args.vocab, device)
+            with autocast:
+                loss = step_fn(tokens, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loss.item()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(f"profile of {args.profile} steps ({implementation}):")
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mechanism", default="stick_breaking", choices=sorted(winnow.nn.MECHANISMS))
@@ -156,7 +177,9 @@ def parse(argv=None):
     p.add_argument("--compile", dest="compile", action="store_true", default=True)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=16)
+    # 64 x 1024 = 65,536 tokens a step, the step of `winnow train-bench`. At 16 sequences the
+    # H100 waits on the CPU launching kernels and the comparison measures Python, not attention.
+    p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--timing-warmup", type=int, default=10)
     p.add_argument("--vocab", type=int, default=64)
@@ -167,6 +190,8 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after training, profile N more steps and print the top operators")
     args = p.parse_args(argv)
     if args.length < 4 or args.length % 2:
         p.error(f"argument --length: expected an even length >= 4, got {args.length}")

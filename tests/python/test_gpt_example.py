@@ -46,3 +46,13 @@ def test_copy_batches_hold_the_copy(example):
 def test_bad_length_is_an_error_naming_it(example):
     with pytest.raises(SystemExit):
         example.parse(["--length", "7"])
+
+
+def test_profile_prints_the_operators_of_the_steps(example, capsys):
+    example.main(["--device", "cpu", "--no-compile", "--length", "16", "--batch", "2",
+                  "--steps", "2", "--d-model", "32", "--heads", "2", "--timing-warmup", "1",
+                  "--profile", "1"])
+    printed = capsys.readouterr().out
+    assert "profile of 1 steps (kernel):" in printed
+    assert "winnow::stick_breaking_attention_forward" in printed
+    assert "winnow::stick_breaking_attention_backward" in printed
