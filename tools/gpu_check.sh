@@ -9,8 +9,9 @@
 #   cudatest   only the CUDA tests, both kernel sets
 #   pycuda     only the Python CUDA tests (tests/python_cuda) against the build's library
 #   portable   only the C++ CUDA tests with the portable (sm_80) kernels forced
-#   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests and the
-#              tile-skipping and sparse-backward ones
+#   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests, the
+#              tile-skipping and sparse-backward ones and the element-wise kernels (rotary,
+#              RMSNorm, SwiGLU); memcheck over the model layer's CUDA tests
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
 #              when $BASELINES has stickbreaking_attention/, AdaSplash-2 when .whl/ has its
 #              wheel, winnow)
@@ -106,7 +107,7 @@ for stage in "${stages[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 \
-          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaRotary.*' > "$OUT/sanitize_$tool.log" 2>&1
+          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaRotary.*:CudaRMSNorm.*:CudaSwiGLU.*' > "$OUT/sanitize_$tool.log" 2>&1
         rc=$?
         note "sanitize $tool: rc $rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done

@@ -28,6 +28,8 @@ __all__ = [
     "entmax_attention",
     "sieve_attention",
     "rotary_embedding",
+    "rms_norm",
+    "swiglu",
     "composed",
     "nn",
 ]
@@ -203,6 +205,32 @@ def rotary_embedding(
     CPU, every float dtype on CUDA.
     """
     return torch.ops.winnow.rotary_embedding(x, cos, sin, transpose)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+    out_dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """RMSNorm over the last dimension as one kernel each way:
+    ``y = x / sqrt(mean(x^2, -1) + eps) * weight``.
+
+    ``weight``: (C,), float32 (float64 for float64 x). ``out_dtype``: y's dtype (default x's);
+    on CUDA a float32 x can be normalized straight into bfloat16 or float16, the operand of the
+    next matrix product under autocast, without a cast in between (the CPU writes x's dtype
+    only). Statistics in float32 (float64 for float64 x). Differentiable in x and weight; the
+    weight gradient is summed in a fixed order (repeatable bit for bit). float32 and float64
+    on the CPU, every float dtype on CUDA.
+    """
+    return torch.ops.winnow.rms_norm(x, weight, eps, out_dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate ``silu(gate) * up`` as one kernel each way (the element-wise middle of a
+    SwiGLU MLP): gate and up of one shape and dtype, any layout. Arithmetic in float32 (float64
+    for float64 tensors); differentiable in both. float32 and float64 on the CPU, every float
+    dtype on CUDA.
+    """
+    return torch.ops.winnow.swiglu(gate, up)
 
 
 # Modules built on the functions above (imported last: they use them).

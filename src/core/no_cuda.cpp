@@ -37,6 +37,10 @@ void entmax_backward(const detail::AttentionParams&, const detail::GradientParam
   no_cuda();
 }
 void rotary(const detail::RotaryParams&) { no_cuda(); }
+void rms_norm_forward(const detail::RMSNormParams&) { no_cuda(); }
+void rms_norm_backward(const detail::RMSNormParams&) { no_cuda(); }
+void swiglu_forward(const detail::SwiGLUParams&) { no_cuda(); }
+void swiglu_backward(const detail::SwiGLUParams&) { no_cuda(); }
 void sieve_forward(const detail::AttentionParams&, const detail::SieveConfig&) { no_cuda(); }
 void sieve_backward(const detail::AttentionParams&, const detail::GradientParams&,
                     const detail::SieveConfig&) {

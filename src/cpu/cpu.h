@@ -3,6 +3,7 @@
 #pragma once
 
 #include "core/params.h"
+#include "core/layer_params.h"
 #include "core/rotary_params.h"
 
 namespace winnow::cpu {
@@ -23,5 +24,12 @@ void sieve_backward(const detail::AttentionParams& p, const detail::GradientPara
                     const detail::SieveConfig& cfg);
 
 void rotary(const detail::RotaryParams& p);
+
+// dy in x's dtype, y in x's dtype (the API checks): the CPU has float32 and float64 only.
+void rms_norm_forward(const detail::RMSNormParams& p);
+void rms_norm_backward(const detail::RMSNormParams& p);
+
+void swiglu_forward(const detail::SwiGLUParams& p);
+void swiglu_backward(const detail::SwiGLUParams& p);
 
 }  // namespace winnow::cpu

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "core/params.h"
+#include "core/layer_params.h"
 #include "core/rotary_params.h"
 
 namespace winnow::cuda {
@@ -33,5 +34,12 @@ void sieve_backward(const detail::AttentionParams& p, const detail::GradientPara
 
 // Rotary position embedding (winnow/rotary.h), one element-wise pass.
 void rotary(const detail::RotaryParams& p);
+
+// RMSNorm (winnow/rms_norm.h): a warp per row; the backward's weight gradient in two passes.
+void rms_norm_forward(const detail::RMSNormParams& p);
+void rms_norm_backward(const detail::RMSNormParams& p);
+
+void swiglu_forward(const detail::SwiGLUParams& p);
+void swiglu_backward(const detail::SwiGLUParams& p);
 
 }  // namespace winnow::cuda

@@ -28,21 +28,24 @@ inline cudaStream_t stream_of(const detail::AttentionParams& p) {
 // A temporary device buffer, from the caller's allocator or stream-ordered cudaMallocAsync.
 class DeviceBuffer {
  public:
-  DeviceBuffer(const detail::AttentionParams& p, std::size_t bytes) : p_(p) {
+  DeviceBuffer(DeviceAllocator* allocator, cudaStream_t stream, std::size_t bytes)
+      : allocator_(allocator), stream_(stream) {
     if (bytes == 0) return;
-    if (p.allocator != nullptr) {
-      data_ = p.allocator->allocate(bytes);
+    if (allocator_ != nullptr) {
+      data_ = allocator_->allocate(bytes);
       if (data_ == nullptr) throw Error(ErrorKind::runtime, "winnow: device allocation failed");
     } else {
-      check(cudaMallocAsync(&data_, bytes, stream_of(p)), "allocating a temporary buffer");
+      check(cudaMallocAsync(&data_, bytes, stream_), "allocating a temporary buffer");
     }
   }
+  DeviceBuffer(const detail::AttentionParams& p, std::size_t bytes)
+      : DeviceBuffer(p.allocator, stream_of(p), bytes) {}
   ~DeviceBuffer() {
     if (data_ == nullptr) return;
-    if (p_.allocator != nullptr) {
-      p_.allocator->deallocate(data_);
+    if (allocator_ != nullptr) {
+      allocator_->deallocate(data_);
     } else {
-      cudaFreeAsync(data_, stream_of(p_));
+      cudaFreeAsync(data_, stream_);
     }
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -53,7 +56,8 @@ class DeviceBuffer {
   }
 
  private:
-  const detail::AttentionParams& p_;
+  DeviceAllocator* allocator_;
+  cudaStream_t stream_;
   void* data_ = nullptr;
 };
 

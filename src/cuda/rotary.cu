@@ -9,40 +9,12 @@
 #include <type_traits>
 
 #include "cuda/cuda.h"
+#include "cuda/element_types.cuh"
 #include "cuda/launch.h"
-#include "cuda/tile/ptx.cuh"
 #include "math/rotary.h"
 
 namespace winnow::cuda {
 namespace {
-
-template <class T>
-struct Compute {
-  using type = float;
-};
-template <>
-struct Compute<double> {
-  using type = double;
-};
-
-template <class T>
-__device__ __forceinline__ typename Compute<T>::type widen(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
-    return tile::to_float(x);
-  } else {
-    return static_cast<typename Compute<T>::type>(x);
-  }
-}
-template <class T, class C>
-__device__ __forceinline__ T narrow_to(C x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16_rn(x);
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __float2half_rn(x);
-  } else {
-    return static_cast<T>(x);
-  }
-}
 
 template <class T>
 __global__ void rotary_kernel(detail::RotaryParams p) {

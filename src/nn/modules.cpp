@@ -5,13 +5,9 @@
 
 #include "winnow/torch/ops.h"
 
-// LibTorch from 2.8 on has a fused RMSNorm kernel on CUDA behind at::rms_norm.
-#if __has_include(<ATen/ops/_fused_rms_norm.h>)
-#include <ATen/ops/rms_norm.h>
-#define WINNOW_FUSED_RMS_NORM 1
-#else
-#define WINNOW_FUSED_RMS_NORM 0
-#endif
+#include <ATen/autocast_mode.h>
+#include <torch/version.h>
+
 #include "winnow/error.h"
 
 namespace winnow::nn {
@@ -41,14 +37,29 @@ RMSNormImpl::RMSNormImpl(std::int64_t dim, double eps) : eps_(eps) {
   weight_ = register_parameter("weight", torch::ones({dim}));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-#if WINNOW_FUSED_RMS_NORM
-  // LibTorch's fused kernel, forward and backward, on CUDA: the expression below in one pass
-  // (float32 statistics). The residual stream is float32 under autocast.
-  if (x.is_cuda() && x.scalar_type() == torch::kFloat32 && weight_.scalar_type() == torch::kFloat32) {
-    return at::rms_norm(x, {weight_.size(0)}, weight_, eps_);
-  }
+namespace {
+
+// The dtype a norm's output is consumed in: under CUDA autocast the next matrix product reads
+// the autocast dtype, so the norm writes that directly instead of a float32 tensor to be cast.
+torch::ScalarType consumer_dtype(const torch::Tensor& x) {
+  if (!x.is_cuda()) return x.scalar_type();
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  if (at::autocast::is_autocast_enabled(at::kCUDA)) return at::autocast::get_autocast_dtype(at::kCUDA);
+#else
+  if (at::autocast::is_enabled()) return at::autocast::get_autocast_gpu_dtype();
 #endif
+  return x.scalar_type();
+}
+
+}  // namespace
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  // winnow's kernel (one pass each way, the weight gradient included) wherever it runs: float32
+  // or float64 streams with a weight of the same dtype, on the CPU and on CUDA.
+  const bool wide = x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64;
+  if (wide && weight_.scalar_type() == x.scalar_type() && x.dim() >= 1) {
+    return torch_ops::rms_norm(x, weight_, eps_, consumer_dtype(x));
+  }
   const torch::Tensor xf = x.to(stats_type(x));
   const torch::Tensor normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   return (normed * weight_).to(x.scalar_type());
@@ -82,7 +93,15 @@ MLPImpl::MLPImpl(const ModelConfig& c) : swiglu_(c.mlp == "swiglu") {
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  if (swiglu_) return down_(torch::silu(gate_(x)) * up_(x));
+  // winnow's gate kernel (one pass each way) where it runs: CUDA, and float32 / float64 on the
+  // CPU; otherwise LibTorch's silu and product.
+  if (swiglu_) {
+    const torch::Tensor gate = gate_(x), up = up_(x);
+    const bool kernel = gate.is_cuda() || gate.scalar_type() == torch::kFloat32 ||
+                        gate.scalar_type() == torch::kFloat64;
+    if (kernel && gate.scalar_type() == up.scalar_type()) return down_(torch_ops::swiglu(gate, up));
+    return down_(torch::silu(gate) * up);
+  }
   return down_(torch::gelu(up_(x)));
 }
 

@@ -523,6 +523,145 @@ at::Tensor rotary_embedding_no_grad(const at::Tensor& x, const at::Tensor& cos,
   return rotary_apply(x, cos, sin, transpose);
 }
 
+// ------------------------------------------------------------------ RMSNorm
+
+// x (..., C) as the (N, C) rows the kernels take: a view when x's leading dimensions allow one.
+at::Tensor as_rows(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined() && t.dim() >= 1, op, ": argument '", name,
+                    "': expected a tensor of at least 1 dimension, got ",
+                    t.defined() ? std::string("a 0-dimensional tensor") : std::string("None"));
+  const int64_t cols = t.size(-1);
+  return t.reshape({cols == 0 ? 0 : t.numel() / cols, cols});
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_op(const at::Tensor& x, const at::Tensor& weight,
+                                                       double eps, Opt<at::ScalarType> out_dtype) {
+  constexpr const char* op = "winnow.rms_norm_forward";
+  return translate_errors([&] {
+    const at::Tensor rows = as_rows(op, "x", x);
+    at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype.value_or(x.scalar_type())));
+    at::Tensor rstd = at::empty(stats_shape(x), x.options().dtype(stats_dtype(x)));
+    const DeviceScope scope(x);
+    rms_norm::forward(view_of(rows, op, "x"), view_of(weight, op, "weight"), eps,
+                      view_of(y.view(rows.sizes()), op, "y"), view_of(rstd.view({rows.size(0)}), op, "rstd"),
+                      scope.context(false, false));
+    return std::make_tuple(y, rstd);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_op(const at::Tensor& dy, const at::Tensor& x,
+                                                        const at::Tensor& weight,
+                                                        const at::Tensor& rstd) {
+  constexpr const char* op = "winnow.rms_norm_backward";
+  return translate_errors([&] {
+    const at::Tensor rows = as_rows(op, "x", x);
+    TORCH_CHECK_VALUE(dy.defined() && dy.sizes() == x.sizes(), op, ": argument 'dy': expected x's shape ",
+                      x.sizes(), ", got ", dy.defined() ? c10::str(dy.sizes()) : std::string("None"));
+    TORCH_CHECK_VALUE(rstd.defined() && rstd.numel() == rows.size(0), op,
+                      ": argument 'rstd': expected x's shape without its last dimension, got ",
+                      rstd.defined() ? c10::str(rstd.sizes()) : std::string("None"));
+    at::Tensor dx = at::empty(x.sizes(), x.options());
+    at::Tensor dweight = at::empty(weight.sizes(), weight.options());
+    const DeviceScope scope(x);
+    rms_norm::backward(view_of(dy.reshape(rows.sizes()), op, "dy"), view_of(rows, op, "x"),
+                       view_of(weight, op, "weight"), view_of(rstd.reshape({rows.size(0)}), op, "rstd"),
+                       view_of(dx.view(rows.sizes()), op, "dx"), view_of(dweight, op, "dweight"),
+                       scope.context(false, false));
+    return std::make_tuple(dx, dweight);
+  });
+}
+
+constexpr Dispatched<&rms_norm_forward_op> rms_norm_forward{"winnow::rms_norm_forward"};
+constexpr Dispatched<&rms_norm_backward_op> rms_norm_backward{"winnow::rms_norm_backward"};
+
+struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               double eps, Opt<at::ScalarType> out_dtype) {
+    auto [y, rstd] = rms_norm_forward(x, weight, eps, out_dtype);
+    ctx->save_for_backward({x, weight, rstd});
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor dx, dweight;
+    if (grads[0].defined()) std::tie(dx, dweight) = rms_norm_backward(grads[0], saved[0], saved[1], saved[2]);
+    return {dx, dweight, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps,
+                             Opt<at::ScalarType> out_dtype) {
+  return RMSNormFunction::apply(x, weight, eps, out_dtype)[0];
+}
+
+at::Tensor rms_norm_no_grad(const at::Tensor& x, const at::Tensor& weight, double eps,
+                            Opt<at::ScalarType> out_dtype) {
+  return std::get<0>(rms_norm_forward(x, weight, eps, out_dtype));
+}
+
+// ------------------------------------------------------------------ SwiGLU
+
+at::Tensor swiglu_forward_op(const at::Tensor& gate, const at::Tensor& up) {
+  constexpr const char* op = "winnow.swiglu_forward";
+  return translate_errors([&] {
+    const at::Tensor g = as_rows(op, "gate", gate);
+    TORCH_CHECK_VALUE(up.defined() && up.sizes() == gate.sizes(), op,
+                      ": argument 'up': expected gate's shape ", gate.sizes(), ", got ",
+                      up.defined() ? c10::str(up.sizes()) : std::string("None"));
+    at::Tensor y = at::empty(gate.sizes(), gate.options());
+    const DeviceScope scope(gate);
+    swiglu::forward(view_of(g, op, "gate"), view_of(up.reshape(g.sizes()), op, "up"),
+                    view_of(y.view(g.sizes()), op, "y"), scope.context(false, false));
+    return y;
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward_op(const at::Tensor& dy, const at::Tensor& gate,
+                                                      const at::Tensor& up) {
+  constexpr const char* op = "winnow.swiglu_backward";
+  return translate_errors([&] {
+    const at::Tensor g = as_rows(op, "gate", gate);
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"dy", dy}, {"up", up}}) {
+      TORCH_CHECK_VALUE(t.defined() && t.sizes() == gate.sizes(), op, ": argument '", name,
+                        "': expected gate's shape ", gate.sizes(), ", got ",
+                        t.defined() ? c10::str(t.sizes()) : std::string("None"));
+    }
+    at::Tensor dgate = at::empty(gate.sizes(), gate.options());
+    at::Tensor dup = at::empty(gate.sizes(), gate.options());
+    const DeviceScope scope(gate);
+    swiglu::backward(view_of(dy.reshape(g.sizes()), op, "dy"), view_of(g, op, "gate"),
+                     view_of(up.reshape(g.sizes()), op, "up"), view_of(dgate.view(g.sizes()), op, "dgate"),
+                     view_of(dup.view(g.sizes()), op, "dup"), scope.context(false, false));
+    return std::make_tuple(dgate, dup);
+  });
+}
+
+constexpr Dispatched<&swiglu_forward_op> swiglu_forward{"winnow::swiglu_forward"};
+constexpr Dispatched<&swiglu_backward_op> swiglu_backward{"winnow::swiglu_backward"};
+
+struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return {swiglu_forward(gate, up)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor dgate, dup;
+    if (grads[0].defined()) std::tie(dgate, dup) = swiglu_backward(grads[0], saved[0], saved[1]);
+    return {dgate, dup};
+  }
+};
+
+at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
+  return SwiGLUFunction::apply(gate, up)[0];
+}
+
+at::Tensor swiglu_no_grad(const at::Tensor& gate, const at::Tensor& up) {
+  return swiglu_forward(gate, up);
+}
+
 // ------------------------------------------------------------------ Meta kernels
 // What each forward and backward operator returns, computed from shapes alone: the same
 // shapes, dtypes and strides as the kernels above allocate, from symbolic sizes, so that the
@@ -638,6 +777,37 @@ at::Tensor rotary_apply(const at::Tensor& x, const at::Tensor&, const at::Tensor
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor&, double,
+                                                    Opt<at::ScalarType> out_dtype) {
+  TORCH_CHECK_VALUE(x.defined() && x.dim() >= 1, "winnow.rms_norm_forward: argument 'x': ",
+                    "expected a tensor of at least 1 dimension");
+  return std::make_tuple(
+      at::empty_symint(x.sym_sizes(), x.options().dtype(out_dtype.value_or(x.scalar_type()))),
+      stats(x));
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor&, const at::Tensor& x,
+                                                     const at::Tensor& weight, const at::Tensor&) {
+  TORCH_CHECK_VALUE(x.defined() && x.dim() >= 1, "winnow.rms_norm_backward: argument 'x': ",
+                    "expected a tensor of at least 1 dimension");
+  return std::make_tuple(at::empty_symint(x.sym_sizes(), x.options()),
+                         at::empty_symint(weight.sym_sizes(), weight.options()));
+}
+
+at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor&) {
+  TORCH_CHECK_VALUE(gate.defined() && gate.dim() >= 1, "winnow.swiglu_forward: argument 'gate': ",
+                    "expected a tensor of at least 1 dimension");
+  return at::empty_symint(gate.sym_sizes(), gate.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor&, const at::Tensor& gate,
+                                                   const at::Tensor&) {
+  TORCH_CHECK_VALUE(gate.defined() && gate.dim() >= 1, "winnow.swiglu_backward: argument 'gate': ",
+                    "expected a tensor of at least 1 dimension");
+  return std::make_tuple(at::empty_symint(gate.sym_sizes(), gate.options()),
+                         at::empty_symint(gate.sym_sizes(), gate.options()));
+}
+
 }  // namespace meta
 
 }  // namespace
@@ -702,6 +872,16 @@ TORCH_LIBRARY(winnow, m) {
       "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rotary_embedding_apply(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06, ScalarType? out_dtype=None) -> Tensor");
+  m.def(
+      "rms_norm_forward(Tensor x, Tensor weight, float eps=1e-06, ScalarType? out_dtype=None) "
+      "-> (Tensor y, Tensor rstd)");
+  m.def(
+      "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd) "
+      "-> (Tensor dx, Tensor dweight)");
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_forward(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor dy, Tensor gate, Tensor up) -> (Tensor dgate, Tensor dup)");
 }
 
 // The kernel calls dispatch on the tensors' device themselves (winnow's API), so one
@@ -717,6 +897,10 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("sieve_attention_forward", sieve_forward_op);
   m.impl("sieve_attention_backward", sieve_backward_op);
   m.impl("rotary_embedding_apply", rotary_apply_op);
+  m.impl("rms_norm_forward", rms_norm_forward_op);
+  m.impl("rms_norm_backward", rms_norm_backward_op);
+  m.impl("swiglu_forward", swiglu_forward_op);
+  m.impl("swiglu_backward", swiglu_backward_op);
 }
 
 TORCH_LIBRARY_IMPL(winnow, Meta, m) {
@@ -729,6 +913,10 @@ TORCH_LIBRARY_IMPL(winnow, Meta, m) {
   m.impl("sieve_attention_forward", meta::sieve_forward);
   m.impl("sieve_attention_backward", meta::sieve_backward);
   m.impl("rotary_embedding_apply", meta::rotary_apply);
+  m.impl("rms_norm_forward", meta::rms_norm_forward);
+  m.impl("rms_norm_backward", meta::rms_norm_backward);
+  m.impl("swiglu_forward", meta::swiglu_forward);
+  m.impl("swiglu_backward", meta::swiglu_backward);
 }
 
 #if TORCH_VERSION_MAJOR < 2
@@ -739,7 +927,8 @@ TORCH_LIBRARY_IMPL(winnow, AutogradMeta, m) {
                            "stick_breaking_attention_forward", "stick_breaking_attention_backward",
                            "entmax_attention_forward", "entmax_attention_backward",
                            "sieve_attention_forward", "sieve_attention_backward",
-                           "rotary_embedding_apply"}) {
+                           "rotary_embedding_apply", "rms_norm_forward", "rms_norm_backward",
+                           "swiglu_forward", "swiglu_backward"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }
@@ -753,6 +942,8 @@ TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("entmax_attention", entmax_attention_autograd);
   m.impl("sieve_attention", sieve_attention_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
+  m.impl("rms_norm", rms_norm_autograd);
+  m.impl("swiglu", swiglu_autograd);
 }
 
 TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
@@ -761,6 +952,8 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("entmax_attention", entmax_attention_no_grad);
   m.impl("sieve_attention", sieve_attention_no_grad);
   m.impl("rotary_embedding", rotary_embedding_no_grad);
+  m.impl("rms_norm", rms_norm_no_grad);
+  m.impl("swiglu", swiglu_no_grad);
 }
 
 // The C++ entry points (torch/ops.h) call the registered operators through the dispatcher,
@@ -820,6 +1013,21 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
                        .findSchemaOrThrow("winnow::rotary_embedding", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
   return op.call(x, cos, sin, transpose);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    Opt<at::ScalarType> out_dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::rms_norm", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, Opt<at::ScalarType>)>();
+  return op.call(x, weight, eps, out_dtype);
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::swiglu", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(gate, up);
 }
 
 }  // namespace winnow::torch_ops

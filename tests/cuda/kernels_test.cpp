@@ -20,6 +20,10 @@
 #include "math/entmax.h"
 #include "support/attention_case.h"
 #include "support/expect_results.h"
+#include "support/rms_norm_reference.h"
+#include "support/swiglu_reference.h"
+#include "winnow/rms_norm.h"
+#include "winnow/swiglu.h"
 #include "winnow/rotary.h"
 
 namespace winnow::testing {
@@ -518,6 +522,92 @@ TEST(CudaErrors, MixedDevicesAndHostOffsetsAreRejected) {
 
 // The rotary kernels in every dtype and an awkward layout (heads outermost, odd L and H) against
 // the rotation written out in float64 on the same rounded inputs; in place; the transpose.
+// RMSNorm in every pair of input and output dtypes the kernels take, strided inputs, and a
+// row count past the weight gradient's cap on row blocks (1024 of them).
+TEST(CudaRMSNorm, MatchesFloat64ForEveryDtypePairAndIsRepeatable) {
+  std::mt19937_64 rng(12);
+  struct Shape {
+    std::int64_t N, C;
+  };
+  const double eps = 1e-5;
+  for (const Shape shape : {Shape{259, 256}, Shape{67, 37}, Shape{140001, 8}}) {
+    const std::int64_t N = shape.N, C = shape.C;
+    for (DType x_dtype : {DType::bfloat16, DType::float16, DType::float32, DType::float64}) {
+      const std::vector<DType> y_dtypes = x_dtype == DType::float64
+                                              ? std::vector<DType>{DType::float64}
+                                              : std::vector<DType>{DType::bfloat16, DType::float16, DType::float32};
+      for (DType y_dtype : y_dtypes) {
+        if (N > 1000 && (x_dtype != DType::float32 || y_dtype != DType::bfloat16)) continue;  // time
+        const DType stat = x_dtype == DType::float64 ? DType::float64 : DType::float32;
+        const std::vector<int> order = C == 37 ? std::vector<int>{1, 0} : std::vector<int>{};
+        HostTensor x({N, C}, x_dtype, order), dy({N, C}, y_dtype), w({C}, stat);
+        HostTensor y({N, C}, y_dtype), rstd({N}, stat), dx({N, C}, x_dtype, order), dw({C}, stat);
+        x.set_values(random_normal(x.numel(), rng, 2.0));
+        dy.set_values(random_normal(dy.numel(), rng));
+        w.set_values(random_normal(C, rng));
+        const RMSNormExpected want = rms_norm_expected(x.values(), w.values(), dy.values(), N, C, eps);
+        CudaPlacement gpu;
+        const TensorView xd = gpu.place(x), dyd = gpu.place(dy), wd = gpu.place(w);
+        const TensorView yd = gpu.place(y), rd = gpu.place(rstd), dxd = gpu.place(dx), dwd = gpu.place(dw);
+        rms_norm::forward(xd, wd, eps, yd, rd);
+        rms_norm::backward(dyd, xd, wd, rd, dxd, dwd);
+        gpu.fetch(yd, y);
+        gpu.fetch(rd, rstd);
+        gpu.fetch(dxd, dx);
+        gpu.fetch(dwd, dw);
+        const auto tol_of = [](DType d) {
+          return d == DType::float64 ? 1e-13 : d == DType::float32 ? 1e-5 : tolerance(d) / 4;
+        };
+        const std::string label = std::string(to_string(x_dtype)) + " -> " + to_string(y_dtype) +
+                                  " N " + std::to_string(N) + " C " + std::to_string(C);
+        EXPECT_LT(relative_error(y.values(), want.y), tol_of(y_dtype)) << label;
+        EXPECT_LT(relative_error(rstd.values(), want.rstd), tol_of(stat)) << label;
+        EXPECT_LT(relative_error(dx.values(), want.dx), tol_of(x_dtype)) << label;
+        EXPECT_LT(relative_error(dw.values(), want.dweight), tol_of(stat)) << label;
+        // The weight gradient's sum has a fixed order: a second call gives the same bits.
+        HostTensor dw_again({C}, stat);
+        const TensorView dw2 = gpu.place(dw_again);
+        rms_norm::backward(dyd, xd, wd, rd, dxd, dw2);
+        gpu.fetch(dw2, dw_again);
+        EXPECT_EQ(dw.values(), dw_again.values()) << label;
+      }
+    }
+  }
+}
+
+TEST(CudaSwiGLU, MatchesFloat64ForEveryDtype) {
+  std::mt19937_64 rng(13);
+  // 70000 rows: past the grid's 65535 row blocks, so blocks stride over rows.
+  struct Shape {
+    std::int64_t N, H;
+  };
+  for (const Shape shape : {Shape{37, 704}, Shape{70000, 3}}) {
+    for (DType dtype : {DType::bfloat16, DType::float16, DType::float32, DType::float64}) {
+      const std::int64_t N = shape.N, H = shape.H;
+      const std::vector<int> order = H == 3 ? std::vector<int>{1, 0} : std::vector<int>{};
+      HostTensor gate({N, H}, dtype, order), up({N, H}, dtype), dy({N, H}, dtype);
+      HostTensor y({N, H}, dtype), dgate({N, H}, dtype, order), dup({N, H}, dtype);
+      gate.set_values(random_normal(gate.numel(), rng, 4.0));
+      up.set_values(random_normal(up.numel(), rng));
+      dy.set_values(random_normal(dy.numel(), rng));
+      const SwiGLUExpected want = swiglu_expected(gate.values(), up.values(), dy.values());
+      CudaPlacement gpu;
+      const TensorView gd = gpu.place(gate), ud = gpu.place(up), dyd = gpu.place(dy);
+      const TensorView yd = gpu.place(y), dgd = gpu.place(dgate), dud = gpu.place(dup);
+      swiglu::forward(gd, ud, yd);
+      swiglu::backward(dyd, gd, ud, dgd, dud);
+      gpu.fetch(yd, y);
+      gpu.fetch(dgd, dgate);
+      gpu.fetch(dud, dup);
+      const double tol = dtype == DType::float64 ? 1e-14 : dtype == DType::float32 ? 1e-6 : tolerance(dtype) / 4;
+      const std::string label = std::string(to_string(dtype)) + " N " + std::to_string(N);
+      EXPECT_LT(relative_error(y.values(), want.y), tol) << label;
+      EXPECT_LT(relative_error(dgate.values(), want.dgate), tol) << label;
+      EXPECT_LT(relative_error(dup.values(), want.dup), tol) << label;
+    }
+  }
+}
+
 TEST(CudaRotary, MatchesTheRotationInFloat64ForEveryDtype) {
   std::mt19937_64 rng(11);
   // D = 96: four pairs a thread with vector accesses; D = 10: the general kernel.

@@ -15,11 +15,12 @@ import winnow
 # operators those call. Every registered operator must appear here: test_every_operator_has_samples
 # compares this list with torch.ops.winnow.
 DIFFERENTIABLE = ["softmax_attention", "stick_breaking_attention", "entmax_attention",
-                  "sieve_attention", "rotary_embedding"]
+                  "sieve_attention", "rotary_embedding", "rms_norm", "swiglu"]
 KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
            "stick_breaking_attention_forward", "stick_breaking_attention_backward",
            "entmax_attention_forward", "entmax_attention_backward",
-           "sieve_attention_forward", "sieve_attention_backward", "rotary_embedding_apply"]
+           "sieve_attention_forward", "sieve_attention_backward", "rotary_embedding_apply",
+           "rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward"]
 
 
 @dataclass
@@ -108,6 +109,33 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
     out.append(Sample("rotary_embedding", (x.clone().requires_grad_(requires_grad), cos, sin),
                       {"transpose": True}, "transpose"))
     out.append(Sample("rotary_embedding_apply", (x, cos, sin), {}, "rotate"))
+
+    # RMSNorm: x (..., C) in dtype, the weight in float32 (float64 for float64 x); on CUDA a
+    # float32 x also normalized straight into bfloat16, as the trainer does under autocast.
+    x = torch.randn(2, 9, 24, generator=gen, dtype=torch.float64).mul(3).to(device=device, dtype=dtype)
+    w = torch.randn(24, generator=gen, dtype=torch.float64).to(device=device, dtype=table_dtype)
+    out.append(Sample("rms_norm", (x.clone().requires_grad_(requires_grad),
+                                   w.clone().requires_grad_(requires_grad)), {"eps": 1e-5}, "same"))
+    narrow = torch.device(device).type == "cuda" and dtype == torch.float32
+    out_dtype = torch.bfloat16 if narrow else dtype
+    if narrow:
+        out.append(Sample("rms_norm", (x.clone().requires_grad_(requires_grad),
+                                       w.clone().requires_grad_(requires_grad)),
+                          {"out_dtype": torch.bfloat16}, "to bf16"))
+    with torch.no_grad():
+        y, rstd = torch.ops.winnow.rms_norm_forward(x, w, 1e-5, out_dtype)
+        out.append(Sample("rms_norm_forward", (x, w), {"eps": 1e-5, "out_dtype": out_dtype},
+                          "narrow" if narrow else "same"))
+        dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=out_dtype)
+        out.append(Sample("rms_norm_backward", (dy, x, w, rstd), {}, "narrow" if narrow else "same"))
+
+    # SwiGLU's gate: gate and up (B, L, H) of one dtype.
+    gate = torch.randn(2, 9, 20, generator=gen, dtype=torch.float64).mul(3).to(device=device, dtype=dtype)
+    up = torch.randn(2, 9, 20, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+    out.append(Sample("swiglu", (gate.clone().requires_grad_(requires_grad),
+                                 up.clone().requires_grad_(requires_grad)), {}, "same"))
+    out.append(Sample("swiglu_forward", (gate, up), {}, "same"))
+    out.append(Sample("swiglu_backward", (torch.randn_like(gate), gate, up), {}, "same"))
     return out
 
 
@@ -122,4 +150,6 @@ FUNCTIONS: Dict[str, Callable] = {
     "entmax_attention": winnow.entmax_attention,
     "sieve_attention": winnow.sieve_attention,
     "rotary_embedding": winnow.rotary_embedding,
+    "rms_norm": winnow.rms_norm,
+    "swiglu": winnow.swiglu,
 }

@@ -305,6 +305,72 @@ def test_rotary_embedding_bad_tables_name_the_argument():
         winnow.rotary_embedding(x, cos, sin)
 
 
+def composed_rms_norm(x, weight, eps):
+    xf = x.double()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rms_norm_matches_composed(dtype):
+    torch.manual_seed(5)
+    x = (3 * torch.randn(3, 5, 19, dtype=dtype)).requires_grad_()
+    w = torch.randn(19, dtype=dtype, requires_grad=True)
+    y = winnow.rms_norm(x, w, 1e-5)
+    expected = composed_rms_norm(x, w, 1e-5)
+    tol = 1e-13 if dtype == torch.float64 else 2e-6
+    assert y.dtype == dtype and y.shape == x.shape
+    torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w), dy)
+    want = torch.autograd.grad(expected, (x, w), dy.double())
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g.double(), e.double(), rtol=tol * 5, atol=tol * 5)
+
+
+def test_rms_norm_gradcheck():
+    torch.manual_seed(6)
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: winnow.rms_norm(a, b, 1e-3), (x, w))
+
+
+def test_rms_norm_bad_arguments_name_them():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="argument 'weight': expected float32 \\(8\\)"):
+        winnow.rms_norm(x, torch.ones(7))
+    with pytest.raises(NotImplementedError, match="argument 'y': expected float32 \\(x's dtype\\) on the CPU"):
+        winnow.rms_norm(x, torch.ones(8), out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="argument 'x': expected a tensor of at least 1 dimension"):
+        winnow.rms_norm(torch.tensor(1.0), torch.ones(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_swiglu_matches_composed(dtype):
+    torch.manual_seed(8)
+    gate = (4 * torch.randn(3, 5, 17, dtype=dtype)).requires_grad_()
+    up = torch.randn(3, 5, 17, dtype=dtype, requires_grad=True)
+    y = winnow.swiglu(gate, up)
+    expected = torch.nn.functional.silu(gate.double()) * up.double()
+    tol = 1e-14 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (gate, up), dy)
+    want = torch.autograd.grad(expected, (gate, up), dy.double())
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g.double(), e.double(), rtol=tol * 5, atol=tol * 5)
+
+
+def test_swiglu_gradcheck_and_bad_arguments():
+    torch.manual_seed(9)
+    gate = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(winnow.swiglu, (gate, up))
+    with pytest.raises(ValueError, match="argument 'up': expected gate's shape"):
+        winnow.swiglu(torch.randn(4, 6), torch.randn(4, 5))
+    with pytest.raises(ValueError, match="argument 'up': expected float32 \\(4, 6\\)"):
+        winnow.swiglu(torch.randn(4, 6), torch.randn(4, 6, dtype=torch.float64))
+
+
 def test_version_is_the_projects():
     import pathlib
     import re

@@ -90,10 +90,11 @@ def weighted_loss(outputs, weights):
 
 
 def call_with_loss(name, tensors, options):
-    """The package function `name` on tensors (q, k, v[, cu_q, cu_k]) or (x, cos, sin), and a
+    """The package function `name` on tensors (q, k, v[, cu_q, cu_k]), (x, cos, sin) or
+    (x, weight), and a
     scalar of its floating outputs with fixed weights, so every output carries a gradient."""
     fn = FUNCTIONS[name]
-    if name == "rotary_embedding":
+    if name in ("rotary_embedding", "rms_norm", "swiglu"):
         outputs = tensors_of(fn(*tensors, **options))
     else:
         q, k, v, *cu = tensors
@@ -107,7 +108,10 @@ def call_with_loss(name, tensors, options):
 
 def longer(tensors):
     """The same batched call with every sequence twice as long (q, k, v along dim 1; rotary's
-    x and tables along their length)."""
+    x and tables along their length; RMSNorm's x and SwiGLU's gate and up along their rows)."""
+    if len(tensors) == 2 and tensors[1].dim() == 1:  # rms_norm: x (B, L, C), weight (C)
+        x, w = tensors
+        return [torch.cat([x.detach()] * 2, 1).requires_grad_(x.requires_grad), w]
     if len(tensors) == 3 and tensors[1].dim() == 2:  # rotary: x (B, L, H, D), cos, sin (L, D/2)
         x, cos, sin = tensors
         return [torch.cat([x.detach()] * 2, 1).requires_grad_(x.requires_grad),
@@ -150,7 +154,7 @@ def compile_check(name, device, dtype, d, backend, rtol, atol):
             tensors += [sample.kwargs["cu_seqlens_q"], sample.kwargs["cu_seqlens_k"]]
         options = {k: v for k, v in sample.kwargs.items() if not k.startswith("cu_seqlens")}
         check(tensors, options)
-        if sample.label in ("batched", "rotate"):
+        if sample.label in ("batched", "rotate", "same"):
             frames = counter.frame_count
             check(longer(tensors), options)
             assert counter.frame_count == frames, f"{sample}: compiled again for a longer input"

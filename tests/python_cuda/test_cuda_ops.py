@@ -118,3 +118,20 @@ def test_sieve_cuda_matches_composed(dtype, tol, dim, filter):
     assert diff.mean() < 0.05 * ref_count.float().mean()
     for g, r in zip(grads, ref_grads):
         assert rel(g, r) < tol
+
+
+def test_rms_norm_cuda_into_bfloat16_matches_composed():
+    torch.manual_seed(7)
+    x = (3 * torch.randn(4, 33, 256, device="cuda")).requires_grad_()
+    w = torch.randn(256, device="cuda", requires_grad=True)
+    y = winnow.rms_norm(x, w, 1e-6, out_dtype=torch.bfloat16)
+    xf, wf = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    expected = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * wf
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w), dy)
+    want = torch.autograd.grad(expected, (xf, wf), dy.double())
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5)

@@ -44,4 +44,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention(
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                             bool transpose = false);
 
+// RMSNorm over x's last dimension with weight (C) (winnow/rms_norm.h), one kernel each way;
+// y in out_dtype (default: x's), e.g. a float32 residual stream normalized straight into bf16.
+// Gradients reach x and weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps = 1e-6,
+                    Opt<at::ScalarType> out_dtype = Opt<at::ScalarType>());
+
+// SwiGLU's gate silu(gate) * up (winnow/swiglu.h), one kernel each way; gate and up of one
+// shape and dtype. Gradients reach both.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+
 }  // namespace winnow::torch_ops

@@ -1,0 +1,52 @@
+// Parameters of the kernels for a transformer layer's pieces around attention (RMSNorm, SwiGLU):
+// plain data, checked by their APIs (src/api/rms_norm.cpp, src/api/swiglu.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "winnow/attention.h"
+#include "winnow/tensor.h"
+
+namespace winnow::detail {
+
+struct RMSNormParams {
+  // Forward reads x, weight; writes y, rstd. Backward reads dy, x, weight, rstd; writes dx, dweight.
+  const void* x = nullptr;
+  const void* weight = nullptr;
+  void* y = nullptr;  // forward only
+  void* rstd = nullptr;
+  const void* dy = nullptr;  // backward only
+  void* dx = nullptr;
+  void* dweight = nullptr;
+  DType x_dtype = DType::float32;   // also dx's
+  DType y_dtype = DType::float32;   // y's (forward) or dy's (backward)
+  DType stat_dtype = DType::float32;  // weight, rstd, dweight: float64 for float64 x, else float32
+  std::int64_t rows = 0, cols = 0;
+  std::int64_t x_stride[2] = {0, 0};  // elements
+  std::int64_t y_stride[2] = {0, 0};  // of y (forward) or dy (backward)
+  std::int64_t dx_stride[2] = {0, 0};
+  std::int64_t weight_stride = 1, rstd_stride = 1, dweight_stride = 1;
+  double eps = 0;
+  int num_threads = 0;
+  void* cuda_stream = nullptr;
+  DeviceAllocator* allocator = nullptr;  // the CUDA backward's partial weight gradients
+};
+
+struct SwiGLUParams {
+  // Forward reads gate, up; writes y. Backward reads dy, gate, up; writes dgate, dup.
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  void* y = nullptr;  // forward only
+  const void* dy = nullptr;  // backward only
+  void* dgate = nullptr;
+  void* dup = nullptr;
+  DType dtype = DType::float32;  // of every tensor
+  std::int64_t rows = 0, cols = 0;
+  std::int64_t gate_stride[2] = {0, 0}, up_stride[2] = {0, 0};  // elements
+  std::int64_t y_stride[2] = {0, 0};      // of y (forward) or dy (backward)
+  std::int64_t dgate_stride[2] = {0, 0}, dup_stride[2] = {0, 0};
+  int num_threads = 0;
+  void* cuda_stream = nullptr;
+};
+
+}  // namespace winnow::detail
