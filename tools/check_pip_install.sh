@@ -9,6 +9,8 @@
 # against that torch without isolation (scikit-build-core from the wheels in .whl/, no network)
 # and installed with --target into a folder of its own; its CUDA kernels are built for the GPU
 # present (or $WINNOW_CUDA_ARCHITECTURES).
+# With a system Python it then checks `pip install -e .` too (the build folder is reused, so
+# it costs seconds): the package from the source tree, the library from the environment.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${1:-}
@@ -41,3 +43,12 @@ echo "pip install: $(( $(date +%s) - start )) s"
 cd "$work"
 env -u PYTHONPATH -u WINNOW_LIBRARY WINNOW_EXPECT_INSTALLED="$prefix" \
   "${run_python[@]}" -m pytest -q -p no:cacheprovider "$root/tests/python" ${WINNOW_PIP_CHECK_TESTS:-}
+
+if [[ "$prefix" == "$work/venv" ]]; then
+  start=$(date +%s)
+  "$python" -m venv --system-site-packages "$work/venv-editable"
+  "$work/venv-editable/bin/python" -m pip install -q --no-deps --no-cache-dir -e "$root"
+  echo "pip install -e: $(( $(date +%s) - start )) s"
+  env -u PYTHONPATH -u WINNOW_LIBRARY WINNOW_EXPECT_EDITABLE="$work/venv-editable" \
+    "$work/venv-editable/bin/python" -m pytest -q -p no:cacheprovider "$root/tests/python/test_ops.py"
+fi
