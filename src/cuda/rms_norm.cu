@@ -1,7 +1,10 @@
 // RMSNorm on CUDA. Memory-bound: the forward reads x once and writes y (often bf16 from a float32
-// x); the backward reads dy and x for the input gradient (a warp per row, the row's second pass
-// served from cache) and again, column-tiled, for the weight gradient, whose per-block partial
-// sums are added in a fixed order by a last small kernel: bitwise repeatable, no atomics.
+// x); the backward reads dy and x once for both gradients. Rows of up to 32 lanes x 8 packs
+// (1024 float32 columns) stay in registers, moved in 8- or 16-byte packs: a warp per row, and
+// in the backward each warp also sums its rows' share of the weight gradient, columns held by
+// the same lanes for every row. Per-block partial sums are then added in a fixed order by a
+// last small kernel: bitwise repeatable, no atomics. Other layouts take the general kernels (an
+// element a lane, the weight gradient in a second, column-tiled read of x and dy).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -102,14 +105,159 @@ __global__ void weight_grad_partial_kernel(detail::RMSNormParams p, std::int64_t
   }
 }
 
+// dweight[c] = sum over b of partial[b][c]: block (32 columns, 8 lanes), lane y adding rows
+// y, y + 8, ... and the 8 lanes added in order.
 template <class C>
 __global__ void weight_grad_sum_kernel(detail::RMSNormParams p, std::int64_t row_blocks,
                                        const C* partial) {
-  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= p.cols) return;
+  __shared__ C lanes[kWarps][32];
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
   C sum = 0;
-  for (std::int64_t b = 0; b < row_blocks; ++b) sum += partial[b * p.cols + c];
-  static_cast<C*>(p.dweight)[c * p.dweight_stride] = sum;
+  if (c < p.cols) {
+    for (std::int64_t b = threadIdx.y; b < row_blocks; b += kWarps) sum += partial[b * p.cols + c];
+  }
+  lanes[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < p.cols) {
+    C total = 0;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) total += lanes[k][threadIdx.x];
+    static_cast<C*>(p.dweight)[c * p.dweight_stride] = total;
+  }
+}
+
+// ---- packed rows: a lane holds packs lane, lane + 32, ... (at most kMaxPacksPerLane) of its row
+
+constexpr int kMaxPacksPerLane = 8;
+
+// Elements per pack: 16 bytes of the narrower of x and y.
+template <class X, class Y>
+constexpr int pack_width() {
+  return kPack16<X> < kPack16<Y> ? kPack16<X> : kPack16<Y>;
+}
+
+template <class X, class Y>
+__global__ void forward_packed_kernel(detail::RMSNormParams p) {
+  using C = typename Compute<X>::type;
+  constexpr int V = pack_width<X, Y>();
+  const int lane = threadIdx.x % 32;
+  const int packs = static_cast<int>(p.cols / V);
+  const C* w = static_cast<const C*>(p.weight);
+  for (std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; n < p.rows;
+       n += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const X* xr = static_cast<const X*>(p.x) + n * p.x_stride[0];
+    Pack<X, V> xs[kMaxPacksPerLane];
+    C sum = 0;
+#pragma unroll
+    for (int k = 0; k < kMaxPacksPerLane; ++k) {
+      const int j = lane + 32 * k;
+      if (j >= packs) continue;
+      xs[k] = load_pack<X, V>(xr + j * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) sum += widen(xs[k].v[e]) * widen(xs[k].v[e]);
+    }
+    const C r = math::rms_norm::inverse_rms(warp_sum(sum), static_cast<C>(p.cols), static_cast<C>(p.eps));
+    if (lane == 0) static_cast<C*>(p.rstd)[n * p.rstd_stride] = r;
+    Y* yr = static_cast<Y*>(p.y) + n * p.y_stride[0];
+#pragma unroll
+    for (int k = 0; k < kMaxPacksPerLane; ++k) {
+      const int j = lane + 32 * k;
+      if (j >= packs) continue;
+      const Pack<C, V> wk = load_pack<C, V>(w + j * V);
+      Pack<Y, V> y;
+#pragma unroll
+      for (int e = 0; e < V; ++e) y.v[e] = narrow_to<Y>(widen(xs[k].v[e]) * r * wk.v[e]);
+      store_pack(yr + j * V, y);
+    }
+  }
+}
+
+// dx for the block's rows and partial[blockIdx.x][c] = sum over them of dy x rstd. Shared
+// memory: kWarps x cols sums, one row per warp, added in warp order. A lane keeps x, dy, the
+// weight and the sums of its packs in registers: kPacks = 2 (rows up to 256 float32 columns,
+// about 60 registers) leaves room for several blocks a multiprocessor, 8 does not.
+template <class X, class Y, int kPacks>
+__global__ void backward_packed_kernel(detail::RMSNormParams p, typename Compute<X>::type* partial) {
+  using C = typename Compute<X>::type;
+  constexpr int V = pack_width<X, Y>();
+  extern __shared__ unsigned char shared_bytes[];
+  C* warp_sums = reinterpret_cast<C*>(shared_bytes);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int packs = static_cast<int>(p.cols / V);
+  Pack<C, V> ws[kPacks];
+  C acc[kPacks][V];
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int j = lane + 32 * k;
+    if (j < packs) ws[k] = load_pack<C, V>(static_cast<const C*>(p.weight) + j * V);
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[k][e] = 0;
+  }
+  for (std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp; n < p.rows;
+       n += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const X* xr = static_cast<const X*>(p.x) + n * p.x_stride[0];
+    const Y* dyr = static_cast<const Y*>(p.dy) + n * p.y_stride[0];
+    Pack<X, V> xs[kPacks];
+    Pack<Y, V> dys[kPacks];
+    C sum_gx = 0;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = lane + 32 * k;
+      if (j >= packs) continue;
+      xs[k] = load_pack<X, V>(xr + j * V);
+      dys[k] = load_pack<Y, V>(dyr + j * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) sum_gx += widen(dys[k].v[e]) * ws[k].v[e] * widen(xs[k].v[e]);
+    }
+    const C mean_gx = warp_sum(sum_gx) / static_cast<C>(p.cols);
+    const C r = static_cast<const C*>(p.rstd)[n * p.rstd_stride];
+    X* dxr = static_cast<X*>(p.dx) + n * p.dx_stride[0];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = lane + 32 * k;
+      if (j >= packs) continue;
+      Pack<X, V> dx;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const C x = widen(xs[k].v[e]), dy = widen(dys[k].v[e]);
+        dx.v[e] = narrow_to<X>(math::rms_norm::input_grad(dy * ws[k].v[e], x, r, mean_gx));
+        acc[k][e] += dy * x * r;
+      }
+      store_pack(dxr + j * V, dx);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int j = lane + 32 * k;
+    if (j >= packs) continue;
+#pragma unroll
+    for (int e = 0; e < V; ++e) warp_sums[warp * p.cols + j * V + e] = acc[k][e];
+  }
+  __syncthreads();
+  for (std::int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
+    C sum = 0;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) sum += warp_sums[k * p.cols + c];
+    partial[static_cast<std::int64_t>(blockIdx.x) * p.cols + c] = sum;
+  }
+}
+
+// Whether the packed kernels take these tensors: unit column strides, rows a whole number of
+// aligned packs that fit a warp's registers (and, backward, the block's sums shared memory).
+template <class X, class Y>
+bool takes_packs(const detail::RMSNormParams& p, bool backward) {
+  using C = typename Compute<X>::type;
+  constexpr int V = pack_width<X, Y>();
+  const auto rows_fit = [&](const void* ptr, const std::int64_t* stride, std::size_t element) {
+    return stride[1] == 1 && stride[0] % V == 0 && aligned_to(ptr, V * element);
+  };
+  if (p.cols % V != 0 || p.cols / V > 32 * kMaxPacksPerLane || p.weight_stride != 1 ||
+      !aligned_to(p.weight, V * sizeof(C)) || !rows_fit(p.x, p.x_stride, sizeof(X))) {
+    return false;
+  }
+  if (!backward) return rows_fit(p.y, p.y_stride, sizeof(Y));
+  return rows_fit(p.dy, p.y_stride, sizeof(Y)) && rows_fit(p.dx, p.dx_stride, sizeof(X)) &&
+         static_cast<std::size_t>(kWarps * p.cols) * sizeof(C) <= 48 * 1024;
 }
 
 std::int64_t row_grid(std::int64_t rows) {
@@ -118,6 +266,12 @@ std::int64_t row_grid(std::int64_t rows) {
 
 template <class X, class Y>
 void forward_launch(const detail::RMSNormParams& p) {
+  if (takes_packs<X, Y>(p, false)) {
+    forward_packed_kernel<X, Y><<<static_cast<unsigned>(row_grid(p.rows)), 32 * kWarps, 0,
+                                  static_cast<cudaStream_t>(p.cuda_stream)>>>(p);
+    check_launch("rms_norm forward_packed_kernel");
+    return;
+  }
   forward_kernel<X, Y><<<static_cast<unsigned>(row_grid(p.rows)), 32 * kWarps, 0,
                          static_cast<cudaStream_t>(p.cuda_stream)>>>(p);
   check_launch("rms_norm forward_kernel");
@@ -127,6 +281,25 @@ template <class X, class Y>
 void backward_launch(const detail::RMSNormParams& p) {
   using C = typename Compute<X>::type;
   const auto stream = static_cast<cudaStream_t>(p.cuda_stream);
+  const unsigned sum_blocks = static_cast<unsigned>((p.cols + 31) / 32);
+  if (takes_packs<X, Y>(p, true)) {
+    // At least 16 rows a warp and at most 1024 blocks: one wave on an H100 at any height, and
+    // a grid that depends on the shape alone (the sums' order with it).
+    const std::int64_t blocks =
+        std::max<std::int64_t>(1, std::min<std::int64_t>((p.rows + 16 * kWarps - 1) / (16 * kWarps), 1024));
+    DeviceBuffer partial(p.allocator, stream, static_cast<std::size_t>(blocks * p.cols) * sizeof(C));
+    const std::size_t shared = static_cast<std::size_t>(kWarps * p.cols) * sizeof(C);
+    if (p.cols <= 2 * 32 * pack_width<X, Y>()) {
+      backward_packed_kernel<X, Y, 2><<<static_cast<unsigned>(blocks), 32 * kWarps, shared, stream>>>(p, partial.as<C>());
+    } else {
+      backward_packed_kernel<X, Y, kMaxPacksPerLane><<<static_cast<unsigned>(blocks), 32 * kWarps, shared, stream>>>(
+          p, partial.as<C>());
+    }
+    check_launch("rms_norm backward_packed_kernel");
+    weight_grad_sum_kernel<C><<<sum_blocks, dim3(32, kWarps), 0, stream>>>(p, blocks, partial.as<C>());
+    check_launch("rms_norm weight_grad_sum_kernel");
+    return;
+  }
   if (p.rows > 0) {
     input_grad_kernel<X, Y><<<static_cast<unsigned>(row_grid(p.rows)), 32 * kWarps, 0, stream>>>(p);
     check_launch("rms_norm input_grad_kernel");
@@ -141,8 +314,7 @@ void backward_launch(const detail::RMSNormParams& p) {
   weight_grad_partial_kernel<X, Y><<<dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(row_blocks)),
                                      dim3(32, kWarps), 0, stream>>>(p, rows_per_block, partial.as<C>());
   check_launch("rms_norm weight_grad_partial_kernel");
-  weight_grad_sum_kernel<C><<<static_cast<unsigned>((p.cols + 255) / 256), 256, 0, stream>>>(
-      p, row_blocks, partial.as<C>());
+  weight_grad_sum_kernel<C><<<sum_blocks, dim3(32, kWarps), 0, stream>>>(p, row_blocks, partial.as<C>());
   check_launch("rms_norm weight_grad_sum_kernel");
 }
 

@@ -41,11 +41,6 @@ __global__ void rotary_kernel(detail::RotaryParams p) {
 // the common case (contiguous head vectors and tables, D/2 a multiple of 4, aligned rows).
 // The general kernel above spent most of its time on 64-bit divisions and 2-byte accesses.
 template <class T>
-struct alignas(4 * sizeof(T)) Vec4 {
-  T v[4];
-};
-
-template <class T>
 __global__ void rotary_vec4_kernel(detail::RotaryParams p, std::uint32_t chunks_per_row,
                                    std::uint32_t total) {
   const std::uint32_t n = blockIdx.x * blockDim.x + threadIdx.x;
@@ -56,11 +51,11 @@ __global__ void rotary_vec4_kernel(detail::RotaryParams p, std::uint32_t chunks_
   const std::int64_t i = 4 * static_cast<std::int64_t>(chunk);
   const T* x = static_cast<const T*>(p.x) + b * p.x_stride[0] + l * p.x_stride[1] + h * p.x_stride[2] + i;
   T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + l * p.out_stride[1] + h * p.out_stride[2] + i;
-  const Vec4<T> low = *reinterpret_cast<const Vec4<T>*>(x);
-  const Vec4<T> high = *reinterpret_cast<const Vec4<T>*>(x + p.half);
-  const Vec4<float> c = *reinterpret_cast<const Vec4<float>*>(static_cast<const float*>(p.cos) + l * p.table_stride[0] + i);
-  const Vec4<float> s = *reinterpret_cast<const Vec4<float>*>(static_cast<const float*>(p.sin) + l * p.table_stride[0] + i);
-  Vec4<T> out_low, out_high;
+  const Pack<T, 4> low = load_pack<T, 4>(x);
+  const Pack<T, 4> high = load_pack<T, 4>(x + p.half);
+  const Pack<float, 4> c = load_pack<float, 4>(static_cast<const float*>(p.cos) + l * p.table_stride[0] + i);
+  const Pack<float, 4> s = load_pack<float, 4>(static_cast<const float*>(p.sin) + l * p.table_stride[0] + i);
+  Pack<T, 4> out_low, out_high;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     float y_low, y_high;
@@ -68,8 +63,8 @@ __global__ void rotary_vec4_kernel(detail::RotaryParams p, std::uint32_t chunks_
     out_low.v[k] = narrow_to<T>(y_low);
     out_high.v[k] = narrow_to<T>(y_high);
   }
-  *reinterpret_cast<Vec4<T>*>(out) = out_low;
-  *reinterpret_cast<Vec4<T>*>(out + p.half) = out_high;
+  store_pack(out, out_low);
+  store_pack(out + p.half, out_high);
 }
 
 template <class T>
@@ -77,15 +72,12 @@ bool takes_vec4(const detail::RotaryParams& p) {
   if constexpr (std::is_same_v<T, double>) {
     return false;
   } else {
-    const auto aligned = [](const void* ptr, std::size_t bytes) {
-      return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0;
-    };
     const std::int64_t rows = p.batch * p.length * p.heads;
     return p.half % 4 == 0 && p.x_stride[3] == 1 && p.out_stride[3] == 1 && p.table_stride[1] == 1 &&
            p.x_stride[0] % 4 == 0 && p.x_stride[1] % 4 == 0 && p.x_stride[2] % 4 == 0 &&
            p.out_stride[0] % 4 == 0 && p.out_stride[1] % 4 == 0 && p.out_stride[2] % 4 == 0 &&
-           p.table_stride[0] % 4 == 0 && aligned(p.x, 4 * sizeof(T)) && aligned(p.out, 4 * sizeof(T)) &&
-           aligned(p.cos, 16) && aligned(p.sin, 16) && rows * (p.half / 4) < (std::int64_t{1} << 31) &&
+           p.table_stride[0] % 4 == 0 && aligned_to(p.x, 4 * sizeof(T)) && aligned_to(p.out, 4 * sizeof(T)) &&
+           aligned_to(p.cos, 16) && aligned_to(p.sin, 16) && rows * (p.half / 4) < (std::int64_t{1} << 31) &&
            p.heads * p.length < (std::int64_t{1} << 31);
   }
 }

@@ -31,7 +31,6 @@
 #else
 #define WINNOW_CUDA_GRAPHS 0
 #endif
-#include <future>
 #include <sstream>
 #include <thread>
 
@@ -401,16 +400,26 @@ void Trainer::check_aux_names(const std::map<std::string, torch::Tensor>& produc
 
 tasks::Batch Trainer::training_batch(std::int64_t step) const {
   const TrainConfig& t = config_.train;
-  tasks::Batch b = task_->sample_training(t.batch_size, t.seq_len,
-                                          tasks::batch_seed(config_.seed, kTrainStream, step));
-  if (device_.is_cuda()) {
-    // Pinned, so that the copy to the device is asynchronous: a pageable copy would wait for
-    // the device to drain the work queued before it.
-    b.inputs = b.inputs.pin_memory();
-    b.targets = b.targets.pin_memory();
-    b.loss_mask = b.loss_mask.pin_memory();
-  }
-  return b;
+  return task_->sample_training(t.batch_size, t.seq_len,
+                                tasks::batch_seed(config_.seed, kTrainStream, step));
+}
+
+Trainer::PinnedSlot& Trainer::stage_pinned(const tasks::Batch& batch) {
+  PinnedSlot& slot = pinned_slots_[next_pinned_slot_];
+  next_pinned_slot_ = (next_pinned_slot_ + 1) % pinned_slots_.size();
+  if (slot.read) wait_for(*slot.read, 0);
+  slot.read.reset();
+  auto staged = [](torch::Tensor& buffer, const torch::Tensor& from) {
+    if (!buffer.defined() || buffer.sizes() != from.sizes() ||
+        buffer.scalar_type() != from.scalar_type()) {
+      buffer = torch::empty(from.sizes(), from.options().pinned_memory(true));
+    }
+    buffer.copy_(from);
+  };
+  staged(slot.batch.inputs, batch.inputs);
+  staged(slot.batch.targets, batch.targets);
+  staged(slot.batch.loss_mask, batch.loss_mask);
+  return slot;
 }
 
 bool fused_adamw_available(const torch::Device& device) {
@@ -619,8 +628,18 @@ void Trainer::enqueue_step() {
   model_->train();
 
   PhaseScope sample(profile, "winnow.step.sample", device_);
-  const tasks::Batch batch =
-      next_batch_step_ == step_ ? next_batch_.get() : training_batch(step_);
+  PinnedSlot* staged_slot = nullptr;
+  tasks::Batch batch;
+  if (next_batch_step_ == step_) {
+    batch = *next_batch_;
+    staged_slot = &pinned_slots_[(next_pinned_slot_ + pinned_slots_.size() - 1) % pinned_slots_.size()];
+  } else if (device_.is_cuda()) {
+    staged_slot = &stage_pinned(training_batch(step_));
+    batch = staged_slot->batch;
+  } else {
+    batch = training_batch(step_);
+  }
+  next_batch_.reset();
   next_batch_step_ = -1;
   // The loss is the mean over every counted position of the whole batch, however it is split
   // into micro-batches: accumulation then computes the same gradient as one big batch.
@@ -696,14 +715,15 @@ void Trainer::enqueue_step() {
     auto event = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
     event->record(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device_));
     pending.landed = event;
+    if (staged_slot != nullptr) staged_slot->read = event;
   } else {
     pending.values = values;
   }
   report_phase.close();
-  // The next batch is drawn while the device works on this step. Not earlier: pinning memory on
-  // another thread during a graph capture would invalidate the capture.
+  // The next batch is drawn and staged while the device works on this step.
   if (device_.is_cuda()) {
-    next_batch_ = std::async(std::launch::async, [this, s = step_ + 1] { return training_batch(s); });
+    PhaseScope sample_next(profile, "winnow.step.sample", device_);
+    next_batch_ = stage_pinned(training_batch(step_ + 1)).batch;
     next_batch_step_ = step_ + 1;
   }
   if (profile != nullptr) ++profile->steps;

@@ -530,7 +530,9 @@ TEST(CudaRMSNorm, MatchesFloat64ForEveryDtypePairAndIsRepeatable) {
     std::int64_t N, C;
   };
   const double eps = 1e-5;
-  for (const Shape shape : {Shape{259, 256}, Shape{67, 37}, Shape{140001, 8}}) {
+  // 259 x 256 and 33 x 1024: the packed kernels (1024: every lane at its most packs, float64
+  // past them); 67 x 37 column-major: the general ones; 140001 rows: many rows a warp.
+  for (const Shape shape : {Shape{259, 256}, Shape{33, 1024}, Shape{67, 37}, Shape{140001, 8}}) {
     const std::int64_t N = shape.N, C = shape.C;
     for (DType x_dtype : {DType::bfloat16, DType::float16, DType::float32, DType::float64}) {
       const std::vector<DType> y_dtypes = x_dtype == DType::float64
