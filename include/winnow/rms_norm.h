@@ -26,4 +26,20 @@ void backward(const TensorView& dy, const TensorView& x, const TensorView& weigh
               const TensorView& rstd, const TensorView& dx, const TensorView& dweight,
               const ExecContext& ctx = {});
 
+// The residual form, a transformer's residual add and the norm after it in one pass:
+//   sum = x + residual,  y = rms_norm(sum).
+// residual: (N, C) in y's dtype (the branch output of a bf16 product added to a float32 stream);
+// sum: (N, C) in x's dtype, written (the stream's next value), apart from every other tensor.
+void add_forward(const TensorView& x, const TensorView& residual, const TensorView& weight,
+                 double eps, const TensorView& sum, const TensorView& y, const TensorView& rstd,
+                 const ExecContext& ctx = {});
+
+// Its gradient, given dy and the gradient dsum_in that reaches sum from its other uses (null:
+// none): dx = dsum_in + the norm's input gradient at sum, written to dx (x's dtype) and again to
+// dresidual (dy's dtype); dweight as backward's. sum and rstd are what add_forward wrote.
+void add_backward(const TensorView& dy, const TensorView* dsum_in, const TensorView& sum,
+                  const TensorView& weight, const TensorView& rstd, const TensorView& dx,
+                  const TensorView& dresidual, const TensorView& dweight,
+                  const ExecContext& ctx = {});
+
 }  // namespace winnow::rms_norm

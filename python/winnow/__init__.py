@@ -29,6 +29,7 @@ __all__ = [
     "sieve_attention",
     "rotary_embedding",
     "rms_norm",
+    "add_rms_norm",
     "swiglu",
     "composed",
     "nn",
@@ -222,6 +223,22 @@ def rms_norm(
     on the CPU, every float dtype on CUDA.
     """
     return torch.ops.winnow.rms_norm(x, weight, eps, out_dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+    out_dtype: Optional[torch.dtype] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A transformer's residual add and the RMSNorm after it, one kernel each way: returns
+    ``(s, rms_norm(s, weight, eps))`` with ``s = x + residual``.
+
+    ``s`` has x's dtype (the residual stream, e.g. float32); ``residual`` (the branch output) and
+    the normalized output have ``out_dtype`` (default x's), e.g. bfloat16 under autocast on CUDA.
+    The backward adds the gradient that reaches ``s`` from its other uses to the norm's and
+    writes it for x and, cast, for residual: no separate add, accumulation or cast. Same dtypes
+    and devices as :func:`rms_norm`; differentiable in x, residual and weight.
+    """
+    return torch.ops.winnow.add_rms_norm(x, residual, weight, eps, out_dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -56,11 +56,11 @@ void check_stat(const char* op, const char* name, const TensorView& t, DType dty
   check_data(op, name, t);
 }
 
-}  // namespace
 
-void forward(const TensorView& x, const TensorView& weight, double eps, const TensorView& y,
-             const TensorView& rstd, const ExecContext& ctx) {
-  constexpr const char* op = "winnow::rms_norm::forward";
+// forward and add_forward: residual and sum are null for the plain norm.
+void run_forward(const char* op, const TensorView& x, const TensorView* residual,
+                 const TensorView& weight, double eps, const TensorView* sum, const TensorView& y,
+                 const TensorView& rstd, const ExecContext& ctx) {
   const DType stat = check_x_and_weight(op, x, weight);
   if (!(eps >= 0)) fail(op, "eps", ">= 0", std::to_string(eps));
   if (!is_floating(y.dtype)) fail(op, "y", "a floating-point tensor", describe(y));
@@ -77,6 +77,19 @@ void forward(const TensorView& x, const TensorView& weight, double eps, const Te
       overlaps(rstd, weight)) {
     fail(op, overlaps(y, x) || overlaps(y, rstd) || overlaps(y, weight) ? "y" : "rstd",
          "memory apart from the inputs and the other output", "an overlapping view");
+  }
+  if (residual != nullptr) {
+    check_rows(op, "residual", *residual, y.dtype, x);
+    check_rows(op, "sum", *sum, x.dtype, x);
+    for (const TensorView* other : {&x, residual, &weight, &y, &rstd}) {
+      if (overlaps(*sum, *other)) {
+        fail(op, "sum", "memory apart from the inputs and the other outputs", "an overlapping view");
+      }
+    }
+    if (overlaps(y, *residual) || overlaps(rstd, *residual)) {
+      fail(op, overlaps(y, *residual) ? "y" : "rstd", "memory apart from the inputs and the other output",
+           "an overlapping view");
+    }
   }
 
   detail::RMSNormParams p;
@@ -95,6 +108,14 @@ void forward(const TensorView& x, const TensorView& weight, double eps, const Te
   }
   p.weight_stride = weight.stride[0];
   p.rstd_stride = rstd.stride[0];
+  if (residual != nullptr) {
+    p.residual = residual->data;
+    p.sum = sum->data;
+    for (int d = 0; d < 2; ++d) {
+      p.residual_stride[d] = residual->stride[d];
+      p.sum_stride[d] = sum->stride[d];
+    }
+  }
   p.eps = eps;
   p.num_threads = ctx.num_threads;
   p.cuda_stream = ctx.cuda_stream;
@@ -107,10 +128,12 @@ void forward(const TensorView& x, const TensorView& weight, double eps, const Te
   }
 }
 
-void backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
-              const TensorView& rstd, const TensorView& dx, const TensorView& dweight,
-              const ExecContext& ctx) {
-  constexpr const char* op = "winnow::rms_norm::backward";
+// backward and add_backward: dsum_in and dresidual are null for the plain norm (dsum_in may be
+// null for the residual form too).
+void run_backward(const char* op, const TensorView& dy, const TensorView* dsum_in,
+                  const TensorView& x, const TensorView& weight, const TensorView& rstd,
+                  const TensorView& dx, const TensorView* dresidual, const TensorView& dweight,
+                  const ExecContext& ctx) {
   const DType stat = check_x_and_weight(op, x, weight);
   if (!is_floating(dy.dtype)) fail(op, "dy", "a floating-point tensor", describe(dy));
   check_rows(op, "dy", dy, dy.dtype, x);
@@ -129,6 +152,20 @@ void backward(const TensorView& dy, const TensorView& x, const TensorView& weigh
       fail(op, "dx", "memory apart from the inputs and dweight", "an overlapping view");
     }
     if (overlaps(dweight, *in)) fail(op, "dweight", "memory apart from the inputs", "an overlapping view");
+  }
+  if (dsum_in != nullptr) {
+    check_rows(op, "dsum_in", *dsum_in, x.dtype, x);
+    if (overlaps(dx, *dsum_in) || overlaps(dweight, *dsum_in)) {
+      fail(op, overlaps(dx, *dsum_in) ? "dx" : "dweight", "memory apart from the inputs", "an overlapping view");
+    }
+  }
+  if (dresidual != nullptr) {
+    check_rows(op, "dresidual", *dresidual, dy.dtype, x);
+    for (const TensorView* other : {&dy, &x, &weight, &rstd, &dx, &dweight}) {
+      if (overlaps(*dresidual, *other) || (dsum_in != nullptr && overlaps(*dresidual, *dsum_in))) {
+        fail(op, "dresidual", "memory apart from the inputs and the other outputs", "an overlapping view");
+      }
+    }
   }
 
   detail::RMSNormParams p;
@@ -151,6 +188,14 @@ void backward(const TensorView& dy, const TensorView& x, const TensorView& weigh
   p.weight_stride = weight.stride[0];
   p.rstd_stride = rstd.stride[0];
   p.dweight_stride = dweight.stride[0];
+  if (dsum_in != nullptr) {
+    p.dsum_in = dsum_in->data;
+    for (int d = 0; d < 2; ++d) p.dsum_in_stride[d] = dsum_in->stride[d];
+  }
+  if (dresidual != nullptr) {
+    p.dresidual = dresidual->data;
+    for (int d = 0; d < 2; ++d) p.dresidual_stride[d] = dresidual->stride[d];
+  }
   p.num_threads = ctx.num_threads;
   p.cuda_stream = ctx.cuda_stream;
   p.allocator = ctx.allocator;
@@ -159,6 +204,32 @@ void backward(const TensorView& dy, const TensorView& x, const TensorView& weigh
   } else {
     cpu::rms_norm_backward(p);
   }
+}
+
+}  // namespace
+
+void forward(const TensorView& x, const TensorView& weight, double eps, const TensorView& y,
+             const TensorView& rstd, const ExecContext& ctx) {
+  run_forward("winnow::rms_norm::forward", x, nullptr, weight, eps, nullptr, y, rstd, ctx);
+}
+
+void add_forward(const TensorView& x, const TensorView& residual, const TensorView& weight,
+                 double eps, const TensorView& sum, const TensorView& y, const TensorView& rstd,
+                 const ExecContext& ctx) {
+  run_forward("winnow::rms_norm::add_forward", x, &residual, weight, eps, &sum, y, rstd, ctx);
+}
+
+void backward(const TensorView& dy, const TensorView& x, const TensorView& weight,
+              const TensorView& rstd, const TensorView& dx, const TensorView& dweight,
+              const ExecContext& ctx) {
+  run_backward("winnow::rms_norm::backward", dy, nullptr, x, weight, rstd, dx, nullptr, dweight, ctx);
+}
+
+void add_backward(const TensorView& dy, const TensorView* dsum_in, const TensorView& sum,
+                  const TensorView& weight, const TensorView& rstd, const TensorView& dx,
+                  const TensorView& dresidual, const TensorView& dweight, const ExecContext& ctx) {
+  run_backward("winnow::rms_norm::add_backward", dy, dsum_in, sum, weight, rstd, dx, &dresidual,
+               dweight, ctx);
 }
 
 }  // namespace winnow::rms_norm

@@ -26,6 +26,16 @@ struct RMSNormParams {
   std::int64_t y_stride[2] = {0, 0};  // of y (forward) or dy (backward)
   std::int64_t dx_stride[2] = {0, 0};
   std::int64_t weight_stride = 1, rstd_stride = 1, dweight_stride = 1;
+  // The residual form (rms_norm::add_forward / add_backward), all null otherwise. Forward:
+  // sum = x + residual (residual in y's dtype) is written and normalized in place of x.
+  // Backward, with x the saved sum: dsum_in (x's dtype, may be null) is added to dx, and dx is
+  // written a second time into dresidual (dy's dtype).
+  const void* residual = nullptr;
+  void* sum = nullptr;
+  const void* dsum_in = nullptr;
+  void* dresidual = nullptr;
+  std::int64_t residual_stride[2] = {0, 0}, sum_stride[2] = {0, 0};
+  std::int64_t dsum_in_stride[2] = {0, 0}, dresidual_stride[2] = {0, 0};
   double eps = 0;
   int num_threads = 0;
   void* cuda_stream = nullptr;

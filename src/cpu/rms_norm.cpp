@@ -1,5 +1,6 @@
-// RMSNorm on the CPU: a row per iteration; the weight gradient summed over fixed chunks of rows
-// and then over the chunks in order, so that it does not depend on the thread count.
+// RMSNorm on the CPU (and its residual form): a row per iteration; the weight gradient summed
+// over fixed chunks of rows and then over the chunks in order, so that it does not depend on the
+// thread count.
 #include <omp.h>
 
 #include <algorithm>
@@ -25,12 +26,22 @@ void forward_rows(const detail::RMSNormParams& p) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (std::int64_t n = 0; n < p.rows; ++n) {
     const T* xr = x + n * p.x_stride[0];
+    if (p.residual != nullptr) {
+      // The residual form normalizes sum = x + residual, written first and read back.
+      const T* rr = static_cast<const T*>(p.residual) + n * p.residual_stride[0];
+      T* sr = static_cast<T*>(p.sum) + n * p.sum_stride[0];
+      for (std::int64_t c = 0; c < C; ++c) {
+        sr[c * p.sum_stride[1]] = xr[c * p.x_stride[1]] + rr[c * p.residual_stride[1]];
+      }
+      xr = sr;
+    }
+    const std::int64_t xs = p.residual != nullptr ? p.sum_stride[1] : p.x_stride[1];
     T sum = 0;
-    for (std::int64_t c = 0; c < C; ++c) sum += xr[c * p.x_stride[1]] * xr[c * p.x_stride[1]];
+    for (std::int64_t c = 0; c < C; ++c) sum += xr[c * xs] * xr[c * xs];
     const T r = math::rms_norm::inverse_rms(sum, static_cast<T>(C), static_cast<T>(p.eps));
     rstd[n * p.rstd_stride] = r;
     Out* yr = y + n * p.y_stride[0];
-    for (std::int64_t c = 0; c < C; ++c) yr[c * p.y_stride[1]] = xr[c * p.x_stride[1]] * r * w[c * p.weight_stride];
+    for (std::int64_t c = 0; c < C; ++c) yr[c * p.y_stride[1]] = xr[c * xs] * r * w[c * p.weight_stride];
   }
 }
 
@@ -61,9 +72,14 @@ void backward_rows(const detail::RMSNormParams& p) {
       }
       const T mean_gx = sum_gx / static_cast<T>(C);
       T* dxr = dx + n * p.dx_stride[0];
+      const T* din = p.dsum_in ? static_cast<const T*>(p.dsum_in) + n * p.dsum_in_stride[0] : nullptr;
+      T* drr = p.dresidual ? static_cast<T*>(p.dresidual) + n * p.dresidual_stride[0] : nullptr;
       for (std::int64_t c = 0; c < C; ++c) {
-        dxr[c * p.dx_stride[1]] = math::rms_norm::input_grad(
-            dyr[c * p.y_stride[1]] * w[c * p.weight_stride], xr[c * p.x_stride[1]], r, mean_gx);
+        T d = math::rms_norm::input_grad(dyr[c * p.y_stride[1]] * w[c * p.weight_stride],
+                                         xr[c * p.x_stride[1]], r, mean_gx);
+        if (din != nullptr) d += din[c * p.dsum_in_stride[1]];
+        dxr[c * p.dx_stride[1]] = d;
+        if (drr != nullptr) drr[c * p.dresidual_stride[1]] = d;
       }
     }
   }

@@ -4,7 +4,10 @@
 // in the backward each warp also sums its rows' share of the weight gradient, columns held by
 // the same lanes for every row. Per-block partial sums are then added in a fixed order by a
 // last small kernel: bitwise repeatable, no atomics. Other layouts take the general kernels (an
-// element a lane, the weight gradient in a second, column-tiled read of x and dy).
+// element a lane, the weight gradient in a second, column-tiled read of x and dy). The residual
+// form rides along: the forward adds the residual as it loads x and writes the sum; the
+// backward adds the gradient arriving at the sum and writes dx twice (x's and the residual's
+// dtype), so the residual add, the gradient accumulation and the cast need no kernels of their own.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -37,16 +40,27 @@ __global__ void forward_kernel(detail::RMSNormParams p) {
   for (std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; n < p.rows;
        n += static_cast<std::int64_t>(gridDim.x) * kWarps) {
     const X* xr = x + n * p.x_stride[0];
+    std::int64_t xs = p.x_stride[1];
+    if (p.residual != nullptr) {
+      // The residual form: sum = x + residual, written, then read back by the same lane.
+      const Y* rr = static_cast<const Y*>(p.residual) + n * p.residual_stride[0];
+      X* sr = static_cast<X*>(p.sum) + n * p.sum_stride[0];
+      for (std::int64_t c = lane; c < p.cols; c += 32) {
+        sr[c * p.sum_stride[1]] = narrow_to<X>(widen(xr[c * xs]) + widen(rr[c * p.residual_stride[1]]));
+      }
+      xr = sr;
+      xs = p.sum_stride[1];
+    }
     C sum = 0;
     for (std::int64_t c = lane; c < p.cols; c += 32) {
-      const C v = widen(xr[c * p.x_stride[1]]);
+      const C v = widen(xr[c * xs]);
       sum += v * v;
     }
     const C r = math::rms_norm::inverse_rms(warp_sum(sum), static_cast<C>(p.cols), static_cast<C>(p.eps));
     if (lane == 0) static_cast<C*>(p.rstd)[n * p.rstd_stride] = r;
     Y* yr = static_cast<Y*>(p.y) + n * p.y_stride[0];
     for (std::int64_t c = lane; c < p.cols; c += 32) {
-      yr[c * p.y_stride[1]] = narrow_to<Y>(widen(xr[c * p.x_stride[1]]) * r * w[c * p.weight_stride]);
+      yr[c * p.y_stride[1]] = narrow_to<Y>(widen(xr[c * xs]) * r * w[c * p.weight_stride]);
     }
   }
 }
@@ -69,9 +83,14 @@ __global__ void input_grad_kernel(detail::RMSNormParams p) {
     const C mean_gx = warp_sum(sum_gx) / static_cast<C>(p.cols);
     const C r = static_cast<const C*>(p.rstd)[n * p.rstd_stride];
     X* dxr = static_cast<X*>(p.dx) + n * p.dx_stride[0];
+    const X* din = p.dsum_in ? static_cast<const X*>(p.dsum_in) + n * p.dsum_in_stride[0] : nullptr;
+    Y* drr = p.dresidual ? static_cast<Y*>(p.dresidual) + n * p.dresidual_stride[0] : nullptr;
     for (std::int64_t c = lane; c < p.cols; c += 32) {
       const C g = widen(dyr[c * p.y_stride[1]]) * w[c * p.weight_stride];
-      dxr[c * p.dx_stride[1]] = narrow_to<X>(math::rms_norm::input_grad(g, widen(xr[c * p.x_stride[1]]), r, mean_gx));
+      C d = math::rms_norm::input_grad(g, widen(xr[c * p.x_stride[1]]), r, mean_gx);
+      if (din != nullptr) d += widen(din[c * p.dsum_in_stride[1]]);
+      dxr[c * p.dx_stride[1]] = narrow_to<X>(d);
+      if (drr != nullptr) drr[c * p.dresidual_stride[1]] = narrow_to<Y>(d);
     }
   }
 }
@@ -153,6 +172,13 @@ __global__ void forward_packed_kernel(detail::RMSNormParams p) {
       const int j = lane + 32 * k;
       if (j >= packs) continue;
       xs[k] = load_pack<X, V>(xr + j * V);
+      if (p.residual != nullptr) {
+        const Pack<Y, V> rk =
+            load_pack<Y, V>(static_cast<const Y*>(p.residual) + n * p.residual_stride[0] + j * V);
+#pragma unroll
+        for (int e = 0; e < V; ++e) xs[k].v[e] = narrow_to<X>(widen(xs[k].v[e]) + widen(rk.v[e]));
+        store_pack(static_cast<X*>(p.sum) + n * p.sum_stride[0] + j * V, xs[k]);
+      }
 #pragma unroll
       for (int e = 0; e < V; ++e) sum += widen(xs[k].v[e]) * widen(xs[k].v[e]);
     }
@@ -216,14 +242,20 @@ __global__ void backward_packed_kernel(detail::RMSNormParams p, typename Compute
     for (int k = 0; k < kPacks; ++k) {
       const int j = lane + 32 * k;
       if (j >= packs) continue;
-      Pack<X, V> dx;
+      Pack<X, V> dx, din;
+      if (p.dsum_in != nullptr) din = load_pack<X, V>(static_cast<const X*>(p.dsum_in) + n * p.dsum_in_stride[0] + j * V);
+      Pack<Y, V> dres;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const C x = widen(xs[k].v[e]), dy = widen(dys[k].v[e]);
-        dx.v[e] = narrow_to<X>(math::rms_norm::input_grad(dy * ws[k].v[e], x, r, mean_gx));
+        C d = math::rms_norm::input_grad(dy * ws[k].v[e], x, r, mean_gx);
+        if (p.dsum_in != nullptr) d += widen(din.v[e]);
+        dx.v[e] = narrow_to<X>(d);
+        dres.v[e] = narrow_to<Y>(d);
         acc[k][e] += dy * x * r;
       }
       store_pack(dxr + j * V, dx);
+      if (p.dresidual != nullptr) store_pack(static_cast<Y*>(p.dresidual) + n * p.dresidual_stride[0] + j * V, dres);
     }
   }
 #pragma unroll
@@ -255,8 +287,14 @@ bool takes_packs(const detail::RMSNormParams& p, bool backward) {
       !aligned_to(p.weight, V * sizeof(C)) || !rows_fit(p.x, p.x_stride, sizeof(X))) {
     return false;
   }
-  if (!backward) return rows_fit(p.y, p.y_stride, sizeof(Y));
+  if (!backward) {
+    return rows_fit(p.y, p.y_stride, sizeof(Y)) &&
+           (p.residual == nullptr ||
+            (rows_fit(p.residual, p.residual_stride, sizeof(Y)) && rows_fit(p.sum, p.sum_stride, sizeof(X))));
+  }
   return rows_fit(p.dy, p.y_stride, sizeof(Y)) && rows_fit(p.dx, p.dx_stride, sizeof(X)) &&
+         (p.dsum_in == nullptr || rows_fit(p.dsum_in, p.dsum_in_stride, sizeof(X))) &&
+         (p.dresidual == nullptr || rows_fit(p.dresidual, p.dresidual_stride, sizeof(Y))) &&
          static_cast<std::size_t>(kWarps * p.cols) * sizeof(C) <= 48 * 1024;
 }
 

@@ -65,6 +65,20 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   return (normed * weight_).to(x.scalar_type());
 }
 
+std::pair<torch::Tensor, torch::Tensor> RMSNormImpl::add_forward(const torch::Tensor& x,
+                                                                 const torch::Tensor& residual) {
+  if (!residual.defined()) return {x, forward(x)};
+  const bool wide = x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64;
+  if (wide && weight_.scalar_type() == x.scalar_type() && x.dim() >= 1 &&
+      residual.sizes() == x.sizes() && residual.scalar_type() == consumer_dtype(x) &&
+      residual.device() == x.device()) {
+    auto [s, y] = torch_ops::add_rms_norm(x, residual, weight_, eps_, consumer_dtype(x));
+    return {s, y};
+  }
+  const torch::Tensor s = x + residual;
+  return {s, forward(s)};
+}
+
 HeadNormImpl::HeadNormImpl(std::int64_t heads, std::int64_t dim, double eps, bool centered)
     : eps_(eps), centered_(centered) {
   weight_ = register_parameter("weight", torch::ones({heads, dim}));

@@ -28,6 +28,11 @@ class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(std::int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x);
+  // A residual add and this norm: (s, forward(s)) with s = x + residual; an undefined residual
+  // adds nothing (s = x). One kernel each way where forward() runs winnow's kernel and the
+  // residual comes in the norm's output dtype (the branch outputs of a model under autocast).
+  std::pair<torch::Tensor, torch::Tensor> add_forward(const torch::Tensor& x,
+                                                      const torch::Tensor& residual);
 
  private:
   torch::Tensor weight_;

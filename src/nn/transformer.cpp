@@ -11,10 +11,13 @@ BlockImpl::BlockImpl(const ModelConfig& c, std::int64_t layer_index) {
   mlp_ = register_module("mlp", MLP(c));
 }
 
-torch::Tensor BlockImpl::forward(const torch::Tensor& x, LayerCache* cache) {
+std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward(const torch::Tensor& x,
+                                                          const torch::Tensor& pending,
+                                                          LayerCache* cache) {
   attention_->clear_aux_losses();
-  const torch::Tensor h = x + attention_->forward(attention_norm_(x), cache);
-  return h + mlp_(mlp_norm_(h));
+  const auto [stream, normed] = attention_norm_->add_forward(x, pending);
+  const auto [h, h_normed] = mlp_norm_->add_forward(stream, attention_->forward(normed, cache));
+  return {h, mlp_(h_normed)};
 }
 
 TransformerLMImpl::TransformerLMImpl(ModelConfig c) : config_(std::move(c)) {
@@ -44,12 +47,13 @@ torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens, KVCache* c
                     std::to_string(blocks_.size()) + " layers, got " +
                     std::to_string(cache->layers.size()));
   }
-  torch::Tensor x = embedding_(tokens);
+  // Each residual add happens inside the norm after it (RMSNormImpl::add_forward).
+  torch::Tensor x = embedding_(tokens), pending;
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
-    x = blocks_[i]->forward(x, cache ? &cache->layers[i] : nullptr);
+    std::tie(x, pending) = blocks_[i]->forward(x, pending, cache ? &cache->layers[i] : nullptr);
   }
-  x = final_norm_(x);
-  return torch::nn::functional::linear(x, head_ ? head_->weight : embedding_->weight);
+  const torch::Tensor normed = final_norm_->add_forward(x, pending).second;
+  return torch::nn::functional::linear(normed, head_ ? head_->weight : embedding_->weight);
 }
 
 std::map<std::string, torch::Tensor> TransformerLMImpl::aux_losses() const {

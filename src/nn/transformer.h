@@ -24,7 +24,11 @@ struct KVCache {
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const ModelConfig& c, std::int64_t layer_index);
-  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache);
+  // x + attention(norm(x)), then + mlp(norm(.)), with the residual adds deferred into the next
+  // norm: takes the stream x and the previous block's MLP output still to be added (undefined
+  // for the first block), returns the stream and this block's MLP output still to be added.
+  std::pair<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x,
+                                                  const torch::Tensor& pending, LayerCache* cache);
   AttentionLayer& attention() { return *attention_; }
   const AttentionLayer& attention() const { return *attention_; }
 

@@ -600,6 +600,103 @@ at::Tensor rms_norm_no_grad(const at::Tensor& x, const at::Tensor& weight, doubl
   return std::get<0>(rms_norm_forward(x, weight, eps, out_dtype));
 }
 
+// The residual form: (sum, y) = (x + residual, rms_norm(x + residual)), residual in y's dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_forward_op(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+    Opt<at::ScalarType> out_dtype) {
+  constexpr const char* op = "winnow.add_rms_norm_forward";
+  return translate_errors([&] {
+    const at::Tensor rows = as_rows(op, "x", x);
+    TORCH_CHECK_VALUE(residual.defined() && residual.sizes() == x.sizes(), op,
+                      ": argument 'residual': expected x's shape ", x.sizes(), ", got ",
+                      residual.defined() ? c10::str(residual.sizes()) : std::string("None"));
+    at::Tensor sum = at::empty(x.sizes(), x.options());
+    at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype.value_or(x.scalar_type())));
+    at::Tensor rstd = at::empty(stats_shape(x), x.options().dtype(stats_dtype(x)));
+    const DeviceScope scope(x);
+    rms_norm::add_forward(view_of(rows, op, "x"), view_of(residual.reshape(rows.sizes()), op, "residual"),
+                          view_of(weight, op, "weight"), eps, view_of(sum.view(rows.sizes()), op, "sum"),
+                          view_of(y.view(rows.sizes()), op, "y"), view_of(rstd.view({rows.size(0)}), op, "rstd"),
+                          scope.context(false, false));
+    return std::make_tuple(sum, y, rstd);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_backward_op(
+    const at::Tensor& dy, const Opt<at::Tensor>& dsum, const at::Tensor& sum,
+    const at::Tensor& weight, const at::Tensor& rstd) {
+  constexpr const char* op = "winnow.add_rms_norm_backward";
+  return translate_errors([&] {
+    const at::Tensor rows = as_rows(op, "sum", sum);
+    TORCH_CHECK_VALUE(dy.defined() && dy.sizes() == sum.sizes(), op, ": argument 'dy': expected sum's shape ",
+                      sum.sizes(), ", got ", dy.defined() ? c10::str(dy.sizes()) : std::string("None"));
+    const bool has_dsum = dsum.has_value() && dsum->defined();
+    TORCH_CHECK_VALUE(!has_dsum || dsum->sizes() == sum.sizes(), op,
+                      ": argument 'dsum': expected sum's shape ", sum.sizes(), ", got ",
+                      has_dsum ? c10::str(dsum->sizes()) : std::string("None"));
+    TORCH_CHECK_VALUE(rstd.defined() && rstd.numel() == rows.size(0), op,
+                      ": argument 'rstd': expected sum's shape without its last dimension, got ",
+                      rstd.defined() ? c10::str(rstd.sizes()) : std::string("None"));
+    at::Tensor dx = at::empty(sum.sizes(), sum.options());
+    at::Tensor dresidual = at::empty(sum.sizes(), dy.options());
+    at::Tensor dweight = at::empty(weight.sizes(), weight.options());
+    const DeviceScope scope(sum);
+    std::optional<TensorView> dsum_view;
+    if (has_dsum) dsum_view = view_of(dsum->reshape(rows.sizes()), op, "dsum");
+    rms_norm::add_backward(view_of(dy.reshape(rows.sizes()), op, "dy"), dsum_view ? &*dsum_view : nullptr,
+                           view_of(rows, op, "sum"), view_of(weight, op, "weight"),
+                           view_of(rstd.reshape({rows.size(0)}), op, "rstd"),
+                           view_of(dx.view(rows.sizes()), op, "dx"),
+                           view_of(dresidual.view(rows.sizes()), op, "dresidual"),
+                           view_of(dweight, op, "dweight"), scope.context(false, false));
+    return std::make_tuple(dx, dresidual, dweight);
+  });
+}
+
+constexpr Dispatched<&add_rms_norm_forward_op> add_rms_norm_forward{"winnow::add_rms_norm_forward"};
+constexpr Dispatched<&add_rms_norm_backward_op> add_rms_norm_backward{"winnow::add_rms_norm_backward"};
+
+struct AddRMSNormFunction : public torch::autograd::Function<AddRMSNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& residual,
+                               const at::Tensor& weight, double eps, Opt<at::ScalarType> out_dtype) {
+    auto [sum, y, rstd] = add_rms_norm_forward(x, residual, weight, eps, out_dtype);
+    ctx->save_for_backward({sum, weight, rstd});
+    ctx->saved_data["residual_dtype"] = static_cast<int64_t>(residual.scalar_type());
+    return {sum, y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& dsum = grads[0];
+    const at::Tensor& dy = grads[1];
+    at::Tensor dx, dresidual, dweight;
+    if (dy.defined()) {
+      std::tie(dx, dresidual, dweight) =
+          add_rms_norm_backward(dy, dsum.defined() ? Opt<at::Tensor>(dsum) : Opt<at::Tensor>(),
+                                saved[0], saved[1], saved[2]);
+    } else if (dsum.defined()) {
+      // Only the sum was used: the norm contributes nothing.
+      dx = dsum;
+      dresidual = dsum.to(static_cast<at::ScalarType>(ctx->saved_data["residual_dtype"].toInt()));
+    }
+    return {dx, dresidual, dweight, at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_autograd(const at::Tensor& x, const at::Tensor& residual,
+                                                         const at::Tensor& weight, double eps,
+                                                         Opt<at::ScalarType> out_dtype) {
+  const auto out = AddRMSNormFunction::apply(x, residual, weight, eps, out_dtype);
+  return std::make_tuple(out[0], out[1]);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_no_grad(const at::Tensor& x, const at::Tensor& residual,
+                                                        const at::Tensor& weight, double eps,
+                                                        Opt<at::ScalarType> out_dtype) {
+  auto [sum, y, rstd] = add_rms_norm_forward(x, residual, weight, eps, out_dtype);
+  return std::make_tuple(sum, y);
+}
+
 // ------------------------------------------------------------------ SwiGLU
 
 at::Tensor swiglu_forward_op(const at::Tensor& gate, const at::Tensor& up) {
@@ -794,6 +891,30 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor&, const at
                          at::empty_symint(weight.sym_sizes(), weight.options()));
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_forward(const at::Tensor& x,
+                                                                    const at::Tensor&,
+                                                                    const at::Tensor&, double,
+                                                                    Opt<at::ScalarType> out_dtype) {
+  TORCH_CHECK_VALUE(x.defined() && x.dim() >= 1, "winnow.add_rms_norm_forward: argument 'x': ",
+                    "expected a tensor of at least 1 dimension");
+  return std::make_tuple(
+      at::empty_symint(x.sym_sizes(), x.options()),
+      at::empty_symint(x.sym_sizes(), x.options().dtype(out_dtype.value_or(x.scalar_type()))),
+      stats(x));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_backward(const at::Tensor& dy,
+                                                                     const Opt<at::Tensor>&,
+                                                                     const at::Tensor& sum,
+                                                                     const at::Tensor& weight,
+                                                                     const at::Tensor&) {
+  TORCH_CHECK_VALUE(sum.defined() && sum.dim() >= 1, "winnow.add_rms_norm_backward: argument 'sum': ",
+                    "expected a tensor of at least 1 dimension");
+  return std::make_tuple(at::empty_symint(sum.sym_sizes(), sum.options()),
+                         at::empty_symint(sum.sym_sizes(), dy.options()),
+                         at::empty_symint(weight.sym_sizes(), weight.options()));
+}
+
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor&) {
   TORCH_CHECK_VALUE(gate.defined() && gate.dim() >= 1, "winnow.swiglu_forward: argument 'gate': ",
                     "expected a tensor of at least 1 dimension");
@@ -879,6 +1000,15 @@ TORCH_LIBRARY(winnow, m) {
   m.def(
       "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd) "
       "-> (Tensor dx, Tensor dweight)");
+  m.def(
+      "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps=1e-06, "
+      "ScalarType? out_dtype=None) -> (Tensor sum, Tensor y)");
+  m.def(
+      "add_rms_norm_forward(Tensor x, Tensor residual, Tensor weight, float eps=1e-06, "
+      "ScalarType? out_dtype=None) -> (Tensor sum, Tensor y, Tensor rstd)");
+  m.def(
+      "add_rms_norm_backward(Tensor dy, Tensor? dsum, Tensor sum, Tensor weight, Tensor rstd) "
+      "-> (Tensor dx, Tensor dresidual, Tensor dweight)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_forward(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor dy, Tensor gate, Tensor up) -> (Tensor dgate, Tensor dup)");
@@ -899,6 +1029,8 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("rotary_embedding_apply", rotary_apply_op);
   m.impl("rms_norm_forward", rms_norm_forward_op);
   m.impl("rms_norm_backward", rms_norm_backward_op);
+  m.impl("add_rms_norm_forward", add_rms_norm_forward_op);
+  m.impl("add_rms_norm_backward", add_rms_norm_backward_op);
   m.impl("swiglu_forward", swiglu_forward_op);
   m.impl("swiglu_backward", swiglu_backward_op);
 }
@@ -915,6 +1047,8 @@ TORCH_LIBRARY_IMPL(winnow, Meta, m) {
   m.impl("rotary_embedding_apply", meta::rotary_apply);
   m.impl("rms_norm_forward", meta::rms_norm_forward);
   m.impl("rms_norm_backward", meta::rms_norm_backward);
+  m.impl("add_rms_norm_forward", meta::add_rms_norm_forward);
+  m.impl("add_rms_norm_backward", meta::add_rms_norm_backward);
   m.impl("swiglu_forward", meta::swiglu_forward);
   m.impl("swiglu_backward", meta::swiglu_backward);
 }
@@ -928,7 +1062,8 @@ TORCH_LIBRARY_IMPL(winnow, AutogradMeta, m) {
                            "entmax_attention_forward", "entmax_attention_backward",
                            "sieve_attention_forward", "sieve_attention_backward",
                            "rotary_embedding_apply", "rms_norm_forward", "rms_norm_backward",
-                           "swiglu_forward", "swiglu_backward"}) {
+                           "add_rms_norm_forward", "add_rms_norm_backward", "swiglu_forward",
+                           "swiglu_backward"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }
@@ -943,6 +1078,7 @@ TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("sieve_attention", sieve_attention_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
   m.impl("rms_norm", rms_norm_autograd);
+  m.impl("add_rms_norm", add_rms_norm_autograd);
   m.impl("swiglu", swiglu_autograd);
 }
 
@@ -953,6 +1089,7 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("sieve_attention", sieve_attention_no_grad);
   m.impl("rotary_embedding", rotary_embedding_no_grad);
   m.impl("rms_norm", rms_norm_no_grad);
+  m.impl("add_rms_norm", add_rms_norm_no_grad);
   m.impl("swiglu", swiglu_no_grad);
 }
 
@@ -1021,6 +1158,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                        .findSchemaOrThrow("winnow::rms_norm", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, Opt<at::ScalarType>)>();
   return op.call(x, weight, eps, out_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps,
+                                                Opt<at::ScalarType> out_dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::add_rms_norm", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, double,
+                                                                 Opt<at::ScalarType>)>();
+  return op.call(x, residual, weight, eps, out_dtype);
 }
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {

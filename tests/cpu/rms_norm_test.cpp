@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <string>
 #include <vector>
 
 #include "support/expect_error.h"
@@ -37,6 +38,63 @@ TEST(RMSNorm, ForwardAndGradientsMatchFloat64InEveryLayout) {
       EXPECT_LT(relative_error(dw.values(), want.dweight), tol);
     }
   }
+}
+
+TEST(RMSNorm, ResidualFormMatchesFloat64InEveryLayout) {
+  std::mt19937_64 rng(15);
+  const double eps = 1e-5;
+  const std::int64_t N = 67, C = 37;
+  for (DType dtype : {DType::float32, DType::float64}) {
+    for (const std::vector<int>& order : {std::vector<int>{}, std::vector<int>{1, 0}}) {
+      for (bool with_dsum : {false, true}) {
+        HostTensor x({N, C}, dtype, order), r({N, C}, dtype), w({C}, dtype), dy({N, C}, dtype, order);
+        HostTensor dsum({N, C}, dtype), sum({N, C}, dtype, order), y({N, C}, dtype), rstd({N}, dtype);
+        HostTensor dx({N, C}, dtype), dr({N, C}, dtype, order), dw({C}, dtype);
+        x.set_values(random_normal(x.numel(), rng, 3.0));
+        r.set_values(random_normal(r.numel(), rng));
+        dy.set_values(random_normal(dy.numel(), rng));
+        dsum.set_values(random_normal(dsum.numel(), rng));
+        w.set_values(random_normal(C, rng));
+        rms_norm::add_forward(x.view(), r.view(), w.view(), eps, sum.view(), y.view(), rstd.view());
+        const TensorView dsum_view = dsum.view();
+        rms_norm::add_backward(dy.view(), with_dsum ? &dsum_view : nullptr, sum.view(), w.view(),
+                               rstd.view(), dx.view(), dr.view(), dw.view());
+        const AddRMSNormExpected want =
+            add_rms_norm_expected(x.values(), r.values(), w.values(), dy.values(),
+                                  with_dsum ? dsum.values() : std::vector<double>{}, N, C, eps);
+        const double tol = dtype == DType::float64 ? 1e-13 : 2e-6;
+        const std::string label = std::string(to_string(dtype)) + " order " +
+                                  std::to_string(order.size()) + (with_dsum ? " dsum" : "");
+        EXPECT_LT(relative_error(sum.values(), want.sum), tol) << label;
+        EXPECT_LT(relative_error(y.values(), want.norm.y), tol) << label;
+        EXPECT_LT(relative_error(rstd.values(), want.norm.rstd), tol) << label;
+        EXPECT_LT(relative_error(dx.values(), want.norm.dx), tol) << label;
+        EXPECT_EQ(dr.values(), dx.values()) << label;
+        EXPECT_LT(relative_error(dw.values(), want.norm.dweight), tol) << label;
+      }
+    }
+  }
+}
+
+TEST(RMSNorm, ResidualFormChecksItsExtraArguments) {
+  HostTensor x({4, 8}, DType::float32), r({4, 8}, DType::float32), w({8}, DType::float32);
+  HostTensor sum({4, 8}, DType::float32), y({4, 8}, DType::float32), rstd({4}, DType::float32);
+  HostTensor r64({4, 8}, DType::float64), r5({5, 8}, DType::float32), dr64({4, 8}, DType::float64);
+  HostTensor dx({4, 8}, DType::float32), dr({4, 8}, DType::float32), dw({8}, DType::float32);
+  expect_error([&] { rms_norm::add_forward(x.view(), r64.view(), w.view(), 1e-6, sum.view(), y.view(), rstd.view()); },
+               "argument 'residual': expected float32 (4, 8)");
+  expect_error([&] { rms_norm::add_forward(x.view(), r5.view(), w.view(), 1e-6, sum.view(), y.view(), rstd.view()); },
+               "argument 'residual': expected float32 (4, 8)");
+  expect_error([&] { rms_norm::add_forward(x.view(), r.view(), w.view(), 1e-6, x.view(), y.view(), rstd.view()); },
+               "argument 'sum': expected memory apart from the inputs");
+  rms_norm::add_forward(x.view(), r.view(), w.view(), 1e-6, sum.view(), y.view(), rstd.view());
+  expect_error([&] { rms_norm::add_backward(y.view(), nullptr, sum.view(), w.view(), rstd.view(), dx.view(), dr64.view(), dw.view()); },
+               "argument 'dresidual': expected float32 (4, 8)");
+  expect_error([&] { rms_norm::add_backward(y.view(), nullptr, sum.view(), w.view(), rstd.view(), dx.view(), dx.view(), dw.view()); },
+               "argument 'dresidual': expected memory apart");
+  const TensorView r5_view = r5.view();
+  expect_error([&] { rms_norm::add_backward(y.view(), &r5_view, sum.view(), w.view(), rstd.view(), dx.view(), dr.view(), dw.view()); },
+               "argument 'dsum_in': expected float32 (4, 8)");
 }
 
 TEST(RMSNorm, WeightGradientDoesNotDependOnTheThreadCount) {

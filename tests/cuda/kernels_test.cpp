@@ -577,6 +577,64 @@ TEST(CudaRMSNorm, MatchesFloat64ForEveryDtypePairAndIsRepeatable) {
   }
 }
 
+TEST(CudaRMSNorm, ResidualFormMatchesFloat64) {
+  std::mt19937_64 rng(14);
+  const double eps = 1e-5;
+  struct Case {
+    DType x, y;
+  };
+  // 259 x 256: the packed kernels; 67 x 37 column-major: the general ones.
+  for (const std::int64_t C : {256, 37}) {
+    const std::int64_t N = C == 256 ? 259 : 67;
+    const std::vector<int> order = C == 37 ? std::vector<int>{1, 0} : std::vector<int>{};
+    for (const Case dt : {Case{DType::float32, DType::bfloat16}, Case{DType::bfloat16, DType::bfloat16},
+                          Case{DType::float16, DType::float32}, Case{DType::float32, DType::float32},
+                          Case{DType::float64, DType::float64}}) {
+      for (bool with_dsum : {false, true}) {
+        const DType stat = dt.x == DType::float64 ? DType::float64 : DType::float32;
+        HostTensor x({N, C}, dt.x, order), r({N, C}, dt.y, order), w({C}, stat), dy({N, C}, dt.y);
+        HostTensor dsum({N, C}, dt.x, order), sum({N, C}, dt.x, order), y({N, C}, dt.y), rstd({N}, stat);
+        HostTensor dx({N, C}, dt.x, order), dr({N, C}, dt.y, order), dw({C}, stat);
+        x.set_values(random_normal(x.numel(), rng, 2.0));
+        r.set_values(random_normal(r.numel(), rng));
+        dy.set_values(random_normal(dy.numel(), rng));
+        dsum.set_values(random_normal(dsum.numel(), rng));
+        w.set_values(random_normal(C, rng));
+        CudaPlacement gpu;
+        const TensorView xd = gpu.place(x), rd = gpu.place(r), wd = gpu.place(w), dyd = gpu.place(dy);
+        const TensorView dsd = gpu.place(dsum), sd = gpu.place(sum), yd = gpu.place(y), rsd = gpu.place(rstd);
+        const TensorView dxd = gpu.place(dx), drd = gpu.place(dr), dwd = gpu.place(dw);
+        rms_norm::add_forward(xd, rd, wd, eps, sd, yd, rsd);
+        rms_norm::add_backward(dyd, with_dsum ? &dsd : nullptr, sd, wd, rsd, dxd, drd, dwd);
+        gpu.fetch(sd, sum);
+        gpu.fetch(yd, y);
+        gpu.fetch(dxd, dx);
+        gpu.fetch(drd, dr);
+        gpu.fetch(dwd, dw);
+        // The sum is rounded to x's dtype before it is normalized: the reference starts there.
+        const AddRMSNormExpected want =
+            add_rms_norm_expected(x.values(), r.values(), w.values(), dy.values(),
+                                  with_dsum ? dsum.values() : std::vector<double>{}, N, C, eps);
+        const RMSNormExpected at_sum = rms_norm_expected(sum.values(), w.values(), dy.values(), N, C, eps);
+        const auto tol_of = [](DType d) {
+          return d == DType::float64 ? 1e-13 : d == DType::float32 ? 1e-5 : tolerance(d) / 4;
+        };
+        std::vector<double> dx_want = at_sum.dx;
+        if (with_dsum) {
+          for (std::size_t i = 0; i < dx_want.size(); ++i) dx_want[i] += dsum.values()[i];
+        }
+        const std::string label = std::string(to_string(dt.x)) + " -> " + to_string(dt.y) + " C " +
+                                  std::to_string(C) + (with_dsum ? " dsum" : "");
+        EXPECT_LT(relative_error(sum.values(), want.sum), tol_of(dt.x)) << label;
+        EXPECT_LT(relative_error(y.values(), at_sum.y), tol_of(dt.y)) << label;
+        EXPECT_LT(relative_error(dx.values(), dx_want), tol_of(dt.x)) << label;
+        EXPECT_LT(relative_error(dr.values(), dx_want), tol_of(dt.y)) << label;
+        EXPECT_LT(relative_error(dw.values(), at_sum.dweight), tol_of(stat)) << label;
+      }
+    }
+  }
+}
+
 TEST(CudaSwiGLU, MatchesFloat64ForEveryDtype) {
   std::mt19937_64 rng(13);
   // 70000 rows: past the grid's 65535 row blocks, so blocks stride over rows.

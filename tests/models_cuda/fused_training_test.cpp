@@ -12,6 +12,7 @@
 
 #include "models/trainer_test_support.h"
 #include "nn/modules.h"
+#include "train/autocast.h"
 #include "train/config.h"
 #include "train/files.h"
 #include "train/trainer.h"
@@ -69,6 +70,42 @@ TEST(CudaFusedPieces, RmsNormMatchesTheComposedExpression) {
   const auto ge = torch::autograd::grad({(expected * w).sum()}, {x, weight});
   EXPECT_LT(rel(g[0], ge[0]), 1e-5);
   EXPECT_LT(rel(g[1], ge[1]), 1e-5);
+}
+
+// The residual form under autocast, as the transformer uses it: a float32 stream plus a bf16
+// branch output, normalized into bf16; both outputs used downstream.
+TEST(CudaFusedPieces, AddRmsNormMatchesTheComposedExpressionUnderAutocast) {
+  torch::manual_seed(4);
+  nn::RMSNorm norm(256, 1e-5);
+  norm->to(kCuda);
+  {
+    torch::NoGradGuard no_grad;
+    norm->named_parameters()["weight"].normal_(1.0, 0.2);
+  }
+  const Tensor weight = norm->named_parameters()["weight"];
+  const auto f32 = torch::TensorOptions().device(kCuda);
+  const Tensor x = torch::randn({4, 33, 256}, f32).requires_grad_(true);
+  const Tensor r = torch::randn({4, 33, 256}, f32.dtype(torch::kBFloat16)).requires_grad_(true);
+  const Tensor ws = torch::randn({4, 33, 256}, f32), wy = torch::randn({4, 33, 256}, f32);
+  Tensor s, y;
+  {
+    const train::Autocast autocast(true);
+    std::tie(s, y) = norm->add_forward(x, r);
+  }
+  ASSERT_EQ(s.scalar_type(), torch::kFloat32);
+  ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+  const Tensor s_want = x + r.to(torch::kFloat32);
+  const Tensor y_want = s_want * torch::rsqrt(s_want.pow(2).mean(-1, true) + 1e-5) * weight;
+  EXPECT_LT(rel(s, s_want), 1e-7);
+  EXPECT_LT(rel(y.to(torch::kFloat32), y_want), 4e-3);  // bf16 rounding of y
+  const Tensor loss = (s * ws).sum() + (y.to(torch::kFloat32) * wy).sum();
+  const Tensor loss_want = (s_want * ws).sum() + (y_want * wy).sum();
+  const auto g = torch::autograd::grad({loss}, {x, r, weight});
+  const auto ge = torch::autograd::grad({loss_want}, {x, r, weight});
+  EXPECT_EQ(g[1].scalar_type(), torch::kBFloat16);
+  EXPECT_LT(rel(g[0], ge[0]), 1e-5);
+  EXPECT_LT(rel(g[1].to(torch::kFloat32), ge[1].to(torch::kFloat32)), 4e-3);
+  EXPECT_LT(rel(g[2], ge[2]), 1e-5);
 }
 
 TEST(CudaFusedPieces, FusedAdamWMatchesTorchOptimAdamW) {

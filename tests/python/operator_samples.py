@@ -15,12 +15,13 @@ import winnow
 # operators those call. Every registered operator must appear here: test_every_operator_has_samples
 # compares this list with torch.ops.winnow.
 DIFFERENTIABLE = ["softmax_attention", "stick_breaking_attention", "entmax_attention",
-                  "sieve_attention", "rotary_embedding", "rms_norm", "swiglu"]
+                  "sieve_attention", "rotary_embedding", "rms_norm", "add_rms_norm", "swiglu"]
 KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
            "stick_breaking_attention_forward", "stick_breaking_attention_backward",
            "entmax_attention_forward", "entmax_attention_backward",
            "sieve_attention_forward", "sieve_attention_backward", "rotary_embedding_apply",
-           "rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward"]
+           "rms_norm_forward", "rms_norm_backward", "add_rms_norm_forward",
+           "add_rms_norm_backward", "swiglu_forward", "swiglu_backward"]
 
 
 @dataclass
@@ -129,6 +130,20 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
         dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=out_dtype)
         out.append(Sample("rms_norm_backward", (dy, x, w, rstd), {}, "narrow" if narrow else "same"))
 
+    # The residual form: the residual (and the gradient reaching it) in the output's dtype.
+    r = torch.randn(2, 9, 24, generator=gen, dtype=torch.float64).to(device=device, dtype=out_dtype)
+    out.append(Sample("add_rms_norm", (x.clone().requires_grad_(requires_grad),
+                                       r.clone().requires_grad_(requires_grad),
+                                       w.clone().requires_grad_(requires_grad)),
+                      {"eps": 1e-5, "out_dtype": out_dtype}, "narrow" if narrow else "same"))
+    with torch.no_grad():
+        s, y, rstd = torch.ops.winnow.add_rms_norm_forward(x, r, w, 1e-5, out_dtype)
+        out.append(Sample("add_rms_norm_forward", (x, r, w), {"eps": 1e-5, "out_dtype": out_dtype},
+                          "narrow" if narrow else "same"))
+        ds = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+        out.append(Sample("add_rms_norm_backward", (dy, ds, s, w, rstd), {}, "with dsum"))
+        out.append(Sample("add_rms_norm_backward", (dy, None, s, w, rstd), {}, "without dsum"))
+
     # SwiGLU's gate: gate and up (B, L, H) of one dtype.
     gate = torch.randn(2, 9, 20, generator=gen, dtype=torch.float64).mul(3).to(device=device, dtype=dtype)
     up = torch.randn(2, 9, 20, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
@@ -151,5 +166,6 @@ FUNCTIONS: Dict[str, Callable] = {
     "sieve_attention": winnow.sieve_attention,
     "rotary_embedding": winnow.rotary_embedding,
     "rms_norm": winnow.rms_norm,
+    "add_rms_norm": winnow.add_rms_norm,
     "swiglu": winnow.swiglu,
 }

@@ -345,6 +345,51 @@ def test_rms_norm_bad_arguments_name_them():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sum_used", [False, True])
+def test_add_rms_norm_matches_composed(dtype, sum_used):
+    torch.manual_seed(15)
+    x = (3 * torch.randn(3, 5, 19, dtype=dtype)).requires_grad_()
+    r = torch.randn(3, 5, 19, dtype=dtype, requires_grad=True)
+    w = torch.randn(19, dtype=dtype, requires_grad=True)
+    s, y = winnow.add_rms_norm(x, r, w, 1e-5)
+    s_want = x.double() + r.double()
+    y_want = composed_rms_norm(s_want, w, 1e-5)
+    tol = 1e-13 if dtype == torch.float64 else 2e-6
+    assert s.dtype == dtype and y.dtype == dtype
+    torch.testing.assert_close(s.double(), s_want, rtol=tol, atol=tol)
+    torch.testing.assert_close(y.double(), y_want, rtol=tol, atol=tol)
+    dy, ds = torch.randn_like(y), torch.randn_like(s)
+    got_loss = (y * dy).sum() + ((s * ds).sum() if sum_used else 0)
+    want_loss = (y_want * dy.double()).sum() + ((s_want * ds.double()).sum() if sum_used else 0)
+    got = torch.autograd.grad(got_loss, (x, r, w))
+    want = torch.autograd.grad(want_loss, (x, r, w))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g.double(), e.double(), rtol=tol * 5, atol=tol * 5)
+
+
+def test_add_rms_norm_gradcheck_and_only_the_sum_used():
+    torch.manual_seed(16)
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: winnow.add_rms_norm(a, b, c, 1e-3), (x, r, w))
+    # Only the sum reaches the loss: x and residual get its gradient, the weight none.
+    s, _ = winnow.add_rms_norm(x, r, w)
+    gx, gr, gw = torch.autograd.grad(s.sum(), (x, r, w), allow_unused=True)
+    torch.testing.assert_close(gx, torch.ones_like(x))
+    torch.testing.assert_close(gr, torch.ones_like(r))
+    assert gw is None or bool((gw == 0).all())
+
+
+def test_add_rms_norm_bad_arguments_name_them():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="argument 'residual': expected x's shape"):
+        winnow.add_rms_norm(x, torch.randn(4, 7), torch.ones(8))
+    with pytest.raises(ValueError, match="argument 'residual': expected float32 \\(4, 8\\)"):
+        winnow.add_rms_norm(x, torch.randn(4, 8, dtype=torch.float64), torch.ones(8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_swiglu_matches_composed(dtype):
     torch.manual_seed(8)
     gate = (4 * torch.randn(3, 5, 17, dtype=dtype)).requires_grad_()

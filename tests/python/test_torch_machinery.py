@@ -94,7 +94,7 @@ def call_with_loss(name, tensors, options):
     (x, weight), and a
     scalar of its floating outputs with fixed weights, so every output carries a gradient."""
     fn = FUNCTIONS[name]
-    if name in ("rotary_embedding", "rms_norm", "swiglu"):
+    if name in ("rotary_embedding", "rms_norm", "add_rms_norm", "swiglu"):
         outputs = tensors_of(fn(*tensors, **options))
     else:
         q, k, v, *cu = tensors
@@ -112,6 +112,9 @@ def longer(tensors):
     if len(tensors) == 2 and tensors[1].dim() == 1:  # rms_norm: x (B, L, C), weight (C)
         x, w = tensors
         return [torch.cat([x.detach()] * 2, 1).requires_grad_(x.requires_grad), w]
+    if len(tensors) == 3 and tensors[2].dim() == 1:  # add_rms_norm: x, residual, weight
+        x, r, w = tensors
+        return [torch.cat([t.detach()] * 2, 1).requires_grad_(t.requires_grad) for t in (x, r)] + [w]
     if len(tensors) == 3 and tensors[1].dim() == 2:  # rotary: x (B, L, H, D), cos, sin (L, D/2)
         x, cos, sin = tensors
         return [torch.cat([x.detach()] * 2, 1).requires_grad_(x.requires_grad),

@@ -35,4 +35,25 @@ inline RMSNormExpected rms_norm_expected(const std::vector<double>& x, const std
   return e;
 }
 
+// The residual form: sum = x + r normalized; the sum's gradient is dsum_in (empty: none) plus
+// the norm's input gradient, and x and r both receive it.
+struct AddRMSNormExpected {
+  std::vector<double> sum;
+  RMSNormExpected norm;  // at sum; norm.dx includes dsum_in
+};
+
+inline AddRMSNormExpected add_rms_norm_expected(const std::vector<double>& x,
+                                                const std::vector<double>& r,
+                                                const std::vector<double>& w,
+                                                const std::vector<double>& dy,
+                                                const std::vector<double>& dsum_in, std::int64_t N,
+                                                std::int64_t C, double eps) {
+  AddRMSNormExpected e;
+  e.sum.resize(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) e.sum[i] = x[i] + r[i];
+  e.norm = rms_norm_expected(e.sum, w, dy, N, C, eps);
+  for (std::size_t i = 0; i < dsum_in.size(); ++i) e.norm.dx[i] += dsum_in[i];
+  return e;
+}
+
 }  // namespace winnow::testing

@@ -50,6 +50,13 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps = 1e-6,
                     Opt<at::ScalarType> out_dtype = Opt<at::ScalarType>());
 
+// The residual form: (sum, y) with sum = x + residual and y = rms_norm(sum), one kernel each way
+// (a transformer's residual add and the next norm). residual in y's dtype (out_dtype, default
+// x's); sum in x's dtype. The backward adds the gradient reaching sum and casts it for residual.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps = 1e-6,
+                                                Opt<at::ScalarType> out_dtype = Opt<at::ScalarType>());
+
 // SwiGLU's gate silu(gate) * up (winnow/swiglu.h), one kernel each way; gate and up of one
 // shape and dtype. Gradients reach both.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
