@@ -621,7 +621,8 @@ TEST(CudaRMSNorm, ResidualFormMatchesFloat64) {
         };
         std::vector<double> dx_want = at_sum.dx;
         if (with_dsum) {
-          for (std::size_t i = 0; i < dx_want.size(); ++i) dx_want[i] += dsum.values()[i];
+          const std::vector<double> incoming = dsum.values();
+          for (std::size_t i = 0; i < dx_want.size(); ++i) dx_want[i] += incoming[i];
         }
         const std::string label = std::string(to_string(dt.x)) + " -> " + to_string(dt.y) + " C " +
                                   std::to_string(C) + (with_dsum ? " dsum" : "");
