@@ -4,6 +4,8 @@
 #               whose python3 has a CUDA build of PyTorch, which the tool is then built against)
 #   make test   build, then run every CPU test (C++ and Python), then `pip install .` into a
 #               fresh environment and the Python tests against that installed package
+#   make corpus the language-modeling corpus in data/corpus (Debian's linux-doc, installed if
+#               missing, through tools/prepare_corpus.py)
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 # A CUDA PyTorch makes the demo a GPU run: its LibTorch, its own build folder.
@@ -25,7 +27,7 @@ else
 DEMO_DEPS := deps
 endif
 
-.PHONY: all deps configure build test demo bench-cpu clean
+.PHONY: all deps configure build test demo bench-cpu corpus clean
 
 all: build
 
@@ -51,6 +53,10 @@ demo: $(DEMO_DEPS)
 bench-cpu: build
 	@tools/install-deps.sh bench
 	$(BUILD)/bench/cpu_attention_bench
+
+corpus:
+	@tools/install-deps.sh corpus
+	python3 tools/prepare_corpus.py --out data/corpus
 
 clean:
 	rm -rf $(BUILD)

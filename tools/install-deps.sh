@@ -2,6 +2,8 @@
 # Installs the Debian packages winnow builds and tests with, only those missing.
 #   tools/install-deps.sh          build + tests
 #   tools/install-deps.sh bench    also what the CPU benchmark compares against
+#   tools/install-deps.sh corpus   only the language-modeling corpus's source: the Linux
+#                                  kernel's documentation (linux-doc, GPL-2.0)
 set -euo pipefail
 
 # libplplot-dev: the plots of `winnow study`. python3-venv: the environment `pip install .` is
@@ -12,6 +14,9 @@ set -euo pipefail
 packages=(cmake g++ make libeigen3-dev libgtest-dev libcli11-dev nlohmann-json3-dev
           libtorch-dev python3-torch python3-pytest libopenblas0-pthread pkg-config
           libplplot-dev python3-venv)
+if [[ "${1:-}" == "corpus" ]]; then
+  packages=(linux-doc python3)
+fi
 if [[ "${1:-}" == "bench" ]]; then
   # An optimized BLAS for LibTorch's composed baseline (Debian's default is the reference BLAS).
   packages+=(libopenblas0-pthread)

@@ -109,6 +109,7 @@ std::unique_ptr<Task> make_task(const TaskConfig& config) {
   if (config.name == "copy") return make_copy(config.copy);
   if (config.name == "abcdigits") return make_abcdigits();
   if (config.name == "passkey") return make_passkey(config.passkey);
+  if (config.name == "corpus") return make_corpus(config.corpus);
   config::fail("task.name", "one of " + config::join(task_names()), "\"" + config.name + "\"");
 }
 

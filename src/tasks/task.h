@@ -89,6 +89,7 @@ std::unique_ptr<Task> make_mqrar(const MqrarConfig& config);
 std::unique_ptr<Task> make_copy(const CopyConfig& config);
 std::unique_ptr<Task> make_abcdigits();
 std::unique_ptr<Task> make_passkey(const PasskeyConfig& config);
+std::unique_ptr<Task> make_corpus(const CorpusConfig& config);
 
 // MQRAR's labels for one sequence of `tokens` (key tokens < keys, value tokens >= keys) whose
 // first `initial_pairs` pairs are the initial assignment: at each later key position, the value

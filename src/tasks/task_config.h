@@ -54,12 +54,24 @@ struct PasskeyConfig {
   }
 };
 
+// Language modeling on a byte-level corpus (tools/prepare_corpus.py writes it): `dir` holds
+// train.bin and val.bin, one byte a token (vocab 256), documents separated by NUL bytes.
+struct CorpusConfig {
+  std::string dir = "data/corpus";
+
+  template <class V>
+  void fields(V& v) {
+    v("dir", dir);
+  }
+};
+
 struct TaskConfig {
-  std::string name = "progression";  // progression | mqrar | copy | abcdigits | passkey
+  std::string name = "progression";  // progression | mqrar | copy | abcdigits | passkey | corpus
   std::int64_t vocab_size = 16;      // progression's vocabulary
   MqrarConfig mqrar;
   CopyConfig copy;
   PasskeyConfig passkey;
+  CorpusConfig corpus;
 
   template <class V>
   void fields(V& v) {
@@ -68,6 +80,7 @@ struct TaskConfig {
     v("mqrar", mqrar);
     v("copy", copy);
     v("passkey", passkey);
+    v("corpus", corpus);
   }
 };
 

@@ -1,7 +1,12 @@
 // MQRAR and Copy: the spec's hand-made example, the structure of generated instances against
-// an independent re-derivation of their labels, length rules and determinism.
+// an independent re-derivation of their labels, length rules and determinism. The byte-level
+// corpus: windows of the files' bytes, determinism, errors.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <string>
@@ -176,12 +181,76 @@ TEST(Copy, VariedTrainingDrawsInstanceSizesAndLeavesEvaluationAlone) {
   EXPECT_GE(sizes.size(), 6u) << "instance sizes are drawn, not fixed";
 }
 
+// A corpus folder as tools/prepare_corpus.py writes it: train.bin and val.bin of known bytes
+// (train: byte i is (7 i + 3) mod 251, so every window of 2+ bytes occurs once; val: all 200).
+std::string write_corpus(std::int64_t train_bytes = 5000) {
+  // A folder per process and call: ctest runs tests in parallel processes.
+  static int calls = 0;
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("winnow_corpus_test_" + std::to_string(::getpid()) + "_" + std::to_string(calls++));
+  std::filesystem::create_directories(dir);
+  std::ofstream train(dir / "train.bin", std::ios::binary), val(dir / "val.bin", std::ios::binary);
+  for (std::int64_t i = 0; i < train_bytes; ++i) train.put(static_cast<char>((7 * i + 3) % 251));
+  for (int i = 0; i < 300; ++i) val.put(static_cast<char>(200));
+  return dir.string();
+}
+
+TEST(Corpus, WindowsAreTheFilesBytesWithTargetsOneAhead) {
+  TaskConfig c;
+  c.name = "corpus";
+  c.corpus.dir = write_corpus();
+  const auto task = make_task(c);
+  EXPECT_EQ(task->vocab_size(), 256);
+  const Batch b = task->sample_training(16, 100, 11);
+  ASSERT_EQ(b.inputs.sizes(), (std::vector<std::int64_t>{16, 100}));
+  EXPECT_EQ(b.loss_mask.sum().item<double>(), 1600.0);
+  for (std::int64_t r = 0; r < 16; ++r) {
+    const std::vector<std::int64_t> in = row(b.inputs, r), target = row(b.targets, r);
+    // The window starts where its first byte's step of 7 modulo 251 puts it; every later byte
+    // and every target must continue the file from there.
+    for (std::int64_t t = 0; t + 1 < 100; ++t) EXPECT_EQ(target[t], in[t + 1]);
+    for (std::int64_t t = 0; t < 100; ++t) EXPECT_EQ((in[t] + 7) % 251, target[t]);
+  }
+  // Evaluation reads val.bin.
+  const Batch v = task->sample(4, 50, 11);
+  EXPECT_EQ(v.inputs.min().item<std::int64_t>(), 200);
+  EXPECT_EQ(v.inputs.max().item<std::int64_t>(), 200);
+}
+
+TEST(Corpus, SameSeedSameWindowsOtherSeedOthers) {
+  TaskConfig c;
+  c.name = "corpus";
+  c.corpus.dir = write_corpus();
+  const auto task = make_task(c);
+  const Batch a = task->sample_training(8, 64, 5), again = task->sample_training(8, 64, 5);
+  const Batch other = task->sample_training(8, 64, 6);
+  EXPECT_TRUE(torch::equal(a.inputs, again.inputs));
+  EXPECT_FALSE(torch::equal(a.inputs, other.inputs));
+  // A second task over the same folder (a resumed run) draws the same windows.
+  EXPECT_TRUE(torch::equal(make_task(c)->sample_training(8, 64, 5).inputs, a.inputs));
+}
+
+TEST(Corpus, ErrorsNameTheFolderAndTheLength) {
+  TaskConfig c;
+  c.name = "corpus";
+  c.corpus.dir = "/nonexistent/winnow-corpus";
+  const std::string missing = error_of([&] { make_task(c); });
+  EXPECT_NE(missing.find("task.corpus.dir"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("make corpus"), std::string::npos) << missing;
+  c.corpus.dir = write_corpus(50);
+  const auto task = make_task(c);
+  const std::string too_long = error_of([&] { task->sample_training(2, 50, 1); });
+  EXPECT_NE(too_long.find("length: expected at most 49"), std::string::npos) << too_long;
+  EXPECT_EQ(task->render({'a', 0, '\n', 200}), "a<|doc|>\\n\\xc8");
+}
+
 TEST(Tasks, ConfigurationAndGeneratorAgreeOnTheVocabulary) {
   for (const std::string& name : task_names()) {
     TaskConfig c;
     c.name = name;
     c.mqrar.keys = 7;
     c.copy.symbols = 9;
+    c.corpus.dir = write_corpus();
     EXPECT_EQ(make_task(c)->vocab_size(), vocab_size_of(c)) << name;
   }
 }
