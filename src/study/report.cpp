@@ -36,6 +36,7 @@ std::string measure_words(const json& r, const std::string& measure) {
                : "exact match per sequence (%)";
   }
   if (task == "mqrar") return "per-query accuracy (%)";
+  if (task == "corpus") return "next-byte accuracy (%)";
   return "per-token accuracy (%)";
 }
 
@@ -44,6 +45,31 @@ std::string column_header(const json& point, bool first) {
   const long long mult = point["multiple"].get<long long>();
   if (mult == 1 && first) return "ID (" + len + ")";
   return std::to_string(mult) + "x (" + len + ")";
+}
+
+// One row per mechanism, one column per length, of value(point) written with `digits`.
+template <class Value>
+std::string table_of(const json& r, Value value, int digits) {
+  const json& mechs = r["mechanisms"];
+  if (mechs.empty()) return "(no mechanisms ran)\n";
+  std::string out = "| mechanism |";
+  std::string rule = "|---|";
+  const json& first = mechs[0]["results"];
+  for (std::size_t i = 0; i < first.size(); ++i) {
+    out += " " + column_header(first[i], i == 0) + " |";
+    rule += "---:|";
+  }
+  out += "\n" + rule + "\n";
+  for (const json& m : mechs) {
+    out += "| " + m["label"].get<std::string>() + " |";
+    for (const json& p : m["results"]) out += " " + fixed(value(p), digits) + " |";
+    out += "\n";
+  }
+  return out;
+}
+
+bool language_modeling(const json& r) {
+  return r.contains("task") && r["task"].value("name", std::string()) == "corpus";
 }
 
 std::string table(const json& r, const std::string& measure) {
@@ -82,8 +108,17 @@ std::string markdown_report(const json& r) {
          "; trained at n = " + std::to_string(r.value("train_length", 0)) + " (" +
          r.value("profile", std::string("?")) + " profile, " + r.value("device", std::string("?")) +
          ", " + r.value("date", std::string()) + ").\n\n";
-  out += table(r, measure);
-  if (!r.value("generative", false)) {
+  if (language_modeling(r)) {
+    // Next-byte prediction: the held-out loss leads, in bits per byte; exact match of whole
+    // windows means nothing here.
+    out += table(r, "accuracy");
+    out += "\nheld-out loss, bits per byte (nats / ln 2), at each length:\n\n" +
+           table_of(r, [](const json& p) { return p.value("loss", 0.0) / std::log(2.0); }, 4);
+  } else {
+    out += table(r, measure);
+  }
+  if (language_modeling(r)) {
+  } else if (!r.value("generative", false)) {
     const std::string other = measure == "accuracy" ? "exact_match" : "accuracy";
     out += "\n" + measure_words(r, other) + ":\n\n" + table(r, other);
   } else {
