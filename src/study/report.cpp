@@ -72,23 +72,9 @@ bool language_modeling(const json& r) {
   return r.contains("task") && r["task"].value("name", std::string()) == "corpus";
 }
 
+// A measure in percent.
 std::string table(const json& r, const std::string& measure) {
-  const json& mechs = r["mechanisms"];
-  if (mechs.empty()) return "(no mechanisms ran)\n";
-  std::string out = "| mechanism |";
-  std::string rule = "|---|";
-  const json& first = mechs[0]["results"];
-  for (std::size_t i = 0; i < first.size(); ++i) {
-    out += " " + column_header(first[i], i == 0) + " |";
-    rule += "---:|";
-  }
-  out += "\n" + rule + "\n";
-  for (const json& m : mechs) {
-    out += "| " + m["label"].get<std::string>() + " |";
-    for (const json& p : m["results"]) out += " " + fixed(100.0 * p.value(measure, 0.0)) + " |";
-    out += "\n";
-  }
-  return out;
+  return table_of(r, [&](const json& p) { return 100.0 * p.value(measure, 0.0); }, 1);
 }
 
 std::string seconds(double s) {
@@ -117,10 +103,11 @@ std::string markdown_report(const json& r) {
   } else {
     out += table(r, measure);
   }
-  if (language_modeling(r)) {
-  } else if (!r.value("generative", false)) {
-    const std::string other = measure == "accuracy" ? "exact_match" : "accuracy";
-    out += "\n" + measure_words(r, other) + ":\n\n" + table(r, other);
+  if (!r.value("generative", false)) {
+    if (!language_modeling(r)) {
+      const std::string other = measure == "accuracy" ? "exact_match" : "accuracy";
+      out += "\n" + measure_words(r, other) + ":\n\n" + table(r, other);
+    }
   } else {
     for (const json& m : r["mechanisms"]) {
       out += "\n" + m["label"].get<std::string>() + ", exact match (%) by length and depth:\n\n";

@@ -631,15 +631,15 @@ void Trainer::enqueue_step() {
   PinnedSlot* staged_slot = nullptr;
   tasks::Batch batch;
   if (next_batch_step_ == step_) {
-    batch = *next_batch_;
-    staged_slot = &pinned_slots_[(next_pinned_slot_ + pinned_slots_.size() - 1) % pinned_slots_.size()];
+    staged_slot = next_batch_;
+    batch = staged_slot->batch;
   } else if (device_.is_cuda()) {
     staged_slot = &stage_pinned(training_batch(step_));
     batch = staged_slot->batch;
   } else {
     batch = training_batch(step_);
   }
-  next_batch_.reset();
+  next_batch_ = nullptr;
   next_batch_step_ = -1;
   // The loss is the mean over every counted position of the whole batch, however it is split
   // into micro-batches: accumulation then computes the same gradient as one big batch.
@@ -723,7 +723,7 @@ void Trainer::enqueue_step() {
   // The next batch is drawn and staged while the device works on this step.
   if (device_.is_cuda()) {
     PhaseScope sample_next(profile, "winnow.step.sample", device_);
-    next_batch_ = stage_pinned(training_batch(step_ + 1)).batch;
+    next_batch_ = &stage_pinned(training_batch(step_ + 1));
     next_batch_step_ = step_ + 1;
   }
   if (profile != nullptr) ++profile->steps;

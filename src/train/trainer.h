@@ -184,7 +184,7 @@ class Trainer {
   std::deque<PendingReport> pending_;
   // On CUDA the next step's batch, drawn and staged in pinned memory right after this step
   // is enqueued, while the device runs it.
-  std::optional<tasks::Batch> next_batch_;
+  PinnedSlot* next_batch_ = nullptr;  // in pinned_slots_
   std::int64_t next_batch_step_ = -1;
   std::array<PinnedSlot, 3> pinned_slots_;
   std::size_t next_pinned_slot_ = 0;
