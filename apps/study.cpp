@@ -2,12 +2,15 @@
 // them at multiples of the training length (src/study/study.h; study files in studies/).
 // `winnow eval --checkpoint C ...`: the same evaluations for one trained model.
 // `winnow plot RESULT`: draws a study's result (for results written where PLplot was missing).
+// `winnow generate --checkpoint C --prompt TEXT`: samples text from a model trained on text.
 #include "study/study.h"
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -31,6 +34,7 @@ void add_study(CLI::App& app) {
   struct Args {
     std::string file;
     std::vector<std::string> overrides, only;
+    std::string sweep;
     bool fresh = false, quiet = false, print = false;
   };
   auto args = std::make_shared<Args>();
@@ -46,12 +50,27 @@ void add_study(CLI::App& app) {
                   "--set eval.multiples=[1,4]")
       ->take_all();
   cmd->add_option("--only", args->only, "run only the mechanisms with these labels")->take_all();
+  cmd->add_option("--sweep", args->sweep,
+                  "train every mechanism once per value of one experiment key and report the "
+                  "final loss of each, e.g. --sweep train.lr=3e-4,1e-3,3e-3 (the study's "
+                  "\"sweep\" object, from the command line)");
   cmd->add_flag("--fresh", args->fresh, "retrain every mechanism from scratch");
   cmd->add_flag("--quiet", args->quiet, "no training progress lines");
   cmd->add_flag("--print", args->print,
                 "print the resolved study (profile and overrides applied) and exit");
   cmd->callback([args] {
-    const study::Study s = study::load_study(args->file, args->overrides);
+    std::vector<std::string> overrides = args->overrides;
+    if (!args->sweep.empty()) {
+      const std::size_t eq = args->sweep.find('=');
+      if (eq == std::string::npos || eq == 0 || eq + 1 == args->sweep.size()) {
+        throw Error(ErrorKind::invalid_argument,
+                    "argument '--sweep': expected KEY=V1,V2,... (e.g. train.lr=3e-4,1e-3), got '" +
+                        args->sweep + "'");
+      }
+      overrides.push_back("sweep.key=" + args->sweep.substr(0, eq));
+      overrides.push_back("sweep.values=[" + args->sweep.substr(eq + 1) + "]");
+    }
+    const study::Study s = study::load_study(args->file, overrides);
     if (args->print) {
       json j = config::write(s);
       j["profile_applied"] = s.profile;
@@ -86,24 +105,38 @@ void add_plot(CLI::App& app) {
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
       "plot",
-      "Draw a study's result.json (accuracy against length) or a GPU benchmark's JSON "
-      "(bench/gpu_attention_bench.py --json: tokens/s against length) as SVG");
+      "Draw a study's result.json (accuracy against length; loss by position and sink ratio "
+      "where measured), a sweep's JSON (final loss against the swept value) or a GPU "
+      "benchmark's JSON (bench/gpu_attention_bench.py --json: tokens/s against length) as SVG");
   cmd->add_option("RESULT", args->result, "a study's result.json or a benchmark's JSON")
       ->required()
       ->check(CLI::ExistingFile);
   cmd->add_option("--out", args->out,
-                  "the SVG to write (default beside RESULT: accuracy.svg, or throughput.svg for a "
-                  "benchmark)");
+                  "the SVG to write (default beside RESULT: accuracy.svg and the study's other "
+                  "plots, <sweep>.svg for a sweep, or throughput.svg for a benchmark); for a "
+                  "study, only the accuracy plot goes there");
   cmd->callback([args] {
     const json r = train::read_json_file(args->result, "RESULT");
     const auto beside = [&](const char* name) {
       return args->out.empty() ? (fs::path(args->result).parent_path() / name).string() : args->out;
     };
-    if (r.contains("mechanisms") && r["mechanisms"].is_array()) {
-      std::printf("%s", study::markdown_report(r).c_str());
-      const std::string out = beside("accuracy.svg");
-      study::plot_result(r, out);
+    if (r.contains("sweep") && r.contains("mechanisms") && r["mechanisms"].is_array()) {
+      std::printf("%s", study::sweep_report(r).c_str());
+      const std::string out =
+          beside((fs::path(args->result).stem().string() + ".svg").c_str());
+      study::plot_sweep(r, out);
       std::printf("\nplot: %s\n", out.c_str());
+    } else if (r.contains("mechanisms") && r["mechanisms"].is_array()) {
+      std::printf("%s", study::markdown_report(r).c_str());
+      if (args->out.empty()) {
+        for (const std::string& path :
+             study::plot_study(r, fs::path(args->result).parent_path().string())) {
+          std::printf("plot: %s\n", path.c_str());
+        }
+      } else {
+        study::plot_result(r, args->out);
+        std::printf("\nplot: %s\n", args->out.c_str());
+      }
     } else if (r.contains("results") && r["results"].is_array()) {
       const std::string out = beside("throughput.svg");
       study::plot_throughput(r, out);
@@ -341,12 +374,151 @@ void add_eval(CLI::App& app) {
   });
 }
 
+
+// How a task's tokens read as text: bytes for the byte-level corpus, printable ASCII for the
+// character-level tasks; nullopt for tasks whose tokens are not text.
+struct TextCodec {
+  std::function<std::vector<std::int64_t>(const std::string&)> encode;
+  std::function<std::string(const std::vector<std::int64_t>&)> decode;
+};
+std::optional<TextCodec> text_codec(const std::string& task) {
+  if (task == "corpus") {
+    return TextCodec{[](const std::string& s) {
+                       std::vector<std::int64_t> out;
+                       for (unsigned char c : s) out.push_back(c);
+                       return out;
+                     },
+                     [](const std::vector<std::int64_t>& t) {
+                       std::string out;
+                       for (std::int64_t x : t) out += static_cast<char>(static_cast<unsigned char>(x));
+                       return out;
+                     }};
+  }
+  if (task == "abcdigits" || task == "passkey") {
+    return TextCodec{[](const std::string& s) { return tasks::text::encode(s); },
+                     [](const std::vector<std::int64_t>& t) { return tasks::text::decode(t); }};
+  }
+  return std::nullopt;
+}
+
+void add_generate(CLI::App& app) {
+  struct Args {
+    std::string checkpoint, prompt, prompt_file, json_path, device = "auto";
+    std::int64_t tokens = 256, top_k = 40, samples = 1;
+    double temperature = 0.8;
+    std::uint64_t seed = 0;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand(
+      "generate",
+      "Sample text from a model trained on text (the byte-level corpus, or the character-level "
+      "tasks) through the KV cache, to look at what it learned");
+  cmd->add_option("--checkpoint", args->checkpoint, "a checkpoint folder or a run's out_dir")
+      ->required();
+  cmd->add_option("--prompt", args->prompt, "the text to continue");
+  cmd->add_option("--prompt-file", args->prompt_file, "read the prompt from this file")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--tokens", args->tokens, "tokens to generate (bytes, for the corpus)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--temperature", args->temperature, "sampling temperature; 0: greedy")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-k", args->top_k, "sample among the k most likely tokens; 0: all")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--samples", args->samples, "continuations of the prompt, sampled together")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--seed", args->seed, "seed of the draws")->capture_default_str();
+  cmd->add_option("--device", args->device, "auto | cpu | cuda | cuda:N")->capture_default_str();
+  cmd->add_option("--json", args->json_path, "also write the prompt and the samples to this file");
+  cmd->callback([args] {
+    if (!args->prompt.empty() && !args->prompt_file.empty()) {
+      throw Error(ErrorKind::invalid_argument,
+                  "arguments '--prompt' and '--prompt-file': expected one of them, got both");
+    }
+    std::string prompt = args->prompt;
+    if (!args->prompt_file.empty()) {
+      std::ifstream f(args->prompt_file, std::ios::binary);
+      std::stringstream ss;
+      ss << f.rdbuf();
+      prompt = ss.str();
+    }
+    if (prompt.empty()) {
+      throw Error(ErrorKind::invalid_argument,
+                  "argument '--prompt': expected at least one character to continue, got none");
+    }
+    const std::string folder = checkpoint_folder(args->checkpoint);
+    const train::CheckpointMeta meta = train::read_checkpoint(folder);
+    json cfg = meta.config;
+    cfg["device"] = args->device;
+    const train::ExperimentConfig config = train::parse_experiment(cfg);
+    const std::optional<TextCodec> codec = text_codec(config.task.name);
+    if (!codec) {
+      throw Error(ErrorKind::invalid_argument,
+                  "argument '--checkpoint': expected a model trained on text (task corpus, "
+                  "abcdigits or passkey), got one trained on " + config.task.name);
+    }
+    const std::vector<std::int64_t> encoded = codec->encode(prompt);
+    const torch::Device device =
+        train::pick_device(config.device, nn::uses_kernel(config.model.attention));
+    nn::TransformerLM model(config.model);
+    train::restore_model(folder, *model);
+    model->to(device);
+    const eval::Runtime rt = eval::runtime_for(device, config.train.dtype, 0);
+    const auto p_len = static_cast<std::int64_t>(encoded.size());
+    const torch::Tensor prompts =
+        torch::tensor(encoded).view({1, p_len}).expand({args->samples, p_len}).contiguous();
+    eval::Sampling sampling;
+    sampling.temperature = args->temperature;
+    sampling.top_k = args->top_k;
+    sampling.seed = args->seed;
+    const torch::Tensor out = eval::generate(model, prompts, args->tokens, rt, sampling).contiguous();
+    std::fprintf(stderr,
+                 "checkpoint %s (step %lld), %s attention, trained at L = %lld; %lld prompt + %lld "
+                 "generated tokens, temperature %g, top-k %lld, seed %llu\n",
+                 folder.c_str(), static_cast<long long>(meta.step),
+                 config.model.attention.kind.c_str(), static_cast<long long>(config.train.seq_len),
+                 static_cast<long long>(p_len), static_cast<long long>(args->tokens),
+                 args->temperature, static_cast<long long>(args->top_k),
+                 static_cast<unsigned long long>(args->seed));
+    json samples = json::array(), sample_tokens = json::array();
+    for (std::int64_t i = 0; i < args->samples; ++i) {
+      const std::int64_t* row = out[i].data_ptr<std::int64_t>();
+      const std::vector<std::int64_t> tokens(row, row + out.size(1));
+      const std::string text = codec->decode(tokens);
+      sample_tokens.push_back(tokens);
+      if (args->samples > 1) std::printf("%s--- sample %lld ---\n", i ? "\n" : "", static_cast<long long>(i + 1));
+      std::printf("%s%s\n", prompt.c_str(), text.c_str());
+      samples.push_back(text);
+    }
+    std::fflush(stdout);
+    if (!args->json_path.empty()) {
+      std::ofstream f(args->json_path);
+      f << json{{"checkpoint", folder},
+                {"step", meta.step},
+                {"prompt", prompt},
+                {"temperature", args->temperature},
+                {"top_k", args->top_k},
+                {"seed", args->seed},
+                {"samples", samples},  // bytes that are not UTF-8 read as U+FFFD here
+                {"sample_tokens", sample_tokens}}
+               .dump(2, ' ', false, json::error_handler_t::replace)
+        << '\n';
+      if (!f)
+        throw Error(ErrorKind::runtime, "argument '--json': cannot write '" + args->json_path + "'");
+    }
+  });
+}
+
 }  // namespace
 
 void add_study_commands(CLI::App& app) {
   add_study(app);
   add_eval(app);
   add_plot(app);
+  add_generate(app);
 }
 
 }  // namespace winnow::apps

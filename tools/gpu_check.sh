@@ -29,8 +29,9 @@
 #              stick-breaking, L 1024, 50 steps); JSON in $OUT/gpt.json. Uses the build's
 #              library, or without a build the package pipinstall left in /tmp
 #   study      winnow study $STUDY (default studies/mqrar.json, its cuda profile) with
-#              $STUDY_ARGS; runs under runs/ (kept while the machine stays warm, so a later call
-#              continues), result.json and table.md copied to $OUT/study-<name>/
+#              $STUDY_ARGS (e.g. --sweep train.lr=1e-3,3e-3); runs under runs/ (kept while the
+#              machine stays warm, so a later call continues), its result files (result.json,
+#              table.md, a sweep's JSON and table, plots) copied to $OUT/study-<name>/
 # Logs and JSON go to $OUT (default ./gpu-out); a short table is printed last.
 # $DEADLINE (seconds): stages that would start later than that after the script's start are
 # skipped and listed, so one call of a limited length still prints its table.
@@ -173,7 +174,8 @@ for stage in "${stages[@]}"; do
         2>&1 | tee "$OUT/study-$name.log" | grep -vE "^step [0-9]+/" 
       rc=${PIPESTATUS[0]}
       mkdir -p "$OUT/study-$name"
-      cp "runs/gpu-studies/$name/result.json" "runs/gpu-studies/$name/table.md" "$OUT/study-$name/" 2>/dev/null
+      # result.json and table.md, a sweep's sweep_<key>.json and .md, and the plots where drawn.
+      find "runs/gpu-studies/$name" -maxdepth 1 -type f -exec cp {} "$OUT/study-$name/" \;
       for m in runs/gpu-studies/"$name"/*/metrics.jsonl; do
         [[ -f "$m" ]] && cp "$m" "$OUT/study-$name/$(basename "$(dirname "$m")")-metrics.jsonl"
       done

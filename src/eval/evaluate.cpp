@@ -1,6 +1,10 @@
 #include "eval/evaluate.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include "train/autocast.h"
 #include "winnow/error.h"
@@ -44,11 +48,48 @@ std::uint64_t instance_seed(std::uint64_t seed, std::int64_t length, std::int64_
   return tasks::batch_seed(seed, stream, batch_index);
 }
 
-SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batch) {
+void PositionSums::add(const torch::Tensor& nll_by_position,
+                       const torch::Tensor& count_by_position) {
+  const torch::Tensor n = nll_by_position.to(torch::kCPU, torch::kFloat64);
+  const torch::Tensor c = count_by_position.to(torch::kCPU, torch::kFloat64);
+  if (!nll.defined()) {
+    nll = n;
+    count = c;
+    return;
+  }
+  if (nll.size(0) != n.size(0)) {
+    throw Error(ErrorKind::invalid_argument,
+                "PositionSums::add: expected sequences of " + std::to_string(nll.size(0)) +
+                    " positions, got " + std::to_string(n.size(0)));
+  }
+  nll += n;
+  count += c;
+}
+
+PositionLoss binned(const PositionSums& sums, std::int64_t bins) {
+  PositionLoss out;
+  if (!sums.nll.defined()) return out;
+  const std::int64_t positions = sums.nll.size(0);
+  bins = std::clamp<std::int64_t>(bins, 1, positions);
+  for (std::int64_t i = 0; i < bins; ++i) {
+    const std::int64_t lo = positions * i / bins, hi = positions * (i + 1) / bins;
+    const double tokens = sums.count.narrow(0, lo, hi - lo).sum().item<double>();
+    const double nll = sums.nll.narrow(0, lo, hi - lo).sum().item<double>();
+    out.bin_start.push_back(lo);
+    out.bin_end.push_back(hi);
+    out.tokens.push_back(tokens);
+    out.loss.push_back(tokens > 0 ? nll / tokens : 0.0);
+  }
+  return out;
+}
+
+SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batch,
+                           PositionSums* positions) {
   const torch::Tensor mask = batch.loss_mask.to(logits.device(), torch::kFloat32);
   const torch::Tensor targets = batch.targets.to(logits.device());
   const torch::Tensor logp = torch::log_softmax(logits.to(torch::kFloat32), -1);
   const torch::Tensor nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
+  if (positions != nullptr) positions->add((nll * mask).sum(0), mask.sum(0));
   const torch::Tensor right = logits.argmax(-1).eq(targets).to(torch::kFloat32) * mask;
   const torch::Tensor wrong_rows = ((1 - right) * mask).sum(-1).gt(0);
   const torch::Tensor sums =
@@ -66,7 +107,8 @@ SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batc
 
 SequenceScore score_sequences(nn::TransformerLM& model, const tasks::Task& task,
                               std::int64_t length, std::int64_t instances, std::uint64_t seed,
-                              const Runtime& rt, nn::AttentionProbe* probe) {
+                              const Runtime& rt, nn::AttentionProbe* probe,
+                              PositionSums* positions) {
   torch::NoGradGuard no_grad;
   model->eval();
   struct Attached {
@@ -83,7 +125,7 @@ SequenceScore score_sequences(nn::TransformerLM& model, const tasks::Task& task,
       train::Autocast autocast(rt.autocast);
       logits = model->forward(batch.inputs.to(rt.device));
     }
-    total += score_logits(logits, batch);
+    total += score_logits(logits, batch, positions);
     done += b;
   }
   return total;
@@ -106,6 +148,51 @@ torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& pro
     out.push_back(next);
   }
   return steps > 0 ? torch::cat(out, 1).cpu() : torch::empty({prompts.size(0), 0}, torch::kInt64);
+}
+
+torch::Tensor generate(nn::TransformerLM& model, const torch::Tensor& prompts, std::int64_t steps,
+                       const Runtime& rt, const Sampling& sampling) {
+  if (!(sampling.temperature >= 0) || !std::isfinite(sampling.temperature)) {
+    throw Error(ErrorKind::invalid_argument,
+                "generate: argument 'temperature': expected a finite value >= 0, got " +
+                    std::to_string(sampling.temperature));
+  }
+  if (sampling.top_k < 0) {
+    throw Error(ErrorKind::invalid_argument, "generate: argument 'top_k': expected >= 0, got " +
+                                                 std::to_string(sampling.top_k));
+  }
+  if (prompts.dim() != 2 || prompts.size(1) < 1) {
+    throw Error(ErrorKind::invalid_argument,
+                "generate: argument 'prompts': expected (B, P >= 1) tokens, got " +
+                    c10::str(prompts.sizes()));
+  }
+  if (sampling.temperature == 0) return generate_greedy(model, prompts, steps, rt);
+  torch::NoGradGuard no_grad;
+  model->eval();
+  nn::KVCache cache = model->new_cache();
+  // The generator lives on the CPU so that a seed draws the same tokens whatever the device.
+  torch::Generator generator = at::detail::createCPUGenerator(sampling.seed);
+  std::vector<torch::Tensor> out;
+  torch::Tensor next = prompts.to(rt.device);
+  for (std::int64_t i = 0; i < steps; ++i) {
+    torch::Tensor logits;
+    {
+      train::Autocast autocast(rt.autocast);
+      logits = model->forward(next, &cache);
+    }
+    torch::Tensor last =
+        logits.select(1, logits.size(1) - 1).to(torch::kCPU, torch::kFloat64) / sampling.temperature;
+    if (sampling.top_k > 0 && sampling.top_k < last.size(-1)) {
+      // Below the k-th largest logit nothing is drawn; ties at the k-th all stay.
+      const torch::Tensor kth = std::get<0>(last.topk(sampling.top_k, -1)).select(-1, sampling.top_k - 1);
+      last = last.masked_fill(last.lt(kth.unsqueeze(-1)), -std::numeric_limits<double>::infinity());
+    }
+    const torch::Tensor drawn =
+        torch::multinomial(torch::softmax(last, -1), 1, /*replacement=*/false, generator);
+    out.push_back(drawn);
+    next = drawn.to(rt.device);
+  }
+  return steps > 0 ? torch::cat(out, 1) : torch::empty({prompts.size(0), 0}, torch::kInt64);
 }
 
 GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& task,
@@ -156,34 +243,25 @@ PositionLoss loss_by_position(nn::TransformerLM& model, const torch::Tensor& tok
                     c10::str(tokens.sizes()));
   }
   const std::int64_t n = tokens.size(0), predicted = tokens.size(1) - 1;
-  bins = std::clamp<std::int64_t>(bins, 1, predicted);
   torch::NoGradGuard no_grad;
   model->eval();
-  torch::Tensor per_position = torch::zeros({predicted}, torch::kFloat64);
+  PositionSums sums;
   for (std::int64_t start = 0; start < n;) {
     const std::int64_t b = batch_for(rt, tokens.size(1), n - start);
     const torch::Tensor chunk = tokens.narrow(0, start, b).to(rt.device);
+    tasks::Batch batch;
+    batch.inputs = chunk.narrow(1, 0, predicted);
+    batch.targets = chunk.narrow(1, 1, predicted);
+    batch.loss_mask = torch::ones({b, predicted}, torch::kFloat32);
     torch::Tensor logits;
     {
       train::Autocast autocast(rt.autocast);
-      logits = model->forward(chunk.narrow(1, 0, predicted));
+      logits = model->forward(batch.inputs);
     }
-    const torch::Tensor logp = torch::log_softmax(logits.to(torch::kFloat32), -1);
-    const torch::Tensor nll =
-        -logp.gather(-1, chunk.narrow(1, 1, predicted).unsqueeze(-1)).squeeze(-1);
-    per_position += nll.sum(0).to(torch::kCPU, torch::kFloat64);
+    (void)score_logits(logits, batch, &sums);
     start += b;
   }
-  PositionLoss out;
-  for (std::int64_t i = 0; i < bins; ++i) {
-    const std::int64_t lo = predicted * i / bins, hi = predicted * (i + 1) / bins;
-    out.bin_start.push_back(lo);
-    out.bin_end.push_back(hi);
-    const double count = static_cast<double>((hi - lo) * n);
-    out.tokens.push_back(count);
-    out.loss.push_back(per_position.narrow(0, lo, hi - lo).sum().item<double>() / count);
-  }
-  return out;
+  return binned(sums, bins);
 }
 
 }  // namespace winnow::eval

@@ -40,20 +40,50 @@ struct SequenceScore {
   SequenceScore& operator+=(const SequenceScore& o);
 };
 
+// Cross entropy summed by position over sequences: nll[t] and count[t] (float64, CPU) over
+// the labelled positions t of every sequence scored.
+struct PositionSums {
+  torch::Tensor nll, count;
+  void add(const torch::Tensor& nll_by_position, const torch::Tensor& count_by_position);
+};
+
+// Mean cross entropy by position, in bins of positions.
+struct PositionLoss {
+  std::vector<std::int64_t> bin_start, bin_end;  // [start, end) positions
+  std::vector<double> loss;                      // mean nats per predicted token in the bin
+  std::vector<double> tokens;                    // predicted tokens counted in the bin
+};
+// `sums` in `bins` bins of (nearly) equal width; bins with no labelled position have loss 0 and
+// tokens 0.
+PositionLoss binned(const PositionSums& sums, std::int64_t bins);
+
 // The counts of one batch from its logits (B, L, V). A sequence with no labelled position
-// counts as exactly matched.
-SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batch);
+// counts as exactly matched. positions, when given, also gets the loss by position.
+SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batch,
+                           PositionSums* positions = nullptr);
 
 // `instances` fresh sequences of `length` tokens, one forward pass per batch; a probe, when
-// given, collects diagnostics on every batch.
+// given, collects diagnostics on every batch, and positions the loss by position.
 SequenceScore score_sequences(nn::TransformerLM& model, const tasks::Task& task,
                               std::int64_t length, std::int64_t instances, std::uint64_t seed,
-                              const Runtime& rt, nn::AttentionProbe* probe = nullptr);
+                              const Runtime& rt, nn::AttentionProbe* probe = nullptr,
+                              PositionSums* positions = nullptr);
 
 // Greedy continuation of prompts (B, P) by `steps` tokens: one prefill pass through the KV
 // cache, then one token at a time. Returns (B, steps).
 torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& prompts,
                               std::int64_t steps, const Runtime& rt);
+
+// How the next token is drawn from the logits: temperature 0 is greedy (argmax); otherwise
+// softmax(logits / temperature) restricted to the top_k most likely tokens (0: all of them).
+struct Sampling {
+  double temperature = 1.0;
+  std::int64_t top_k = 0;
+  std::uint64_t seed = 0;  // the draws are a pure function of the seed (on one device)
+};
+// Continuation of prompts (B, P) by `steps` sampled tokens through the KV cache; (B, steps).
+torch::Tensor generate(nn::TransformerLM& model, const torch::Tensor& prompts, std::int64_t steps,
+                       const Runtime& rt, const Sampling& sampling);
 
 struct GenerationScore {
   std::int64_t instances = 0;
@@ -70,11 +100,6 @@ GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& ta
 
 // Mean next-token cross entropy by position of token streams (N, L): position t predicts token
 // t + 1; positions are grouped into `bins` equal-width bins.
-struct PositionLoss {
-  std::vector<std::int64_t> bin_start, bin_end;  // [start, end) positions
-  std::vector<double> loss;                      // mean nats per predicted token in the bin
-  std::vector<double> tokens;
-};
 PositionLoss loss_by_position(nn::TransformerLM& model, const torch::Tensor& tokens,
                               std::int64_t bins, const Runtime& rt);
 

@@ -46,7 +46,9 @@ void AttentionProbe::record(std::int64_t layer, const torch::Tensor& weights, bo
   const torch::Tensor mass = w.sum(-1);
   const torch::Tensor has = mass.gt(0);
   const torch::Tensor a = w / mass.clamp_min(1e-300).unsqueeze(-1);
-  add(layer, "sink_ratio", (a.select(-1, 0) * visible.view({1, 1, -1})).masked_fill(~has, 0));
+  const torch::Tensor first = a.select(-1, 0).masked_fill(~has, 0);
+  add(layer, "first_token_share", first);
+  add(layer, "sink_ratio", first * visible.view({1, 1, -1}));
   add(layer, "entropy", -(a * torch::log(a.clamp_min(1e-300))).sum(-1));
   const torch::Tensor position = torch::arange(0, keys, w.options()).view({1, 1, 1, -1});
   const torch::Tensor in_view = position.lt(visible.view({1, 1, -1, 1}));

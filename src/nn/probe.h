@@ -25,8 +25,10 @@ class AttentionProbe {
 
   // weights (B, H, R, Lk): the rows' weights over every key (any sign or normalization), the
   // rows being the last R of the Lk positions. attend_current: whether a row sees its own key.
-  // Derived per head: sink_ratio (the share of |w| on key 0 times the number of visible keys,
-  // 004 section 3: 1 for uniform weights), entropy (nats, of |w| normalized per row),
+  // Derived per head: first_token_share (the share of |w| on key 0, 003's "attention to the
+  // first token"), sink_ratio (that share times the number of visible keys, 004 section 3's
+  // generalized sink ratio: 1 for uniform weights, defined for signed or unnormalized weights
+  // because |w| is normalized per row first), entropy (nats, of |w| normalized per row),
   // zero_fraction (exact zeros among the visible keys), support (nonzero weights among the
   // visible keys: entmax's support, Sieve's candidates that did not underflow) and support_max
   // (its largest value over the rows; the one statistic kept as a maximum, not a mean).

@@ -1,6 +1,6 @@
 // Softmax attention and the small baselines around it (spec/softmax.md): RoPE (with its
-// extrapolation scalings), NoPE or ALiBi; scalable softmax (SSMax); the output gate G1 and the
-// value gate G2 of gated attention.
+// extrapolation scalings), NoPE or ALiBi; scalable softmax (SSMax); QK-norm; the output gate G1
+// and the value gate G2 of gated attention.
 #include <cmath>
 
 #include "nn/attention.h"
@@ -16,10 +16,15 @@ struct SoftmaxOptions {
   // g1: the head's output times sigmoid(x_j W_g + b) (D_v gates per head);
   // g2: each value times sigmoid(x_i W_gv + b) (D_v gates per kv head); g1g2: both.
   std::string gate = "none";
+  // QK-norm: RMSNorm over each head's query and key vectors (a learned scale of head_dim
+  // channels, shared by the heads) before the positions are applied, which bounds the logits
+  // by the learned scales instead of the activations' growth.
+  bool qk_norm = false;
 
   template <class V>
   void fields(V& v) {
     v("ssmax", ssmax);
+    v("qk_norm", qk_norm);
     v("gate", gate, config::one_of({"none", "g1", "g2", "g1g2"}));
   }
 };
@@ -44,6 +49,10 @@ class SoftmaxAttention final : public AttentionLayer {
       const double n = static_cast<double>(std::max<std::int64_t>(model.context_len, 2));
       ssmax_scale_ = register_parameter("ssmax_scale", torch::full({h_.heads}, 1.0 / std::log(n)));
     }
+    if (options_.qk_norm) {
+      q_norm_ = register_module("q_norm", RMSNorm(h_.head_dim, model.norm_eps));
+      k_norm_ = register_module("k_norm", RMSNorm(h_.head_dim, model.norm_eps));
+    }
     if (position_.kind() == "alibi") {
       alibi_ = register_buffer("alibi_slopes", alibi_slopes(h_.heads).to(torch::kFloat32));
     }
@@ -58,8 +67,12 @@ class SoftmaxAttention final : public AttentionLayer {
 
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1);
-    const torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
-    const torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
+    torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
+    torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
+    if (q_norm_) {
+      q = q_norm_(q);
+      k = k_norm_(k);
+    }
     torch::Tensor v = v_(x).view({B, L, h_.kv_heads, h_.value_dim});
     if (value_gate_) v = v * torch::sigmoid(value_gate_(x)).view({B, L, h_.kv_heads, h_.value_dim});
     auto in = position_.prepare(q, k, v, cache);
@@ -100,6 +113,7 @@ class SoftmaxAttention final : public AttentionLayer {
   bool kernel_;
   torch::nn::Linear q_{nullptr}, k_{nullptr}, v_{nullptr}, o_{nullptr};
   torch::nn::Linear output_gate_{nullptr}, value_gate_{nullptr};
+  RMSNorm q_norm_{nullptr}, k_norm_{nullptr};
   torch::Tensor ssmax_scale_, alibi_;
 };
 
@@ -110,7 +124,7 @@ const Mechanism& softmax_mechanism() {
     Mechanism m;
     m.name = "softmax";
     m.summary = "softmax attention; RoPE (linear, ntk, dynamic, yarn) | NoPE | ALiBi, SSMax, "
-                "output gate G1, value gate G2";
+                "QK-norm, output gate G1, value gate G2";
     m.fused_operator = "winnow::softmax_attention";
     m.graph_capturable = true;
     m.positions = {"rope", "nope", "alibi"};

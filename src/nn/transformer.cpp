@@ -36,6 +36,18 @@ TransformerLMImpl::TransformerLMImpl(ModelConfig c) : config_(std::move(c)) {
 }
 
 torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
+  return run(tokens, cache, nullptr);
+}
+
+torch::Tensor TransformerLMImpl::residual_maxima(const torch::Tensor& tokens) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> maxima;
+  run(tokens, nullptr, &maxima);
+  return torch::stack(maxima).to(torch::kFloat32);
+}
+
+torch::Tensor TransformerLMImpl::run(const torch::Tensor& tokens, KVCache* cache,
+                                     std::vector<torch::Tensor>* maxima) {
   if (tokens.dim() != 2 || tokens.scalar_type() != torch::kInt64) {
     throw Error(ErrorKind::invalid_argument,
                 "TransformerLM::forward: argument 'tokens': expected (B, L) int64, got " +
@@ -51,6 +63,7 @@ torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens, KVCache* c
   torch::Tensor x = embedding_(tokens), pending;
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     std::tie(x, pending) = blocks_[i]->forward(x, pending, cache ? &cache->layers[i] : nullptr);
+    if (maxima != nullptr) maxima->push_back((x + pending).abs().amax().to(torch::kFloat32));
   }
   const torch::Tensor normed = final_norm_->add_forward(x, pending).second;
   return torch::nn::functional::linear(normed, head_ ? head_->weight : embedding_->weight);

@@ -49,6 +49,11 @@ class TransformerLMImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr);
   KVCache new_cache() const { return KVCache{std::vector<LayerCache>(blocks_.size())}; }
 
+  // The largest |value| of the residual stream after each block (layers,) on the device, from
+  // a forward pass over `tokens` without gradients: the "maximum activation" that 001 and 003
+  // track for stability.
+  torch::Tensor residual_maxima(const torch::Tensor& tokens);
+
   // The auxiliary losses of the last forward pass, summed over layers by name.
   std::map<std::string, torch::Tensor> aux_losses() const;
   void set_phase(const std::string& phase);
@@ -58,6 +63,9 @@ class TransformerLMImpl : public torch::nn::Module {
   const ModelConfig& config() const { return config_; }
 
  private:
+  // forward(), and the residual stream's largest |value| after each block into `maxima`.
+  torch::Tensor run(const torch::Tensor& tokens, KVCache* cache, std::vector<torch::Tensor>* maxima);
+
   ModelConfig config_;
   torch::nn::Embedding embedding_{nullptr};
   std::vector<Block> blocks_;

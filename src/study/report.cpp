@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -77,9 +78,81 @@ std::string table(const json& r, const std::string& measure) {
   return table_of(r, [&](const json& p) { return 100.0 * p.value(measure, 0.0); }, 1);
 }
 
+// A magnitude that may be huge (a diverged run's activations): fixed below 1e5, else %.2g.
+std::string magnitude(double x) {
+  if (std::abs(x) < 1e5) return fixed(x, 1);
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2g", x);
+  return text;
+}
+
 std::string seconds(double s) {
   if (s >= 120) return fixed(s / 60.0, 1) + " min";
   return fixed(s, 1) + " s";
+}
+
+// Losses are shown in bits per byte for the byte-level corpus, in nats elsewhere.
+double loss_unit(const json& r) { return language_modeling(r) ? std::log(2.0) : 1.0; }
+std::string loss_unit_words(const json& r) {
+  return language_modeling(r) ? "bits per byte" : "nats per token";
+}
+
+// The mean loss over positions [lo, hi) from a point's binned loss by position; NaN where no
+// bin lies inside.
+double segment_loss(const json& position_loss, double lo, double hi) {
+  double nll = 0, tokens = 0;
+  const json& start = position_loss["start"];
+  for (std::size_t i = 0; i < start.size(); ++i) {
+    const double a = start[i].get<double>(), b = position_loss["end"][i].get<double>();
+    if (a >= lo && b <= hi) {
+      const double t = position_loss["tokens"][i].get<double>();
+      nll += position_loss["loss"][i].get<double>() * t;
+      tokens += t;
+    }
+  }
+  return tokens > 0 ? nll / tokens : std::nan("");
+}
+
+// The point of a mechanism's results at the longest length that has `key`, or nullptr.
+const json* longest_with(const json& mechanism, const char* key) {
+  const json* best = nullptr;
+  for (const json& p : mechanism["results"]) {
+    if (p.contains(key) && (best == nullptr || p["length"].get<double>() > (*best)["length"].get<double>()))
+      best = &p;
+  }
+  return best;
+}
+
+// Loss by position at the longest length, in segments between the evaluated lengths:
+// [0, n), [n, 2n), ... for multiples 1, 2, ...: does the loss stay flat past the training length?
+std::string position_loss_table(const json& r) {
+  const json& mechs = r["mechanisms"];
+  const json* first = mechs.empty() ? nullptr : longest_with(mechs[0], "position_loss");
+  if (first == nullptr) return "";
+  std::vector<double> edges = {0};
+  for (const json& p : mechs[0]["results"]) {
+    const double len = p["length"].get<double>();
+    if (len > edges.back() && len <= (*first)["length"].get<double>()) edges.push_back(len);
+  }
+  std::string out = "\nloss (" + loss_unit_words(r) + ") by position at L = " +
+                    std::to_string((*first)["length"].get<long long>()) +
+                    ", in segments between the evaluated lengths:\n\n| mechanism |";
+  std::string rule = "|---|";
+  for (std::size_t i = 1; i < edges.size(); ++i) {
+    out += " " + fixed(edges[i - 1], 0) + "-" + fixed(edges[i], 0) + " |";
+    rule += "---:|";
+  }
+  out += "\n" + rule + "\n";
+  for (const json& m : mechs) {
+    const json* p = longest_with(m, "position_loss");
+    out += "| " + m["label"].get<std::string>() + " |";
+    for (std::size_t i = 1; i < edges.size(); ++i) {
+      const double v = p ? segment_loss((*p)["position_loss"], edges[i - 1], edges[i]) : std::nan("");
+      out += " " + (std::isfinite(v) ? fixed(v / loss_unit(r), 4) : std::string("-")) + " |";
+    }
+    out += "\n";
+  }
+  return out;
 }
 
 }  // namespace
@@ -103,6 +176,7 @@ std::string markdown_report(const json& r) {
   } else {
     out += table(r, measure);
   }
+  out += position_loss_table(r);
   if (!r.value("generative", false)) {
     if (!language_modeling(r)) {
       const std::string other = measure == "accuracy" ? "exact_match" : "accuracy";
@@ -128,10 +202,13 @@ std::string markdown_report(const json& r) {
     }
   }
   out +=
-      "\nTraining (same budget for every mechanism):\n\n"
+      "\nTraining (same budget for every mechanism); loss spikes: steps whose loss exceeded the "
+      "running mean by the spike threshold (train.spike_threshold), largest loss / running mean "
+      "in brackets; max activation: the largest |value| of the residual stream on a held-out "
+      "batch, over the log steps:\n\n"
       "| mechanism | parameters | steps | tokens | train time | held-out loss | held-out accuracy "
-      "|\n"
-      "|---|---:|---:|---:|---:|---:|---:|\n";
+      "| loss spikes | max activation |\n"
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const json& m : r["mechanisms"]) {
     const json& e = m["final_eval"];
     const bool resumed = m.value("resumed_at_step", 0) > 0;
@@ -141,7 +218,14 @@ std::string markdown_report(const json& r) {
            fixed(m["train_tokens"].get<double>() / 1e6, 2) + " M | " +
            (resumed ? "resumed" : seconds(m["train_seconds"].get<double>())) + " | " +
            fixed(e.value("eval_loss", 0.0), 4) + " | " +
-           fixed(100.0 * e.value("eval_accuracy", 0.0)) + "% |\n";
+           fixed(100.0 * e.value("eval_accuracy", 0.0)) + "% | ";
+    if (m.contains("health")) {
+      const json& h = m["health"];
+      out += std::to_string(h.value("spikes", 0)) + " (" + fixed(h.value("max_loss_ratio", 0.0), 2) +
+             ") | " + magnitude(h.value("max_activation", 0.0)) + " |\n";
+    } else {
+      out += "- | - |\n";
+    }
   }
   bool any_diagnostics = false;
   for (const json& m : r["mechanisms"]) {
@@ -150,28 +234,79 @@ std::string markdown_report(const json& r) {
   if (any_diagnostics) {
     out +=
         "\nDiagnostics, mean over layers and heads of the last query rows (nn/probe.h): sink "
-        "ratio (mass on key 0 relative to uniform), weight entropy (nats), exact-zero fraction, "
-        "support (nonzero weights per query: mean, and largest), unallocated stick "
+        "ratio (mass on key 0 relative to uniform, 004's generalized sink ratio), first-token "
+        "share (003's attention to the first token, %), weight entropy (nats), exact-zero "
+        "fraction, support (nonzero weights per query: mean, and largest), unallocated stick "
         "(stick-breaking, Sieve):\n\n"
-        "| mechanism | length | sink ratio | entropy | zero fraction | support | max support | "
-        "remainder |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|\n";
+        "| mechanism | length | sink ratio | first token | entropy | zero fraction | support | "
+        "max support | remainder |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for (const json& m : r["mechanisms"]) {
       for (const json& p : m["results"]) {
         if (!p.contains("diagnostics")) continue;
         const json& mean = p["diagnostics"]["mean"];
         const json max = p["diagnostics"].value("max", json::object());
-        auto cell = [&](const char* key, int digits) {
-          return mean.contains(key) ? fixed(mean[key].get<double>(), digits) : std::string("-");
+        auto cell = [&](const char* key, int digits, double times = 1.0) {
+          return mean.contains(key) ? fixed(times * mean[key].get<double>(), digits) : std::string("-");
         };
         const std::string max_support =
             max.contains("support_max") ? fixed(max["support_max"].get<double>(), 0) : "-";
         out += "| " + m["label"].get<std::string>() + " | " +
                std::to_string(p["length"].get<long long>()) + " | " + cell("sink_ratio", 2) +
-               " | " + cell("entropy", 2) + " | " + cell("zero_fraction", 3) + " | " +
+               " | " + cell("first_token_share", 1, 100.0) + " | " + cell("entropy", 2) + " | " + cell("zero_fraction", 3) + " | " +
                cell("support", 1) + " | " + max_support + " | " + cell("remainder", 3) + " |\n";
       }
     }
+  }
+  return out;
+}
+
+std::string sweep_report(const json& r) {
+  const json& sweep = r["sweep"];
+  const std::string key = sweep.value("key", std::string("?"));
+  const std::string title = r.value("title", std::string());
+  std::string out = "## " + (title.empty() ? r.value("study", std::string("study")) : title) +
+                    ": sweep of " + key + "\n\n";
+  out += "Final held-out loss (" + loss_unit_words(r) + ") of each run by " + key + " (" +
+         r.value("profile", std::string("?")) + " profile, " + r.value("device", std::string("?")) +
+         ", " + r.value("date", std::string()) +
+         "); diverged: a loss or gradient norm that was not finite (at the step shown), or a "
+         "final loss no better than uniform guessing.\n\n| mechanism |";
+  std::string rule = "|---|";
+  for (const json& v : sweep["values"]) {
+    out += " " + v.dump() + " |";
+    rule += "---:|";
+  }
+  out += "\n" + rule + "\n";
+  auto row = [&](const json& m, auto cell) {
+    out += "| " + m["label"].get<std::string>() + " |";
+    for (const json& run : m["runs"]) out += " " + cell(run) + " |";
+    out += "\n";
+  };
+  for (const json& m : r["mechanisms"]) {
+    row(m, [&](const json& run) {
+      std::string text = run.contains("final_loss")
+                             ? fixed(run["final_loss"].get<double>() / loss_unit(r), 4)
+                             : std::string();
+      if (run.value("diverged", false)) {
+        text += (text.empty() ? "" : " ") + std::string("diverged") +
+                (run.contains("diverged_at_step")
+                     ? " (step " + std::to_string(run["diverged_at_step"].get<long long>()) + ")"
+                     : std::string());
+      }
+      return text;
+    });
+  }
+  out += "\nLoss spikes (largest loss / running mean) and the largest residual activation of "
+         "each run:\n\n| mechanism |";
+  for (const json& v : sweep["values"]) out += " " + v.dump() + " |";
+  out += "\n" + rule + "\n";
+  for (const json& m : r["mechanisms"]) {
+    row(m, [&](const json& run) {
+      const json h = run.value("health", json::object());
+      return std::to_string(h.value("spikes", 0)) + " (" + fixed(h.value("max_loss_ratio", 0.0), 2) +
+             "), " + magnitude(h.value("max_activation", 0.0));
+    });
   }
   return out;
 }
@@ -230,6 +365,75 @@ class Series {
   std::vector<PLINT> colours_, styles_;
   std::vector<std::string> labels_;
 };
+
+// Lines over data coordinates, x optionally logarithmic; dashed verticals at x_marks; crosses
+// (PLplot symbol 5) at each line's marked points, in the line's colour.
+struct Curve {
+  std::string label;
+  std::vector<double> x, y;
+  std::vector<double> cross_x, cross_y;
+};
+void line_plot(const std::string& path, const std::string& title, const std::string& x_label,
+               const std::string& y_label, const std::vector<Curve>& curves, bool log_x,
+               const std::vector<double>& x_marks, PLINT legend_position) {
+  auto tx = [&](double x) { return log_x ? std::log10(x) : x; };
+  double x_lo = 1e300, x_hi = -1e300, y_lo = 1e300, y_hi = -1e300;
+  for (const Curve& c : curves) {
+    for (std::size_t i = 0; i < c.x.size(); ++i) {
+      x_lo = std::min(x_lo, tx(c.x[i]));
+      x_hi = std::max(x_hi, tx(c.x[i]));
+      y_lo = std::min(y_lo, c.y[i]);
+      y_hi = std::max(y_hi, c.y[i]);
+    }
+    for (std::size_t i = 0; i < c.cross_x.size(); ++i) {
+      x_lo = std::min(x_lo, tx(c.cross_x[i]));
+      x_hi = std::max(x_hi, tx(c.cross_x[i]));
+      y_lo = std::min(y_lo, c.cross_y[i]);
+      y_hi = std::max(y_hi, c.cross_y[i]);
+    }
+  }
+  if (!(x_hi >= x_lo) || !(y_hi >= y_lo))
+    throw Error(ErrorKind::invalid_argument, "plot: nothing to draw for " + path);
+  const double x_pad = std::max(1e-3, 0.04 * (x_hi - x_lo)), y_pad = std::max(1e-3, 0.06 * (y_hi - y_lo));
+  plstream pls;
+  start_svg(pls, path, 800, 560);
+  pls.scol0(3, 0, 150, 0);
+  pls.adv(0);
+  pls.vpor(0.12, 0.95, 0.12, 0.9);
+  pls.wind(x_lo - x_pad, x_hi + x_pad, y_lo - y_pad, y_hi + y_pad);
+  pls.col0(15);
+  pls.box(log_x ? "bcgnstl" : "bcgnst", 0, 0, "bcgnstv", 0, 0);
+  pls.lab(x_label.c_str(), y_label.c_str(), "");
+  pls.schr(0, 0.75);  // long study titles fit the page
+  pls.mtex("t", 2.0, 0.5, 0.5, title.c_str());
+  pls.schr(0, 1.0);
+  for (double m : x_marks) {
+    const PLFLT gx[2] = {tx(m), tx(m)}, gy[2] = {y_lo - y_pad, y_hi + y_pad};
+    pls.lsty(2);
+    pls.line(2, gx, gy);
+    pls.lsty(1);
+  }
+  Series series;
+  for (const Curve& c : curves) {
+    std::vector<PLFLT> x, y;
+    for (std::size_t i = 0; i < c.x.size(); ++i) {
+      x.push_back(tx(c.x[i]));
+      y.push_back(c.y[i]);
+    }
+    series.draw(pls, c.label, x, y);
+    if (!c.cross_x.empty()) {
+      std::vector<PLFLT> cx, cy;
+      for (std::size_t i = 0; i < c.cross_x.size(); ++i) {
+        cx.push_back(tx(c.cross_x[i]));
+        cy.push_back(c.cross_y[i]);
+      }
+      pls.ssym(0, 2.5);
+      pls.poin(static_cast<PLINT>(cx.size()), cx.data(), cy.data(), 5);
+      pls.ssym(0, 1.0);
+    }
+  }
+  series.legend(pls, legend_position | PL_POSITION_INSIDE, 0.03, 0.04, 0.1, 0.9);
+}
 }  // namespace
 
 void plot_result(const json& r, const std::string& path) {
@@ -286,6 +490,95 @@ void plot_result(const json& r, const std::string& path) {
     series.draw(pls, m["label"].get<std::string>(), x, y);
   }
   series.legend(pls, PL_POSITION_LEFT | PL_POSITION_BOTTOM | PL_POSITION_INSIDE, 0.03, 0.14, 0.12, 0.9);
+}
+
+std::vector<std::string> plot_study(const json& r, const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> written;
+  const std::string accuracy = (fs::path(dir) / "accuracy.svg").string();
+  plot_result(r, accuracy);
+  written.push_back(accuracy);
+  const std::string title = r.value("title", std::string());
+  const double train_length = r.value("train_length", 0.0);
+  std::vector<Curve> by_position, sinks;
+  for (const json& m : r["mechanisms"]) {
+    if (const json* p = longest_with(m, "position_loss")) {
+      Curve c{m["label"].get<std::string>(), {}, {}, {}, {}};
+      const json& pl = (*p)["position_loss"];
+      for (std::size_t i = 0; i < pl["start"].size(); ++i) {
+        if (pl["tokens"][i].get<double>() <= 0) continue;
+        c.x.push_back(0.5 * (pl["start"][i].get<double>() + pl["end"][i].get<double>()));
+        c.y.push_back(pl["loss"][i].get<double>() / loss_unit(r));
+      }
+      by_position.push_back(c);
+    }
+    Curve sink{m["label"].get<std::string>(), {}, {}, {}, {}};
+    for (const json& p : m["results"]) {
+      if (!p.contains("diagnostics") || !p["diagnostics"]["mean"].contains("sink_ratio")) continue;
+      sink.x.push_back(p["length"].get<double>());
+      sink.y.push_back(p["diagnostics"]["mean"]["sink_ratio"].get<double>());
+    }
+    if (!sink.x.empty()) sinks.push_back(sink);
+  }
+  if (!by_position.empty()) {
+    const std::string path = (fs::path(dir) / "loss_by_position.svg").string();
+    line_plot(path, title, "position (the dashed line: the training length)",
+              "loss (" + loss_unit_words(r) + "), mean over a bin of positions", by_position,
+              /*log_x=*/false, {train_length}, PL_POSITION_LEFT | PL_POSITION_TOP);
+    written.push_back(path);
+  }
+  if (!sinks.empty()) {
+    const std::string path = (fs::path(dir) / "sink_ratio.svg").string();
+    line_plot(path, title, "sequence length in tokens (the dashed line: the training length)",
+              "sink ratio (mass on the first token / uniform), mean over layers and heads", sinks,
+              /*log_x=*/true, {train_length}, PL_POSITION_LEFT | PL_POSITION_TOP);
+    written.push_back(path);
+  }
+  return written;
+}
+
+void plot_sweep(const json& r, const std::string& path) {
+  if (!r.contains("sweep") || !r.contains("mechanisms"))
+    throw Error(ErrorKind::invalid_argument, "plot: expected a sweep result (with \"sweep\")");
+  const std::string key = r["sweep"].value("key", std::string("value"));
+  bool numeric = true, positive = true;
+  double lo = 1e300, hi = -1e300, worst = -1e300;
+  for (const json& m : r["mechanisms"]) {
+    for (const json& run : m["runs"]) {
+      if (!run["value"].is_number()) {
+        numeric = false;
+        continue;
+      }
+      const double v = run["value"].get<double>();
+      positive &= v > 0;
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+      if (run.contains("final_loss") && std::isfinite(run["final_loss"].get<double>()))
+        worst = std::max(worst, run["final_loss"].get<double>() / loss_unit(r));
+    }
+  }
+  if (!numeric)
+    throw Error(ErrorKind::invalid_argument, "plot: a sweep is drawn over numeric values only (" + key + ")");
+  std::vector<Curve> curves;
+  for (const json& m : r["mechanisms"]) {
+    Curve c{m["label"].get<std::string>(), {}, {}, {}, {}};
+    for (const json& run : m["runs"]) {
+      const double v = run["value"].get<double>();
+      const bool has_loss = run.contains("final_loss") && std::isfinite(run["final_loss"].get<double>());
+      if (run.value("diverged", false)) {
+        // Diverged runs without a loss sit at the top of the plot.
+        c.cross_x.push_back(v);
+        c.cross_y.push_back(has_loss ? run["final_loss"].get<double>() / loss_unit(r) : worst);
+      } else if (has_loss) {
+        c.x.push_back(v);
+        c.y.push_back(run["final_loss"].get<double>() / loss_unit(r));
+      }
+    }
+    curves.push_back(c);
+  }
+  line_plot(path, r.value("title", std::string()),
+            key + " (crosses: diverged runs)", "final held-out loss (" + loss_unit_words(r) + ")",
+            curves, positive && hi > 10 * lo, {}, PL_POSITION_RIGHT | PL_POSITION_TOP);
 }
 
 namespace {
@@ -359,6 +652,14 @@ void plot_result(const json&, const std::string&) {
               "plot: this build has no PLplot (install libplplot-dev and rebuild)");
 }
 void plot_throughput(const json&, const std::string&) {
+  throw Error(ErrorKind::unsupported,
+              "plot: this build has no PLplot (install libplplot-dev and rebuild)");
+}
+std::vector<std::string> plot_study(const json&, const std::string&) {
+  throw Error(ErrorKind::unsupported,
+              "plot: this build has no PLplot (install libplplot-dev and rebuild)");
+}
+void plot_sweep(const json&, const std::string&) {
   throw Error(ErrorKind::unsupported,
               "plot: this build has no PLplot (install libplplot-dev and rebuild)");
 }

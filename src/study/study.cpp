@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -72,6 +73,20 @@ json mechanism_config(const Study& s, const MechanismEntry& m) {
   return j;
 }
 
+// A run of a sweep: the mechanism's experiment with the swept key set, in its own folder.
+json sweep_config(const Study& s, const MechanismEntry& m, const json& value) {
+  json j = mechanism_config(s, m);
+  try {
+    train::apply_override(j, s.sweep.key + "=" + value.dump());
+  } catch (const Error& e) {
+    fail("sweep.key: " + std::string(e.what()));
+  }
+  j["train"]["out_dir"] = (fs::path(s.out_dir) / ("sweep_" + slug(s.sweep.key)) / slug(m.label) /
+                           slug(value.dump()))
+                              .string();
+  return j;
+}
+
 tasks::TaskConfig eval_task_config(const Study& s, const train::ExperimentConfig& trained) {
   json task = config::write(trained.task);
   apply_dotted(task, s.eval.task, "eval.task");
@@ -83,6 +98,18 @@ std::string today() {
   char text[16];
   std::strftime(text, sizeof text, "%Y-%m-%d", std::gmtime(&now));
   return text;
+}
+
+// Writes the result JSON and its Markdown report into `dir` and prints the report.
+void write_outputs(const fs::path& dir, const std::string& json_name, const std::string& md_name,
+                   const json& result, const std::string& report) {
+  for (const auto& [name, text] : {std::pair{json_name, result.dump(2) + "\n"}, std::pair{md_name, report}}) {
+    std::ofstream f(dir / name);
+    f << text;
+    if (!f) throw Error(ErrorKind::runtime, "study: cannot write '" + (dir / name).string() + "'");
+  }
+  std::printf("\n%s\nresult: %s, table: %s\n", report.c_str(), (dir / json_name).string().c_str(),
+              (dir / md_name).string().c_str());
 }
 
 std::int64_t parameter_count(train::Trainer& t) {
@@ -137,6 +164,9 @@ Study load_study(const std::string& path, const std::vector<std::string>& overri
   s.profile = profile;
   if (s.out_dir.empty()) s.out_dir = "runs/studies/" + s.name;
   if (s.mechanisms.empty()) config::fail("mechanisms", "at least one mechanism", "[]");
+  if (!s.sweep.key.empty() && (!s.sweep.values.is_array() || s.sweep.values.empty())) {
+    config::fail("sweep.values", "a non-empty list of values for " + s.sweep.key, s.sweep.values.dump());
+  }
   std::set<std::string> labels;
   for (std::size_t i = 0; i < s.mechanisms.size(); ++i) {
     const MechanismEntry& m = s.mechanisms[i];
@@ -146,6 +176,9 @@ Study load_study(const std::string& path, const std::vector<std::string>& overri
       config::fail(key + ".label", "a label unlike the others", "\"" + m.label + "\"");
     }
     try {
+      if (!s.sweep.key.empty()) {
+        for (const json& value : s.sweep.values) (void)train::parse_experiment(sweep_config(s, m, value));
+      }
       const train::ExperimentConfig c = train::parse_experiment(mechanism_config(s, m));
       const std::unique_ptr<tasks::Task> task = tasks::make_task(eval_task_config(s, c));
       for (std::int64_t mult : s.eval.multiples) {
@@ -165,6 +198,7 @@ Study load_study(const std::string& path, const std::vector<std::string>& overri
 }
 
 json run_study(const Study& s, const RunOptions& options) {
+  if (!s.sweep.key.empty()) return run_sweep(s, options);
   json result = {{"study", s.name},
                  {"title", s.title},
                  {"profile", s.profile},
@@ -217,6 +251,7 @@ json run_study(const Study& s, const RunOptions& options) {
                   {"train_seconds", train_seconds},
                   {"train_tokens", config.train.steps * trainer.tokens_per_step()},
                   {"final_eval", last_eval},
+                  {"health", trainer.health().to_json()},
                   {"results", json::array()}};
 
     const std::unique_ptr<tasks::Task> task = tasks::make_task(eval_task_config(s, config));
@@ -244,9 +279,16 @@ json run_study(const Study& s, const RunOptions& options) {
         std::optional<nn::AttentionProbe> probe;
         if (s.eval.diagnostics && length <= s.eval.diagnostics_max_length)
           probe.emplace(s.eval.probe_rows);
+        std::optional<eval::PositionSums> positions;
+        if (s.eval.position_bins > 0) positions.emplace();
         const eval::SequenceScore score =
             eval::score_sequences(trainer.model(), *task, length, s.eval.instances, config.seed, rt,
-                                  probe ? &*probe : nullptr);
+                                  probe ? &*probe : nullptr, positions ? &*positions : nullptr);
+        if (positions) {
+          const eval::PositionLoss pl = eval::binned(*positions, mult * s.eval.position_bins);
+          point["position_loss"] = {{"start", pl.bin_start}, {"end", pl.bin_end},
+                                    {"loss", pl.loss}, {"tokens", pl.tokens}};
+        }
         point["accuracy"] = score.accuracy();
         point["exact_match"] = score.exact_match();
         point["loss"] = score.loss();
@@ -268,33 +310,101 @@ json run_study(const Study& s, const RunOptions& options) {
     result["mechanisms"].push_back(entry);
   }
 
-  const fs::path dir(s.out_dir);
-  {
-    std::ofstream f(dir / "result.json");
-    f << result.dump(2) << '\n';
-    if (!f)
-      throw Error(ErrorKind::runtime,
-                  "study: cannot write '" + (dir / "result.json").string() + "'");
-  }
-  const std::string report = markdown_report(result);
-  {
-    std::ofstream f(dir / "table.md");
-    f << report;
-    if (!f)
-      throw Error(ErrorKind::runtime, "study: cannot write '" + (dir / "table.md").string() + "'");
-  }
-  std::printf("\n%s", report.c_str());
+  write_outputs(fs::path(s.out_dir), "result.json", "table.md", result, markdown_report(result));
   if (can_plot()) {
-    plot_result(result, (dir / "accuracy.svg").string());
-    std::printf("\nplot: %s\n", (dir / "accuracy.svg").string().c_str());
+    for (const std::string& path : plot_study(result, s.out_dir)) std::printf("plot: %s\n", path.c_str());
   } else {
     std::printf(
-        "\nplot: not drawn, this build has no PLplot (winnow plot %s draws it on a build "
+        "plot: not drawn, this build has no PLplot (winnow plot %s draws it on a build "
         "that has)\n",
-        (dir / "result.json").string().c_str());
+        (fs::path(s.out_dir) / "result.json").string().c_str());
   }
-  std::printf("result: %s, table: %s\n", (dir / "result.json").string().c_str(),
-              (dir / "table.md").string().c_str());
+  return result;
+}
+
+json run_sweep(const Study& s, const RunOptions& options) {
+  const std::string name = "sweep_" + slug(s.sweep.key);
+  json result = {{"study", s.name},
+                 {"title", s.title},
+                 {"profile", s.profile},
+                 {"date", today()},
+                 {"libtorch", TORCH_VERSION},
+                 {"sweep", {{"key", s.sweep.key}, {"values", s.sweep.values}}},
+                 {"mechanisms", json::array()}};
+  fs::create_directories(s.out_dir);
+  std::size_t index = 0;
+  for (const MechanismEntry& m : s.mechanisms) {
+    ++index;
+    if (!options.only.empty() &&
+        std::find(options.only.begin(), options.only.end(), m.label) == options.only.end()) {
+      continue;
+    }
+    json entry = {{"label", m.label}, {"runs", json::array()}};
+    for (const json& value : s.sweep.values) {
+      const train::ExperimentConfig config = train::parse_experiment(sweep_config(s, m, value));
+      const fs::path marker = fs::path(config.train.out_dir) / "diverged.json";
+      std::printf("\n== [%zu/%zu] %s, %s = %s: %lld steps of %lld x %lld tokens\n", index,
+                  s.mechanisms.size(), m.label.c_str(), s.sweep.key.c_str(), value.dump().c_str(),
+                  static_cast<long long>(config.train.steps),
+                  static_cast<long long>(config.train.batch_size),
+                  static_cast<long long>(config.train.seq_len));
+      std::fflush(stdout);
+      json run = {{"value", value}, {"diverged", false}};
+      using Clock = std::chrono::steady_clock;
+      const auto start = Clock::now();
+      train::Trainer trainer(config);
+      trainer.quiet = options.quiet;
+      if (options.fresh) {
+        trainer.clear_outputs();
+        std::error_code ec;
+        fs::remove(marker, ec);
+      }
+      if (!options.fresh && fs::exists(marker)) {
+        // A run that diverged diverges again the same way: its record stands.
+        run = train::read_json_file(marker.string(), "diverged.json");
+        run["value"] = value;
+      } else {
+        if (!options.fresh) trainer.resume();
+        try {
+          const json last = trainer.current_step() < config.train.steps ? trainer.train()
+                                                                         : trainer.evaluate();
+          const double loss = last.value("eval_loss", 0.0);
+          const double uniform = std::log(static_cast<double>(config.model.vocab_size));
+          run["final_loss"] = loss;
+          run["final_eval"] = last;
+          if (!std::isfinite(loss) || loss >= uniform) {
+            run["diverged"] = true;
+            run["why"] = "final held-out loss " + std::to_string(loss) +
+                         " is no better than uniform guessing (" + std::to_string(uniform) + ")";
+          }
+        } catch (const train::TrainingDiverged& e) {
+          run["diverged"] = true;
+          run["diverged_at_step"] = e.step();
+          run["why"] = e.what();
+          std::ofstream f(marker);
+          f << run.dump(2) << '\n';
+          std::printf("   diverged: %s\n", e.what());
+        }
+        run["train_seconds"] = std::chrono::duration<double>(Clock::now() - start).count();
+      }
+      run["health"] = trainer.health().to_json();
+      if (run.contains("final_loss")) {
+        std::printf("   final held-out loss %.4f%s\n", run["final_loss"].get<double>(),
+                    run["diverged"].get<bool>() ? " (diverged)" : "");
+      }
+      std::fflush(stdout);
+      entry["runs"].push_back(run);
+      result["task"] = config::write(config.task);
+      result["device"] = trainer.device().str();
+    }
+    result["mechanisms"].push_back(entry);
+  }
+  write_outputs(fs::path(s.out_dir), name + ".json", name + ".md", result, sweep_report(result));
+  if (can_plot()) {
+    const std::string path = (fs::path(s.out_dir) / (name + ".svg")).string();
+    plot_sweep(result, path);
+    std::printf("plot: %s\n", path.c_str());
+  }
   return result;
 }
 

@@ -48,6 +48,9 @@ struct EvalConfig {
   std::int64_t diagnostics_max_length = 16384;
   // Dotted overrides of the task for evaluation only (e.g. {"mqrar.scored_queries": 4}).
   nlohmann::json task = nlohmann::json::object();
+  // Loss by position at every length, in bins of train.seq_len / position_bins positions
+  // (so a length of m times the training length has m * position_bins bins); 0: not measured.
+  std::int64_t position_bins = 0;
 
   template <class V>
   void fields(V& v) {
@@ -60,6 +63,21 @@ struct EvalConfig {
     v("probe_rows", probe_rows, config::at_least(1));
     v("diagnostics_max_length", diagnostics_max_length, config::at_least(1));
     v("task", task);
+    v("position_bins", position_bins, config::with_words(config::at_least(0), "0: off"));
+  }
+};
+
+// A sweep trains every mechanism once per value of one key of its experiment (001 figure 5:
+// final loss against the learning rate) and reports the final held-out loss of each run,
+// marking the runs that diverged, instead of evaluating lengths.
+struct SweepConfig {
+  std::string key;  // a dotted key of the experiment, e.g. "train.lr"; "": no sweep
+  nlohmann::json values = nlohmann::json::array();  // a non-empty list when key is set
+
+  template <class V>
+  void fields(V& v) {
+    v("key", key);
+    v("values", values);
   }
 };
 
@@ -70,6 +88,7 @@ struct Study {
   std::vector<MechanismEntry> mechanisms;
   EvalConfig eval;
   nlohmann::json profiles = nlohmann::json::object();
+  SweepConfig sweep;
   std::string out_dir;  // "": runs/studies/<name>
   std::string profile;  // set by load_study: the profile applied (cpu or cuda)
 
@@ -81,6 +100,7 @@ struct Study {
     v("mechanisms", mechanisms);
     v("eval", eval);
     v("profiles", profiles);
+    v("sweep", sweep);
     v("out_dir", out_dir);
   }
 };
@@ -97,8 +117,15 @@ struct RunOptions {
 };
 
 // Trains and evaluates every mechanism; writes <out_dir>/result.json, table.md and, when the
-// build has PLplot, accuracy.svg. Returns the result JSON.
+// build has PLplot, accuracy.svg (and for language modeling loss_by_position.svg and
+// sink_ratio.svg). With a sweep it runs run_sweep instead. Returns the result JSON.
 nlohmann::json run_study(const Study& study, const RunOptions& options);
+
+// Trains every mechanism at every value of study.sweep, each run in
+// <out_dir>/sweep_<key>/<mechanism>/<value>; a run diverged when a step's loss or gradient
+// norm was not finite or its final held-out loss is no better than uniform guessing
+// (ln vocab). Writes <out_dir>/sweep_<key>.json, .md and (with PLplot) .svg; returns the JSON.
+nlohmann::json run_sweep(const Study& study, const RunOptions& options);
 
 // A short file-system-safe name for a mechanism label.
 std::string slug(const std::string& label);

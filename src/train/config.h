@@ -68,6 +68,9 @@ struct TrainConfig {
   std::map<std::string, double> aux_loss_weights;  // by name; an unlisted aux loss weighs 1
   std::vector<Phase> phases;
   std::int64_t log_every = 10;
+  // A step whose loss exceeds the running mean by this fraction counts as a loss spike
+  // (TrainingHealth in train/trainer.h).
+  double spike_threshold = 0.25;
   std::int64_t eval_every = 0;        // 0: only at the end
   std::int64_t eval_batches = 4;
   std::int64_t checkpoint_every = 0;  // 0: only at the end
@@ -97,6 +100,7 @@ struct TrainConfig {
     v("aux_loss_weights", aux_loss_weights, config::at_least(0));
     v("phases", phases);
     v("log_every", log_every, config::at_least(1));
+    v("spike_threshold", spike_threshold, config::greater_than(0));
     v("eval_every", eval_every, config::with_words(config::at_least(0), "0: only at the end"));
     v("eval_batches", eval_batches, config::at_least(1));
     v("checkpoint_every", checkpoint_every,

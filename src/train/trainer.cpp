@@ -112,7 +112,7 @@ void flatten(const nlohmann::json& j, const std::string& prefix,
 bool may_differ_on_resume(const std::string& key) {
   static const std::set<std::string> free = {
       "device", "threads", "train.cuda_graph", "train.steps", "train.log_every", "train.eval_every",
-      "train.eval_batches", "train.checkpoint_every", "train.keep_checkpoints", "train.out_dir"};
+      "train.eval_batches", "train.checkpoint_every", "train.spike_threshold", "train.keep_checkpoints", "train.out_dir"};
   return free.count(key) > 0;
 }
 
@@ -811,6 +811,66 @@ void Trainer::capture_and_replay(const tasks::Batch& batch, double counted, doub
 }
 #endif
 
+bool TrainingHealth::observe(std::int64_t step, double loss, double threshold) {
+  if (step <= seen) return false;
+  constexpr double beta = 1.0 - 1.0 / static_cast<double>(kHorizon);
+  bool spiked = false;
+  if (seen >= kHorizon && std::isfinite(loss)) {
+    const double running = mean / (1.0 - std::pow(beta, static_cast<double>(seen)));
+    if (running > 0) {
+      const double ratio = loss / running;
+      max_loss_ratio = std::max(max_loss_ratio, ratio);
+      if (ratio > 1.0 + threshold) {
+        spiked = true;
+        ++spikes;
+        last_spike_step = step;
+      }
+    }
+  }
+  if (std::isfinite(loss)) mean = beta * mean + (1.0 - beta) * loss;
+  seen = step;
+  return spiked;
+}
+
+nlohmann::json TrainingHealth::to_json() const {
+  return {{"mean", mean},
+          {"seen", seen},
+          {"spikes", spikes},
+          {"last_spike_step", last_spike_step},
+          {"max_loss_ratio", max_loss_ratio},
+          {"max_activation", max_activation}};
+}
+
+TrainingHealth TrainingHealth::from_json(const nlohmann::json& j) {
+  TrainingHealth h;
+  h.mean = j.value("mean", 0.0);
+  h.seen = j.value("seen", std::int64_t{0});
+  h.spikes = j.value("spikes", std::int64_t{0});
+  h.last_spike_step = j.value("last_spike_step", std::int64_t{0});
+  h.max_loss_ratio = j.value("max_loss_ratio", 0.0);
+  h.max_activation = j.value("max_activation", 0.0);
+  return h;
+}
+
+std::vector<double> Trainer::measure_activations() {
+  wait_for_steps();
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  const TrainConfig& t = config_.train;
+  const torch::Tensor inputs =
+      task_->sample(t.batch_size / t.grad_accum, t.seq_len, tasks::batch_seed(config_.seed, kEvalStream, 0))
+          .inputs.to(device_);
+  torch::Tensor maxima;
+  {
+    Autocast autocast(autocast_);
+    maxima = model_->residual_maxima(inputs).to(torch::kCPU, torch::kFloat64).contiguous();
+  }
+  model_->train();
+  std::vector<double> out(maxima.data_ptr<double>(), maxima.data_ptr<double>() + maxima.numel());
+  for (double m : out) health_.max_activation = std::max(health_.max_activation, m);
+  return out;
+}
+
 StepStats Trainer::resolve(PendingReport& report) {
   if (report.landed) wait_for(*report.landed, 0);
   StepStats s = report.stats;
@@ -820,10 +880,14 @@ StepStats Trainer::resolve(PendingReport& report) {
   for (std::size_t i = 0; i < report.aux_names.size(); ++i) s.aux[report.aux_names[i]] = v[2 + i];
   if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) {
     pending_.clear();
-    throw Error(ErrorKind::runtime, "training diverged at step " + std::to_string(s.step) +
+    throw TrainingDiverged(s.step, "training diverged at step " + std::to_string(s.step) +
                                         ": loss " + std::to_string(s.loss) + ", gradient norm " +
                                         std::to_string(s.grad_norm) +
                                         " (lower train.lr or set train.clip)");
+  }
+  if (health_.observe(s.step, s.loss, config_.train.spike_threshold)) {
+    log({{"event", "loss_spike"}, {"step", s.step}, {"loss", s.loss},
+         {"max_loss_ratio", health_.max_loss_ratio}});
   }
   return s;
 }
@@ -862,10 +926,15 @@ nlohmann::json Trainer::evaluate() {
   }
   model_->train();
   counted = std::max(counted, 1.0);
+  const std::vector<double> activations = measure_activations();
   nlohmann::json out = {{"event", "eval"},
                         {"step", step_},
                         {"eval_loss", loss / counted},
-                        {"eval_accuracy", correct / counted}};
+                        {"eval_accuracy", correct / counted},
+                        {"max_activation_by_layer", activations},
+                        {"max_activation", health_.max_activation},
+                        {"loss_spikes", health_.spikes},
+                        {"max_loss_ratio", health_.max_loss_ratio}};
   for (auto& hook : eval_hooks) out.update(hook(*this));
   return out;
 }
@@ -886,7 +955,8 @@ std::string Trainer::save() {
   meta.config = to_json(config_);
   meta.trainer = {{"metrics_bytes", bytes},
                   {"lr_factor", lr_factor(config_.train, std::max<std::int64_t>(step_ - 1, 0))},
-                  {"phase", config_.train.phases.empty() ? "" : config_.train.phases[phase_index(step_)].name}};
+                  {"phase", config_.train.phases.empty() ? "" : config_.train.phases[phase_index(step_)].name},
+                  {"health", health_.to_json()}};
   return save_checkpoint((fs::path(config_.train.out_dir) / "checkpoints").string(), *model_,
                          *optimizer_, meta, config_.train.keep_checkpoints,
                          device_.is_cuda() ? std::optional<torch::Device>(device_) : std::nullopt);
@@ -923,6 +993,7 @@ bool Trainer::resume() {
   restore_checkpoint(folder, *model_, *optimizer_,
                      device_.is_cuda() ? std::optional<torch::Device>(device_) : std::nullopt);
   step_ = meta.step;
+  health_ = TrainingHealth::from_json(meta.trainer.value("health", nlohmann::json::object()));
   phase_ = static_cast<std::size_t>(-1);
   // Metrics logged after the checkpoint belong to steps that will run again.
   if (meta.trainer.contains("metrics_bytes") && fs::exists(metrics_path_)) {
@@ -958,6 +1029,8 @@ nlohmann::json Trainer::train(std::int64_t until_step) {
       const StepStats s = wait_for_steps();
       if (device_.is_cuda()) torch::cuda::synchronize();
       const auto now = Clock::now();
+      double activation = 0;
+      for (double m : measure_activations()) activation = std::max(activation, m);
       const double window = std::chrono::duration<double>(now - window_start).count();
       const double elapsed = std::chrono::duration<double>(now - start).count();
       const double tokens_per_s = window > 0 ? static_cast<double>(window_tokens) / window : 0.0;
@@ -966,7 +1039,8 @@ nlohmann::json Trainer::train(std::int64_t until_step) {
       nlohmann::json record = {{"event", "train"},          {"step", s.step},
                                {"loss", s.loss},            {"lr", s.lr},
                                {"grad_norm", s.grad_norm},  {"tokens_per_s", tokens_per_s},
-                               {"elapsed_s", elapsed}};
+                               {"elapsed_s", elapsed},     {"max_activation", activation},
+                               {"loss_spikes", health_.spikes}};
       if (!s.aux.empty()) record["aux"] = s.aux;
       if (!s.phase.empty()) record["phase"] = s.phase;
       log(record);
@@ -983,7 +1057,7 @@ nlohmann::json Trainer::train(std::int64_t until_step) {
                     s.lr, tokens_per_s / 1e3, duration(eta).c_str());
         std::fflush(stdout);
       }
-      window_start = now;
+      window_start = Clock::now();  // the activation measurement is not training time
       window_tokens = 0;
     }
     if (t.eval_every > 0 && done % t.eval_every == 0) {

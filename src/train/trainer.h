@@ -24,6 +24,7 @@
 #include "nn/transformer.h"
 #include "tasks/task.h"
 #include "train/config.h"
+#include "winnow/error.h"
 
 namespace winnow::train {
 
@@ -35,6 +36,17 @@ torch::Device pick_device(const std::string& name, bool needs_winnow_cuda);
 // warmup over train.warmup steps, then the schedule over the remaining steps.
 double lr_factor(const TrainConfig& c, std::int64_t step);
 
+// Thrown when a step's loss or gradient norm is not finite.
+class TrainingDiverged : public Error {
+ public:
+  TrainingDiverged(std::int64_t step, const std::string& message)
+      : Error(ErrorKind::runtime, message), step_(step) {}
+  std::int64_t step() const { return step_; }
+
+ private:
+  std::int64_t step_;
+};
+
 struct StepStats {
   std::int64_t step = 0;  // the step just taken, counted from 1
   double loss = 0;        // the main (cross-entropy) loss
@@ -42,6 +54,28 @@ struct StepStats {
   double grad_norm = 0;   // before clipping
   double lr = 0;          // the base learning rate used (before group multipliers)
   std::string phase;
+};
+
+// What 001 and 003 watch for training stability. A loss spike is a step whose loss exceeds
+// (1 + threshold) times the running mean of the steps before it (an exponential mean with a
+// horizon of kHorizon steps, bias-corrected); steps within the first kHorizon are not judged.
+// max_loss_ratio is the largest loss / running mean seen, the threshold-free form. The maximum
+// activation is the largest |value| of the residual stream after any block, measured on a fixed
+// held-out batch at every log step and evaluation.
+struct TrainingHealth {
+  static constexpr std::int64_t kHorizon = 50;
+  double mean = 0;              // unnormalized exponential mean of the losses seen
+  std::int64_t seen = 0;        // steps observed (the last one is step `seen`)
+  std::int64_t spikes = 0;
+  std::int64_t last_spike_step = 0;  // 0: none
+  double max_loss_ratio = 0;
+  double max_activation = 0;    // largest over the measurements so far
+
+  // Takes step `step`'s loss; returns whether it spiked. Steps at or before the last observed
+  // are ignored (a report may be read twice).
+  bool observe(std::int64_t step, double loss, double threshold);
+  nlohmann::json to_json() const;
+  static TrainingHealth from_json(const nlohmann::json& j);
 };
 
 // Where a training step's time goes. While one is attached (Trainer::profile), step() waits
@@ -112,6 +146,10 @@ class Trainer {
   std::string save();
 
   std::int64_t current_step() const { return step_; }
+  const TrainingHealth& health() const { return health_; }
+  // The largest |activation| of the residual stream, by block, on the first held-out batch
+  // (and folded into health().max_activation).
+  std::vector<double> measure_activations();
   nn::TransformerLM& model() { return model_; }
   torch::optim::AdamW& optimizer() { return *optimizer_; }
   const ExperimentConfig& config() const { return config_; }
@@ -193,6 +231,7 @@ class Trainer {
   std::map<const void*, torch::Tensor> device_steps_;
   std::vector<torch::Tensor> lr_tensors_;  // per parameter group, float32 on the device
   std::unique_ptr<GraphState> graph_;
+  TrainingHealth health_;
   std::int64_t eager_steps_in_phase_ = 0;
 };
 

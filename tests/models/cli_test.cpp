@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -376,30 +377,55 @@ TEST(Cli, GenerativeStudiesRunEndToEnd) {
 // The language-modeling study on a made-up corpus (the real one is `make corpus`'s): trains,
 // evaluates loss and accuracy at every length with per-head diagnostics, reports bits per
 // byte, and resumes.
+// A small corpus in dir/corpus: a sentence repeated.
+void write_corpus(const std::string& dir) {
+  fs::create_directories(dir + "/corpus");
+  std::ofstream train(dir + "/corpus/train.bin", std::ios::binary);
+  std::ofstream val(dir + "/corpus/val.bin", std::ios::binary);
+  const std::string text = "The quick brown fox jumps over the lazy dog.\n";
+  for (int i = 0; i < 400; ++i) train << text;
+  for (int i = 0; i < 40; ++i) val << text;
+}
+
 TEST(Cli, LanguageModelingStudyRunsEndToEnd) {
   const std::string dir = scratch("study_lm");
-  fs::create_directories(dir + "/corpus");
-  {
-    std::ofstream train(dir + "/corpus/train.bin", std::ios::binary);
-    std::ofstream val(dir + "/corpus/val.bin", std::ios::binary);
-    const std::string text = "The quick brown fox jumps over the lazy dog.\n";
-    for (int i = 0; i < 400; ++i) train << text;
-    for (int i = 0; i < 40; ++i) val << text;
-  }
+  write_corpus(dir);
   std::vector<std::string> args = tiny_study("lm", dir + "/out");
   args.insert(args.end(), {"--set", "base.task.corpus.dir=" + dir + "/corpus", "--set",
                            "eval.multiples=[1,2]"});
   Outcome r = run(args, dir);
   ASSERT_EQ(r.status, 0) << r.output;
   const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/result.json"));
-  ASSERT_EQ(result["mechanisms"].size(), 5u);
+  ASSERT_EQ(result["mechanisms"].size(), 6u);
   for (const auto& m : result["mechanisms"]) {
     ASSERT_EQ(m["results"].size(), 2u);
     EXPECT_EQ(m["results"][1]["length"], 128);
+    for (const char* key : {"spikes", "max_loss_ratio", "max_activation"}) {
+      EXPECT_TRUE(m["health"].contains(key)) << key;
+    }
+    EXPECT_GT(m["health"]["max_activation"].get<double>(), 0.0);
+    EXPECT_TRUE(m["final_eval"].contains("max_activation_by_layer"));
     for (const auto& p : m["results"]) {
       EXPECT_GT(p["loss"].get<double>(), 0.0);
       EXPECT_EQ(p["scored_positions"].get<double>(), 3.0 * p["length"].get<double>());
-      EXPECT_TRUE(p.contains("diagnostics"));
+      ASSERT_TRUE(p.contains("diagnostics"));
+      const auto& mean = p["diagnostics"]["mean"];
+      EXPECT_NEAR(mean["sink_ratio"].get<double>() / mean["first_token_share"].get<double>(),
+                  p["length"].get<double>() - 8, 8.0)  // the probed rows see L - 16 .. L keys
+          << m["label"];
+      // The loss by position: 8 bins per training length, every labelled position counted
+      // once, and their weighted mean the sequence loss.
+      const auto& pl = p["position_loss"];
+      const std::size_t bins = 8 * static_cast<std::size_t>(p["multiple"].get<int>());
+      ASSERT_EQ(pl["loss"].size(), bins);
+      double tokens = 0, nll = 0;
+      for (std::size_t i = 0; i < bins; ++i) {
+        tokens += pl["tokens"][i].get<double>();
+        nll += pl["tokens"][i].get<double>() * pl["loss"][i].get<double>();
+      }
+      EXPECT_EQ(tokens, p["scored_positions"].get<double>());
+      EXPECT_NEAR(nll / tokens, p["loss"].get<double>(), 1e-6);  // float32 sums, summed apart
+      EXPECT_EQ(pl["end"][bins - 1], p["length"]);
     }
   }
   const std::string table = slurp(dir + "/out/table.md");
@@ -407,11 +433,104 @@ TEST(Cli, LanguageModelingStudyRunsEndToEnd) {
   EXPECT_NE(table.find("bits per byte"), std::string::npos) << table;
   EXPECT_EQ(table.find("exact match per sequence"), std::string::npos) << table;
   EXPECT_NE(table.find("| Differential softmax |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| Softmax+RoPE (QK-norm) |"), std::string::npos) << table;
+  EXPECT_NE(table.find("by position at L = 128"), std::string::npos) << table;
+  EXPECT_NE(table.find("| mechanism | 0-64 | 64-128 |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| loss spikes | max activation |"), std::string::npos) << table;
+  EXPECT_NE(table.find("first token"), std::string::npos) << table;
+  if (study::can_plot()) {
+    for (const char* plot : {"accuracy.svg", "loss_by_position.svg", "sink_ratio.svg"}) {
+      EXPECT_GT(fs::file_size(fs::path(dir) / "out" / plot), 1000u) << plot;
+    }
+  }
   r = run(args, dir);
   ASSERT_EQ(r.status, 0) << r.output;
   const nlohmann::json again = nlohmann::json::parse(slurp(dir + "/out/result.json"));
   EXPECT_EQ(again["mechanisms"][0]["resumed_at_step"], 3);
   EXPECT_EQ(again["mechanisms"][0]["results"], result["mechanisms"][0]["results"]);
+
+  // Sampling text from one of the trained models.
+  const std::string run_dir = dir + "/out/softmax_rope";
+  r = run({"generate", "--checkpoint", run_dir, "--prompt", "The quick", "--tokens", "20",
+           "--seed", "3", "--samples", "2", "--json", dir + "/samples.json"},
+          dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json samples = nlohmann::json::parse(slurp(dir + "/samples.json"));
+  ASSERT_EQ(samples["samples"].size(), 2u);
+  EXPECT_EQ(samples["prompt"], "The quick");
+  ASSERT_EQ(samples["sample_tokens"][0].size(), 20u);
+  EXPECT_NE(r.output.find("The quick"), std::string::npos) << r.output;
+  const Outcome same = run({"generate", "--checkpoint", run_dir, "--prompt", "The quick",
+                            "--tokens", "20", "--seed", "3", "--samples", "2", "--json",
+                            dir + "/again.json"},
+                           dir);
+  ASSERT_EQ(same.status, 0) << same.output;
+  EXPECT_EQ(nlohmann::json::parse(slurp(dir + "/again.json"))["sample_tokens"], samples["sample_tokens"]);
+  r = run({"generate", "--checkpoint", run_dir, "--temperature", "0", "--prompt", ""}, dir);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("argument '--prompt'"), std::string::npos) << r.output;
+}
+
+TEST(Cli, GenerateRefusesModelsNotTrainedOnText) {
+  const std::string dir = scratch("generate_progression");
+  Outcome r = run({"train", "--config", config_file("softmax_rope"), "--set", "device=cpu",
+                   "--set", "train.out_dir=" + dir + "/run", "--set", "train.steps=1", "--set",
+                   "model.d_model=32", "--set", "train.seq_len=16", "--set",
+                   "train.batch_size=2"},
+                  dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run({"generate", "--checkpoint", dir + "/run", "--prompt", "abc"}, dir);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("expected a model trained on text"), std::string::npos) << r.output;
+}
+
+// The learning-rate sweep: every mechanism at every value; a rate that blows up is marked
+// diverged with its step, is not retrained on a rerun, and the report and plot show it.
+TEST(Cli, LearningRateSweepMarksDivergedRuns) {
+  const std::string dir = scratch("sweep");
+  write_corpus(dir);
+  std::vector<std::string> args = tiny_study("lm", dir + "/out");
+  args.insert(args.end(), {"--set", "base.task.corpus.dir=" + dir + "/corpus", "--set",
+                           "base.train.steps=6", "--set", "base.train.clip=0", "--only",
+                           "Softmax+RoPE", "Stick-breaking", "--sweep", "train.lr=1e-3,1e5"});
+  Outcome r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/sweep_train_lr.json"));
+  EXPECT_EQ(result["sweep"]["key"], "train.lr");
+  ASSERT_EQ(result["mechanisms"].size(), 2u);
+  for (const auto& m : result["mechanisms"]) {
+    ASSERT_EQ(m["runs"].size(), 2u);
+    const auto& fine = m["runs"][0];
+    EXPECT_EQ(fine["value"], 1e-3);
+    EXPECT_FALSE(fine["diverged"].get<bool>()) << fine.dump();
+    EXPECT_LT(fine["final_loss"].get<double>(), std::log(256.0));
+    const auto& blown = m["runs"][1];
+    EXPECT_TRUE(blown["diverged"].get<bool>()) << blown.dump();
+    EXPECT_TRUE(blown.contains("why")) << blown.dump();
+  }
+  const std::string table = slurp(dir + "/out/sweep_train_lr.md");
+  EXPECT_NE(table.find("sweep of train.lr"), std::string::npos) << table;
+  EXPECT_NE(table.find("diverged"), std::string::npos) << table;
+  if (study::can_plot()) EXPECT_GT(fs::file_size(fs::path(dir) / "out" / "sweep_train_lr.svg"), 1000u);
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "out" / "result.json"));
+  // A rerun resumes the finished runs and takes the diverged ones' records as they are.
+  r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json again = nlohmann::json::parse(slurp(dir + "/out/sweep_train_lr.json"));
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(again["mechanisms"][i]["runs"][0]["final_loss"], result["mechanisms"][i]["runs"][0]["final_loss"]);
+    EXPECT_EQ(again["mechanisms"][i]["runs"][1]["diverged"], true);
+  }
+  r = run({"study", study_file("lm"), "--set", "base.device=cpu", "--set",
+           "base.task.corpus.dir=" + dir + "/corpus", "--sweep", "train.lr"},
+          dir);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("argument '--sweep'"), std::string::npos) << r.output;
+  r = run({"study", study_file("lm"), "--set", "base.device=cpu", "--set",
+           "base.task.corpus.dir=" + dir + "/corpus", "--sweep", "train.lrr=1e-3"},
+          dir);
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("lrr"), std::string::npos) << r.output;
 }
 
 // Every shipped study file reads and checks (each mechanism's experiment config, every

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "eval/evaluate.h"
+#include "winnow/error.h"
 #include "nn/probe.h"
 #include "nn/transformer.h"
 #include "tasks/task.h"
@@ -137,6 +138,85 @@ TEST(PositionLoss, BinsAverageThePerTokenLoss) {
   EXPECT_NEAR(four.loss[2], nll.narrow(1, 6, 3).mean().item<double>(), 1e-5);
 }
 
+TEST(PositionLoss, ScoringSequencesSumsTheLossByPosition) {
+  torch::manual_seed(3);
+  nn::TransformerLM model(tiny("softmax"));
+  const tasks::Batch batch = [] {
+    tasks::Batch b;
+    b.inputs = torch::randint(0, 11, {3, 6}, torch::kInt64);
+    b.targets = torch::randint(0, 11, {3, 6}, torch::kInt64);
+    b.loss_mask = torch::tensor({{1, 1, 0, 1, 1, 1}, {1, 0, 0, 1, 1, 1}, {1, 1, 1, 1, 0, 1}},
+                                torch::kFloat32);
+    return b;
+  }();
+  torch::NoGradGuard no_grad;
+  const torch::Tensor logits = model->forward(batch.inputs);
+  PositionSums sums;
+  const SequenceScore score = score_logits(logits, batch, &sums);
+  (void)score_logits(logits, batch, &sums);  // twice: the sums add
+  const torch::Tensor logp = torch::log_softmax(logits, -1);
+  const torch::Tensor nll = -logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1);
+  for (std::int64_t t = 0; t < 6; ++t) {
+    const torch::Tensor m = batch.loss_mask.select(1, t);
+    EXPECT_NEAR(sums.nll[t].item<double>(), 2 * (nll.select(1, t) * m).sum().item<double>(), 1e-5);
+    EXPECT_EQ(sums.count[t].item<double>(), 2 * m.sum().item<double>());
+  }
+  // Bins weigh positions by their labelled tokens; all of them give the whole loss.
+  const PositionLoss whole = binned(sums, 1);
+  EXPECT_NEAR(whole.loss[0], score.loss(), 1e-6);
+  EXPECT_EQ(whole.tokens[0], 2 * score.scored);
+  const PositionLoss pairs = binned(sums, 3);
+  ASSERT_EQ(pairs.loss.size(), 3u);
+  EXPECT_EQ(pairs.tokens[1], 2 * 4.0);  // positions 2 and 3: 1 + 3 labelled, twice
+  const double expected = ((nll.narrow(1, 2, 2) * batch.loss_mask.narrow(1, 2, 2)).sum() / 4).item<double>();
+  EXPECT_NEAR(pairs.loss[1], expected, 1e-5);
+  PositionSums other;
+  other.add(torch::zeros({5}), torch::zeros({5}));
+  EXPECT_THROW(other.add(torch::zeros({6}), torch::zeros({6})), Error);
+}
+
+TEST(Generate, SamplingIsSeededAndGreedyAtTemperatureZero) {
+  torch::manual_seed(5);
+  nn::TransformerLM model(tiny("softmax", 13));
+  const torch::Tensor prompts = torch::randint(0, 13, {3, 4}, torch::kInt64);
+  Runtime rt;
+  const torch::Tensor greedy = generate_greedy(model, prompts, 6, rt);
+  Sampling s;
+  s.temperature = 0;
+  EXPECT_TRUE(torch::equal(generate(model, prompts, 6, rt, s), greedy));
+  s.temperature = 1.0;
+  s.top_k = 1;  // only the most likely token remains
+  EXPECT_TRUE(torch::equal(generate(model, prompts, 6, rt, s), greedy));
+  s.top_k = 0;
+  s.temperature = 5.0;  // flat enough that two seeds differ somewhere in 3 x 40 draws
+  s.seed = 7;
+  const torch::Tensor a = generate(model, prompts, 40, rt, s);
+  EXPECT_EQ(a.sizes(), (std::vector<std::int64_t>{3, 40}));
+  EXPECT_TRUE(torch::equal(a, generate(model, prompts, 40, rt, s)));
+  s.seed = 8;
+  EXPECT_FALSE(torch::equal(a, generate(model, prompts, 40, rt, s)));
+  EXPECT_GE(a.min().item<std::int64_t>(), 0);
+  EXPECT_LT(a.max().item<std::int64_t>(), 13);
+  // top-k keeps the draws among the k most likely tokens of each step: with k = 2 every drawn
+  // token is one of the two largest logits given the tokens before it.
+  s.top_k = 2;
+  const torch::Tensor b = generate(model, prompts, 8, rt, s);
+  {
+    torch::NoGradGuard no_grad;
+    const torch::Tensor all = torch::cat({prompts, b}, 1);
+    const torch::Tensor logits = model->forward(all.narrow(1, 0, all.size(1) - 1));
+    const torch::Tensor top2 = std::get<1>(logits.narrow(1, 3, 8).topk(2, -1));
+    EXPECT_TRUE(top2.eq(b.unsqueeze(-1)).any(-1).all().item<bool>());
+  }
+  Sampling bad;
+  bad.temperature = -1;
+  EXPECT_THROW(generate(model, prompts, 2, rt, bad), Error);
+  bad.temperature = 1;
+  bad.top_k = -2;
+  EXPECT_THROW(generate(model, prompts, 2, rt, bad), Error);
+  EXPECT_THROW(generate(model, torch::zeros({2, 0}, torch::kInt64), 2, rt, Sampling{}), Error);
+}
+
 TEST(Probe, StatisticsMatchAHandComputation) {
   nn::AttentionProbe probe(2);
   // Two rows at positions 2 and 3 of four keys, seeing their own key.
@@ -147,6 +227,7 @@ TEST(Probe, StatisticsMatchAHandComputation) {
   const nlohmann::json s = probe.summary();
   const nlohmann::json& layer = s["layers"][0];
   EXPECT_NEAR(layer["sink_ratio"][0].get<double>(), (0.5 * 3 + 0.0) / 2, 1e-12);
+  EXPECT_NEAR(layer["first_token_share"][0].get<double>(), (0.5 + 0.0) / 2, 1e-12);
   const double h0 = -(0.5 * std::log(0.5) + 2 * 0.25 * std::log(0.25));
   EXPECT_NEAR(layer["entropy"][0].get<double>(), h0 / 2, 1e-12);
   EXPECT_NEAR(layer["zero_fraction"][0].get<double>(), (0.0 / 3 + 3.0 / 4) / 2, 1e-12);

@@ -202,6 +202,10 @@ Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& 
   Tensor q = linear(x, p, "q").view({B, L, views * H, D});
   Tensor k = linear(x, p, "k").view({B, L, views * Hkv, D});
   Tensor v = linear(x, p, "v").view({B, L, Hkv, D});
+  if (a.options.value("qk_norm", false)) {
+    q = head_norm(q, p, "q_norm", false);
+    k = head_norm(k, p, "k_norm", false);
+  }
   const std::string gate = a.options.value("gate", std::string("none"));
   if (gate == "g2" || gate == "g1g2") v = v * torch::sigmoid(linear(x, p, "value_gate", true)).view({B, L, Hkv, D});
   if (a.position == "rope") {
@@ -261,6 +265,7 @@ const std::vector<Variant>& variants() {
       {"softmax_alibi", [](AttentionConfig& a) { a.position = "alibi"; }},
       {"ssmax", [](AttentionConfig& a) { a.options["ssmax"] = true; }},
       {"gated_g1", [](AttentionConfig& a) { a.options["gate"] = "g1"; }},
+      {"softmax_rope_qk_norm_gqa", [](AttentionConfig& a) { a.options["qk_norm"] = true; a.kv_heads = 1; }},
       {"gated_g2_gqa", [](AttentionConfig& a) { a.options["gate"] = "g2"; a.kv_heads = 1; }},
       {"gated_g1g2_ssmax_nope", [](AttentionConfig& a) { a.options["gate"] = "g1g2"; a.options["ssmax"] = true; a.position = "nope"; }},
       {"differential", [](AttentionConfig& a) { a.kind = "differential"; }},

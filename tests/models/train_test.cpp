@@ -268,6 +268,12 @@ TEST(Trainer, NonFiniteLossStopsTrainingWithAClearError) {
   });
   const Tensor before = t.model()->named_parameters()["block0.attention.q.weight"].detach().clone();
   expect_error([&] { t.step(); }, "training diverged at step 1");
+  try {
+    t.step();
+    ADD_FAILURE() << "a NaN loss did not throw";
+  } catch (const winnow::train::TrainingDiverged& e) {
+    EXPECT_EQ(e.step(), 1);  // the failed step did not count; sweeps read the step from here
+  }
   EXPECT_TRUE(torch::equal(before, t.model()->named_parameters()["block0.attention.q.weight"]));
   winnow::train::remove_tree(c.train.out_dir);
 }
@@ -284,9 +290,14 @@ TEST(Trainer, MetricsLogHasTrainAndEvalRecords) {
   ASSERT_EQ(records.size(), 5u);
   EXPECT_EQ(records[0]["event"], "train");
   EXPECT_EQ(records[0]["step"], 2);
-  for (const char* key : {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}) {
+  for (const char* key : {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "max_activation", "loss_spikes"}) {
     EXPECT_TRUE(records[0].contains(key)) << key;
   }
+  EXPECT_GT(records[0]["max_activation"].get<double>(), 0.0);
+  for (const char* key : {"max_activation", "max_activation_by_layer", "loss_spikes", "max_loss_ratio"}) {
+    EXPECT_TRUE(records[1].contains(key)) << key;
+  }
+  EXPECT_EQ(records[1]["max_activation_by_layer"].size(), static_cast<std::size_t>(c.model.layers));
   EXPECT_EQ(records[1]["event"], "eval");
   EXPECT_EQ(records[1]["step"], 3);
   EXPECT_TRUE(records[1].contains("eval_loss"));
@@ -310,6 +321,56 @@ TEST(Trainer, StepAndEvaluationHooksRun) {
   EXPECT_EQ(steps, (std::vector<std::int64_t>{0, 1, 2, 3, 4, 5}));
   EXPECT_EQ(last["hooked_step"], 6);
   winnow::train::remove_tree(c.train.out_dir);
+}
+
+TEST(TrainingHealth, CountsStepsAboveTheRunningMean) {
+  winnow::train::TrainingHealth h;
+  const double threshold = 0.25;
+  std::int64_t step = 0;
+  // A slowly falling loss: no spikes, and the first kHorizon steps are never judged.
+  for (; step < 2 * winnow::train::TrainingHealth::kHorizon; ++step) {
+    EXPECT_FALSE(h.observe(step + 1, 3.0 - 0.001 * static_cast<double>(step), threshold));
+  }
+  EXPECT_EQ(h.spikes, 0);
+  EXPECT_GT(h.max_loss_ratio, 0.99);
+  EXPECT_LT(h.max_loss_ratio, 1.0);
+  const double running = 3.0 - 0.001 * static_cast<double>(step);  // about where the mean is
+  EXPECT_FALSE(h.observe(++step, running * 1.1, threshold));  // 10% above: not a spike
+  EXPECT_TRUE(h.observe(++step, running * 1.6, threshold));
+  EXPECT_EQ(h.spikes, 1);
+  EXPECT_EQ(h.last_spike_step, step);
+  EXPECT_GT(h.max_loss_ratio, 1.5);
+  // A report read twice counts once.
+  EXPECT_FALSE(h.observe(step, running * 1.6, threshold));
+  EXPECT_EQ(h.spikes, 1);
+  h.max_activation = 12.5;
+  const winnow::train::TrainingHealth back = winnow::train::TrainingHealth::from_json(h.to_json());
+  EXPECT_EQ(back.to_json(), h.to_json());
+}
+
+TEST(TrainingHealth, SurvivesResumption) {
+  const std::string dir_a = scratch("health_straight"), dir_b = scratch("health_resumed");
+  ExperimentConfig a = small(dir_a), b = small(dir_b);
+  Trainer straight = quiet_trainer(a);
+  straight.train();
+  {
+    Trainer first = quiet_trainer(b);
+    first.train(3);
+  }
+  Trainer second = quiet_trainer(b);
+  ASSERT_TRUE(second.resume());
+  EXPECT_EQ(second.health().seen, 3);
+  second.train();
+  // The activations are measured at log steps; the interrupted run also measured at its
+  // last step (3), so its maximum covers the straight run's.
+  nlohmann::json resumed = second.health().to_json(), whole = straight.health().to_json();
+  EXPECT_GE(resumed["max_activation"].get<double>(), whole["max_activation"].get<double>());
+  EXPECT_GT(whole["max_activation"].get<double>(), 0.0);
+  resumed.erase("max_activation");
+  whole.erase("max_activation");
+  EXPECT_EQ(resumed, whole);
+  winnow::train::remove_tree(dir_a);
+  winnow::train::remove_tree(dir_b);
 }
 
 // ------------------------------------------------------------------ checkpoints
