@@ -375,7 +375,7 @@ struct Curve {
 };
 void line_plot(const std::string& path, const std::string& title, const std::string& x_label,
                const std::string& y_label, const std::vector<Curve>& curves, bool log_x,
-               const std::vector<double>& x_marks, PLINT legend_position) {
+               const std::vector<double>& x_marks) {
   auto tx = [&](double x) { return log_x ? std::log10(x) : x; };
   double x_lo = 1e300, x_hi = -1e300, y_lo = 1e300, y_hi = -1e300;
   for (const Curve& c : curves) {
@@ -396,10 +396,10 @@ void line_plot(const std::string& path, const std::string& title, const std::str
     throw Error(ErrorKind::invalid_argument, "plot: nothing to draw for " + path);
   const double x_pad = std::max(1e-3, 0.04 * (x_hi - x_lo)), y_pad = std::max(1e-3, 0.06 * (y_hi - y_lo));
   plstream pls;
-  start_svg(pls, path, 800, 560);
+  start_svg(pls, path, 1040, 560);
   pls.scol0(3, 0, 150, 0);
   pls.adv(0);
-  pls.vpor(0.12, 0.95, 0.12, 0.9);
+  pls.vpor(0.09, 0.66, 0.12, 0.9);  // the legend goes to the right, off the data
   pls.wind(x_lo - x_pad, x_hi + x_pad, y_lo - y_pad, y_hi + y_pad);
   pls.col0(15);
   pls.box(log_x ? "bcgnstl" : "bcgnst", 0, 0, "bcgnstv", 0, 0);
@@ -432,7 +432,7 @@ void line_plot(const std::string& path, const std::string& title, const std::str
       pls.ssym(0, 1.0);
     }
   }
-  series.legend(pls, legend_position | PL_POSITION_INSIDE, 0.03, 0.04, 0.1, 0.9);
+  series.legend(pls, PL_POSITION_RIGHT | PL_POSITION_OUTSIDE, 0.02, 0.0, 0.05, 0.75);
 }
 }  // namespace
 
@@ -523,15 +523,15 @@ std::vector<std::string> plot_study(const json& r, const std::string& dir) {
   if (!by_position.empty()) {
     const std::string path = (fs::path(dir) / "loss_by_position.svg").string();
     line_plot(path, title, "position (the dashed line: the training length)",
-              "loss (" + loss_unit_words(r) + "), mean over a bin of positions", by_position,
-              /*log_x=*/false, {train_length}, PL_POSITION_LEFT | PL_POSITION_TOP);
+              "loss (" + loss_unit_words(r) + "), by bins of positions", by_position,
+              /*log_x=*/false, {train_length});
     written.push_back(path);
   }
   if (!sinks.empty()) {
     const std::string path = (fs::path(dir) / "sink_ratio.svg").string();
     line_plot(path, title, "sequence length in tokens (the dashed line: the training length)",
-              "sink ratio (mass on the first token / uniform), mean over layers and heads", sinks,
-              /*log_x=*/true, {train_length}, PL_POSITION_LEFT | PL_POSITION_TOP);
+              "sink ratio (key 0's mass / uniform's)", sinks,
+              /*log_x=*/true, {train_length});
     written.push_back(path);
   }
   return written;
@@ -578,7 +578,7 @@ void plot_sweep(const json& r, const std::string& path) {
   }
   line_plot(path, r.value("title", std::string()),
             key + " (crosses: diverged runs)", "final held-out loss (" + loss_unit_words(r) + ")",
-            curves, positive && hi > 10 * lo, {}, PL_POSITION_RIGHT | PL_POSITION_TOP);
+            curves, positive && hi > 10 * lo, {});
 }
 
 namespace {
