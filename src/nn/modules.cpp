@@ -55,9 +55,13 @@ torch::ScalarType consumer_dtype(const torch::Tensor& x) {
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   // winnow's kernel (one pass each way, the weight gradient included) wherever it runs: float32
-  // or float64 streams with a weight of the same dtype, on the CPU and on CUDA.
+  // or float64 streams with a weight of the same dtype, on the CPU and on CUDA; on CUDA also
+  // bf16 or fp16 inputs with a float32 weight (QK-norm of projections made under autocast),
+  // which the composed expression would widen, square, reduce and scale in six passes.
   const bool wide = x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64;
-  if (wide && weight_.scalar_type() == x.scalar_type() && x.dim() >= 1) {
+  const bool narrow_on_cuda = x.is_cuda() && weight_.scalar_type() == torch::kFloat32 &&
+                              (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf);
+  if (((wide && weight_.scalar_type() == x.scalar_type()) || narrow_on_cuda) && x.dim() >= 1) {
     return torch_ops::rms_norm(x, weight_, eps_, consumer_dtype(x));
   }
   const torch::Tensor xf = x.to(stats_type(x));

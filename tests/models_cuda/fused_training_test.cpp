@@ -72,6 +72,38 @@ TEST(CudaFusedPieces, RmsNormMatchesTheComposedExpression) {
   EXPECT_LT(rel(g[1], ge[1]), 1e-5);
 }
 
+// QK-norm's use: bf16 head vectors (projections made under autocast) through the kernel, into
+// bf16, against the composed float32 expression rounded the same way.
+TEST(CudaFusedPieces, RmsNormOfBf16HeadsMatchesTheComposedExpression) {
+  torch::manual_seed(5);
+  nn::RMSNorm norm(64, 1e-6);
+  norm->to(kCuda);
+  {
+    torch::NoGradGuard no_grad;
+    norm->named_parameters()["weight"].normal_(1.0, 0.2);
+  }
+  const Tensor weight = norm->named_parameters()["weight"];
+  const auto bf16 = torch::TensorOptions().device(kCuda).dtype(torch::kBFloat16);
+  const Tensor x = (3 * torch::randn({4, 33, 5, 64}, bf16)).requires_grad_(true);
+  const Tensor w = torch::randn({4, 33, 5, 64}, torch::TensorOptions().device(kCuda));
+  Tensor y;
+  {
+    const train::Autocast autocast(true);
+    y = norm(x);
+  }
+  ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+  const Tensor xf = x.to(torch::kFloat32);
+  const Tensor y_want = xf * torch::rsqrt(xf.pow(2).mean(-1, true) + 1e-6) * weight;
+  EXPECT_LT(rel(y.to(torch::kFloat32), y_want), 4e-3);
+  const auto g = torch::autograd::grad({(y.to(torch::kFloat32) * w).sum()}, {x, weight});
+  // The kernel gets y's gradient in bf16: the reference rounds it the same way.
+  const auto ge = torch::autograd::grad(
+      {(y_want * w.to(torch::kBFloat16).to(torch::kFloat32)).sum()}, {x, weight});
+  EXPECT_EQ(g[0].scalar_type(), torch::kBFloat16);
+  EXPECT_LT(rel(g[0].to(torch::kFloat32), ge[0].to(torch::kFloat32)), 8e-3);
+  EXPECT_LT(rel(g[1], ge[1]), 1e-3);
+}
+
 // The residual form under autocast, as the transformer uses it: a float32 stream plus a bf16
 // branch output, normalized into bf16; both outputs used downstream.
 TEST(CudaFusedPieces, AddRmsNormMatchesTheComposedExpressionUnderAutocast) {
