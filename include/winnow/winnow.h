@@ -11,3 +11,4 @@
 #include "winnow/stick_breaking.h"
 #include "winnow/swiglu.h"
 #include "winnow/tensor.h"
+#include "winnow/threshold.h"

@@ -113,4 +113,18 @@ struct SieveConfig {
   Operand count;      // int32 per row; written when data != nullptr
 };
 
+// Threshold attention (spec/threshold.md). One view: TRA; two (lambda.data != nullptr): TDA.
+// beta, lambda, dbeta and dlambda hold one value per query head at stride `head` (0: one value
+// for every head; the backward then adds every head's gradient into it).
+struct ThresholdConfig {
+  double power = 2.0;
+  double norm_eps = 1e-6;
+  bool clamp_lambda = true;
+  Operand beta, lambda;
+  Operand q2, k2;  // TDA's second view, laid out like q and k
+  // Backward only.
+  Operand dbeta, dlambda, dq2, dk2;
+  WINNOW_HD bool differential() const { return lambda.data != nullptr; }
+};
+
 }  // namespace winnow::detail

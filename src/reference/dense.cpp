@@ -1,7 +1,6 @@
 #include "reference/dense.h"
 
 namespace winnow::reference {
-namespace {
 
 using detail::AttentionParams;
 using detail::Operand;
@@ -24,7 +23,6 @@ void scatter(const Dense& m, const Operand& op, std::int64_t b, std::int64_t sta
   }
 }
 
-// c = a b^T (or a^T b when transpose_a), accumulated into c.
 void add_product(const Dense& a, const Dense& b, Dense& c, bool a_transposed, bool b_transposed) {
   const std::int64_t inner = a_transposed ? a.rows : a.cols;
   for (std::int64_t i = 0; i < c.rows; ++i) {
@@ -37,6 +35,8 @@ void add_product(const Dense& a, const Dense& b, Dense& c, bool a_transposed, bo
     }
   }
 }
+
+namespace {
 
 HeadProblem scores(const AttentionParams& p, const Dense& q, const Dense& k,
                    const detail::SequenceExtent& s) {

@@ -19,6 +19,16 @@ struct Dense {
   double operator()(std::int64_t r, std::int64_t c) const { return a[static_cast<std::size_t>(r * cols + c)]; }
 };
 
+// Rows [start, start + rows) of sequence b, head h, of an operand, as a rows x cols matrix; and
+// back.
+Dense gather(const detail::Operand& op, std::int64_t b, std::int64_t start, std::int64_t rows,
+             std::int64_t h, std::int64_t cols);
+void scatter(const Dense& m, const detail::Operand& op, std::int64_t b, std::int64_t start,
+             std::int64_t h);
+// c += op(a) op(b) with op the transpose where asked: a b (false, false), a b^T (false, true),
+// a^T b (true, false).
+void add_product(const Dense& a, const Dense& b, Dense& c, bool a_transposed, bool b_transposed);
+
 // One (sequence, query head) problem: scores over the visible keys.
 struct HeadProblem {
   Dense z;                      // Lq x Lk scaled scores (0 where not visible)

@@ -24,4 +24,9 @@ void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& 
 void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                     const detail::SieveConfig& cfg);
 
+// TRA and TDA. The backward writes dq, dk, dv and cfg's dbeta (and, for TDA, dlambda, dq2, dk2).
+void threshold_forward(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg);
+void threshold_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                        const detail::ThresholdConfig& cfg);
+
 }  // namespace winnow::reference

@@ -1,0 +1,59 @@
+// Threshold attention (spec/threshold.md; seed 004). Queries and keys are L2-normalized inside
+// the operator, so scores are cosine similarities, and a row keeps the keys that clear a
+// length-dependent threshold:
+//   s_ij = <q_j / |q_j|, k_i / |k_i|>,   tau_j = beta * sqrt(2 log(n_j) / D),
+//   w_ij = relu(s_ij - tau_j)^p,          o_j = sum_i w_ij v_i       (TRA)
+// with n_j the keys query j sees. TDA adds a second query/key view on the same values and
+// subtracts it: o_j = TRA(q, k, v)_j - lambda TRA(q2, k2, v)_j. ReLA is TRA with beta = 0 and
+// p = 1 (on cosine scores); differential ReLA is TDA with beta = 0 and p = 1. The weights are
+// not normalized (004 follows the head output with an RMSNorm, at the module level), and are
+// exactly zero wherever s_ij <= tau_j.
+#pragma once
+
+#include <optional>
+
+#include "winnow/attention.h"
+
+namespace winnow::threshold {
+
+struct Options {
+  double power = 2.0;          // p > 0 (004's best: 2)
+  bool attend_current = true;  // query j sees key j
+  // TDA: lambda enters as min(max(lambda, 0), 1), as in 004's kernel; its gradient passes
+  // where 0 <= lambda <= 1. false: lambda as given.
+  bool clamp_lambda = true;
+  double norm_eps = 1e-6;      // q / max(|q|, eps), and the same for keys
+};
+
+// The learnable scalars, and TDA's second view. beta and lambda are (Hq) (one per query head)
+// or (1) (one for the layer), float32 (float64 for float64 inputs), on q's device.
+struct Views {
+  TensorView beta;
+  std::optional<TensorView> lambda;  // present: TDA (then q2 and k2 are required)
+  std::optional<TensorView> q2;      // like q
+  std::optional<TensorView> k2;      // like k
+};
+
+struct Outputs {
+  TensorView out;  // like q with v's head dimension; zero for a row that sees no key
+};
+
+// Gradients of beta, lambda and the second view; dbeta and dlambda are shaped like beta and
+// lambda (a (1) tensor gets the sum over every head).
+struct ViewGrads {
+  TensorView dbeta;
+  std::optional<TensorView> dlambda;  // TDA
+  std::optional<TensorView> dq2;      // TDA, like q
+  std::optional<TensorView> dk2;      // TDA, like k
+};
+
+void forward(const AttentionInputs& in, const Views& views, const Options& options,
+             const Outputs& outputs, const ExecContext& ctx = {});
+
+// Gradients of sum(dout * out) with respect to q, k, v, beta and (TDA) lambda, q2, k2. Nothing
+// from the forward is needed: the weights are recomputed from the inputs.
+void backward(const AttentionInputs& in, const Views& views, const Options& options,
+              const TensorView& dout, const AttentionGrads& grads, const ViewGrads& view_grads,
+              const ExecContext& ctx = {});
+
+}  // namespace winnow::threshold

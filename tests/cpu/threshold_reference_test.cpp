@@ -1,0 +1,308 @@
+// Threshold attention's float64 reference (spec/threshold.md) on its own: analytic gradients of
+// q, k, v, beta, lambda and TDA's second view against central finite differences of its
+// forward (TRA and TDA, p = 1, 2 and 1.5, GQA, suffix queries, packed sequences, shared and
+// per-head beta), and the spec's checks: exact zeros below the threshold, the first query's
+// zero threshold, ReLA on cosine scores at beta = 0 and p = 1, TDA's identities, invariance to
+// the scale of queries and keys; then the API's errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+#include <random>
+
+#include "support/attention_case.h"
+#include "support/expect_error.h"
+#include "winnow/threshold.h"
+
+namespace winnow::testing {
+namespace {
+
+struct Case {
+  std::string name;
+  ProblemShape shape;
+  bool tda = false;
+  double power = 2.0;
+  bool attend_current = true;
+  bool shared_beta = false;
+};
+
+// Everything one call sees, in float64.
+struct Inputs {
+  Problem main, second;  // second: q2 and k2 (its v and dout unused)
+  HostTensor beta, lambda;
+  bool tda = false;
+  threshold::Options options;
+};
+
+Inputs make_inputs(const Case& c, std::uint64_t seed, double beta_value = 0.6,
+                   double lambda_value = 0.4) {
+  Inputs in{Problem::random(c.shape, seed), Problem::random(c.shape, seed + 1000), {}, {}, c.tda, {}};
+  const std::int64_t heads = c.shared_beta ? 1 : c.shape.heads_q;
+  in.beta = HostTensor({heads}, DType::float64);
+  in.lambda = HostTensor({heads}, DType::float64);
+  std::vector<double> b(static_cast<std::size_t>(heads)), l(static_cast<std::size_t>(heads));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    b[static_cast<std::size_t>(h)] = beta_value + 0.1 * static_cast<double>(h);
+    l[static_cast<std::size_t>(h)] = lambda_value + 0.05 * static_cast<double>(h);
+  }
+  in.beta.set_values(b);
+  in.lambda.set_values(l);
+  in.options.power = c.power;
+  in.options.attend_current = c.attend_current;
+  return in;
+}
+
+AttentionInputs attention_inputs(const Inputs& in) {
+  AttentionInputs a{in.main.q.view(), in.main.k.view(), in.main.v.view(), std::nullopt, std::nullopt};
+  if (in.main.cu_q) a.cu_seqlens_q = in.main.cu_q->view();
+  if (in.main.cu_k) a.cu_seqlens_k = in.main.cu_k->view();
+  return a;
+}
+
+threshold::Views views_of(const Inputs& in) {
+  threshold::Views v;
+  v.beta = in.beta.view();
+  if (in.tda) {
+    v.lambda = in.lambda.view();
+    v.q2 = in.second.q.view();
+    v.k2 = in.second.k.view();
+  }
+  return v;
+}
+
+ExecContext reference() {
+  ExecContext ctx;
+  ctx.backend = Backend::reference;
+  return ctx;
+}
+
+std::vector<double> forward(const Inputs& in) {
+  HostTensor out(in.main.dout.shape(), DType::float64);
+  out.fill(std::nan(""));
+  threshold::forward(attention_inputs(in), views_of(in), in.options, {out.view()}, reference());
+  return out.values();
+}
+
+struct Grads {
+  std::vector<double> dq, dk, dv, dq2, dk2, dbeta, dlambda;
+};
+
+Grads backward(const Inputs& in) {
+  HostTensor dq(in.main.q.shape(), DType::float64), dk(in.main.k.shape(), DType::float64),
+      dv(in.main.v.shape(), DType::float64), dq2(in.main.q.shape(), DType::float64),
+      dk2(in.main.k.shape(), DType::float64), dbeta(in.beta.shape(), DType::float64),
+      dlambda(in.lambda.shape(), DType::float64);
+  for (HostTensor* t : {&dq, &dk, &dv, &dq2, &dk2, &dbeta, &dlambda}) t->fill(std::nan(""));
+  threshold::ViewGrads vg;
+  vg.dbeta = dbeta.view();
+  if (in.tda) {
+    vg.dlambda = dlambda.view();
+    vg.dq2 = dq2.view();
+    vg.dk2 = dk2.view();
+  }
+  threshold::backward(attention_inputs(in), views_of(in), in.options, in.main.dout.view(),
+                      {dq.view(), dk.view(), dv.view()}, vg, reference());
+  Grads g{dq.values(), dk.values(), dv.values(), {}, {}, dbeta.values(), {}};
+  if (in.tda) {
+    g.dq2 = dq2.values();
+    g.dk2 = dk2.values();
+    g.dlambda = dlambda.values();
+  }
+  return g;
+}
+
+double loss(const Inputs& in) {
+  const std::vector<double> out = forward(in), dout = in.main.dout.values();
+  double l = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) l += out[i] * dout[i];
+  return l;
+}
+
+std::vector<double> finite_difference(Inputs in, HostTensor& (*pick)(Inputs&)) {
+  const double h = 1e-6;
+  std::vector<double> x = pick(in).values(), grad(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double x0 = x[i];
+    x[i] = x0 + h;
+    pick(in).set_values(x);
+    const double up = loss(in);
+    x[i] = x0 - h;
+    pick(in).set_values(x);
+    const double down = loss(in);
+    x[i] = x0;
+    pick(in).set_values(x);
+    grad[i] = (up - down) / (2 * h);
+  }
+  return grad;
+}
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> all = {
+      {"tra_p2_gqa", {"gqa", {{7, 7}}, false, 2, 1, 4, 3}, false, 2.0, true, false},
+      {"tra_p1_suffix_varlen", {"suffix_varlen", {{3, 6}, {0, 2}, {5, 5}}, true, 2, 2, 4, 2}, false, 1.0, true, false},
+      {"tra_p1p5_exclusive_shared_beta", {"batched", {{6, 6}, {6, 6}}, false, 2, 1, 3, 3}, false, 1.5, false, true},
+      {"tda_p2_gqa", {"gqa", {{7, 7}}, false, 4, 2, 4, 3}, true, 2.0, true, false},
+      {"tda_p1_shared_varlen", {"varlen", {{4, 4}, {2, 5}}, true, 2, 1, 3, 2}, true, 1.0, true, true},
+  };
+  return all;
+}
+
+class ThresholdReference : public ::testing::TestWithParam<int> {};
+
+TEST_P(ThresholdReference, GradientsMatchFiniteDifferences) {
+  const Case& c = cases()[static_cast<std::size_t>(GetParam())];
+  const Inputs in = make_inputs(c, 11);
+  const Grads g = backward(in);
+  constexpr double kTol = 1e-6;
+  EXPECT_LT(relative_error(g.dq, finite_difference(in, [](Inputs& i) -> HostTensor& { return i.main.q; })), kTol) << "dq";
+  EXPECT_LT(relative_error(g.dk, finite_difference(in, [](Inputs& i) -> HostTensor& { return i.main.k; })), kTol) << "dk";
+  EXPECT_LT(relative_error(g.dv, finite_difference(in, [](Inputs& i) -> HostTensor& { return i.main.v; })), kTol) << "dv";
+  EXPECT_LT(relative_error(g.dbeta, finite_difference(in, [](Inputs& i) -> HostTensor& { return i.beta; })), kTol) << "dbeta";
+  if (c.tda) {
+    EXPECT_LT(relative_error(g.dq2, finite_difference(in, [](Inputs& i) -> HostTensor& { return i.second.q; })), kTol) << "dq2";
+    EXPECT_LT(relative_error(g.dk2, finite_difference(in, [](Inputs& i) -> HostTensor& { return i.second.k; })), kTol) << "dk2";
+    EXPECT_LT(relative_error(g.dlambda, finite_difference(in, [](Inputs& i) -> HostTensor& { return i.lambda; })), kTol) << "dlambda";
+  }
+  // Some weights are zero and some are not, so both sides of the threshold are exercised.
+  const std::vector<double> dbeta = g.dbeta;
+  double total = 0;
+  for (double d : dbeta) total += std::abs(d);
+  EXPECT_GT(total, 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ThresholdReference, ::testing::Range(0, static_cast<int>(cases().size())),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return cases()[static_cast<std::size_t>(info.param)].name;
+                         });
+
+// Cosine similarity of rows a and b of (L, H, D) tensors, head h.
+double cosine(const std::vector<double>& q, std::int64_t jq, const std::vector<double>& k,
+              std::int64_t ik, std::int64_t hq, std::int64_t hk, std::int64_t Hq, std::int64_t Hk,
+              std::int64_t D) {
+  double dot = 0, nq = 0, nk = 0;
+  for (std::int64_t d = 0; d < D; ++d) {
+    const double a = q[static_cast<std::size_t>((jq * Hq + hq) * D + d)];
+    const double b = k[static_cast<std::size_t>((ik * Hk + hk) * D + d)];
+    dot += a * b;
+    nq += a * a;
+    nk += b * b;
+  }
+  return dot / std::sqrt(nq) / std::sqrt(nk);
+}
+
+const Case kOneSequence{"one", {"one", {{9, 9}}, false, 2, 1, 5, 3}, false, 1.0, true, false};
+
+TEST(ThresholdReference, BetaZeroPowerOneIsReLAOnCosineScores) {
+  Inputs in = make_inputs(kOneSequence, 3);
+  in.beta.fill(0.0);
+  const std::vector<double> out = forward(in);
+  const std::vector<double> q = in.main.q.values(), k = in.main.k.values(), v = in.main.v.values();
+  std::vector<double> want(out.size(), 0.0);
+  for (std::int64_t h = 0; h < 2; ++h) {
+    for (std::int64_t j = 0; j < 9; ++j) {
+      for (std::int64_t i = 0; i <= j; ++i) {
+        const double w = std::max(0.0, cosine(q, j, k, i, h, 0, 2, 1, 5));
+        for (std::int64_t d = 0; d < 3; ++d) {
+          want[static_cast<std::size_t>((j * 2 + h) * 3 + d)] += w * v[static_cast<std::size_t>(i * 3 + d)];
+        }
+      }
+    }
+  }
+  EXPECT_LT(relative_error(out, want), 1e-13);
+}
+
+TEST(ThresholdReference, HighThresholdLeavesExactZerosAndTheFirstQueryItsOwnKey) {
+  // beta = 100 puts tau_j above any cosine for every query that sees two keys or more; the
+  // first sees one, so tau_0 = 0 and it keeps relu(cos(q_0, k_0))^p of its own value.
+  Case c = kOneSequence;
+  c.power = 2.0;
+  Inputs in = make_inputs(c, 5, /*beta=*/100.0);
+  const std::vector<double> out = forward(in);
+  const std::vector<double> q = in.main.q.values(), k = in.main.k.values(), v = in.main.v.values();
+  for (std::int64_t h = 0; h < 2; ++h) {
+    const double w = std::pow(std::max(0.0, cosine(q, 0, k, 0, h, 0, 2, 1, 5)), 2.0);
+    for (std::int64_t d = 0; d < 3; ++d) {
+      EXPECT_NEAR(out[static_cast<std::size_t>(h * 3 + d)], w * v[static_cast<std::size_t>(d)], 1e-14);
+    }
+  }
+  for (std::size_t e = 2 * 3; e < out.size(); ++e) EXPECT_EQ(out[e], 0.0) << e;
+  // Zero weights pass no gradient to q, k or v of the later rows, and beta's gradient is 0.
+  const Grads g = backward(in);
+  for (double d : g.dbeta) EXPECT_EQ(d, 0.0);
+  for (std::size_t e = 2 * 5; e < g.dq.size(); ++e) EXPECT_EQ(g.dq[e], 0.0) << e;
+}
+
+TEST(ThresholdReference, NormalizationMakesTheScaleOfQueriesAndKeysIrrelevant) {
+  Inputs in = make_inputs(kOneSequence, 7);
+  const std::vector<double> before = forward(in);
+  std::vector<double> q = in.main.q.values(), k = in.main.k.values();
+  for (double& x : q) x *= 7.5;
+  for (double& x : k) x *= 0.01;
+  in.main.q.set_values(q);
+  in.main.k.set_values(k);
+  EXPECT_LT(relative_error(forward(in), before), 1e-13);
+}
+
+TEST(ThresholdReference, DifferentialIdentities) {
+  Case c = kOneSequence;
+  c.tda = true;
+  // lambda = 0: TDA is TRA of the first view.
+  Inputs zero = make_inputs(c, 9, 0.3, /*lambda=*/0.0);
+  zero.lambda.fill(0.0);
+  Inputs tra = zero;
+  tra.tda = false;
+  EXPECT_EQ(forward(zero), forward(tra));
+  // The same view twice with lambda = 1 cancels exactly.
+  Inputs same = make_inputs(c, 9, 0.3);
+  same.lambda.fill(1.0);
+  same.second.q = same.main.q;
+  same.second.k = same.main.k;
+  for (double x : forward(same)) EXPECT_EQ(x, 0.0);
+  // Clamped: lambda = 1.7 acts as 1 and gets no gradient; unclamped it acts as itself.
+  Inputs over = same;
+  over.lambda.fill(1.7);
+  for (double x : forward(over)) EXPECT_EQ(x, 0.0);
+  for (double d : backward(over).dlambda) EXPECT_EQ(d, 0.0);
+  over.options.clamp_lambda = false;
+  const std::vector<double> unclamped = forward(over), tra_out = forward([&] {
+    Inputs t = over;
+    t.tda = false;
+    return t;
+  }());
+  for (std::size_t e = 0; e < unclamped.size(); ++e) EXPECT_NEAR(unclamped[e], -0.7 * tra_out[e], 1e-14);
+}
+
+TEST(ThresholdApi, ErrorsNameTheArgument) {
+  const Inputs in = make_inputs(kOneSequence, 13);
+  HostTensor out(in.main.dout.shape(), DType::float64);
+  auto call = [&](const std::function<void(threshold::Views&, threshold::Options&)>& edit) {
+    threshold::Views v = views_of(in);
+    threshold::Options o = in.options;
+    edit(v, o);
+    threshold::forward(attention_inputs(in), v, o, {out.view()}, reference());
+  };
+  expect_error([&] { call([](threshold::Views&, threshold::Options& o) { o.power = 0; }); }, "'power'");
+  expect_error([&] { call([](threshold::Views&, threshold::Options& o) { o.norm_eps = -1; }); }, "'norm_eps'");
+  HostTensor wrong({3}, DType::float64), f32({2}, DType::float32);
+  expect_error([&] { call([&](threshold::Views& v, threshold::Options&) { v.beta = wrong.view(); }); },
+               "argument 'beta': expected float64 (2) or (1)");
+  expect_error([&] { call([&](threshold::Views& v, threshold::Options&) { v.beta = f32.view(); }); }, "'beta'");
+  expect_error([&] { call([&](threshold::Views& v, threshold::Options&) { v.q2 = in.main.q.view(); }); },
+               "'q2': expected no second view without lambda");
+  expect_error([&] {
+    call([&](threshold::Views& v, threshold::Options&) { v.lambda = in.lambda.view(); });
+  }, "'q2'");
+  // Fast kernels do not exist yet: float32 or the automatic backend says so.
+  const HostTensor q32 = in.main.q.converted(DType::float32), k32 = in.main.k.converted(DType::float32),
+                   v32 = in.main.v.converted(DType::float32);
+  HostTensor out32(in.main.dout.shape(), DType::float32), beta32({2}, DType::float32);
+  threshold::Views v32s;
+  v32s.beta = beta32.view();
+  expect_error([&] {
+    threshold::forward({q32.view(), k32.view(), v32.view(), std::nullopt, std::nullopt}, v32s, {},
+                       {out32.view()});
+  }, "no fast kernels yet");
+}
+
+}  // namespace
+}  // namespace winnow::testing
