@@ -5,6 +5,7 @@
 
 #include "api/attention_call.h"
 #include "api/view_checks.h"
+#include "cpu/cpu.h"
 #include "reference/reference.h"
 
 namespace winnow::threshold {
@@ -76,10 +77,9 @@ void forward(const AttentionInputs& in, const Views& views, const Options& optio
   call.require_writable("out", outputs.out);
   switch (call.route()) {
     case Route::reference: return reference::threshold_forward(c.params, c.config);
-    case Route::cpu:
+    case Route::cpu: return cpu::threshold_forward(c.params, c.config);
     case Route::cuda:
-      call.fail("q", "float64 CPU tensors with backend = reference (threshold attention has no "
-                     "fast kernels yet)",
+      call.fail("q", "CPU tensors (threshold attention has no CUDA kernels yet)",
                 api::describe(in.q), ErrorKind::unsupported);
   }
 }
@@ -116,10 +116,9 @@ void backward(const AttentionInputs& in, const Views& views, const Options& opti
   }
   switch (call.route()) {
     case Route::reference: return reference::threshold_backward(c.params, g, c.config);
-    case Route::cpu:
+    case Route::cpu: return cpu::threshold_backward(c.params, g, c.config);
     case Route::cuda:
-      call.fail("q", "float64 CPU tensors with backend = reference (threshold attention has no "
-                     "fast kernels yet)",
+      call.fail("q", "CPU tensors (threshold attention has no CUDA kernels yet)",
                 api::describe(in.q), ErrorKind::unsupported);
   }
 }

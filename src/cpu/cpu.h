@@ -23,6 +23,10 @@ void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& 
 void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                     const detail::SieveConfig& cfg);
 
+void threshold_forward(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg);
+void threshold_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                        const detail::ThresholdConfig& cfg);
+
 void rotary(const detail::RotaryParams& p);
 
 // dy in x's dtype, y in x's dtype (the API checks): the CPU has float32 and float64 only.

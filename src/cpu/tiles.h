@@ -7,6 +7,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/params.h"
@@ -141,15 +142,17 @@ void for_each_query_tile(const AttentionParams& p, Fn&& fn) {
 template <class T>
 struct KeyValueGrads {
   RowMatrix<T> dk, dv;  // k_len x D, k_len x Dv
+  RowMatrix<T> dk2;     // a second key view's (TDA), k_len x D; empty unless asked for
 };
 
 // Backward driver. Work items are (sequence, kv head, split); an item runs
 // fn(QueryTile, SequenceExtent, KeyValueGrads&) for every query head of its group and every
 // query tile of its split, accumulating dk/dv privately. Splits exist only when there are
 // fewer (sequence, kv head) pairs than threads; their partial sums are added in split order,
-// so results are deterministic for a given thread count. dq is the kernels' to write.
+// so results are deterministic for a given thread count. dq is the kernels' to write. With dk2
+// (a second key view's gradient operand) the items also accumulate KeyValueGrads::dk2.
 template <class T, class Fn>
-void run_backward(const AttentionParams& p, const GradientParams& g, Fn&& fn) {
+void run_backward(const AttentionParams& p, const GradientParams& g, const Operand* dk2, Fn&& fn) {
   const int threads = thread_count(p);
   const std::int64_t pairs = p.num_seqs * p.heads_kv;
   const std::int64_t max_tiles = (p.max_len_q + kQueryTile - 1) / kQueryTile;
@@ -168,6 +171,7 @@ void run_backward(const AttentionParams& p, const GradientParams& g, Fn&& fn) {
     KeyValueGrads<T>& acc = partial[static_cast<std::size_t>(it)];
     acc.dk.setZero(s.k_len, p.dim_qk);
     acc.dv.setZero(s.k_len, p.dim_v);
+    if (dk2 != nullptr) acc.dk2.setZero(s.k_len, p.dim_qk);
     const std::int64_t tiles = (s.q_len + kQueryTile - 1) / kQueryTile;
     for (std::int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
       for (std::int64_t t = tiles - 1 - split; t >= 0; t -= splits) {
@@ -185,12 +189,19 @@ void run_backward(const AttentionParams& p, const GradientParams& g, Fn&& fn) {
       KeyValueGrads<T>& part = partial[static_cast<std::size_t>(pair * splits + split)];
       total.dk += part.dk;
       total.dv += part.dv;
+      if (dk2 != nullptr) total.dk2 += part.dk2;
       part = KeyValueGrads<T>{};
     }
     store_rows<T>(total.dk, g.dk, b, s.k_start, hk);
     store_rows<T>(total.dv, g.dv, b, s.k_start, hk);
+    if (dk2 != nullptr) store_rows<T>(total.dk2, *dk2, b, s.k_start, hk);
     total = KeyValueGrads<T>{};
   }
+}
+
+template <class T, class Fn>
+void run_backward(const AttentionParams& p, const GradientParams& g, Fn&& fn) {
+  run_backward<T>(p, g, static_cast<const Operand*>(nullptr), std::forward<Fn>(fn));
 }
 
 }  // namespace winnow::cpu

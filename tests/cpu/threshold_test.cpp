@@ -1,9 +1,10 @@
-// Threshold attention's float64 reference (spec/threshold.md) on its own: analytic gradients of
-// q, k, v, beta, lambda and TDA's second view against central finite differences of its
+// Threshold attention (spec/threshold.md). The float64 reference on its own: analytic gradients
+// of q, k, v, beta, lambda and TDA's second view against central finite differences of its
 // forward (TRA and TDA, p = 1, 2 and 1.5, GQA, suffix queries, packed sequences, shared and
 // per-head beta), and the spec's checks: exact zeros below the threshold, the first query's
 // zero threshold, ReLA on cosine scores at beta = 0 and p = 1, TDA's identities, invariance to
-// the scale of queries and keys; then the API's errors.
+// the scale of queries and keys. Then the streaming CPU kernels against the reference (float64
+// and float32, with tiles skipped and not), and the API's errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -76,10 +77,20 @@ ExecContext reference() {
   return ctx;
 }
 
-std::vector<double> forward(const Inputs& in) {
-  HostTensor out(in.main.dout.shape(), DType::float64);
+// The inputs in another dtype (and the CPU kernels' layout tests: q stored head-major).
+Inputs converted(const Inputs& in, DType dtype) {
+  Inputs c = in;
+  for (HostTensor* t : {&c.main.q, &c.main.k, &c.main.v, &c.main.dout, &c.second.q, &c.second.k,
+                        &c.beta, &c.lambda}) {
+    *t = t->converted(dtype);
+  }
+  return c;
+}
+
+std::vector<double> forward(const Inputs& in, const ExecContext& ctx = reference()) {
+  HostTensor out(in.main.dout.shape(), in.main.q.dtype());
   out.fill(std::nan(""));
-  threshold::forward(attention_inputs(in), views_of(in), in.options, {out.view()}, reference());
+  threshold::forward(attention_inputs(in), views_of(in), in.options, {out.view()}, ctx);
   return out.values();
 }
 
@@ -87,11 +98,11 @@ struct Grads {
   std::vector<double> dq, dk, dv, dq2, dk2, dbeta, dlambda;
 };
 
-Grads backward(const Inputs& in) {
-  HostTensor dq(in.main.q.shape(), DType::float64), dk(in.main.k.shape(), DType::float64),
-      dv(in.main.v.shape(), DType::float64), dq2(in.main.q.shape(), DType::float64),
-      dk2(in.main.k.shape(), DType::float64), dbeta(in.beta.shape(), DType::float64),
-      dlambda(in.lambda.shape(), DType::float64);
+Grads backward(const Inputs& in, const ExecContext& ctx = reference()) {
+  const DType t = in.main.q.dtype();
+  HostTensor dq(in.main.q.shape(), t), dk(in.main.k.shape(), t), dv(in.main.v.shape(), t),
+      dq2(in.main.q.shape(), t), dk2(in.main.k.shape(), t), dbeta(in.beta.shape(), t),
+      dlambda(in.lambda.shape(), t);
   for (HostTensor* t : {&dq, &dk, &dv, &dq2, &dk2, &dbeta, &dlambda}) t->fill(std::nan(""));
   threshold::ViewGrads vg;
   vg.dbeta = dbeta.view();
@@ -101,7 +112,7 @@ Grads backward(const Inputs& in) {
     vg.dk2 = dk2.view();
   }
   threshold::backward(attention_inputs(in), views_of(in), in.options, in.main.dout.view(),
-                      {dq.view(), dk.view(), dv.view()}, vg, reference());
+                      {dq.view(), dk.view(), dv.view()}, vg, ctx);
   Grads g{dq.values(), dk.values(), dv.values(), {}, {}, dbeta.values(), {}};
   if (in.tda) {
     g.dq2 = dq2.values();
@@ -174,6 +185,51 @@ INSTANTIATE_TEST_SUITE_P(Cases, ThresholdReference, ::testing::Range(0, static_c
                          [](const ::testing::TestParamInfo<int>& info) {
                            return cases()[static_cast<std::size_t>(info.param)].name;
                          });
+
+// The CPU kernels against the reference: float64 to rounding, float32 to its precision; with
+// beta = 0.6 some key tiles have no weight (skipped), with beta = 0 none is skippable.
+TEST_P(ThresholdReference, CpuKernelsMatchTheReference) {
+  const Case& c = cases()[static_cast<std::size_t>(GetParam())];
+  for (double beta : {0.0, 0.6}) {
+    const Inputs in = make_inputs(c, 17, beta);
+    const std::vector<double> want = forward(in);
+    const Grads want_g = backward(in);
+    for (DType dtype : {DType::float64, DType::float32}) {
+      const double tol = dtype == DType::float64 ? 1e-12 : 2e-5;
+      const Inputs x = converted(in, dtype);
+      ExecContext cpu;
+      cpu.num_threads = 3;
+      SCOPED_TRACE(std::string(to_string(dtype)) + " beta " + std::to_string(beta));
+      EXPECT_LT(relative_error(forward(x, cpu), want), tol) << "out";
+      const Grads got = backward(x, cpu);
+      EXPECT_LT(relative_error(got.dq, want_g.dq), tol) << "dq";
+      EXPECT_LT(relative_error(got.dk, want_g.dk), tol) << "dk";
+      EXPECT_LT(relative_error(got.dv, want_g.dv), tol) << "dv";
+      EXPECT_LT(relative_error(got.dbeta, want_g.dbeta), tol) << "dbeta";
+      if (c.tda) {
+        EXPECT_LT(relative_error(got.dq2, want_g.dq2), tol) << "dq2";
+        EXPECT_LT(relative_error(got.dk2, want_g.dk2), tol) << "dk2";
+        EXPECT_LT(relative_error(got.dlambda, want_g.dlambda), tol) << "dlambda";
+      }
+    }
+  }
+}
+
+// Long enough for several key tiles, so that whole tiles fall below the threshold and are
+// skipped while others are not.
+TEST(ThresholdCpu, LongSequencesMatchTheReference) {
+  for (bool tda : {false, true}) {
+    const Case c{"long", {"long", {{150, 150}}, false, 2, 1, 8, 4}, tda, 2.0, true, false};
+    const Inputs in = make_inputs(c, 23, 0.8);
+    ExecContext cpu;
+    const Grads want = backward(in), got = backward(in, cpu);
+    EXPECT_LT(relative_error(forward(in, cpu), forward(in)), 1e-12) << tda;
+    EXPECT_LT(relative_error(got.dq, want.dq), 1e-12) << tda;
+    EXPECT_LT(relative_error(got.dk, want.dk), 1e-12) << tda;
+    EXPECT_LT(relative_error(got.dv, want.dv), 1e-12) << tda;
+    EXPECT_LT(relative_error(got.dbeta, want.dbeta), 1e-12) << tda;
+  }
+}
 
 // Cosine similarity of rows a and b of (L, H, D) tensors, head h.
 double cosine(const std::vector<double>& q, std::int64_t jq, const std::vector<double>& k,
@@ -292,16 +348,13 @@ TEST(ThresholdApi, ErrorsNameTheArgument) {
   expect_error([&] {
     call([&](threshold::Views& v, threshold::Options&) { v.lambda = in.lambda.view(); });
   }, "'q2'");
-  // Fast kernels do not exist yet: float32 or the automatic backend says so.
-  const HostTensor q32 = in.main.q.converted(DType::float32), k32 = in.main.k.converted(DType::float32),
-                   v32 = in.main.v.converted(DType::float32);
-  HostTensor out32(in.main.dout.shape(), DType::float32), beta32({2}, DType::float32);
-  threshold::Views v32s;
-  v32s.beta = beta32.view();
-  expect_error([&] {
-    threshold::forward({q32.view(), k32.view(), v32.view(), std::nullopt, std::nullopt}, v32s, {},
-                       {out32.view()});
-  }, "no fast kernels yet");
+  // beta in another dtype than the statistics' (float32 inputs take float32 scalars).
+  const Inputs x = converted(in, DType::float32);
+  HostTensor out32(in.main.dout.shape(), DType::float32);
+  threshold::Views v = views_of(x);
+  v.beta = in.beta.view();
+  expect_error([&] { threshold::forward(attention_inputs(x), v, x.options, {out32.view()}); },
+               "argument 'beta': expected float32");
 }
 
 }  // namespace
