@@ -27,6 +27,7 @@ __all__ = [
     "stick_breaking_attention",
     "entmax_attention",
     "sieve_attention",
+    "threshold_attention",
     "rotary_embedding",
     "rms_norm",
     "add_rms_norm",
@@ -159,6 +160,38 @@ def entmax_attention(
     return torch.ops.winnow.entmax_attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
         attend_current=attend_current, alpha=alpha)
+
+
+def threshold_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    lam: Optional[torch.Tensor] = None,
+    q2: Optional[torch.Tensor] = None,
+    k2: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    power: float = 2.0,
+    attend_current: bool = True,
+    clamp_lambda: bool = True,
+    norm_eps: float = 1e-6,
+) -> torch.Tensor:
+    """Causal threshold attention (seed 004): TRA, or TDA when ``lam`` is given.
+
+    Queries and keys are L2-normalized inside the operator; with cosine scores s_ij, row j
+    keeps relu(s_ij - tau_j) ** power with tau_j = beta * sqrt(2 log(n_j) / D), n_j the keys it
+    sees, and o_j = sum_i w_ij v_i (unnormalized weights, exact zeros below the threshold).
+    TDA subtracts a second view: o = TRA(q, k, v) - lam * TRA(q2, k2, v), lam clamped to
+    [0, 1] unless ``clamp_lambda`` is False. ``beta`` and ``lam`` are (Hq) or (1) tensors
+    (float32, float64 for float64 inputs); everything but the offsets is differentiable. ReLA
+    is beta = 0 with power 1. Shapes as in :func:`softmax_attention`.
+    """
+    return torch.ops.winnow.threshold_attention(
+        q, k, v, beta, lam=lam, q2=q2, k2=k2, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, power=power, attend_current=attend_current,
+        clamp_lambda=clamp_lambda, norm_eps=norm_eps)
 
 
 def sieve_attention(

@@ -479,6 +479,141 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention_no_grad(
   return std::make_tuple(out, log_rem.exp(), count);
 }
 
+// ------------------------------------------------------------------ threshold (TRA, TDA)
+
+// TRA's gradients of a second view do not exist: empty tensors stand in, so the operator's
+// outputs have one schema.
+at::Tensor no_tensor(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+threshold::Views threshold_views(const char* op, const at::Tensor& beta, const Opt<at::Tensor>& lam,
+                                 const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2) {
+  threshold::Views v;
+  v.beta = view_of(beta, op, "beta");
+  if (lam.has_value()) v.lambda = view_of(*lam, op, "lam");
+  if (q2.has_value()) v.q2 = view_of(*q2, op, "q2");
+  if (k2.has_value()) v.k2 = view_of(*k2, op, "k2");
+  return v;
+}
+
+at::Tensor threshold_forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& beta, const Opt<at::Tensor>& lam,
+                                const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
+                                const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                double power, bool attend_current, bool clamp_lambda,
+                                double norm_eps, bool reference) {
+  constexpr const char* op = "winnow.threshold_attention_forward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor out = at::empty(out_shape(q, v), q.options());
+    const threshold::Options options{power, attend_current, clamp_lambda, norm_eps};
+    const DeviceScope scope(q);
+    threshold::forward(in, threshold_views(op, beta, lam, q2, k2), options,
+                       {view_of(out, op, "out")}, scope.context(false, reference));
+    return out;
+  });
+}
+
+using ThresholdGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                  at::Tensor, at::Tensor>;
+
+ThresholdGrads threshold_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& beta, const Opt<at::Tensor>& lam,
+                                     const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
+                                     const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
+                                     const Opt<at::Tensor>& cu_k, double power,
+                                     bool attend_current, bool clamp_lambda, double norm_eps,
+                                     bool deterministic, bool reference) {
+  constexpr const char* op = "winnow.threshold_attention_backward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    at::Tensor dbeta = at::empty_like(beta);
+    const bool tda = lam.has_value();
+    at::Tensor dlam = tda ? at::empty_like(*lam) : no_tensor(beta);
+    at::Tensor dq2 = tda && q2.has_value() ? at::empty_like(*q2) : no_tensor(q);
+    at::Tensor dk2 = tda && k2.has_value() ? at::empty_like(*k2) : no_tensor(k);
+    threshold::ViewGrads vg;
+    vg.dbeta = view_of(dbeta, op, "dbeta");
+    if (tda) {
+      vg.dlambda = view_of(dlam, op, "dlam");
+      vg.dq2 = view_of(dq2, op, "dq2");
+      vg.dk2 = view_of(dk2, op, "dk2");
+    }
+    const threshold::Options options{power, attend_current, clamp_lambda, norm_eps};
+    const DeviceScope scope(q);
+    threshold::backward(in, threshold_views(op, beta, lam, q2, k2), options,
+                        view_of(dout, op, "dout"), grad_views(op, dq, dk, dv), vg,
+                        scope.context(deterministic, reference));
+    return std::make_tuple(dq, dk, dv, dbeta, dlam, dq2, dk2);
+  });
+}
+
+constexpr Dispatched<&threshold_forward_op> threshold_forward{"winnow::threshold_attention_forward"};
+constexpr Dispatched<&threshold_backward_op> threshold_backward{"winnow::threshold_attention_backward"};
+
+Opt<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? Opt<at::Tensor>(t) : Opt<at::Tensor>();
+}
+
+struct ThresholdFunction : public torch::autograd::Function<ThresholdFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& beta,
+                               const Opt<at::Tensor>& lam, const Opt<at::Tensor>& q2,
+                               const Opt<at::Tensor>& k2, const Opt<at::Tensor>& cu_q,
+                               const Opt<at::Tensor>& cu_k, double power, bool attend_current,
+                               bool clamp_lambda, double norm_eps) {
+    at::Tensor out = threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power,
+                                       attend_current, clamp_lambda, norm_eps, false);
+    const auto or_undefined = [](const Opt<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
+    save_call(ctx, {q, k, v, beta, or_undefined(lam), or_undefined(q2), or_undefined(k2)}, cu_q,
+              cu_k, Opt<double>(), attend_current);
+    ctx->saved_data["power"] = power;
+    ctx->saved_data["clamp_lambda"] = clamp_lambda;
+    ctx->saved_data["norm_eps"] = norm_eps;
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const SavedCall c = saved_call(ctx);
+    const variable_list& s = c.tensors;
+    at::Tensor dout = grads[0];
+    if (!dout.defined()) {
+      std::vector<int64_t> shape = s[0].sizes().vec();
+      shape.back() = s[2].size(-1);
+      dout = at::zeros(shape, s[0].options());
+    }
+    auto [dq, dk, dv, dbeta, dlam, dq2, dk2] = threshold_backward(
+        s[0], s[1], s[2], s[3], defined_or_none(s[4]), defined_or_none(s[5]), defined_or_none(s[6]),
+        dout, c.cu_q, c.cu_k, ctx->saved_data["power"].toDouble(), c.attend_current,
+        ctx->saved_data["clamp_lambda"].toBool(), ctx->saved_data["norm_eps"].toDouble(),
+        at::globalContext().deterministicAlgorithms(), false);
+    const bool tda = s[4].defined();
+    return {dq, dk, dv, dbeta, tda ? dlam : at::Tensor(), tda ? dq2 : at::Tensor(),
+            tda ? dk2 : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor threshold_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& beta, const Opt<at::Tensor>& lam,
+                                        const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
+                                        const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                        double power, bool attend_current, bool clamp_lambda,
+                                        double norm_eps) {
+  return ThresholdFunction::apply(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power, attend_current,
+                                  clamp_lambda, norm_eps)[0];
+}
+
+at::Tensor threshold_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& beta, const Opt<at::Tensor>& lam,
+                                       const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
+                                       const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                       double power, bool attend_current, bool clamp_lambda,
+                                       double norm_eps) {
+  return threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power, attend_current,
+                           clamp_lambda, norm_eps, false);
+}
+
 // ------------------------------------------------------------------ rotary embedding
 
 at::Tensor rotary_apply_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -929,6 +1064,27 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor&, const at::
                          at::empty_symint(gate.sym_sizes(), gate.options()));
 }
 
+at::Tensor threshold_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                             const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                             const Opt<at::Tensor>&, double, bool, bool, double, bool) {
+  check_attention("winnow.threshold_attention_forward", q, k, v);
+  return out(q, v);
+}
+
+ThresholdGrads threshold_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& beta, const Opt<at::Tensor>& lam,
+                                  const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
+                                  const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                                  double, bool, bool, double, bool, bool) {
+  auto [dq, dk, dv] = grads("winnow.threshold_attention_backward", q, k, v);
+  const bool tda = lam.has_value();
+  return std::make_tuple(dq, dk, dv, at::empty_like(beta),
+                         tda ? at::empty_like(*lam) : at::empty({0}, beta.options()),
+                         tda && q2.has_value() ? at::empty_like(*q2) : at::empty({0}, q.options()),
+                         tda && k2.has_value() ? at::empty_like(*k2) : at::empty({0}, k.options()));
+}
+
 }  // namespace meta
 
 }  // namespace
@@ -991,6 +1147,23 @@ TORCH_LIBRARY(winnow, m) {
       "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "
       "float alpha=1.5, str filter=\"exact\", float? eps=None, bool deterministic=False, "
       "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "threshold_attention(Tensor q, Tensor k, Tensor v, Tensor beta, *, Tensor? lam=None, "
+      "Tensor? q2=None, Tensor? k2=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+      "float power=2.0, bool attend_current=True, bool clamp_lambda=True, "
+      "float norm_eps=1e-06) -> Tensor");
+  m.def(
+      "threshold_attention_forward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? lam=None, "
+      "Tensor? q2=None, Tensor? k2=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+      "float power=2.0, bool attend_current=True, bool clamp_lambda=True, float norm_eps=1e-06, "
+      "bool reference=False) -> Tensor");
+  m.def(
+      "threshold_attention_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? lam, "
+      "Tensor? q2, Tensor? k2, Tensor dout, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float power=2.0, bool attend_current=True, "
+      "bool clamp_lambda=True, float norm_eps=1e-06, bool deterministic=False, "
+      "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbeta, Tensor dlam, "
+      "Tensor dq2, Tensor dk2)");
   m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rotary_embedding_apply(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06, ScalarType? out_dtype=None) -> Tensor");
@@ -1026,6 +1199,8 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("entmax_attention_backward", entmax_backward_op);
   m.impl("sieve_attention_forward", sieve_forward_op);
   m.impl("sieve_attention_backward", sieve_backward_op);
+  m.impl("threshold_attention_forward", threshold_forward_op);
+  m.impl("threshold_attention_backward", threshold_backward_op);
   m.impl("rotary_embedding_apply", rotary_apply_op);
   m.impl("rms_norm_forward", rms_norm_forward_op);
   m.impl("rms_norm_backward", rms_norm_backward_op);
@@ -1044,6 +1219,8 @@ TORCH_LIBRARY_IMPL(winnow, Meta, m) {
   m.impl("entmax_attention_backward", meta::entmax_backward);
   m.impl("sieve_attention_forward", meta::sieve_forward);
   m.impl("sieve_attention_backward", meta::sieve_backward);
+  m.impl("threshold_attention_forward", meta::threshold_forward);
+  m.impl("threshold_attention_backward", meta::threshold_backward);
   m.impl("rotary_embedding_apply", meta::rotary_apply);
   m.impl("rms_norm_forward", meta::rms_norm_forward);
   m.impl("rms_norm_backward", meta::rms_norm_backward);
@@ -1061,6 +1238,7 @@ TORCH_LIBRARY_IMPL(winnow, AutogradMeta, m) {
                            "stick_breaking_attention_forward", "stick_breaking_attention_backward",
                            "entmax_attention_forward", "entmax_attention_backward",
                            "sieve_attention_forward", "sieve_attention_backward",
+                           "threshold_attention_forward", "threshold_attention_backward",
                            "rotary_embedding_apply", "rms_norm_forward", "rms_norm_backward",
                            "add_rms_norm_forward", "add_rms_norm_backward", "swiglu_forward",
                            "swiglu_backward"}) {
@@ -1076,6 +1254,7 @@ TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("stick_breaking_attention", stick_breaking_attention_autograd);
   m.impl("entmax_attention", entmax_attention_autograd);
   m.impl("sieve_attention", sieve_attention_autograd);
+  m.impl("threshold_attention", threshold_attention_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
   m.impl("rms_norm", rms_norm_autograd);
   m.impl("add_rms_norm", add_rms_norm_autograd);
@@ -1087,6 +1266,7 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("stick_breaking_attention", stick_breaking_attention_no_grad);
   m.impl("entmax_attention", entmax_attention_no_grad);
   m.impl("sieve_attention", sieve_attention_no_grad);
+  m.impl("threshold_attention", threshold_attention_no_grad);
   m.impl("rotary_embedding", rotary_embedding_no_grad);
   m.impl("rms_norm", rms_norm_no_grad);
   m.impl("add_rms_norm", add_rms_norm_no_grad);
@@ -1142,6 +1322,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention(
                            double, c10::string_view, Opt<double>)>();
   return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current,
                  alpha, filter, eps);
+}
+
+at::Tensor threshold_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& beta, const AttentionCall& call,
+                               const ThresholdViews& views, const ThresholdOptions& options) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::threshold_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const Opt<at::Tensor>&,
+                                         const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                                         const Opt<at::Tensor>&, const Opt<at::Tensor>&, double,
+                                         bool, bool, double)>();
+  return op.call(q, k, v, beta, views.lam, views.q2, views.k2, call.cu_seqlens_q,
+                 call.cu_seqlens_k, options.power, call.attend_current, options.clamp_lambda,
+                 options.norm_eps);
 }
 
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

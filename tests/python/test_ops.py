@@ -422,3 +422,71 @@ def test_version_is_the_projects():
     cmake = (pathlib.Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
     assert winnow.__version__ == re.search(r"project\(winnow VERSION ([0-9.]+)", cmake).group(1)
 
+
+
+def composed_threshold(q, k, v, beta, power=2.0, attend_current=True, eps=1e-6):
+    """TRA from spec/threshold.md on (B, L, H, D) tensors: relu(cos - tau)^p, unnormalized."""
+    group = q.shape[2] // k.shape[2]
+    qh = q / q.norm(dim=-1, keepdim=True).clamp_min(eps)
+    kh = k / k.norm(dim=-1, keepdim=True).clamp_min(eps)
+    qh = qh.transpose(1, 2)
+    kh = kh.repeat_interleave(group, 2).transpose(1, 2)
+    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    lq, lk, d = q.shape[1], k.shape[1], q.shape[-1]
+    pos_q = torch.arange(lq) + (lk - lq)
+    visible = (torch.arange(lk)[None, :] <= pos_q[:, None]) if attend_current else (
+        torch.arange(lk)[None, :] < pos_q[:, None])
+    n = visible.sum(-1).to(q.dtype)
+    unit = torch.where(n > 1, torch.sqrt(2 * torch.log(n.clamp_min(1)) / d), torch.zeros_like(n))
+    tau = beta.reshape(1, -1, 1, 1) * unit.reshape(1, 1, -1, 1)
+    w = torch.relu(qh @ kh.transpose(-1, -2) - tau).pow(power)
+    w = torch.where(visible, w, torch.zeros_like(w))
+    return (w @ vh).transpose(1, 2)
+
+
+@pytest.mark.parametrize("power", [1.0, 2.0])
+def test_threshold_matches_composed_with_gradients(power):
+    torch.manual_seed(12)
+    q = torch.randn(2, 13, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 17, 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 17, 2, 5, dtype=torch.float64, requires_grad=True)
+    q2 = torch.randn(2, 13, 4, 8, dtype=torch.float64, requires_grad=True)
+    k2 = torch.randn(2, 17, 2, 8, dtype=torch.float64, requires_grad=True)
+    beta = torch.tensor([0.2, 0.5, 0.0, 0.8], dtype=torch.float64, requires_grad=True)
+    lam = torch.tensor([0.3], dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 13, 4, 5, dtype=torch.float64)
+    out = winnow.threshold_attention(q, k, v, beta, lam=lam, q2=q2, k2=k2, power=power)
+    ref = (composed_threshold(q, k, v, beta, power)
+           - lam * composed_threshold(q2, k2, v, beta, power))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    leaves = (q, k, v, q2, k2, beta, lam)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+    # float32 on the CPU kernels, the same result to float32 precision.
+    out32 = winnow.threshold_attention(*(t.detach().float() for t in (q, k, v, beta)), power=power)
+    torch.testing.assert_close(out32.double(), composed_threshold(q, k, v, beta, power).detach(),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_threshold_high_beta_leaves_exact_zeros_and_gradcheck():
+    torch.manual_seed(13)
+    q = torch.randn(1, 9, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 9, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 9, 1, 3, dtype=torch.float64, requires_grad=True)
+    out = winnow.threshold_attention(q, k, v, torch.tensor([50.0], dtype=torch.float64))
+    assert (out[:, 1:] == 0).all() and (out[:, 0] != 0).any()
+    beta = torch.tensor([0.4], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, beta: winnow.threshold_attention(q, k, v, beta), (q, k, v, beta))
+
+
+def test_threshold_bad_arguments_name_them():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="argument 'beta'"):
+        winnow.threshold_attention(q, q, q, torch.zeros(3))
+    with pytest.raises(ValueError, match="argument 'power'"):
+        winnow.threshold_attention(q, q, q, torch.zeros(2), power=0.0)
+    with pytest.raises(ValueError, match="argument 'q2'"):
+        winnow.threshold_attention(q, q, q, torch.zeros(2), lam=torch.zeros(1))

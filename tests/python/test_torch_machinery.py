@@ -96,6 +96,10 @@ def call_with_loss(name, tensors, options):
     fn = FUNCTIONS[name]
     if name in ("rotary_embedding", "rms_norm", "add_rms_norm", "swiglu"):
         outputs = tensors_of(fn(*tensors, **options))
+    elif name == "threshold_attention":  # (q, k, v, beta[, cu_q, cu_k])
+        q, k, v, beta, *cu = tensors
+        extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}
+        outputs = tensors_of(fn(q, k, v, beta, **extra, **options))
     else:
         q, k, v, *cu = tensors
         extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import winnow  # noqa: E402
-from operator_samples import DIFFERENTIABLE, operator, samples  # noqa: E402
+from operator_samples import CPU_ONLY, DIFFERENTIABLE, operator, samples  # noqa: E402
 from test_torch_machinery import compile_check, needs_modern_torch  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -36,10 +36,17 @@ def test_opcheck_bfloat16_fused(sample):
 # Tracing (AOTAutograd, dynamic shapes) of every operator on CUDA tensors; inductor's code
 # generation around them is what the module tests below and the GPT example exercise (each
 # inductor compilation costs tens of seconds).
-@pytest.mark.parametrize("name", DIFFERENTIABLE)
+@pytest.mark.parametrize("name", [n for n in DIFFERENTIABLE if n not in CPU_ONLY])
 @pytest.mark.parametrize("dtype,d,tol", [(torch.float32, 16, 1e-5), (torch.bfloat16, 64, 3e-2)])
 def test_compile_matches_eager_on_cuda(name, dtype, d, tol):
     compile_check(name, "cuda", dtype, d, "aot_eager", tol, tol)
+
+
+def test_operators_without_cuda_kernels_say_so():
+    q = torch.randn(1, 8, 2, 16, device="cuda")
+    beta = torch.zeros(2, device="cuda")
+    with pytest.raises(NotImplementedError, match="no CUDA kernels yet"):
+        winnow.threshold_attention(q, q[:, :, :1], q[:, :, :1], beta)
 
 
 @pytest.mark.parametrize("mechanism", ["stick_breaking", "entmax"])

@@ -39,6 +39,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_attention(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionCall& call,
     double alpha = 1.5, const std::string& filter = "exact", Opt<double> eps = Opt<double>());
 
+// Threshold attention (winnow/threshold.h): TRA, or TDA when views.lam is given (with q2 and k2,
+// TDA's second query/key view). beta and lam are (Hq) or (1) tensors with gradients; queries
+// and keys are normalized inside (call.scale is ignored: the scores are cosines).
+struct ThresholdViews {
+  Opt<at::Tensor> lam, q2, k2;
+};
+struct ThresholdOptions {
+  double power = 2.0;
+  bool clamp_lambda = true;
+  double norm_eps = 1e-6;
+};
+at::Tensor threshold_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& beta, const AttentionCall& call,
+                               const ThresholdViews& views = {},
+                               const ThresholdOptions& options = {});
+
 // Rotary position embedding of x (B, L, H, D) by tables cos and sin (L, D/2) (winnow/rotary.h):
 // one kernel forward and one backward (the transposed rotation); gradients reach x only.
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
