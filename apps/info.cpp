@@ -43,7 +43,7 @@ void add_info_command(CLI::App& app) {
                 << (m.option_keys.empty() ? std::string("none") : config::join(m.option_keys))
                 << "\n      fused path: " << m.fused_operator << "\n";
     }
-    std::cout << "  not yet: screening, threshold (TRA/TDA), GSA (their operators arrive with "
+    std::cout << "  not yet: screening, GSA (their operators arrive with "
                  "their issues)\n"
               << "\ntraining: winnow train --config FILE [--set key=value ...] (configs/ has "
                  "examples; --print-config shows every key)\n";

@@ -12,6 +12,7 @@ const std::vector<Mechanism>& mechanisms() {
       stick_breaking_mechanism(),
       entmax_mechanism(),
       sieve_mechanism(),
+      threshold_mechanism(),
   };
   return all;
 }

@@ -235,4 +235,54 @@ std::pair<torch::Tensor, torch::Tensor> sieve_attention(
   return {out.to(q.scalar_type()), rem.transpose(1, 2)};
 }
 
+namespace {
+
+// One view's weights: the queries may be fewer than the keys (the probe's last rows), their
+// positions the last q.size(1) of the keys'.
+torch::Tensor threshold_view(const torch::Tensor& q, const torch::Tensor& k, bool attend_current,
+                             const ThresholdSpec& spec) {
+  const auto normalized = [&](const torch::Tensor& x) {
+    const torch::Tensor w = x.to(work_type(q));
+    return w / w.norm(2, -1, /*keepdim=*/true).clamp_min(spec.norm_eps);
+  };
+  const Scores s = scores(normalized(q), normalized(k), 1.0, attend_current);
+  // n_j visible keys; tau_j = beta sqrt(2 log n_j / D), 0 for n_j <= 1.
+  const torch::Tensor n = s.visible.sum(-1).to(s.z.scalar_type());
+  const torch::Tensor unit = torch::where(
+      n.gt(1), torch::sqrt(2.0 * torch::log(n.clamp_min(1)) / static_cast<double>(q.size(-1))),
+      torch::zeros_like(n));
+  const torch::Tensor beta = spec.beta.to(s.z.scalar_type()).reshape({1, -1, 1, 1});
+  const torch::Tensor x = s.z - beta * unit.reshape({1, 1, -1, 1});
+  torch::Tensor w = spec.power == 1.0 ? torch::relu(x)
+                    : spec.power == 2.0 ? torch::relu(x).square()
+                                        : torch::relu(x).pow(spec.power);
+  return w.masked_fill(s.visible.logical_not(), 0);
+}
+
+}  // namespace
+
+torch::Tensor threshold_weights(const torch::Tensor& q, const torch::Tensor& k,
+                                bool attend_current, const ThresholdSpec& spec) {
+  torch::Tensor w = threshold_view(q, k, attend_current, spec);
+  if (spec.lam) {
+    if (!spec.q2 || !spec.k2) {
+      throw Error(ErrorKind::invalid_argument,
+                  "composed::threshold_weights: argument 'q2' / 'k2': expected TDA's second view "
+                  "with lam, got none");
+    }
+    torch::Tensor lam = spec.lam->to(w.scalar_type());
+    if (spec.clamp_lambda) lam = lam.clamp(0.0, 1.0);
+    w = w - lam.reshape({1, -1, 1, 1}) * threshold_view(*spec.q2, *spec.k2, attend_current, spec);
+  }
+  return w;
+}
+
+torch::Tensor threshold_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, bool attend_current,
+                                  const ThresholdSpec& spec) {
+  const torch::Tensor w = threshold_weights(q, k, attend_current, spec);
+  const torch::Tensor vh = keys_per_query_head(v, q.size(2));
+  return torch::matmul(w.to(v.scalar_type()), vh).transpose(1, 2);
+}
+
 }  // namespace winnow::nn::composed

@@ -41,9 +41,26 @@ std::pair<torch::Tensor, torch::Tensor> sieve_weights(const torch::Tensor& q,
                                                       const std::string& filter,
                                                       std::optional<double> eps);
 
+// Threshold attention (spec/threshold.md): relu(cos(q_j, k_i) - tau_j)^power with
+// tau_j = beta_h sqrt(2 log(n_j) / D); with lam, TDA's w1 - lam w2 (lam clamped to [0, 1] when
+// clamp_lambda). beta and lam are (Hq) or (1). Signed, unnormalized weights.
+struct ThresholdSpec {
+  torch::Tensor beta;
+  std::optional<torch::Tensor> lam, q2, k2;
+  double power = 2.0;
+  bool clamp_lambda = true;
+  double norm_eps = 1e-6;
+};
+torch::Tensor threshold_weights(const torch::Tensor& q, const torch::Tensor& k,
+                                bool attend_current, const ThresholdSpec& spec);
+
 torch::Tensor softmax_attention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, double scale, bool attend_current,
                                 const std::optional<torch::Tensor>& alibi_slopes = std::nullopt);
+
+torch::Tensor threshold_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, bool attend_current,
+                                  const ThresholdSpec& spec);
 
 // Returns (out, rem), rem (B, Lq, Hq) the unallocated stick, float32 (float64 for float64).
 std::pair<torch::Tensor, torch::Tensor> stick_breaking_attention(const torch::Tensor& q,

@@ -396,7 +396,7 @@ TEST(Cli, LanguageModelingStudyRunsEndToEnd) {
   Outcome r = run(args, dir);
   ASSERT_EQ(r.status, 0) << r.output;
   const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/result.json"));
-  ASSERT_EQ(result["mechanisms"].size(), 6u);
+  ASSERT_EQ(result["mechanisms"].size(), 7u);
   for (const auto& m : result["mechanisms"]) {
     ASSERT_EQ(m["results"].size(), 2u);
     EXPECT_EQ(m["results"][1]["length"], 128);
@@ -434,6 +434,7 @@ TEST(Cli, LanguageModelingStudyRunsEndToEnd) {
   EXPECT_EQ(table.find("exact match per sequence"), std::string::npos) << table;
   EXPECT_NE(table.find("| Differential softmax |"), std::string::npos) << table;
   EXPECT_NE(table.find("| Softmax+RoPE (QK-norm) |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| TDA |"), std::string::npos) << table;
   EXPECT_NE(table.find("by position at L = 128"), std::string::npos) << table;
   EXPECT_NE(table.find("| mechanism | 0-64 | 64-128 |"), std::string::npos) << table;
   EXPECT_NE(table.find("| loss spikes | max activation |"), std::string::npos) << table;

@@ -247,7 +247,7 @@ TEST(Probe, StatisticsMatchAHandComputation) {
 }
 
 TEST(Probe, EveryMechanismFeedsIt) {
-  for (const std::string kind : {"softmax", "differential", "stick_breaking", "entmax", "sieve"}) {
+  for (const std::string kind : {"softmax", "differential", "stick_breaking", "entmax", "sieve", "threshold"}) {
     torch::manual_seed(4);
     nn::TransformerLM model(tiny(kind));
     nn::AttentionProbe probe(3);

@@ -198,7 +198,10 @@ Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& 
   const AttentionConfig& a = model.attention;
   const std::int64_t B = x.size(0), L = x.size(1), H = a.heads, Hkv = a.kv_heads, D = a.head_dim;
   const bool differential = a.kind == "differential";
-  const std::int64_t views = differential ? 2 : 1;
+  const std::string threshold_variant = a.options.value("variant", std::string("tda"));
+  const bool threshold_two_views =
+      a.kind == "threshold" && (threshold_variant == "tda" || threshold_variant == "differential_rela");
+  const std::int64_t views = differential || threshold_two_views ? 2 : 1;
   Tensor q = linear(x, p, "q").view({B, L, views * H, D});
   Tensor k = linear(x, p, "k").view({B, L, views * Hkv, D});
   Tensor v = linear(x, p, "v").view({B, L, Hkv, D});
@@ -230,6 +233,30 @@ Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& 
     const Tensor lambda = torch::exp((p.at("lambda_q1") * p.at("lambda_k1")).sum()) -
                           torch::exp((p.at("lambda_q2") * p.at("lambda_k2")).sum()) + lambda_init;
     o = head_norm(o1 - lambda * o2, p, "head_norm", false) * (1 - lambda_init);
+  } else if (a.kind == "threshold") {
+    // spec/threshold.md: cosine scores, tau_j = beta sqrt(2 log(j + 1) / D), relu(s - tau)^p.
+    const bool rela = threshold_variant == "rela" || threshold_variant == "differential_rela";
+    const double power = rela ? 1.0 : a.options.value("power", 2.0);
+    const Tensor beta = p.count("beta") ? p.at("beta") : torch::zeros({1}, torch::kFloat64);
+    const Tensor n = torch::arange(1, L + 1, torch::kFloat64);
+    const Tensor unit = torch::where(n.gt(1), torch::sqrt(2 * torch::log(n) / double(D)), torch::zeros_like(n));
+    const Tensor causal = torch::ones({L, L}, torch::kBool).tril();
+    const Tensor vh = v.repeat_interleave(H / Hkv, 2);
+    auto tra = [&](const Tensor& qq, const Tensor& kk) {
+      const Tensor qn = qq / qq.norm(2, -1, true).clamp_min(1e-6);
+      const Tensor kn = (kk / kk.norm(2, -1, true).clamp_min(1e-6)).repeat_interleave(H / Hkv, 2);
+      const Tensor sc = torch::einsum("bjhd,bihd->bhji", {qn, kn});
+      const Tensor xw = sc - beta.view({1, -1, 1, 1}) * unit.view({1, 1, L, 1});
+      const Tensor w = torch::relu(xw).pow(power).masked_fill(causal.logical_not(), 0);
+      return torch::einsum("bhji,bihd->bjhd", {w, vh});
+    };
+    o = tra(q.narrow(2, 0, H), k.narrow(2, 0, Hkv));
+    if (threshold_two_views) {
+      Tensor lam = p.at("lambda");
+      if (a.options.value("clamp_lambda", true)) lam = lam.clamp(0.0, 1.0);
+      o = o - lam.view({1, 1, -1, 1}) * tra(q.narrow(2, H, H), k.narrow(2, Hkv, Hkv));
+    }
+    if (a.options.value("head_norm", true)) o = head_norm(o, p, "head_norm", false);
   } else if (a.kind == "entmax") {
     SparseOptions sparse;
     sparse.alpha = a.options.value("alpha", 1.5);
@@ -266,6 +293,14 @@ const std::vector<Variant>& variants() {
       {"ssmax", [](AttentionConfig& a) { a.options["ssmax"] = true; }},
       {"gated_g1", [](AttentionConfig& a) { a.options["gate"] = "g1"; }},
       {"softmax_rope_qk_norm_gqa", [](AttentionConfig& a) { a.options["qk_norm"] = true; a.kv_heads = 1; }},
+      {"threshold_tda_rope", [](AttentionConfig& a) { a.kind = "threshold"; a.options["beta_init"] = 0.3; }},
+      {"threshold_tra_nope_gqa_per_head", [](AttentionConfig& a) {
+         a.kind = "threshold"; a.position = "nope"; a.kv_heads = 1;
+         a.options["variant"] = "tra"; a.options["beta_per_head"] = true; a.options["power"] = 1.5; }},
+      {"threshold_rela", [](AttentionConfig& a) { a.kind = "threshold"; a.options["variant"] = "rela"; }},
+      {"threshold_differential_rela_unclamped", [](AttentionConfig& a) {
+         a.kind = "threshold"; a.options["variant"] = "differential_rela";
+         a.options["clamp_lambda"] = false; a.options["head_norm"] = false; }},
       {"gated_g2_gqa", [](AttentionConfig& a) { a.options["gate"] = "g2"; a.kv_heads = 1; }},
       {"gated_g1g2_ssmax_nope", [](AttentionConfig& a) { a.options["gate"] = "g1g2"; a.options["ssmax"] = true; a.position = "nope"; }},
       {"differential", [](AttentionConfig& a) { a.kind = "differential"; }},
