@@ -24,7 +24,12 @@ struct ThresholdOptions {
   double beta_init = 0.5;
   bool beta_per_head = false;  // one beta per head instead of one per layer
   double lambda_init = 0.5;    // TDA's inhibition strength at the start
-  bool clamp_lambda = true;    // lambda used in [0, 1] (004's kernel)
+  // scalar: lambda is learned directly, used clamped to [0, 1] when clamp_lambda (004's
+  // kernel); reparam: the Differential Transformer's form, lambda = exp(<lq1, lk1>) -
+  // exp(<lq2, lk2>) + lambda_init with learned head_dim vectors, never clamped (it may turn
+  // negative, as 004 allows).
+  std::string lambda_form = "scalar";
+  bool clamp_lambda = true;
   bool head_norm = true;       // RMSNorm of each head's output
 
   template <class V>
@@ -34,6 +39,7 @@ struct ThresholdOptions {
     v("beta_init", beta_init);
     v("beta_per_head", beta_per_head);
     v("lambda_init", lambda_init);
+    v("lambda_form", lambda_form, config::one_of({"scalar", "reparam"}));
     v("clamp_lambda", clamp_lambda);
     v("head_norm", head_norm);
   }
@@ -60,8 +66,17 @@ class ThresholdAttention final : public AttentionLayer {
     } else {
       beta_ = register_parameter("beta", torch::full({scalars}, options_.beta_init));
     }
-    if (options_.differential()) {
+    if (options_.differential() && options_.lambda_form == "scalar") {
       lambda_ = register_parameter("lambda", torch::full({scalars}, options_.lambda_init));
+    }
+    if (options_.differential() && options_.lambda_form == "reparam") {
+      auto vector = [&](const char* name) {
+        return register_parameter(name, torch::randn({h_.head_dim}) * 0.1);
+      };
+      lambda_q1_ = vector("lambda_q1");
+      lambda_k1_ = vector("lambda_k1");
+      lambda_q2_ = vector("lambda_q2");
+      lambda_k2_ = vector("lambda_k2");
     }
     if (options_.head_norm) {
       head_norm_ = register_module(
@@ -80,10 +95,14 @@ class ThresholdAttention final : public AttentionLayer {
     composed::ThresholdSpec spec;
     spec.beta = beta_;
     spec.power = options_.rela() ? 1.0 : options_.power;
-    spec.clamp_lambda = options_.clamp_lambda;
+    spec.clamp_lambda = options_.clamp_lambda && options_.lambda_form == "scalar";
     const torch::Tensor q1 = qv.narrow(2, 0, H), k1 = kv.narrow(2, 0, Hkv);
     if (options_.differential()) {
-      spec.lam = lambda_;
+      spec.lam = options_.lambda_form == "scalar"
+                     ? lambda_
+                     : (torch::exp((lambda_q1_ * lambda_k1_).sum()) -
+                        torch::exp((lambda_q2_ * lambda_k2_).sum()) + options_.lambda_init)
+                           .reshape({1});
       spec.q2 = qv.narrow(2, H, H);
       spec.k2 = kv.narrow(2, Hkv, Hkv);
     }
@@ -129,6 +148,7 @@ class ThresholdAttention final : public AttentionLayer {
   bool kernel_;
   torch::nn::Linear q_{nullptr}, k_{nullptr}, v_{nullptr}, o_{nullptr};
   torch::Tensor beta_, lambda_;
+  torch::Tensor lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_;  // lambda_form reparam
   HeadNorm head_norm_{nullptr};
 };
 

@@ -252,8 +252,12 @@ Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& 
     };
     o = tra(q.narrow(2, 0, H), k.narrow(2, 0, Hkv));
     if (threshold_two_views) {
-      Tensor lam = p.at("lambda");
-      if (a.options.value("clamp_lambda", true)) lam = lam.clamp(0.0, 1.0);
+      const bool reparam = a.options.value("lambda_form", std::string("scalar")) == "reparam";
+      Tensor lam = reparam ? (torch::exp((p.at("lambda_q1") * p.at("lambda_k1")).sum()) -
+                              torch::exp((p.at("lambda_q2") * p.at("lambda_k2")).sum()) +
+                              a.options.value("lambda_init", 0.5)).reshape({1})
+                           : p.at("lambda");
+      if (!reparam && a.options.value("clamp_lambda", true)) lam = lam.clamp(0.0, 1.0);
       o = o - lam.view({1, 1, -1, 1}) * tra(q.narrow(2, H, H), k.narrow(2, Hkv, Hkv));
     }
     if (a.options.value("head_norm", true)) o = head_norm(o, p, "head_norm", false);
@@ -298,6 +302,8 @@ const std::vector<Variant>& variants() {
          a.kind = "threshold"; a.position = "nope"; a.kv_heads = 1;
          a.options["variant"] = "tra"; a.options["beta_per_head"] = true; a.options["power"] = 1.5; }},
       {"threshold_rela", [](AttentionConfig& a) { a.kind = "threshold"; a.options["variant"] = "rela"; }},
+      {"threshold_tda_reparam_lambda", [](AttentionConfig& a) {
+         a.kind = "threshold"; a.options["lambda_form"] = "reparam"; a.options["lambda_init"] = 0.8; }},
       {"threshold_differential_rela_unclamped", [](AttentionConfig& a) {
          a.kind = "threshold"; a.options["variant"] = "differential_rela";
          a.options["clamp_lambda"] = false; a.options["head_norm"] = false; }},
