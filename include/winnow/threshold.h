@@ -36,6 +36,9 @@ struct Views {
 
 struct Outputs {
   TensorView out;  // like q with v's head dimension; zero for a row that sees no key
+  // Optional, int32 per query row ((B, Lq, Hq) or (Tq, Hq)): the visible keys whose weight is
+  // nonzero in some view (s_ij > tau_j). 1 - nonzero / n_j is the row's exact-zero fraction.
+  std::optional<TensorView> nonzero;
 };
 
 // Gradients of beta, lambda and the second view; dbeta and dlambda are shaped like beta and

@@ -75,6 +75,10 @@ void forward(const AttentionInputs& in, const Views& views, const Options& optio
   Checked c = checked(call, in, views, options);
   c.params.out = call.like_q("out", outputs.out, /*value_dim=*/true);
   call.require_writable("out", outputs.out);
+  if (outputs.nonzero) {
+    c.config.nonzero = call.row_stats("nonzero", *outputs.nonzero, DType::int32);
+    call.require_writable("nonzero", *outputs.nonzero);
+  }
   switch (call.route()) {
     case Route::reference: return reference::threshold_forward(c.params, c.config);
     case Route::cpu: return cpu::threshold_forward(c.params, c.config);

@@ -122,6 +122,7 @@ struct ThresholdConfig {
   bool clamp_lambda = true;
   Operand beta, lambda;
   Operand q2, k2;  // TDA's second view, laid out like q and k
+  Operand nonzero;  // int32 per query row, written when data != nullptr (forward only)
   // Backward only.
   Operand dbeta, dlambda, dq2, dk2;
   WINNOW_HD bool differential() const { return lambda.data != nullptr; }

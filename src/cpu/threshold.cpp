@@ -95,6 +95,8 @@ void forward_impl(const AttentionParams& p, const ThresholdConfig& cfg) {
     thread_local RowMatrix<T> v, o;
     thread_local ScoreTile<T> x1, w1, x2, w2;
     thread_local RowVector<T> unit, tau;
+    thread_local Eigen::Array<std::int32_t, Eigen::Dynamic, 1> survivors;
+    const bool counting = cfg.nonzero.data != nullptr;
     const std::int64_t hk = p.kv_head(qt.h), row0 = s.q_start + qt.r0;
     q1.load(p.q, qt.b, row0, qt.n, qt.h, p.dim_qk, eps);
     if (tda) q2.load(cfg.q2, qt.b, row0, qt.n, qt.h, p.dim_qk, eps);
@@ -102,6 +104,7 @@ void forward_impl(const AttentionParams& p, const ThresholdConfig& cfg) {
     tau = per_head<T>(cfg.beta, qt.h) * unit;
     const T lambda = tda ? mt::lambda_used(per_head<T>(cfg.lambda, qt.h), cfg.clamp_lambda) : T(0);
     o.setZero(qt.n, p.dim_v);
+    if (counting) survivors.setZero(qt.n);
     for (std::int64_t kt = 0; kt <= qt.last_key_tile(); ++kt) {
       const KeyRange kr = key_range(qt, kt);
       k1.load(p.k, qt.b, s.k_start + kr.i0, kr.size(), hk, p.dim_qk, eps);
@@ -109,15 +112,23 @@ void forward_impl(const AttentionParams& p, const ThresholdConfig& cfg) {
       if (tda) {
         k2.load(cfg.k2, qt.b, s.k_start + kr.i0, kr.size(), hk, p.dim_qk, eps);
         if (view_tile(qt, kr, q2.hat, k2.hat, tau, power, x2, w2)) {
+          if (counting) survivors += ((w1.array() != T(0)) || (w2.array() != T(0))).template cast<std::int32_t>().rowwise().sum();
           any = true;
           w1 -= lambda * w2;
+        } else if (counting && any) {
+          survivors += (w1.array() != T(0)).template cast<std::int32_t>().rowwise().sum();
         }
+      } else if (counting && any) {
+        survivors += (w1.array() != T(0)).template cast<std::int32_t>().rowwise().sum();
       }
       if (!any) continue;  // no weight in the tile: its values are never read
       load_rows<T>(p.v, qt.b, s.k_start + kr.i0, kr.size(), hk, p.dim_v, v);
       o.noalias() += w1 * v;
     }
     store_rows<T>(o, p.out, qt.b, row0, qt.h);
+    if (counting) {
+      for (std::int64_t r = 0; r < qt.n; ++r) *cfg.nonzero.at<std::int32_t>(qt.b, row0 + r, qt.h) = survivors[r];
+    }
   });
 }
 

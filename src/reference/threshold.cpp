@@ -111,10 +111,26 @@ void threshold_forward(const AttentionParams& p, const ThresholdConfig& cfg) {
     const detail::SequenceExtent s = p.sequence(b);
     for (std::int64_t h = 0; h < p.heads_q; ++h) {
       Dense w = view_weights(p, cfg, p.q, p.k, b, s, h).w;
+      std::vector<std::int32_t> survivors(static_cast<std::size_t>(s.q_len), 0);
+      const auto count = [&](const Dense& wv, bool add) {
+        for (std::int64_t r = 0; r < s.q_len; ++r) {
+          for (std::int64_t i = 0; i < s.k_len; ++i) {
+            // A key counts once however many views it survives in.
+            if (wv(r, i) != 0 && (add || w(r, i) == 0)) ++survivors[static_cast<std::size_t>(r)];
+          }
+        }
+      };
+      count(w, true);
       if (cfg.differential()) {
         const double lambda = lambda_of(cfg, h);
         const Dense w2 = view_weights(p, cfg, cfg.q2, cfg.k2, b, s, h).w;
+        count(w2, false);
         for (std::size_t e = 0; e < w.a.size(); ++e) w.a[e] -= lambda * w2.a[e];
+      }
+      if (cfg.nonzero.data != nullptr) {
+        for (std::int64_t r = 0; r < s.q_len; ++r) {
+          *cfg.nonzero.at<std::int32_t>(b, s.q_start + r, h) = survivors[static_cast<std::size_t>(r)];
+        }
       }
       Dense o(s.q_len, p.dim_v);
       add_product(w, gather(p.v, b, s.k_start, s.k_len, p.kv_head(h), p.dim_v), o, false, false);

@@ -495,21 +495,25 @@ threshold::Views threshold_views(const char* op, const at::Tensor& beta, const O
   return v;
 }
 
-at::Tensor threshold_forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& beta, const Opt<at::Tensor>& lam,
-                                const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
-                                const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
-                                double power, bool attend_current, bool clamp_lambda,
-                                double norm_eps, bool reference) {
+// nonzero: per query row, the keys kept in some view (int32), when count_nonzero; else empty.
+std::tuple<at::Tensor, at::Tensor> threshold_forward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+    const Opt<at::Tensor>& lam, const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
+    const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, double power, bool attend_current,
+    bool clamp_lambda, double norm_eps, bool count_nonzero, bool reference) {
   constexpr const char* op = "winnow.threshold_attention_forward";
   return translate_errors([&] {
     const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor out = at::empty(out_shape(q, v), q.options());
+    at::Tensor nonzero = count_nonzero ? at::empty(stats_shape(q), q.options().dtype(at::kInt))
+                                       : at::empty({0}, q.options().dtype(at::kInt));
     const threshold::Options options{power, attend_current, clamp_lambda, norm_eps};
+    threshold::Outputs outputs{view_of(out, op, "out"), std::nullopt};
+    if (count_nonzero) outputs.nonzero = view_of(nonzero, op, "nonzero");
     const DeviceScope scope(q);
-    threshold::forward(in, threshold_views(op, beta, lam, q2, k2), options,
-                       {view_of(out, op, "out")}, scope.context(false, reference));
-    return out;
+    threshold::forward(in, threshold_views(op, beta, lam, q2, k2), options, outputs,
+                       scope.context(false, reference));
+    return std::make_tuple(out, nonzero);
   });
 }
 
@@ -562,8 +566,9 @@ struct ThresholdFunction : public torch::autograd::Function<ThresholdFunction> {
                                const Opt<at::Tensor>& k2, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, double power, bool attend_current,
                                bool clamp_lambda, double norm_eps) {
-    at::Tensor out = threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power,
-                                       attend_current, clamp_lambda, norm_eps, false);
+    at::Tensor out = std::get<0>(threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power,
+                                                   attend_current, clamp_lambda, norm_eps, false,
+                                                   false));
     const auto or_undefined = [](const Opt<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
     save_call(ctx, {q, k, v, beta, or_undefined(lam), or_undefined(q2), or_undefined(k2)}, cu_q,
               cu_k, Opt<double>(), attend_current);
@@ -610,8 +615,8 @@ at::Tensor threshold_attention_no_grad(const at::Tensor& q, const at::Tensor& k,
                                        const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
                                        double power, bool attend_current, bool clamp_lambda,
                                        double norm_eps) {
-  return threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power, attend_current,
-                           clamp_lambda, norm_eps, false);
+  return std::get<0>(threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power,
+                                      attend_current, clamp_lambda, norm_eps, false, false));
 }
 
 // ------------------------------------------------------------------ rotary embedding
@@ -1064,12 +1069,13 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor&, const at::
                          at::empty_symint(gate.sym_sizes(), gate.options()));
 }
 
-at::Tensor threshold_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
-                             const Opt<at::Tensor>&, const Opt<at::Tensor>&,
-                             const Opt<at::Tensor>&, double, bool, bool, double, bool) {
+std::tuple<at::Tensor, at::Tensor> threshold_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const Opt<at::Tensor>&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+    const Opt<at::Tensor>&, const Opt<at::Tensor>&, double, bool, bool, double,
+    bool count_nonzero, bool) {
   check_attention("winnow.threshold_attention_forward", q, k, v);
-  return out(q, v);
+  return std::make_tuple(out(q, v), count_nonzero ? counts(q) : at::empty({0}, q.options().dtype(at::kInt)));
 }
 
 ThresholdGrads threshold_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1156,7 +1162,7 @@ TORCH_LIBRARY(winnow, m) {
       "threshold_attention_forward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? lam=None, "
       "Tensor? q2=None, Tensor? k2=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
       "float power=2.0, bool attend_current=True, bool clamp_lambda=True, float norm_eps=1e-06, "
-      "bool reference=False) -> Tensor");
+      "bool count_nonzero=False, bool reference=False) -> (Tensor out, Tensor nonzero)");
   m.def(
       "threshold_attention_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? lam, "
       "Tensor? q2, Tensor? k2, Tensor dout, Tensor? cu_seqlens_q=None, "

@@ -94,6 +94,16 @@ std::vector<double> forward(const Inputs& in, const ExecContext& ctx = reference
   return out.values();
 }
 
+// The per-row survivor counts of a forward call.
+std::vector<double> survivors(const Inputs& in, const ExecContext& ctx = reference()) {
+  std::vector<std::int64_t> shape = in.main.q.shape();
+  shape.pop_back();
+  HostTensor out(in.main.dout.shape(), in.main.q.dtype()), nonzero(shape, DType::int32);
+  nonzero.fill(-1);
+  threshold::forward(attention_inputs(in), views_of(in), in.options, {out.view(), nonzero.view()}, ctx);
+  return nonzero.values();
+}
+
 struct Grads {
   std::vector<double> dq, dk, dv, dq2, dk2, dbeta, dlambda;
 };
@@ -286,6 +296,42 @@ TEST(ThresholdReference, HighThresholdLeavesExactZerosAndTheFirstQueryItsOwnKey)
   const Grads g = backward(in);
   for (double d : g.dbeta) EXPECT_EQ(d, 0.0);
   for (std::size_t e = 2 * 5; e < g.dq.size(); ++e) EXPECT_EQ(g.dq[e], 0.0) << e;
+}
+
+// nonzero counts the keys a row keeps in some view: at beta = 0 and p = 1 (ReLA) the keys with
+// a positive cosine; at a huge beta none but the first query's own key.
+TEST(ThresholdReference, NonzeroCountsTheSurvivingKeys) {
+  Inputs in = make_inputs(kOneSequence, 3);
+  in.beta.fill(0.0);
+  const std::vector<double> q = in.main.q.values(), k = in.main.k.values();
+  std::vector<double> want;
+  for (std::int64_t j = 0; j < 9; ++j) {
+    for (std::int64_t h = 0; h < 2; ++h) {
+      double n = 0;
+      for (std::int64_t i = 0; i <= j; ++i) n += cosine(q, j, k, i, h, 0, 2, 1, 5) > 0 ? 1 : 0;
+      want.push_back(n);
+    }
+  }
+  ExecContext cpu;
+  for (const ExecContext& ctx : {reference(), cpu}) {
+    EXPECT_EQ(survivors(in, ctx), want);
+    EXPECT_EQ(survivors(converted(in, DType::float32), ctx.backend == Backend::reference ? cpu : ctx), want);
+  }
+  in.beta.fill(100.0);
+  const std::vector<double> none = survivors(in);
+  for (std::size_t e = 2; e < none.size(); ++e) EXPECT_EQ(none[e], 0.0) << e;
+  // TDA: a key counts once whichever views keep it; the kernels agree with the reference.
+  Case c = kOneSequence;
+  c.tda = true;
+  const Case long_case{"long", {"long", {{150, 150}}, false, 2, 1, 8, 4}, true, 2.0, true, false};
+  for (const Case& tc : {c, long_case}) {
+    const Inputs t = make_inputs(tc, 29, 0.4);
+    const std::vector<double> ref = survivors(t);
+    EXPECT_EQ(survivors(t, cpu), ref);
+    double total = 0;
+    for (double x : ref) total += x;
+    EXPECT_GT(total, 0.0);
+  }
 }
 
 TEST(ThresholdReference, NormalizationMakesTheScaleOfQueriesAndKeysIrrelevant) {

@@ -127,7 +127,8 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
             dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=gen,
                                dtype=torch.float64).to(device=device, dtype=dtype)
             out.append(Sample("threshold_attention_forward", (q, k, v, beta),
-                              {"lam": lam, "q2": q2, "k2": k2}, "tda"))
+                              {"lam": lam, "q2": q2, "k2": k2, "count_nonzero": True}, "tda"))
+            out.append(Sample("threshold_attention_forward", (q, k, v, beta), {}, "tra"))
             out.append(Sample("threshold_attention_backward", (q, k, v, beta, None, None, None, dout),
                               {}, "tra"))
             out.append(Sample("threshold_attention_backward", (q, k, v, beta, lam, q2, k2, dout),
