@@ -25,6 +25,22 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// "[4, 8]", or "None" for an undefined tensor. Shape messages are built here as plain strings:
+// streaming IntArrayRef into TORCH_CHECK's variadic message crashed under torch 2.11 (a
+// segmentation fault instead of the ValueError).
+std::string shape_text(const at::Tensor& t) {
+  if (!t.defined()) return "None";
+  std::string out = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + std::to_string(t.size(d));
+  return out + "]";
+}
+
+// Throws ValueError with message() unless `ok`; the message is built only on failure.
+template <class Message>
+void check_value(bool ok, const Message& message) {
+  if (!ok) TORCH_CHECK_VALUE(false, std::string(message()).c_str());
+}
+
 std::optional<double> std_opt(const Opt<double>& x) {
   return x.has_value() ? std::optional<double>(*x) : std::nullopt;
 }
@@ -667,9 +683,10 @@ at::Tensor rotary_embedding_no_grad(const at::Tensor& x, const at::Tensor& cos,
 
 // x (..., C) as the (N, C) rows the kernels take: a view when x's leading dimensions allow one.
 at::Tensor as_rows(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.defined() && t.dim() >= 1, op, ": argument '", name,
-                    "': expected a tensor of at least 1 dimension, got ",
-                    t.defined() ? std::string("a 0-dimensional tensor") : std::string("None"));
+  check_value(t.defined() && t.dim() >= 1, [&] {
+    return std::string(op) + ": argument '" + name + "': expected a tensor of at least 1 dimension, got " +
+        (t.defined() ? "a 0-dimensional tensor" : "None");
+  });
   const int64_t cols = t.size(-1);
   return t.reshape({cols == 0 ? 0 : t.numel() / cols, cols});
 }
@@ -695,11 +712,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_op(const at::Tensor& dy, co
   constexpr const char* op = "winnow.rms_norm_backward";
   return translate_errors([&] {
     const at::Tensor rows = as_rows(op, "x", x);
-    TORCH_CHECK_VALUE(dy.defined() && dy.sizes() == x.sizes(), op, ": argument 'dy': expected x's shape ",
-                      x.sizes(), ", got ", dy.defined() ? c10::str(dy.sizes()) : std::string("None"));
-    TORCH_CHECK_VALUE(rstd.defined() && rstd.numel() == rows.size(0), op,
-                      ": argument 'rstd': expected x's shape without its last dimension, got ",
-                      rstd.defined() ? c10::str(rstd.sizes()) : std::string("None"));
+    check_value(dy.defined() && dy.sizes() == x.sizes(), [&] {
+      return std::string(op) + ": argument 'dy': expected x's shape " + shape_text(x) + ", got " + shape_text(dy);
+    });
+    check_value(rstd.defined() && rstd.numel() == rows.size(0), [&] {
+      return std::string(op) + ": argument 'rstd': expected x's shape without its last dimension, got " +
+          shape_text(rstd);
+    });
     at::Tensor dx = at::empty(x.sizes(), x.options());
     at::Tensor dweight = at::empty(weight.sizes(), weight.options());
     const DeviceScope scope(x);
@@ -747,9 +766,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_forward_op(
   constexpr const char* op = "winnow.add_rms_norm_forward";
   return translate_errors([&] {
     const at::Tensor rows = as_rows(op, "x", x);
-    TORCH_CHECK_VALUE(residual.defined() && residual.sizes() == x.sizes(), op,
-                      ": argument 'residual': expected x's shape ", x.sizes(), ", got ",
-                      residual.defined() ? c10::str(residual.sizes()) : std::string("None"));
+    check_value(residual.defined() && residual.sizes() == x.sizes(), [&] {
+      return std::string(op) + ": argument 'residual': expected x's shape " + shape_text(x) + ", got " +
+          shape_text(residual);
+    });
     at::Tensor sum = at::empty(x.sizes(), x.options());
     at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype.value_or(x.scalar_type())));
     at::Tensor rstd = at::empty(stats_shape(x), x.options().dtype(stats_dtype(x)));
@@ -768,15 +788,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_backward_op(
   constexpr const char* op = "winnow.add_rms_norm_backward";
   return translate_errors([&] {
     const at::Tensor rows = as_rows(op, "sum", sum);
-    TORCH_CHECK_VALUE(dy.defined() && dy.sizes() == sum.sizes(), op, ": argument 'dy': expected sum's shape ",
-                      sum.sizes(), ", got ", dy.defined() ? c10::str(dy.sizes()) : std::string("None"));
+    check_value(dy.defined() && dy.sizes() == sum.sizes(), [&] {
+      return std::string(op) + ": argument 'dy': expected sum's shape " + shape_text(sum) + ", got " + shape_text(dy);
+    });
     const bool has_dsum = dsum.has_value() && dsum->defined();
-    TORCH_CHECK_VALUE(!has_dsum || dsum->sizes() == sum.sizes(), op,
-                      ": argument 'dsum': expected sum's shape ", sum.sizes(), ", got ",
-                      has_dsum ? c10::str(dsum->sizes()) : std::string("None"));
-    TORCH_CHECK_VALUE(rstd.defined() && rstd.numel() == rows.size(0), op,
-                      ": argument 'rstd': expected sum's shape without its last dimension, got ",
-                      rstd.defined() ? c10::str(rstd.sizes()) : std::string("None"));
+    check_value(!has_dsum || dsum->sizes() == sum.sizes(), [&] {
+      return std::string(op) + ": argument 'dsum': expected sum's shape " + shape_text(sum) + ", got " +
+          (has_dsum ? shape_text(*dsum) : std::string("None"));
+    });
+    check_value(rstd.defined() && rstd.numel() == rows.size(0), [&] {
+      return std::string(op) + ": argument 'rstd': expected sum's shape without its last dimension, got " +
+          shape_text(rstd);
+    });
     at::Tensor dx = at::empty(sum.sizes(), sum.options());
     at::Tensor dresidual = at::empty(sum.sizes(), dy.options());
     at::Tensor dweight = at::empty(weight.sizes(), weight.options());
@@ -843,9 +866,10 @@ at::Tensor swiglu_forward_op(const at::Tensor& gate, const at::Tensor& up) {
   constexpr const char* op = "winnow.swiglu_forward";
   return translate_errors([&] {
     const at::Tensor g = as_rows(op, "gate", gate);
-    TORCH_CHECK_VALUE(up.defined() && up.sizes() == gate.sizes(), op,
-                      ": argument 'up': expected gate's shape ", gate.sizes(), ", got ",
-                      up.defined() ? c10::str(up.sizes()) : std::string("None"));
+    check_value(up.defined() && up.sizes() == gate.sizes(), [&] {
+      return std::string(op) + ": argument 'up': expected gate's shape " + shape_text(gate) + ", got " +
+          shape_text(up);
+    });
     at::Tensor y = at::empty(gate.sizes(), gate.options());
     const DeviceScope scope(gate);
     swiglu::forward(view_of(g, op, "gate"), view_of(up.reshape(g.sizes()), op, "up"),
@@ -860,9 +884,10 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_op(const at::Tensor& dy, cons
   return translate_errors([&] {
     const at::Tensor g = as_rows(op, "gate", gate);
     for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"dy", dy}, {"up", up}}) {
-      TORCH_CHECK_VALUE(t.defined() && t.sizes() == gate.sizes(), op, ": argument '", name,
-                        "': expected gate's shape ", gate.sizes(), ", got ",
-                        t.defined() ? c10::str(t.sizes()) : std::string("None"));
+      check_value(t.defined() && t.sizes() == gate.sizes(), [&] {
+        return std::string(op) + ": argument '" + name + "': expected gate's shape " + shape_text(gate) +
+            ", got " + shape_text(t);
+      });
     }
     at::Tensor dgate = at::empty(gate.sizes(), gate.options());
     at::Tensor dup = at::empty(gate.sizes(), gate.options());
@@ -909,9 +934,10 @@ namespace meta {
 // Ranks only: enough to build the output shapes safely. q, k, v are (B, L, H, D) or packed
 // (T, H, D).
 void check_rank(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.defined() && (t.dim() == 3 || t.dim() == 4), op, ": argument '", name,
-                    "': expected a tensor of 3 or 4 dimensions, got ",
-                    t.defined() ? std::to_string(t.dim()) + " dimensions" : std::string("None"));
+  check_value(t.defined() && (t.dim() == 3 || t.dim() == 4), [&] {
+    return std::string(op) + ": argument '" + name + "': expected a tensor of 3 or 4 dimensions, got " +
+        (t.defined() ? std::to_string(t.dim()) + " dimensions" : std::string("None"));
+  });
 }
 
 void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -1008,16 +1034,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_backward(
 }
 
 at::Tensor rotary_apply(const at::Tensor& x, const at::Tensor&, const at::Tensor&, bool) {
-  TORCH_CHECK_VALUE(x.defined() && x.dim() == 4, "winnow.rotary_embedding_apply: argument 'x': ",
-                    "expected a tensor of 4 dimensions, got ",
-                    x.defined() ? std::to_string(x.dim()) + " dimensions" : std::string("None"));
+  check_value(x.defined() && x.dim() == 4, [&] {
+    return std::string("winnow.rotary_embedding_apply: argument 'x': expected a tensor of 4 dimensions, got ") +
+        (x.defined() ? std::to_string(x.dim()) + " dimensions" : std::string("None"));
+  });
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor&, double,
                                                     Opt<at::ScalarType> out_dtype) {
-  TORCH_CHECK_VALUE(x.defined() && x.dim() >= 1, "winnow.rms_norm_forward: argument 'x': ",
-                    "expected a tensor of at least 1 dimension");
+  check_value(x.defined() && x.dim() >= 1, [&] {
+    return "winnow.rms_norm_forward: argument 'x': expected a tensor of at least 1 dimension";
+  });
   return std::make_tuple(
       at::empty_symint(x.sym_sizes(), x.options().dtype(out_dtype.value_or(x.scalar_type()))),
       stats(x));
@@ -1025,8 +1053,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const a
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor&, const at::Tensor& x,
                                                      const at::Tensor& weight, const at::Tensor&) {
-  TORCH_CHECK_VALUE(x.defined() && x.dim() >= 1, "winnow.rms_norm_backward: argument 'x': ",
-                    "expected a tensor of at least 1 dimension");
+  check_value(x.defined() && x.dim() >= 1, [&] {
+    return "winnow.rms_norm_backward: argument 'x': expected a tensor of at least 1 dimension";
+  });
   return std::make_tuple(at::empty_symint(x.sym_sizes(), x.options()),
                          at::empty_symint(weight.sym_sizes(), weight.options()));
 }
@@ -1035,8 +1064,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_forward(const at::Te
                                                                     const at::Tensor&,
                                                                     const at::Tensor&, double,
                                                                     Opt<at::ScalarType> out_dtype) {
-  TORCH_CHECK_VALUE(x.defined() && x.dim() >= 1, "winnow.add_rms_norm_forward: argument 'x': ",
-                    "expected a tensor of at least 1 dimension");
+  check_value(x.defined() && x.dim() >= 1, [&] {
+    return "winnow.add_rms_norm_forward: argument 'x': expected a tensor of at least 1 dimension";
+  });
   return std::make_tuple(
       at::empty_symint(x.sym_sizes(), x.options()),
       at::empty_symint(x.sym_sizes(), x.options().dtype(out_dtype.value_or(x.scalar_type()))),
@@ -1048,23 +1078,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_backward(const at::T
                                                                      const at::Tensor& sum,
                                                                      const at::Tensor& weight,
                                                                      const at::Tensor&) {
-  TORCH_CHECK_VALUE(sum.defined() && sum.dim() >= 1, "winnow.add_rms_norm_backward: argument 'sum': ",
-                    "expected a tensor of at least 1 dimension");
+  check_value(sum.defined() && sum.dim() >= 1, [&] {
+    return "winnow.add_rms_norm_backward: argument 'sum': expected a tensor of at least 1 dimension";
+  });
   return std::make_tuple(at::empty_symint(sum.sym_sizes(), sum.options()),
                          at::empty_symint(sum.sym_sizes(), dy.options()),
                          at::empty_symint(weight.sym_sizes(), weight.options()));
 }
 
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor&) {
-  TORCH_CHECK_VALUE(gate.defined() && gate.dim() >= 1, "winnow.swiglu_forward: argument 'gate': ",
-                    "expected a tensor of at least 1 dimension");
+  check_value(gate.defined() && gate.dim() >= 1, [&] {
+    return "winnow.swiglu_forward: argument 'gate': expected a tensor of at least 1 dimension";
+  });
   return at::empty_symint(gate.sym_sizes(), gate.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor&, const at::Tensor& gate,
                                                    const at::Tensor&) {
-  TORCH_CHECK_VALUE(gate.defined() && gate.dim() >= 1, "winnow.swiglu_backward: argument 'gate': ",
-                    "expected a tensor of at least 1 dimension");
+  check_value(gate.defined() && gate.dim() >= 1, [&] {
+    return "winnow.swiglu_backward: argument 'gate': expected a tensor of at least 1 dimension";
+  });
   return std::make_tuple(at::empty_symint(gate.sym_sizes(), gate.options()),
                          at::empty_symint(gate.sym_sizes(), gate.options()));
 }
