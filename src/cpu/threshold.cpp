@@ -72,18 +72,10 @@ bool view_tile(const QueryTile& qt, const KeyRange& kr, const RowMatrix<T>& qh, 
                const RowVector<T>& tau, T power, ScoreTile<T>& x, ScoreTile<T>& w) {
   x.noalias() = qh * kh.transpose();
   x.array().colwise() -= tau;
-  w.resize(x.rows(), x.cols());
-  bool any = false;
-  for (std::int64_t c = 0; c < x.cols(); ++c) {
-    for (std::int64_t r = 0; r < x.rows(); ++r) {
-      w(r, c) = mt::weight(x(r, c), power);
-    }
-  }
-  mask_invisible(qt, kr, w, T(0));
-  // Invisible entries get x = 0 too, so their slope is 0 in the backward.
+  // Invisible entries get x = 0: weight and slope 0.
   mask_invisible(qt, kr, x, T(0));
-  any = (w.array() != T(0)).any();
-  return any;
+  w = mt::weight_array(x.array(), power).matrix();
+  return (w.array() != T(0)).any();
 }
 
 template <class T>
@@ -164,10 +156,7 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Thre
     // ds = sign * dw * slope(x); dtau -= rowsum(ds); dq_hat += ds kh; dk += J_k(ds^T qh).
     const auto view_grads = [&](const KeyRange& kr, const ScoreTile<T>& x, T sign, Normalized<T>& k,
                                 const Normalized<T>& q, RowMatrix<T>& dq, RowMatrix<T>& dk) {
-      ds.resize(x.rows(), x.cols());
-      for (std::int64_t c = 0; c < x.cols(); ++c) {
-        for (std::int64_t r = 0; r < x.rows(); ++r) ds(r, c) = sign * dw(r, c) * mt::weight_slope(x(r, c), power);
-      }
+      ds = (sign * dw.array() * mt::weight_slope_array(x.array(), power)).matrix();
       dtau -= ds.rowwise().sum().array();
       dq.noalias() += ds * k.hat;
       dk_tile.noalias() = ds.transpose() * q.hat;

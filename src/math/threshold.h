@@ -39,6 +39,26 @@ WINNOW_HD T weight_slope(T x, T p) {
   return p * pow(x, p - T(1));
 }
 
+// The same two on arrays (Eigen expressions of a whole score tile), branch-free so they
+// vectorize: relu(x) spelled (x + |x|) / 2, which is exact, and the slope at x <= 0 selected
+// to 0 (pow(0, p - 1) is infinite for p < 1).
+template <class X>
+auto weight_array(const X& x, scalar_of_t<X> p) {
+  using S = scalar_of_t<X>;
+  const auto r = (x + x.abs()) * S(0.5);
+  if (p == S(2)) return (r * r).eval();
+  if (p == S(1)) return r.eval();
+  return r.pow(p).eval();
+}
+template <class X>
+auto weight_slope_array(const X& x, scalar_of_t<X> p) {
+  using S = scalar_of_t<X>;
+  const auto r = (x + x.abs()) * S(0.5);
+  if (p == S(2)) return (S(2) * r).eval();
+  if (p == S(1)) return (x > S(0)).template cast<S>().eval();
+  return (x > S(0)).select(p * r.pow(p - S(1)), S(0)).eval();
+}
+
 // 1 / max(|x|, eps) from sum(x^2).
 template <class T>
 WINNOW_HD T inverse_norm(T sum_of_squares, T eps) {
