@@ -126,6 +126,15 @@ struct ThresholdConfig {
   // Backward only.
   Operand dbeta, dlambda, dq2, dk2;
   WINNOW_HD bool differential() const { return lambda.data != nullptr; }
+  // beta and lambda of query head h, stored as T.
+  template <class T>
+  WINNOW_HD T beta_at(std::int64_t h) const {
+    return static_cast<const T*>(beta.data)[h * beta.head];
+  }
+  template <class T>
+  WINNOW_HD T lambda_at(std::int64_t h) const {
+    return static_cast<const T*>(lambda.data)[h * lambda.head];
+  }
 };
 
 }  // namespace winnow::detail

@@ -50,11 +50,6 @@ struct Normalized {
   }
 };
 
-template <class T>
-T per_head(const Operand& o, std::int64_t h) {
-  return *(static_cast<const T*>(o.data) + h * o.head);
-}
-
 // tau_r / beta for the rows of a query tile: row r sees first_limit + r + 1 keys.
 template <class T>
 void threshold_units(const AttentionParams& p, const QueryTile& qt, RowVector<T>& unit) {
@@ -93,8 +88,8 @@ void forward_impl(const AttentionParams& p, const ThresholdConfig& cfg) {
     q1.load(p.q, qt.b, row0, qt.n, qt.h, p.dim_qk, eps);
     if (tda) q2.load(cfg.q2, qt.b, row0, qt.n, qt.h, p.dim_qk, eps);
     threshold_units<T>(p, qt, unit);
-    tau = per_head<T>(cfg.beta, qt.h) * unit;
-    const T lambda = tda ? mt::lambda_used(per_head<T>(cfg.lambda, qt.h), cfg.clamp_lambda) : T(0);
+    tau = cfg.beta_at<T>(qt.h) * unit;
+    const T lambda = tda ? mt::lambda_used(cfg.lambda_at<T>(qt.h), cfg.clamp_lambda) : T(0);
     o.setZero(qt.n, p.dim_v);
     if (counting) survivors.setZero(qt.n);
     for (std::int64_t kt = 0; kt <= qt.last_key_tile(); ++kt) {
@@ -147,8 +142,8 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Thre
     if (tda) q2.load(cfg.q2, qt.b, row0, qt.n, qt.h, p.dim_qk, eps);
     load_rows<T>(g.dout, qt.b, row0, qt.n, qt.h, p.dim_v, dout);
     threshold_units<T>(p, qt, unit);
-    tau = per_head<T>(cfg.beta, qt.h) * unit;
-    const T lambda = tda ? mt::lambda_used(per_head<T>(cfg.lambda, qt.h), cfg.clamp_lambda) : T(0);
+    tau = cfg.beta_at<T>(qt.h) * unit;
+    const T lambda = tda ? mt::lambda_used(cfg.lambda_at<T>(qt.h), cfg.clamp_lambda) : T(0);
     dtau.setZero(qt.n);
     dq1.setZero(qt.n, p.dim_qk);
     if (tda) dq2.setZero(qt.n, p.dim_qk);
@@ -191,7 +186,7 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Thre
     if (tda) {
       q2.backward(dq2);
       store_rows<T>(dq2, cfg.dq2, qt.b, row0, qt.h);
-      dlambda_parts[part(qt)] = -w2_dot_dw * mt::lambda_slope(per_head<T>(cfg.lambda, qt.h), cfg.clamp_lambda);
+      dlambda_parts[part(qt)] = -w2_dot_dw * mt::lambda_slope(cfg.lambda_at<T>(qt.h), cfg.clamp_lambda);
     }
     dbeta_parts[part(qt)] = (dtau * unit).sum();
   });

@@ -131,8 +131,13 @@ SequenceScore score_sequences(nn::TransformerLM& model, const tasks::Task& task,
   return total;
 }
 
-torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& prompts,
-                              std::int64_t steps, const Runtime& rt) {
+namespace {
+
+// Continues prompts (B, P) by `steps` tokens through the KV cache: one prefill pass, then one
+// token at a time; pick maps the last position's logits (B, V) to the next tokens (B, 1).
+template <class Pick>
+torch::Tensor decode(nn::TransformerLM& model, const torch::Tensor& prompts, std::int64_t steps,
+                     const Runtime& rt, Pick&& pick) {
   torch::NoGradGuard no_grad;
   model->eval();
   nn::KVCache cache = model->new_cache();
@@ -144,10 +149,19 @@ torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& pro
       train::Autocast autocast(rt.autocast);
       logits = model->forward(next, &cache);
     }
-    next = logits.select(1, logits.size(1) - 1).argmax(-1, /*keepdim=*/true);
-    out.push_back(next);
+    const torch::Tensor drawn = pick(logits.select(1, logits.size(1) - 1));
+    out.push_back(drawn);
+    next = drawn.to(rt.device);
   }
   return steps > 0 ? torch::cat(out, 1).cpu() : torch::empty({prompts.size(0), 0}, torch::kInt64);
+}
+
+}  // namespace
+
+torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& prompts,
+                              std::int64_t steps, const Runtime& rt) {
+  return decode(model, prompts, steps, rt,
+                [](const torch::Tensor& last) { return last.argmax(-1, /*keepdim=*/true); });
 }
 
 torch::Tensor generate(nn::TransformerLM& model, const torch::Tensor& prompts, std::int64_t steps,
@@ -167,32 +181,17 @@ torch::Tensor generate(nn::TransformerLM& model, const torch::Tensor& prompts, s
                     c10::str(prompts.sizes()));
   }
   if (sampling.temperature == 0) return generate_greedy(model, prompts, steps, rt);
-  torch::NoGradGuard no_grad;
-  model->eval();
-  nn::KVCache cache = model->new_cache();
   // The generator lives on the CPU so that a seed draws the same tokens whatever the device.
   torch::Generator generator = at::detail::createCPUGenerator(sampling.seed);
-  std::vector<torch::Tensor> out;
-  torch::Tensor next = prompts.to(rt.device);
-  for (std::int64_t i = 0; i < steps; ++i) {
-    torch::Tensor logits;
-    {
-      train::Autocast autocast(rt.autocast);
-      logits = model->forward(next, &cache);
-    }
-    torch::Tensor last =
-        logits.select(1, logits.size(1) - 1).to(torch::kCPU, torch::kFloat64) / sampling.temperature;
+  return decode(model, prompts, steps, rt, [&](const torch::Tensor& logits) {
+    torch::Tensor last = logits.to(torch::kCPU, torch::kFloat64) / sampling.temperature;
     if (sampling.top_k > 0 && sampling.top_k < last.size(-1)) {
       // Below the k-th largest logit nothing is drawn; ties at the k-th all stay.
       const torch::Tensor kth = std::get<0>(last.topk(sampling.top_k, -1)).select(-1, sampling.top_k - 1);
       last = last.masked_fill(last.lt(kth.unsqueeze(-1)), -std::numeric_limits<double>::infinity());
     }
-    const torch::Tensor drawn =
-        torch::multinomial(torch::softmax(last, -1), 1, /*replacement=*/false, generator);
-    out.push_back(drawn);
-    next = drawn.to(rt.device);
-  }
-  return steps > 0 ? torch::cat(out, 1) : torch::empty({prompts.size(0), 0}, torch::kInt64);
+    return torch::multinomial(torch::softmax(last, -1), 1, /*replacement=*/false, generator);
+  });
 }
 
 GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& task,

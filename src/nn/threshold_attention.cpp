@@ -123,7 +123,7 @@ class ThresholdAttention final : public AttentionLayer {
       torch_ops::ThresholdOptions to;
       to.power = spec.power;
       to.clamp_lambda = spec.clamp_lambda;
-      o = torch_ops::threshold_attention(q1, k1, in.v, beta_.to(stats_type(in.v)), {}, tv, to);
+      o = torch_ops::threshold_attention(q1, k1, in.v, beta_.to(torch_ops::stats_dtype(in.v)), {}, tv, to);
     } else {
       o = composed::threshold_attention(q1, k1, in.v, /*attend_current=*/true, spec);
     }
@@ -138,10 +138,6 @@ class ThresholdAttention final : public AttentionLayer {
   }
 
  private:
-  static torch::ScalarType stats_type(const torch::Tensor& t) {
-    return t.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-  }
-
   ThresholdOptions options_;
   HeadLayout h_;
   PositionalEncoding position_;

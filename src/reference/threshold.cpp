@@ -50,10 +50,6 @@ Dense normalize_backward(const Normalized& n, const Dense& g) {
   return dx;
 }
 
-double per_head(const Operand& o, std::int64_t h) {
-  return *(static_cast<const double*>(o.data) + h * o.head);
-}
-
 // One view of one (sequence, query head): x = s - tau over the visible keys and the weights.
 struct ViewWeights {
   Normalized q, k;
@@ -71,7 +67,7 @@ ViewWeights view_weights(const AttentionParams& p, const ThresholdConfig& cfg, c
                  Dense(s.q_len, s.k_len),
                  std::vector<std::int64_t>(static_cast<std::size_t>(s.q_len)),
                  std::vector<double>(static_cast<std::size_t>(s.q_len))};
-  const double beta = per_head(cfg.beta, h);
+  const double beta = cfg.beta_at<double>(h);
   for (std::int64_t r = 0; r < s.q_len; ++r) {
     const std::int64_t n = p.last_visible_key(r + s.q_offset()) + 1;
     const auto ri = static_cast<std::size_t>(r);
@@ -89,7 +85,7 @@ ViewWeights view_weights(const AttentionParams& p, const ThresholdConfig& cfg, c
 }
 
 double lambda_of(const ThresholdConfig& cfg, std::int64_t h) {
-  return mt::lambda_used(per_head(cfg.lambda, h), cfg.clamp_lambda);
+  return mt::lambda_used(cfg.lambda_at<double>(h), cfg.clamp_lambda);
 }
 
 // Writes per-head gradients into an operand of one value per head, or their sum into a shared one.
@@ -191,7 +187,7 @@ void threshold_backward(const AttentionParams& p, const detail::GradientParams& 
               for (std::int64_t i = 0; i < vw.n[static_cast<std::size_t>(r)]; ++i) dot += vw.w(r, i) * dw(r, i);
             }
             dlambda[static_cast<std::size_t>(h)] +=
-                -dot * mt::lambda_slope(per_head(cfg.lambda, h), cfg.clamp_lambda);
+                -dot * mt::lambda_slope(cfg.lambda_at<double>(h), cfg.clamp_lambda);
           }
         }
       }

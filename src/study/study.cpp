@@ -100,6 +100,12 @@ std::string today() {
   return text;
 }
 
+// Whether --only leaves the mechanism in.
+bool selected(const RunOptions& options, const MechanismEntry& m) {
+  return options.only.empty() ||
+         std::find(options.only.begin(), options.only.end(), m.label) != options.only.end();
+}
+
 // Writes the result JSON and its Markdown report into `dir` and prints the report.
 void write_outputs(const fs::path& dir, const std::string& json_name, const std::string& md_name,
                    const json& result, const std::string& report) {
@@ -212,10 +218,7 @@ json run_study(const Study& s, const RunOptions& options) {
   std::size_t index = 0;
   for (const MechanismEntry& m : s.mechanisms) {
     ++index;
-    if (!options.only.empty() &&
-        std::find(options.only.begin(), options.only.end(), m.label) == options.only.end()) {
-      continue;
-    }
+    if (!selected(options, m)) continue;
     const train::ExperimentConfig config = train::parse_experiment(mechanism_config(s, m));
     train::Trainer trainer(config);
     trainer.quiet = options.quiet;
@@ -335,10 +338,7 @@ json run_sweep(const Study& s, const RunOptions& options) {
   std::size_t index = 0;
   for (const MechanismEntry& m : s.mechanisms) {
     ++index;
-    if (!options.only.empty() &&
-        std::find(options.only.begin(), options.only.end(), m.label) == options.only.end()) {
-      continue;
-    }
+    if (!selected(options, m)) continue;
     json entry = {{"label", m.label}, {"runs", json::array()}};
     for (const json& value : s.sweep.values) {
       const train::ExperimentConfig config = train::parse_experiment(sweep_config(s, m, value));
