@@ -15,6 +15,8 @@
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
 #              when $BASELINES has stickbreaking_attention/, AdaSplash-2 when .whl/ has its
 #              wheel, winnow)
+#   tbench     bench/gpu_threshold_bench.py (threshold attention beside SDPA, and 004's Triton
+#              kernels when $BASELINES has snap-research/TDA's triton_threshold_attention.py)
 #   trainbench winnow train-bench (the build's tool) on the compared kinds, then
 #              bench/train_baseline.py (the same model and step in PyTorch, eager and
 #              torch.compile) against its JSON: parameter count and initial loss checked, tokens/s
@@ -131,6 +133,15 @@ for stage in "${stages[@]}"; do
       [[ -d "$BASELINES" ]] && export PYTHONPATH="$BASELINES${PYTHONPATH:+:$PYTHONPATH}"
       python3 bench/gpu_attention_bench.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
       note "bench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
+      ;;
+    tbench)
+      # Threshold attention (issue 14) beside SDPA and, when $BASELINES has 004's
+      # triton_threshold_attention.py (snap-research/TDA), the paper's Triton kernels.
+      export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      [[ -d "$BASELINES" ]] && export PYTHONPATH="$BASELINES${PYTHONPATH:+:$PYTHONPATH}"
+      python3 bench/gpu_threshold_bench.py --json "$OUT/threshold_bench.json" ${TBENCH_ARGS:-} 2>&1 \
+        | tee "$OUT/threshold_bench.txt"
+      note "tbench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
       ;;
     trainbench)
       # The fused kinds the baseline writes in PyTorch, and winnow's composed runs beside them.

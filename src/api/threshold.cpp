@@ -6,6 +6,7 @@
 #include "api/attention_call.h"
 #include "api/view_checks.h"
 #include "cpu/cpu.h"
+#include "cuda/cuda.h"
 #include "reference/reference.h"
 
 namespace winnow::threshold {
@@ -82,9 +83,7 @@ void forward(const AttentionInputs& in, const Views& views, const Options& optio
   switch (call.route()) {
     case Route::reference: return reference::threshold_forward(c.params, c.config);
     case Route::cpu: return cpu::threshold_forward(c.params, c.config);
-    case Route::cuda:
-      call.fail("q", "CPU tensors (threshold attention has no CUDA kernels yet)",
-                api::describe(in.q), ErrorKind::unsupported);
+    case Route::cuda: return cuda::threshold_forward(c.params, c.config);
   }
 }
 
@@ -121,9 +120,7 @@ void backward(const AttentionInputs& in, const Views& views, const Options& opti
   switch (call.route()) {
     case Route::reference: return reference::threshold_backward(c.params, g, c.config);
     case Route::cpu: return cpu::threshold_backward(c.params, g, c.config);
-    case Route::cuda:
-      call.fail("q", "CPU tensors (threshold attention has no CUDA kernels yet)",
-                api::describe(in.q), ErrorKind::unsupported);
+    case Route::cuda: return cuda::threshold_backward(c.params, g, c.config);
   }
 }
 

@@ -36,6 +36,11 @@ void entmax_backward(const detail::AttentionParams&, const detail::GradientParam
                      const detail::EntmaxConfig&) {
   no_cuda();
 }
+void threshold_forward(const detail::AttentionParams&, const detail::ThresholdConfig&) { no_cuda(); }
+void threshold_backward(const detail::AttentionParams&, const detail::GradientParams&,
+                        const detail::ThresholdConfig&) {
+  no_cuda();
+}
 void rotary(const detail::RotaryParams&) { no_cuda(); }
 void rms_norm_forward(const detail::RMSNormParams&) { no_cuda(); }
 void rms_norm_backward(const detail::RMSNormParams&) { no_cuda(); }

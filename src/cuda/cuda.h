@@ -32,6 +32,12 @@ void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& 
 void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                     const detail::SieveConfig& cfg);
 
+// Threshold attention (TRA, and TDA when cfg.lambda is set): fused kernels for 16-bit inputs at
+// D = 64 / 128, the simple path otherwise and whenever cfg.nonzero is asked for.
+void threshold_forward(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg);
+void threshold_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                        const detail::ThresholdConfig& cfg);
+
 // Rotary position embedding (winnow/rotary.h), one element-wise pass.
 void rotary(const detail::RotaryParams& p);
 

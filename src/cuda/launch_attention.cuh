@@ -72,46 +72,65 @@ void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg, c
   check_launch("attention_forward_kernel");
 }
 
+// Whether the fused backward of this instantiation runs the Hopper kernel.
+template <class T, int D, class Rows, class Config>
+bool fused_backward_on_hopper() {
+  return hopper_kernel_runs(attention_backward_sm90_kernel<T, D, Rows, Config>);
+}
+
+// Key tiles per sequence of the backward, and the deterministic mode's counters one backward
+// launch needs: one per (sequence, kv head, key tile), and per accumulator on Hopper, where dk
+// and dv are added by different warpgroups.
+inline int backward_key_tiles(const detail::AttentionParams& p) {
+  return static_cast<int>((p.max_len_k + kBackwardBK - 1) / kBackwardBK);
+}
+inline std::size_t backward_order_counters(const detail::AttentionParams& p, bool sm90) {
+  return p.deterministic ? static_cast<std::size_t>(p.num_seqs * p.heads_kv * backward_key_tiles(p)) * (sm90 ? 2 : 1)
+                         : 0;
+}
+
+// The fused backward kernel alone: adds dk and dv into acc's fp32 accumulators (and advances
+// its counters), cleared by the caller; dq is written.
+template <class T, int D, class Rows, class Config>
+void run_fused_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const Config& cfg,
+                        const KeyGradAccumulators& acc, const LiveKeyTiles& live = {}) {
+  if (fused_backward_on_hopper<T, D, Rows, Config>()) {
+    using Shape = Sm90BackwardShape;
+    const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
+                    static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+    if (grid.x == 0 || grid.z == 0) return;
+    auto kernel = attention_backward_sm90_kernel<T, D, Rows, Config>;
+    const int smem = Sm90BackwardSmem<T, D>::kBytes;
+    allow_shared_memory(kernel, smem);
+    kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, cfg, acc, live);
+    check_launch("attention_backward_sm90_kernel");
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + kBackwardBQ - 1) / kBackwardBQ),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.z == 0) return;
+  auto kernel = attention_backward_kernel<T, D, Rows, Config>;
+  const int smem = BackwardSmem<T, D>::kBytes;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc, live);
+  check_launch("attention_backward_kernel");
+}
+
 template <class T, int D, class Rows, class Config>
 void launch_fused_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                            const Config& cfg, const LiveKeyTiles& live = {}) {
-  auto sm90_kernel = attention_backward_sm90_kernel<T, D, Rows, Config>;
-  const bool sm90 = hopper_kernel_runs(sm90_kernel);
+  const bool sm90 = fused_backward_on_hopper<T, D, Rows, Config>();
   KeyGradAccumulators acc;
   acc.deterministic = p.deterministic;
-  acc.key_tiles = static_cast<int>((p.max_len_k + kBackwardBK - 1) / kBackwardBK);
+  acc.key_tiles = backward_key_tiles(p);
   const std::size_t grads = static_cast<std::size_t>(p.rows_k * p.heads_kv * D);
-  // Deterministic mode: one counter per (sequence, kv head, key tile), and per accumulator on
-  // Hopper, where dk and dv are added by different warpgroups.
-  const std::size_t order = p.deterministic ? static_cast<std::size_t>(p.num_seqs * p.heads_kv * acc.key_tiles) * (sm90 ? 2 : 1) : 0;
-  const std::size_t bytes = (2 * grads + order) * sizeof(float);
+  const std::size_t bytes = (2 * grads + backward_order_counters(p, sm90)) * sizeof(float);
   DeviceBuffer buffer(p, bytes);
   if (bytes > 0) check(cudaMemsetAsync(buffer.as<void>(), 0, bytes, stream_of(p)), "clearing accumulators");
   acc.dk = buffer.as<float>();
   acc.dv = acc.dk + grads;
   acc.order = reinterpret_cast<int*>(acc.dv + grads);
-
-  if (sm90) {
-    using Shape = Sm90BackwardShape;
-    const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
-                    static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
-    if (grid.x > 0 && grid.z > 0) {
-      const int smem = Sm90BackwardSmem<T, D>::kBytes;
-      allow_shared_memory(sm90_kernel, smem);
-      sm90_kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, cfg, acc, live);
-      check_launch("attention_backward_sm90_kernel");
-    }
-  } else {
-    const dim3 grid(static_cast<unsigned>((p.max_len_q + kBackwardBQ - 1) / kBackwardBQ),
-                    static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
-    if (grid.x > 0 && grid.z > 0) {
-      auto kernel = attention_backward_kernel<T, D, Rows, Config>;
-      const int smem = BackwardSmem<T, D>::kBytes;
-      allow_shared_memory(kernel, smem);
-      kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc, live);
-      check_launch("attention_backward_kernel");
-    }
-  }
+  run_fused_backward<T, D, Rows>(p, g, cfg, acc, live);
   store_key_grads(p, g, acc.dk, acc.dv);
 }
 

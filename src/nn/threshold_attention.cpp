@@ -108,11 +108,6 @@ class ThresholdAttention final : public AttentionLayer {
     }
     torch::Tensor o;
     if (kernel_) {
-      if (x.is_cuda()) {
-        throw Error(ErrorKind::unsupported,
-                    "threshold attention has no CUDA kernels yet: set "
-                    "model.attention.implementation to composed to train it on a GPU");
-      }
       torch_ops::ThresholdViews tv;
       if (options_.differential()) {
         // Narrowed head ranges are strided views; the operator takes any strides.
@@ -157,7 +152,7 @@ const Mechanism& threshold_mechanism() {
     m.summary = "threshold attention (004): TRA | TDA | ReLA | differential ReLA; cosine "
                 "scores, length-dependent threshold, learned beta and lambda, head RMSNorm; "
                 "RoPE | NoPE";
-    m.fused_operator = "winnow::threshold_attention (CPU kernels; CUDA: composed only so far)";
+    m.fused_operator = "winnow::threshold_attention";
     m.positions = {"rope", "nope"};
     m.option_keys = option_keys_of<ThresholdOptions>();
     m.resolve_options = resolve_options_as<ThresholdOptions>;

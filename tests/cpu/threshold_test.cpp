@@ -13,44 +13,24 @@
 
 #include "support/attention_case.h"
 #include "support/expect_error.h"
+#include "support/threshold_case.h"
 #include "winnow/threshold.h"
 
 namespace winnow::testing {
 namespace {
 
-struct Case {
-  std::string name;
-  ProblemShape shape;
-  bool tda = false;
-  double power = 2.0;
-  bool attend_current = true;
-  bool shared_beta = false;
-};
+using Case = ThresholdCase;
+using Inputs = ThresholdInputs;
+using Grads = ThresholdGrads;
 
-// Everything one call sees, in float64.
-struct Inputs {
-  Problem main, second;  // second: q2 and k2 (its v and dout unused)
-  HostTensor beta, lambda;
-  bool tda = false;
-  threshold::Options options;
-};
+Inputs make_inputs(const Case& c, std::uint64_t seed, double beta_value = 0.6, double lambda_value = 0.4) {
+  return make_threshold_inputs(c, seed, beta_value, lambda_value);
+}
 
-Inputs make_inputs(const Case& c, std::uint64_t seed, double beta_value = 0.6,
-                   double lambda_value = 0.4) {
-  Inputs in{Problem::random(c.shape, seed), Problem::random(c.shape, seed + 1000), {}, {}, c.tda, {}};
-  const std::int64_t heads = c.shared_beta ? 1 : c.shape.heads_q;
-  in.beta = HostTensor({heads}, DType::float64);
-  in.lambda = HostTensor({heads}, DType::float64);
-  std::vector<double> b(static_cast<std::size_t>(heads)), l(static_cast<std::size_t>(heads));
-  for (std::int64_t h = 0; h < heads; ++h) {
-    b[static_cast<std::size_t>(h)] = beta_value + 0.1 * static_cast<double>(h);
-    l[static_cast<std::size_t>(h)] = lambda_value + 0.05 * static_cast<double>(h);
-  }
-  in.beta.set_values(b);
-  in.lambda.set_values(l);
-  in.options.power = c.power;
-  in.options.attend_current = c.attend_current;
-  return in;
+ExecContext reference() {
+  ExecContext ctx;
+  ctx.backend = Backend::reference;
+  return ctx;
 }
 
 AttentionInputs attention_inputs(const Inputs& in) {
@@ -71,66 +51,13 @@ threshold::Views views_of(const Inputs& in) {
   return v;
 }
 
-ExecContext reference() {
-  ExecContext ctx;
-  ctx.backend = Backend::reference;
-  return ctx;
-}
-
-// The inputs in another dtype (and the CPU kernels' layout tests: q stored head-major).
-Inputs converted(const Inputs& in, DType dtype) {
-  Inputs c = in;
-  for (HostTensor* t : {&c.main.q, &c.main.k, &c.main.v, &c.main.dout, &c.second.q, &c.second.k,
-                        &c.beta, &c.lambda}) {
-    *t = t->converted(dtype);
-  }
-  return c;
-}
-
 std::vector<double> forward(const Inputs& in, const ExecContext& ctx = reference()) {
-  HostTensor out(in.main.dout.shape(), in.main.q.dtype());
-  out.fill(std::nan(""));
-  threshold::forward(attention_inputs(in), views_of(in), in.options, {out.view()}, ctx);
-  return out.values();
+  return threshold_forward(in, ctx);
 }
-
-// The per-row survivor counts of a forward call.
 std::vector<double> survivors(const Inputs& in, const ExecContext& ctx = reference()) {
-  std::vector<std::int64_t> shape = in.main.q.shape();
-  shape.pop_back();
-  HostTensor out(in.main.dout.shape(), in.main.q.dtype()), nonzero(shape, DType::int32);
-  nonzero.fill(-1);
-  threshold::forward(attention_inputs(in), views_of(in), in.options, {out.view(), nonzero.view()}, ctx);
-  return nonzero.values();
+  return threshold_survivors(in, ctx);
 }
-
-struct Grads {
-  std::vector<double> dq, dk, dv, dq2, dk2, dbeta, dlambda;
-};
-
-Grads backward(const Inputs& in, const ExecContext& ctx = reference()) {
-  const DType t = in.main.q.dtype();
-  HostTensor dq(in.main.q.shape(), t), dk(in.main.k.shape(), t), dv(in.main.v.shape(), t),
-      dq2(in.main.q.shape(), t), dk2(in.main.k.shape(), t), dbeta(in.beta.shape(), t),
-      dlambda(in.lambda.shape(), t);
-  for (HostTensor* t : {&dq, &dk, &dv, &dq2, &dk2, &dbeta, &dlambda}) t->fill(std::nan(""));
-  threshold::ViewGrads vg;
-  vg.dbeta = dbeta.view();
-  if (in.tda) {
-    vg.dlambda = dlambda.view();
-    vg.dq2 = dq2.view();
-    vg.dk2 = dk2.view();
-  }
-  threshold::backward(attention_inputs(in), views_of(in), in.options, in.main.dout.view(),
-                      {dq.view(), dk.view(), dv.view()}, vg, ctx);
-  Grads g{dq.values(), dk.values(), dv.values(), {}, {}, dbeta.values(), {}};
-  if (in.tda) {
-    g.dq2 = dq2.values();
-    g.dk2 = dk2.values();
-    g.dlambda = dlambda.values();
-  }
-  return g;
-}
+Grads backward(const Inputs& in, const ExecContext& ctx = reference()) { return threshold_backward(in, ctx); }
 
 double loss(const Inputs& in) {
   const std::vector<double> out = forward(in), dout = in.main.dout.values();

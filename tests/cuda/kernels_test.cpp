@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "cpu/tile_sizes.h"
+#include "cuda_placement.h"
 #include "cuda/cuda.h"
 #include "math/elementwise.h"
 #include "math/entmax.h"
@@ -28,34 +29,6 @@
 
 namespace winnow::testing {
 namespace {
-
-void cuda_ok(cudaError_t status, const char* what) {
-  ASSERT_EQ(status, cudaSuccess) << what << ": " << cudaGetErrorString(status);
-}
-
-class CudaPlacement final : public Placement {
- public:
-  ~CudaPlacement() override {
-    for (void* p : allocations_) cudaFree(p);
-  }
-  TensorView place(const HostTensor& t) override {
-    void* device = nullptr;
-    cuda_ok(cudaMalloc(&device, t.byte_size()), "cudaMalloc");
-    allocations_.push_back(device);
-    cuda_ok(cudaMemcpy(device, t.bytes(), t.byte_size(), cudaMemcpyHostToDevice), "upload");
-    TensorView v = t.view();
-    v.data = device;
-    v.device = Device::cuda(0);
-    return v;
-  }
-  void fetch(const TensorView& placed, HostTensor& t) override {
-    cuda_ok(cudaDeviceSynchronize(), "kernel execution");
-    cuda_ok(cudaMemcpy(t.bytes(), placed.data, t.byte_size(), cudaMemcpyDeviceToHost), "download");
-  }
-
- private:
-  std::vector<void*> allocations_;
-};
 
 // The problem's inputs rounded to dtype: the reference then sees what the kernel sees.
 Problem rounded(const Problem& p, DType dtype) {

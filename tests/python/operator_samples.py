@@ -26,7 +26,6 @@ KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
            "add_rms_norm_backward", "swiglu_forward", "swiglu_backward"]
 # Operators without CUDA kernels yet: their samples exist on the CPU only, and the CUDA tests
 # check that CUDA tensors get a clear error instead (tests/python_cuda).
-CPU_ONLY = ["threshold_attention", "threshold_attention_forward", "threshold_attention_backward"]
 
 
 @dataclass
@@ -105,34 +104,32 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
                           {"filter": "bound"}, "batched"))
 
     # Threshold attention (TRA; TDA with lam, q2, k2): beta and lam per query head or one for
-    # the layer, in float32 (float64 for float64 inputs). CPU only: it has no CUDA kernels yet
-    # (tests/python_cuda checks that CUDA tensors get that error).
-    if torch.device(device).type == "cpu":
-        stat = torch.float64 if dtype == torch.float64 else torch.float32
+    # the layer, in float32 (float64 for float64 inputs).
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
 
-        def scalars(n, value):
-            return torch.full((n,), value, dtype=stat, device=device).requires_grad_(requires_grad)
-        q, k, v = _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, requires_grad, gen)
-        out.append(Sample("threshold_attention", (q, k, v, scalars(4, 0.3)), {}, "tra batched"))
-        q, k, v, cu_q, cu_k = _packed(d, dtype, device, requires_grad, gen)
-        q2, k2, _, _, _ = _packed(d, dtype, device, requires_grad, gen)
-        out.append(Sample("threshold_attention", (q, k, v, scalars(1, 0.3)),
-                          {"lam": scalars(1, 0.5), "q2": q2, "k2": k2, "cu_seqlens_q": cu_q,
-                           "cu_seqlens_k": cu_k, "power": 1.0}, "tda packed"))
-        with torch.no_grad():
-            q, k, v = (t.detach() for t in _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, False, gen))
-            q2, k2, _ = (t.detach() for t in _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, False, gen))
-            beta = torch.full((4,), 0.3, dtype=stat, device=device)
-            lam = torch.full((4,), 0.5, dtype=stat, device=device)
-            dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=gen,
-                               dtype=torch.float64).to(device=device, dtype=dtype)
-            out.append(Sample("threshold_attention_forward", (q, k, v, beta),
-                              {"lam": lam, "q2": q2, "k2": k2, "count_nonzero": True}, "tda"))
-            out.append(Sample("threshold_attention_forward", (q, k, v, beta), {}, "tra"))
-            out.append(Sample("threshold_attention_backward", (q, k, v, beta, None, None, None, dout),
-                              {}, "tra"))
-            out.append(Sample("threshold_attention_backward", (q, k, v, beta, lam, q2, k2, dout),
-                              {}, "tda"))
+    def scalars(n, value):
+        return torch.full((n,), value, dtype=stat, device=device).requires_grad_(requires_grad)
+    q, k, v = _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, requires_grad, gen)
+    out.append(Sample("threshold_attention", (q, k, v, scalars(4, 0.3)), {}, "tra batched"))
+    q, k, v, cu_q, cu_k = _packed(d, dtype, device, requires_grad, gen)
+    q2, k2, _, _, _ = _packed(d, dtype, device, requires_grad, gen)
+    out.append(Sample("threshold_attention", (q, k, v, scalars(1, 0.3)),
+                      {"lam": scalars(1, 0.5), "q2": q2, "k2": k2, "cu_seqlens_q": cu_q,
+                       "cu_seqlens_k": cu_k, "power": 1.0}, "tda packed"))
+    with torch.no_grad():
+        q, k, v = (t.detach() for t in _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, False, gen))
+        q2, k2, _ = (t.detach() for t in _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, False, gen))
+        beta = torch.full((4,), 0.3, dtype=stat, device=device)
+        lam = torch.full((4,), 0.5, dtype=stat, device=device)
+        dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=gen,
+                           dtype=torch.float64).to(device=device, dtype=dtype)
+        out.append(Sample("threshold_attention_forward", (q, k, v, beta),
+                          {"lam": lam, "q2": q2, "k2": k2, "count_nonzero": True}, "tda"))
+        out.append(Sample("threshold_attention_forward", (q, k, v, beta), {}, "tra"))
+        out.append(Sample("threshold_attention_backward", (q, k, v, beta, None, None, None, dout),
+                          {}, "tra"))
+        out.append(Sample("threshold_attention_backward", (q, k, v, beta, lam, q2, k2, dout),
+                          {}, "tda"))
 
     # Rotary embedding: x (B, L, H, D), tables (L, D/2) in float32 (float64 for float64 x).
     table_dtype = torch.float64 if dtype == torch.float64 else torch.float32

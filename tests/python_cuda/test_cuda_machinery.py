@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import winnow  # noqa: E402
-from operator_samples import CPU_ONLY, DIFFERENTIABLE, operator, samples  # noqa: E402
+from operator_samples import DIFFERENTIABLE, operator, samples  # noqa: E402
 from test_torch_machinery import compile_check, needs_modern_torch  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -36,17 +36,41 @@ def test_opcheck_bfloat16_fused(sample):
 # Tracing (AOTAutograd, dynamic shapes) of every operator on CUDA tensors; inductor's code
 # generation around them is what the module tests below and the GPT example exercise (each
 # inductor compilation costs tens of seconds).
-@pytest.mark.parametrize("name", [n for n in DIFFERENTIABLE if n not in CPU_ONLY])
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
 @pytest.mark.parametrize("dtype,d,tol", [(torch.float32, 16, 1e-5), (torch.bfloat16, 64, 3e-2)])
 def test_compile_matches_eager_on_cuda(name, dtype, d, tol):
     compile_check(name, "cuda", dtype, d, "aot_eager", tol, tol)
 
 
-def test_operators_without_cuda_kernels_say_so():
-    q = torch.randn(1, 8, 2, 16, device="cuda")
-    beta = torch.zeros(2, device="cuda")
-    with pytest.raises(NotImplementedError, match="no CUDA kernels yet"):
-        winnow.threshold_attention(q, q[:, :, :1], q[:, :, :1], beta)
+# Threshold attention on CUDA against the CPU kernels, with every gradient (beta's and lam's
+# included): TRA and TDA, the fused kernels (bf16, D = 64) and the simple path (float32).
+@pytest.mark.parametrize("dtype,d,tol", [(torch.bfloat16, 64, 3e-2), (torch.float32, 16, 1e-4)])
+@pytest.mark.parametrize("tda", [False, True])
+def test_threshold_attention_cuda_matches_cpu(dtype, d, tol, tda):
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+    q, k, v, dout = rand(2, 200, 4, d), rand(2, 200, 2, d), rand(2, 200, 2, d), rand(2, 200, 4, d)
+    q2, k2 = rand(2, 200, 4, d), rand(2, 200, 2, d)
+    beta, lam = torch.tensor([0.2, 0.3, 0.4, 0.5]), torch.tensor([0.5])
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).float().detach().clone().requires_grad_() for t in (q, k, v, q2, k2)]
+        scalars = [t.to(device).detach().clone().requires_grad_() for t in (beta, lam)]
+        # The CPU side runs in float32 on the same (dtype-rounded) values.
+        qq, kk, vv, qq2, kk2 = (t.to(dtype) if device == "cuda" else t for t in leaves)
+        extra = {"lam": scalars[1], "q2": qq2, "k2": kk2} if tda else {}
+        out = winnow.threshold_attention(qq, kk, vv, scalars[0], **extra)
+        out.backward(dout.to(device=device, dtype=out.dtype))
+        grads = [t.grad for t in leaves[:3] + (leaves[3:] if tda else [])]
+        grads += [scalars[0].grad] + ([scalars[1].grad] if tda else [])
+        results.append([out.detach().float().cpu()] + [g.float().cpu() for g in grads])
+    names = ["out", "dq", "dk", "dv"] + (["dq2", "dk2"] if tda else []) + ["dbeta"] + (["dlam"] if tda else [])
+    for name, got, want in zip(names, results[1], results[0]):
+        scale = want.abs().max().clamp_min(1e-6)
+        error = ((got - want).abs().max() / scale).item()
+        assert error < tol, f"{name}: {error} (cuda {got.flatten()[:4].tolist()}, cpu {want.flatten()[:4].tolist()})"
 
 
 @pytest.mark.parametrize("mechanism", ["stick_breaking", "entmax"])

@@ -10,7 +10,9 @@
 //                                                 accumulators: atomics, or in the
 //                                                 deterministic mode in a fixed block order
 // A mechanism is a backward Rows policy: constructed from the saved per-row statistics,
-// first_key(half, mask), grads(s, dp, mask). Given live key tiles (key_tiles.cuh), the sweep
+// first_key(half, mask), grads(s, dp, mask), and optionally (kFinishesDq) finish_dq(dq, p, cfg,
+// qt, row0, tig) on the finished dq before it is stored (threshold attention's normalization
+// and its per-head gradients). Given live key tiles (key_tiles.cuh), the sweep
 // visits only those; in the deterministic mode the others still take their turn.
 #pragma once
 
@@ -236,6 +238,7 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
   }
   tile::cp_async_wait<0>();
 
+  if constexpr (kFinishesDq<Rows>) rows.finish_dq(dq, p, cfg, qt, row0, tig);
   for (int half = 0; half < 2; ++half) {
     const std::int64_t row = row0 + 8 * half;
     if (row >= qt.s.q_len) continue;

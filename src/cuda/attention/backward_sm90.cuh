@@ -308,6 +308,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       kt = next;
     }
 
+    if constexpr (kFinishesDq<Rows>) rows.finish_dq(dq, p, cfg, qt, row0, tig);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;

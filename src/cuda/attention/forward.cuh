@@ -16,6 +16,11 @@
 //   halted(mask), finish(o, stat[2]), store_extra(...)
 //   kSkipsSettledBlocks,       optional: a block whose rows are all settled(...) returns before
 //   settled(p, cfg, qt, row)   loading anything (the threshold search's later sweeps)
+//   kWritesStats               optional (default true): false for mechanisms without a per-row
+//                              statistic (threshold attention); stats is then not touched
+//   kFinishesOutput,           optional: the policy may change the finished output before it
+//   finish_output<T>(o, p,     is stored (TDA's second view adds the first's)
+//     cfg, qt, row0, tig)
 //   kScratchBytes,             optional, sweeps without values only: shared memory the policy
 //   borrow_scratch(slot,       keeps per-thread lists in (entmax's candidate keys). It lies
 //     stride, capacity)        where V would; thread (local row r, tig) owns floats
@@ -76,6 +81,21 @@ __device__ __forceinline__ void lend_scratch(Rows& rows, void* base, int bytes, 
     rows.borrow_scratch(slot, 4 * BQ, bytes / static_cast<int>(4 * BQ * sizeof(float)));
   }
 }
+
+template <class Rows, class = void>
+inline constexpr bool kWritesStats = true;
+template <class Rows>
+inline constexpr bool kWritesStats<Rows, std::void_t<decltype(Rows::kWritesStats)>> = Rows::kWritesStats;
+
+template <class Rows, class = void>
+inline constexpr bool kFinishesOutput = false;
+template <class Rows>
+inline constexpr bool kFinishesOutput<Rows, std::void_t<decltype(Rows::kFinishesOutput)>> = Rows::kFinishesOutput;
+
+template <class Rows, class = void>
+inline constexpr bool kFinishesDq = false;
+template <class Rows>
+inline constexpr bool kFinishesDq<Rows, std::void_t<decltype(Rows::kFinishesDq)>> = Rows::kFinishesDq;
 
 template <class Rows, class = void>
 inline constexpr bool kSkipsSettledBlocks = false;
@@ -192,6 +212,7 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
 
   float stat[2];
   rows.finish(o, stat);
+  if constexpr (kFinishesOutput<Rows>) rows.template finish_output<T>(o, p, cfg, qt, row0, tig);
   for (int half = 0; half < 2; ++half) {
     const std::int64_t row = row0 + 8 * half;
     if (row >= qt.s.q_len) continue;
@@ -204,7 +225,9 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
       }
     }
     if (tig == 0) {
-      if constexpr (Rows::kUsesValues) *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
+      if constexpr (Rows::kUsesValues && kWritesStats<Rows>) {
+        *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
+      }
       rows.store_extra(p, cfg, qt.b, qt.s.q_start + row, qt.h,
                        static_cast<std::int64_t>(kept_from_tile) * BK, half);
     }

@@ -283,6 +283,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
 
     float stat[2];
     rows.finish(o, stat);
+    if constexpr (kFinishesOutput<Rows>) rows.template finish_output<T>(o, p, cfg, qt, row0, tig);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
@@ -296,7 +297,9 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         }
       }
       if (tig == 0) {
-        if constexpr (Rows::kUsesValues) *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
+        if constexpr (Rows::kUsesValues && kWritesStats<Rows>) {
+          *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
+        }
         rows.store_extra(p, cfg, qt.b, qt.s.q_start + row, qt.h,
                          static_cast<std::int64_t>(kept_from_tile) * BK, half);
       }

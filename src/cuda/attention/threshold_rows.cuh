@@ -1,0 +1,235 @@
+// Threshold attention (spec/threshold.md) as row policies of the fused kernels. The kernels see
+// queries and keys already L2-normalized (threshold_attention.cu writes them once per call), so
+// a score is a cosine and a weight is relu(s - tau_j)^p with tau_j = beta sqrt(2 log n_j / D):
+// no running maximum, no rescaling, no normalization of the output.
+//
+// One launch is one view. TDA's second view runs as a second launch whose weights carry the
+// factor -lambda (the forward adds its output into the first view's, the backward adds its dV
+// into the same accumulator), so the signed weights w1 - lambda w2 are never formed in one
+// tile: see threshold_attention.cu for what that costs.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/backward.cuh"
+#include "cuda/attention/forward.cuh"
+#include "math/threshold.h"
+
+namespace winnow::cuda {
+
+struct ThresholdCudaConfig {
+  float power = 2.f;
+  float dim = 64.f;  // D of the threshold's sqrt(2 log n / D)
+  const float* beta = nullptr;
+  std::int64_t beta_head = 0;    // stride between heads (0: one beta for every head)
+  const float* lambda = nullptr;  // set: this launch is TDA's second view, weights * -lambda
+  std::int64_t lambda_head = 0;
+  bool clamp_lambda = true;
+  bool add_to_output = false;  // forward: out = out (the first view's) + this view's
+  // Backward: dq through the normalization from the normalized queries and their inverse norms
+  // ([batch row][head], negative where the norm was clipped at eps); dbeta and (second view)
+  // sum_ij dp_ij w_ij, per query head, added into fp32 accumulators.
+  detail::Operand q_hat;
+  const float* q_inv_norm = nullptr;
+  float* dbeta = nullptr;
+  float* lambda_dot = nullptr;
+
+  __device__ __forceinline__ float factor(std::int64_t h) const {
+    return lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
+  }
+  // tau_j / beta for a query whose last visible key is `limit` (-1: none).
+  __device__ __forceinline__ float unit(std::int64_t limit) const {
+    return math::threshold::threshold_unit(static_cast<float>(limit + 1), dim);
+  }
+};
+
+// Powers the kernels specialize: p = 2 (004's default) and p = 1 (ReLA) without a pow.
+enum class ThresholdPower { one, two, general };
+
+template <ThresholdPower P>
+__device__ __forceinline__ float threshold_p(float power) {
+  return P == ThresholdPower::two ? 2.f : P == ThresholdPower::one ? 1.f : power;
+}
+
+// The power a launch specializes on (a branch per tile, uniform over the block).
+__device__ __forceinline__ ThresholdPower power_kind(float power) {
+  return power == 2.f ? ThresholdPower::two : power == 1.f ? ThresholdPower::one : ThresholdPower::general;
+}
+
+struct ThresholdRows {
+  static constexpr bool kCanHalt = false;
+  static constexpr bool kUsesValues = true;
+  static constexpr bool kWritesStats = false;
+  static constexpr bool kFinishesOutput = true;
+  float tau[2], factor, power;
+
+  template <class Tile>
+  __device__ __forceinline__ ThresholdRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                           const Tile& qt, std::int64_t row0)
+      : factor(cfg.factor(qt.h)), power(cfg.power) {
+    const float beta = cfg.beta[qt.h * cfg.beta_head];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) tau[half] = beta * cfg.unit(qt.limit(p, row0 + 8 * half));
+  }
+
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    switch (power_kind(power)) {
+      case ThresholdPower::two: return weights_p<ThresholdPower::two, Masked>(s, mask);
+      case ThresholdPower::one: return weights_p<ThresholdPower::one, Masked>(s, mask);
+      default: return weights_p<ThresholdPower::general, Masked>(s, mask);
+    }
+  }
+  template <ThresholdPower P, bool Masked, int NT>
+  __device__ __forceinline__ void weights_p(float (&s)[NT][4], const RowMask& mask) const {
+    const float pw = threshold_p<P>(power);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i / 2, e = i % 2;
+        const float w = math::threshold::weight(s[n][i] - tau[half], pw);
+        s[n][i] = !Masked || mask.visible<8 * NT>(half, n, e) ? w : 0.f;
+      }
+    }
+  }
+
+  template <int DT>
+  __device__ __forceinline__ void rescale(float (&)[DT][4]) const {}
+  __device__ __forceinline__ bool can_halt() const { return false; }
+  __device__ __forceinline__ bool halted(const RowMask&) const { return false; }
+
+  template <int DT>
+  __device__ __forceinline__ void finish(float (&o)[DT][4], float (&stat)[2]) const {
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[n][i] *= factor;
+    }
+    stat[0] = stat[1] = 0.f;
+  }
+
+  // TDA's second view: add the first view's output, already in out.
+  template <class T, int DT, class Tile>
+  __device__ __forceinline__ void finish_output(float (&o)[DT][4], const AttentionParams& p,
+                                                const ThresholdCudaConfig& cfg, const Tile& qt,
+                                                std::int64_t row0, int tig) const {
+    if (!cfg.add_to_output) return;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      if (row >= qt.s.q_len) continue;
+      const T* prior = p.out.at<const T>(qt.b, qt.s.q_start + row, qt.h);
+#pragma unroll
+      for (int n = 0; n < DT; ++n) {
+        o[n][2 * half] += tile::to_float(prior[8 * n + 2 * tig]);
+        o[n][2 * half + 1] += tile::to_float(prior[8 * n + 2 * tig + 1]);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store_extra(const AttentionParams&, const ThresholdCudaConfig&,
+                                              std::int64_t, std::int64_t, std::int64_t,
+                                              std::int64_t, int) const {}
+};
+
+// The backward rows: P = factor w and dS = factor dP p relu(s - tau)^(p - 1), with the row sums
+// that dbeta (-sum dS, times tau / beta) and dlambda (sum dP w) need, reduced at the end.
+template <class T>
+struct ThresholdBackwardRows {
+  static constexpr bool kFinishesDq = true;
+  float tau[2], unit[2], factor, power;
+  float dtau[2] = {0.f, 0.f};  // -sum_i dS_ij over this thread's keys
+  float lambda_dot = 0.f;      // second view: sum_ij dP_ij w_ij over this thread's entries
+  bool second_view;
+
+  template <class Tile>
+  __device__ __forceinline__ ThresholdBackwardRows(const AttentionParams& p, const detail::GradientParams&,
+                                                   const ThresholdCudaConfig& cfg, const Tile& qt,
+                                                   std::int64_t row0, int)
+      : factor(cfg.factor(qt.h)), power(cfg.power), second_view(cfg.lambda != nullptr) {
+    const float beta = cfg.beta[qt.h * cfg.beta_head];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      unit[half] = cfg.unit(qt.limit(p, row0 + 8 * half));
+      tau[half] = beta * unit[half];
+    }
+  }
+
+  __device__ __forceinline__ std::int64_t first_key(int, const RowMask&) const { return 0; }
+
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void grads(float (&s)[NT][4], float (&dp)[NT][4], const RowMask& mask) {
+    switch (power_kind(power)) {
+      case ThresholdPower::two: return grads_p<ThresholdPower::two, Masked>(s, dp, mask);
+      case ThresholdPower::one: return grads_p<ThresholdPower::one, Masked>(s, dp, mask);
+      default: return grads_p<ThresholdPower::general, Masked>(s, dp, mask);
+    }
+  }
+  template <ThresholdPower P, bool Masked, int NT>
+  __device__ __forceinline__ void grads_p(float (&s)[NT][4], float (&dp)[NT][4], const RowMask& mask) {
+    const float pw = threshold_p<P>(power);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i / 2, e = i % 2;
+        const bool visible = !Masked || mask.visible<8 * NT>(half, n, e);
+        const float x = s[n][i] - tau[half];
+        const float w = visible ? math::threshold::weight(x, pw) : 0.f;
+        const float ds = visible ? factor * dp[n][i] * math::threshold::weight_slope(x, pw) : 0.f;
+        lambda_dot += dp[n][i] * w;  // used by the second view only
+        dtau[half] -= ds;
+        s[n][i] = factor * w;
+        dp[n][i] = ds;
+      }
+    }
+  }
+
+  // dq through the normalization, in place: (g - q_hat <q_hat, g>) / |q|; then this warp's
+  // share of dbeta and of sum dP w into the per-head accumulators.
+  template <int DT, class Tile>
+  __device__ __forceinline__ void finish_dq(float (&dq)[DT][4], const AttentionParams& p,
+                                            const ThresholdCudaConfig& cfg, const Tile& qt,
+                                            std::int64_t row0, int tig) const {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      const bool in = row < qt.s.q_len;
+      const T* q_hat = in ? cfg.q_hat.at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
+      float partial = 0.f;
+      if (in) {
+#pragma unroll
+        for (int n = 0; n < DT; ++n) {
+          partial += tile::to_float(q_hat[8 * n + 2 * tig]) * dq[n][2 * half] +
+                     tile::to_float(q_hat[8 * n + 2 * tig + 1]) * dq[n][2 * half + 1];
+        }
+      }
+      const float dot = tile::quad_sum(partial);
+      if (!in) continue;
+      const float inv = cfg.q_inv_norm[p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h];
+      const bool clipped = inv < 0.f;
+#pragma unroll
+      for (int n = 0; n < DT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& g = dq[n][2 * half + e];
+          g = math::threshold::normalize_grad(g, tile::to_float(q_hat[8 * n + 2 * tig + e]), dot, fabsf(inv), clipped);
+        }
+      }
+    }
+    float beta_part = dtau[0] * unit[0] + dtau[1] * unit[1];
+    float lambda_part = lambda_dot;
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      beta_part += __shfl_xor_sync(0xffffffffu, beta_part, off);
+      lambda_part += __shfl_xor_sync(0xffffffffu, lambda_part, off);
+    }
+    if ((threadIdx.x & 31) == 0) {
+      atomicAdd(cfg.dbeta + qt.h, beta_part);
+      if (second_view) atomicAdd(cfg.lambda_dot + qt.h, lambda_part);
+    }
+  }
+};
+
+}  // namespace winnow::cuda

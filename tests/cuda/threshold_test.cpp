@@ -1,0 +1,207 @@
+// Threshold attention's CUDA kernels (TRA and TDA) against the float64 reference on the same
+// 16-bit-rounded inputs: the fused path (bf16 / fp16, D = 64 and 128: grouped heads, suffix
+// queries, packed sequences with empty ones, a single token) and the simple path (float32,
+// other head dimensions), powers 2, 1.5 and 1, per-head and shared beta, causal and strict,
+// atomic and deterministic backward; every gradient, beta's and lambda's included.
+//
+// p = 1 has a slope that jumps at the threshold (p < 2 one that is infinitely steep there), so
+// in 16-bit a key whose score lies within rounding of its row's threshold may fall either way,
+// and the gradients of random inputs differ from the reference by whole terms. The 16-bit
+// p = 1 and p = 1.5 cases therefore use inputs whose
+// normalized rows are exact in 16 bits (features +-c or 0): scores are then exact multiples of
+// 1 / 64 (1 / 16 at D < 64) and no key sits on the threshold.
+//
+// The 16-bit kernels score normalized rows stored in 16 bits. Every output and gradient is
+// checked against the reference on the raw (16-bit-rounded) inputs, except dbeta and dlambda:
+// sums of terms of both signs over every pair, they move with that rounding by several percent
+// on random inputs, and are checked against the reference on the kernels' normalized rows.
+// Label `cuda`: runs only on a machine with a GPU (tools/gpu_check.sh).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <tuple>
+
+#include "cuda_placement.h"
+#include "support/threshold_case.h"
+
+namespace winnow::testing {
+namespace {
+
+double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::bfloat16: return 2e-2;
+    case DType::float16: return 5e-3;
+    default: return 2e-5;
+  }
+}
+
+const std::vector<ProblemShape>& shapes() {
+  static const std::vector<ProblemShape> all = {
+      {"fused_d128_gqa", {{300, 300}, {300, 300}}, false, 4, 2, 128, 128},
+      {"fused_d64_suffix", {{77, 333}}, false, 4, 4, 64, 64},
+      {"fused_single_token", {{1, 1}}, false, 2, 1, 64, 64},
+      {"fused_varlen", {{5, 5}, {0, 0}, {200, 200}, {129, 300}, {1, 1}}, true, 4, 2, 64, 64},
+      {"simple_d16_dv48", {{70, 70}, {70, 70}}, false, 2, 1, 16, 48},
+      {"simple_varlen_d32", {{3, 70}, {0, 10}, {66, 66}}, true, 2, 2, 32, 32},
+  };
+  return all;
+}
+
+// Every feature of q, k (and q2, k2) below m set to +-c_row and the rest to zero, m the largest
+// power of 4 <= D: the normalized rows are +-1/sqrt(m), exact in bf16 and fp16.
+void exact_signs(HostTensor& t) {
+  std::vector<double> x = t.values();
+  const std::int64_t D = t.shape().back();
+  std::int64_t m = 1;
+  while (4 * m <= D) m *= 4;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const std::int64_t d = static_cast<std::int64_t>(i) % D;
+    const double row_scale = 0.5 + 0.25 * static_cast<double>((i / static_cast<std::size_t>(D)) % 3);
+    x[i] = d >= m ? 0.0 : (x[i] >= 0 ? row_scale : -row_scale);
+  }
+  t.set_values(x);
+}
+
+// The rows of t scaled to unit length and rounded to dtype: what the 16-bit kernels compute
+// their scores from (they write the normalized rows in the input dtype, as 004's kernel does).
+void normalize_rows_as_kernel(HostTensor& t, DType dtype) {
+  std::vector<double> x = t.values();
+  const std::size_t D = static_cast<std::size_t>(t.shape().back());
+  for (std::size_t r = 0; r < x.size() / D; ++r) {
+    double sum = 0;
+    for (std::size_t d = 0; d < D; ++d) sum += x[r * D + d] * x[r * D + d];
+    const double inv = 1.0 / std::max(std::sqrt(sum), 1e-6);
+    for (std::size_t d = 0; d < D; ++d) x[r * D + d] *= inv;
+  }
+  t.set_values(x);
+  t = t.converted(dtype).converted(DType::float64);
+}
+
+void expect_close(const ThresholdGrads& got, const ThresholdGrads& want, const std::vector<double>& out,
+                  const std::vector<double>& want_out, bool tda, double tol) {
+  EXPECT_LT(relative_error(out, want_out), tol) << "out";
+  EXPECT_LT(relative_error(got.dq, want.dq), tol) << "dq";
+  EXPECT_LT(relative_error(got.dk, want.dk), tol) << "dk";
+  EXPECT_LT(relative_error(got.dv, want.dv), tol) << "dv";
+  EXPECT_LT(relative_error(got.dbeta, want.dbeta), tol) << "dbeta";
+  if (tda) {
+    EXPECT_LT(relative_error(got.dq2, want.dq2), tol) << "dq2";
+    EXPECT_LT(relative_error(got.dk2, want.dk2), tol) << "dk2";
+    EXPECT_LT(relative_error(got.dlambda, want.dlambda), tol) << "dlambda";
+  }
+}
+
+ExecContext reference() {
+  ExecContext ctx;
+  ctx.backend = Backend::reference;
+  return ctx;
+}
+
+// shape, TDA, power, dtype (float32 runs the simple path), attend_current. 16-bit inputs run
+// the backward twice, with atomic and with deterministic accumulation.
+using Param = std::tuple<int, bool, double, DType, bool>;
+class ThresholdCuda : public ::testing::TestWithParam<Param> {};
+
+TEST_P(ThresholdCuda, ForwardAndEveryGradientMatchTheReference) {
+  const auto [shape_index, tda, power, dtype, attend_current] = GetParam();
+  const ProblemShape& shape = shapes()[static_cast<std::size_t>(shape_index)];
+  ThresholdCase c{shape.name, shape, tda, power, attend_current, /*shared_beta=*/shape_index % 2 == 1};
+  for (double beta : {0.0, 0.5}) {
+    ThresholdInputs in = make_threshold_inputs(c, 77 + static_cast<std::uint64_t>(shape_index), beta);
+    if (power != 2.0 && dtype != DType::float32) {
+      for (HostTensor* t : {&in.main.q, &in.main.k, &in.second.q, &in.second.k}) exact_signs(*t);
+    }
+    const ThresholdInputs want_in = rounded(in, dtype);
+    const std::vector<double> want_out = threshold_forward(want_in, reference());
+    const ThresholdGrads want = threshold_backward(want_in, reference());
+
+    ThresholdGrads want_normalized = want;
+    if (dtype != DType::float32) {
+      ThresholdInputs normalized = want_in;
+      for (HostTensor* t : {&normalized.main.q, &normalized.main.k, &normalized.second.q, &normalized.second.k}) {
+        normalize_rows_as_kernel(*t, dtype);
+      }
+      want_normalized = threshold_backward(normalized, reference());
+    }
+
+    const ThresholdInputs x = converted_for_kernels(in, dtype);
+    for (bool deterministic : {false, true}) {
+      if (deterministic && dtype == DType::float32) continue;  // the simple path is always deterministic
+      ExecContext ctx;
+      ctx.deterministic = deterministic;
+      CudaPlacement gpu;
+      const std::vector<double> out = threshold_forward(x, ctx, &gpu);
+      const ThresholdGrads got = threshold_backward(x, ctx, &gpu);
+      SCOPED_TRACE(shape.name + " beta " + std::to_string(beta) + (deterministic ? " deterministic" : ""));
+      ThresholdGrads want_here = want;
+      if (dtype != DType::float32) {
+        // dbeta and dlambda sum terms of both signs over every visible pair, so the scores'
+        // 16-bit rounding (the normalized rows) moves them by more than it moves any element of
+        // the others: they are checked against the reference on those same rounded rows.
+        want_here.dbeta = want_normalized.dbeta;
+        want_here.dlambda = want_normalized.dlambda;
+      }
+      expect_close(got, want_here, out, want_out, tda, tolerance(dtype));
+    }
+  }
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  const auto [shape_index, tda, power, dtype, attend_current] = info.param;
+  std::string p = power == 2.0 ? "p2" : power == 1.0 ? "p1" : "p1_5";
+  return shapes()[static_cast<std::size_t>(shape_index)].name + (tda ? "_tda_" : "_tra_") + p + "_" +
+         to_string(dtype) + (attend_current ? "_current" : "_strict");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, ThresholdCuda,
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(shapes().size())), ::testing::Bool(),
+                                            ::testing::Values(2.0, 1.5, 1.0),
+                                            ::testing::Values(DType::bfloat16, DType::float16, DType::float32),
+                                            ::testing::Bool()),
+                         param_name);
+
+// The survivor counts come from the simple kernel (both views in one sweep): they equal the
+// reference's on float32 inputs, TRA and TDA.
+TEST(ThresholdCuda, SurvivorCountsMatchTheReference) {
+  for (bool tda : {false, true}) {
+    const ThresholdCase c{"long", {"long", {{150, 150}, {150, 150}}, false, 2, 1, 8, 4}, tda, 2.0, true, false};
+    const ThresholdInputs in = make_threshold_inputs(c, 29, 0.4);
+    CudaPlacement gpu;
+    EXPECT_EQ(threshold_survivors(converted_for_kernels(in, DType::float32), {}, &gpu),
+              threshold_survivors(in, reference()))
+        << tda;
+  }
+}
+
+// Small problems for compute-sanitizer (tools/gpu_check.sh filters on "Small").
+TEST(CudaSmall, ThresholdFusedAndSimplePaths) {
+  const std::vector<ProblemShape> small = {
+      {"fused", {{70, 70}, {70, 70}}, false, 2, 1, 64, 64},
+      {"fused_varlen", {{5, 5}, {0, 0}, {66, 80}}, true, 2, 2, 128, 128},
+      {"simple", {{33, 33}}, false, 2, 1, 16, 24},
+  };
+  for (const ProblemShape& shape : small) {
+    for (bool tda : {false, true}) {
+      for (bool deterministic : {false, true}) {
+        const ThresholdCase c{shape.name, shape, tda, 2.0, true, false};
+        const ThresholdInputs in = make_threshold_inputs(c, 99, 0.3);
+        const ThresholdInputs x =
+            converted_for_kernels(in, shape.name == std::string("simple") ? DType::float32 : DType::bfloat16);
+        ExecContext ctx;
+        ctx.deterministic = deterministic;
+        CudaPlacement gpu;
+        const std::vector<double> out = threshold_forward(x, ctx, &gpu);
+        const ThresholdGrads g = threshold_backward(x, ctx, &gpu);
+        for (const auto* values : {&out, &g.dq, &g.dk, &g.dv, &g.dbeta}) {
+          for (double v : *values) ASSERT_TRUE(std::isfinite(v)) << shape.name << " tda " << tda;
+        }
+        threshold_survivors(x, ctx, &gpu);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace winnow::testing
