@@ -15,7 +15,6 @@ Writes JSON (--json) and prints a table.
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -51,7 +50,7 @@ def zero_fraction(q, k, beta, q2=None, k2=None, rows=1024):
     return 1.0 - kept / total
 
 
-def methods(B, L, H, D):
+def methods():
     """name -> fn(q, k, v, q2, k2, beta_scale, lam), inputs in (B, L, H, D)."""
     def qkv_only(fn):
         return lambda q, k, v, *rest: fn(q, k, v)
@@ -141,7 +140,7 @@ def main():
                   f"TDA {z['tda_zero_fraction']:.5f}", flush=True)
         flops = 4 * B * H * L * L * D / 2
         rows = {}
-        for name, fn in methods(B, L, H, D).items():
+        for name, fn in methods().items():
             if args.methods and name != "sdpa_flash" and name not in args.methods:
                 continue
             row = measure(fn, leaves, extra, flops)

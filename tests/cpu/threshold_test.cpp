@@ -27,11 +27,7 @@ Inputs make_inputs(const Case& c, std::uint64_t seed, double beta_value = 0.6, d
   return make_threshold_inputs(c, seed, beta_value, lambda_value);
 }
 
-ExecContext reference() {
-  ExecContext ctx;
-  ctx.backend = Backend::reference;
-  return ctx;
-}
+ExecContext reference() { return reference_backend(); }
 
 AttentionInputs attention_inputs(const Inputs& in) {
   AttentionInputs a{in.main.q.view(), in.main.k.view(), in.main.v.view(), std::nullopt, std::nullopt};

@@ -93,11 +93,7 @@ void expect_close(const ThresholdGrads& got, const ThresholdGrads& want, const s
   }
 }
 
-ExecContext reference() {
-  ExecContext ctx;
-  ctx.backend = Backend::reference;
-  return ctx;
-}
+ExecContext reference() { return reference_backend(); }
 
 // shape, TDA, power, dtype (float32 runs the simple path), attend_current. 16-bit inputs run
 // the backward twice, with atomic and with deterministic accumulation.

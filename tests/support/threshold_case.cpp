@@ -48,6 +48,12 @@ ThresholdInputs rounded(const ThresholdInputs& in, DType dtype) {
   return r;
 }
 
+ExecContext reference_backend() {
+  ExecContext ctx;
+  ctx.backend = Backend::reference;
+  return ctx;
+}
+
 namespace {
 
 // Views of the inputs where the call runs.

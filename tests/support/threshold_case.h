@@ -43,6 +43,9 @@ struct ThresholdGrads {
   std::vector<double> dq, dk, dv, dq2, dk2, dbeta, dlambda;
 };
 
+// The float64 reference backend, what every test compares against.
+ExecContext reference_backend();
+
 // placement == nullptr: the tensors stay on the host.
 std::vector<double> threshold_forward(const ThresholdInputs& in, const ExecContext& ctx,
                                       Placement* placement = nullptr);
