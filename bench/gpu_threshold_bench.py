@@ -3,6 +3,9 @@ and cuDNN back ends), winnow's softmax and, when importable, 004's public Triton
 (snap-research/TDA's triton_threshold_attention.py, on PYTHONPATH, e.g. copied into .baselines/;
 the GPU machine has no network) on the same inputs in the same run.
 
+winnow_*_screen rows run the forward with the int8 screen (WINNOW_THRESHOLD_SCREEN=1); their
+"b1 speedup" is against the default (unscreened) forward at beta 0.
+
 Shapes (issue 14): bf16, D = 128, H = 12, B * L = 16384 tokens, L in {4096, 16384}, causal,
 q, k, v (and TDA's q2, k2) ~ N(0, 1). beta = 0 keeps about half the weights (no key tile can be
 skipped); beta = 1 keeps well under 1% (the zero fraction is measured on the same inputs and
@@ -50,6 +53,16 @@ def zero_fraction(q, k, beta, q2=None, k2=None, rows=1024):
     return 1.0 - kept / total
 
 
+def screened(fn):
+    def run(*args):
+        os.environ["WINNOW_THRESHOLD_SCREEN"] = "1"
+        try:
+            return fn(*args)
+        finally:
+            del os.environ["WINNOW_THRESHOLD_SCREEN"]
+    return run
+
+
 def methods():
     """name -> fn(q, k, v, q2, k2, beta_scale, lam), inputs in (B, L, H, D)."""
     def qkv_only(fn):
@@ -65,6 +78,9 @@ def methods():
                                  winnow.threshold_attention(q, k, v, b * beta))(beta)
         m["winnow_tda" + tag] = (lambda beta: lambda q, k, v, q2, k2, b, lam:
                                  winnow.threshold_attention(q, k, v, b * beta, lam=lam, q2=q2, k2=k2))(beta)
+        # The int8 screen's forward (WINNOW_THRESHOLD_SCREEN, opt-in); its backward is the same.
+        for kind in ("tra", "tda"):
+            m[f"winnow_{kind}{tag}_screen"] = screened(m[f"winnow_{kind}{tag}"])
     try:
         from triton_threshold_attention import differential_threshold_rela_triton, threshold_rela_triton
 
@@ -155,8 +171,11 @@ def main():
             for mode in ("fwd", "bwd", "fwd_bwd"):
                 if f"{mode}_ms" in row and f"{mode}_ms" in base:
                     row[f"{mode}_time_vs_flash"] = row[f"{mode}_ms"] / base[f"{mode}_ms"]
-        for kind in ("winnow_tra", "winnow_tda", "paper_triton_tra", "paper_triton_tda"):
-            a, b = rows.get(kind, {}), rows.get(kind + "_beta1", {})
+        for kind, kind1 in (("winnow_tra", "winnow_tra_beta1"), ("winnow_tda", "winnow_tda_beta1"),
+                            ("winnow_tra", "winnow_tra_beta1_screen"), ("winnow_tda", "winnow_tda_beta1_screen"),
+                            ("paper_triton_tra", "paper_triton_tra_beta1"),
+                            ("paper_triton_tda", "paper_triton_tda_beta1")):
+            a, b = rows.get(kind, {}), rows.get(kind1, {})
             if "fwd_ms" in a and "fwd_ms" in b:
                 b["fwd_speedup_over_beta0"] = a["fwd_ms"] / b["fwd_ms"]
         torch.cuda.empty_cache()

@@ -31,11 +31,6 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes, Device, void* s
 namespace cuda {
 namespace {
 
-bool aligned_rows(const detail::Operand& op, DType dtype) {
-  const std::size_t bytes = element_size(dtype);
-  return op.dim == 1 && reinterpret_cast<std::uintptr_t>(op.data) % 16 == 0 &&
-         (op.row * bytes) % 16 == 0 && (op.head * bytes) % 16 == 0 && (op.batch * bytes) % 16 == 0;
-}
 
 template <class T>
 __global__ void store_key_grads_kernel(const detail::AttentionParams p, const detail::GradientParams g,
@@ -87,6 +82,12 @@ __global__ void store_key_grads_rows_kernel(const detail::AttentionParams p, con
 }
 
 }  // namespace
+
+bool aligned_rows(const detail::Operand& op, DType dtype) {
+  const std::size_t bytes = element_size(dtype);
+  return op.dim == 1 && reinterpret_cast<std::uintptr_t>(op.data) % 16 == 0 &&
+         (op.row * bytes) % 16 == 0 && (op.head * bytes) % 16 == 0 && (op.batch * bytes) % 16 == 0;
+}
 
 bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g) {
   if (p.dtype != DType::bfloat16 && p.dtype != DType::float16) return false;

@@ -65,6 +65,9 @@ class DeviceBuffer {
 // keys and values, and every row 16-byte aligned with unit stride along the head dimension.
 bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g);
 
+// Whether an operand's rows are contiguous features starting at 16-byte boundaries.
+bool aligned_rows(const detail::Operand& op, DType dtype);
+
 // dk / dv from the fp32 accumulators [key row][kv head][dim] into the caller's tensors.
 void store_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g,
                      const float* dk, const float* dv);

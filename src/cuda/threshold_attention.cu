@@ -9,14 +9,23 @@
 // storing, the backward adds into the same dV accumulator. That reads V twice where a kernel
 // holding both score tiles would read it once.
 //
+// Screened forward (Hopper, fused path, WINNOW_THRESHOLD_SCREEN set): the rows are
+// also written as int8 with their quantization error, the screen (threshold_screen_sm90.cuh)
+// rules out the pairs whose 8-bit products prove them exact zeros and handles the few others,
+// and the fused forward then visits only the key tiles the screen left dense, per warp of rows.
+//
 // Simple path (float32, other head dimensions, unaligned rows, and every call that asks for
 // the per-row survivor count): a warp per query row for the forward, with both views in one
 // sweep (so a key kept in either view counts once), and a block per (sequence, kv head) for the
 // backward.
 #include <cub/block/block_reduce.cuh>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "cuda/attention/simple.cuh"
 #include "cuda/attention/threshold_rows.cuh"
+#include "cuda/attention/threshold_screen_sm90.cuh"
 #include "cuda/cuda.h"
 #include "cuda/launch_attention.cuh"
 
@@ -75,6 +84,120 @@ __global__ void normalize_rows_kernel(const Operand src, const Operand dst, floa
   T* y = dst.at<T>(b, at, h);
   for (int d = lane; d < r.dim; d += 32) y[d] = simple::from_float<T>(simple::load(x + d * src.dim) * inv);
   if (lane == 0) inv_norm[idx] = mt::norm_clipped(sum, eps) ? -inv : inv;
+}
+
+// The screen's rows: a warp per row, a lane per four consecutive features (dim 64 or 128, rows
+// 16-byte aligned with contiguous features; lanes past dim / 4 hold zeros).
+struct ScreenRow {
+  float a[4];
+};
+
+template <class T>
+__device__ __forceinline__ ScreenRow load_row4(const T* x, int dim) {
+  const int lane = threadIdx.x % 32;
+  ScreenRow r{{0.f, 0.f, 0.f, 0.f}};
+  if (4 * lane < dim) {
+    const uint2 bits = *reinterpret_cast<const uint2*>(x + 4 * lane);
+    const T* e = reinterpret_cast<const T*>(&bits);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r.a[j] = simple::load(e + j);
+  }
+  return r;
+}
+
+// x / max(|x|, eps) rounded to T, stored into hat and returned as read back (what the kernels
+// score); *largest: the row's largest |feature|.
+template <class T>
+__device__ __forceinline__ ScreenRow normalize_row4(const T* x, T* hat, int dim, float eps, float* largest) {
+  const int lane = threadIdx.x % 32;
+  ScreenRow r = load_row4(x, dim);
+  const float inv = mt::inverse_norm(simple::warp_sum(r.a[0] * r.a[0] + r.a[1] * r.a[1] + r.a[2] * r.a[2] + r.a[3] * r.a[3]), eps);
+  float m = 0.f;
+  if (4 * lane < dim) {
+    uint2 bits;
+    T* e = reinterpret_cast<T*>(&bits);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      e[j] = simple::from_float<T>(r.a[j] * inv);
+      r.a[j] = simple::load(e + j);
+      m = fmaxf(m, fabsf(r.a[j]));
+    }
+    *reinterpret_cast<uint2*>(hat + 4 * lane) = bits;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  *largest = m;
+  return r;
+}
+
+// The row as int8 with `scale` into q8 (kScreenRowBytes, zero past dim); returns its error radius.
+__device__ __forceinline__ float quantize_row4(const ScreenRow& r, float scale, std::int8_t* q8) {
+  const int lane = threadIdx.x % 32;
+  std::uint32_t packed = 0;
+  float err = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int c = mt::screen_quantize(r.a[j], scale);
+    packed |= (static_cast<std::uint32_t>(c) & 0xffu) << (8 * j);
+    const float e = r.a[j] - scale * static_cast<float>(c);
+    err += e * e;
+  }
+  *reinterpret_cast<std::uint32_t*>(q8 + 4 * lane) = packed;
+  return sqrtf(simple::warp_sum(err));
+}
+
+// A warp per (batch row, head) of the queries: normalized, quantized with the row's own scale;
+// meta = {scale, error radius}.
+template <class T>
+__global__ void normalize_quantize_queries_kernel(const Operand src, const Operand hat, const Operand q8, float2* meta,
+                                                  const RowGeometry r, float eps) {
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  if (idx >= r.rows * r.heads) return;
+  const std::int64_t row = idx / r.heads, h = idx % r.heads, b = r.sequence(row), at = r.row_in(row);
+  float largest;
+  const ScreenRow a = normalize_row4<T>(src.at<const T>(b, at, h), hat.at<T>(b, at, h), r.dim, eps, &largest);
+  const float scale = mt::screen_scale(largest);
+  const float err = quantize_row4(a, scale, q8.at<std::int8_t>(b, at, h));
+  if (threadIdx.x % 32 == 0) meta[idx] = make_float2(scale, err);
+}
+
+// A block per (key tile, kv head, sequence): the tile's keys normalized, then quantized with one
+// scale, the tile's (so that the screen's cut is exact in the keys' scale); tile_meta = {scale,
+// largest error radius}.
+template <class T>
+__global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParams p, const Operand src, const Operand hat,
+                                                    const Operand k8, float2* tile_meta, int key_tiles, float eps) {
+  constexpr int kWarps = kWarpsPerBlock;
+  __shared__ float largest_of[kWarps];
+  const int t = blockIdx.x, warp = threadIdx.x / 32;
+  const std::int64_t hk = blockIdx.y, b = blockIdx.z;
+  const detail::SequenceExtent s = p.sequence(b);
+  const int dim = static_cast<int>(p.dim_qk);
+  const std::int64_t first = static_cast<std::int64_t>(t) * kCellKeys;
+  float largest = 0.f;
+  for (int j = warp; j < kCellKeys && first + j < s.k_len; j += kWarps) {
+    const std::int64_t row = s.k_start + first + j;
+    float m;
+    normalize_row4<T>(src.at<const T>(b, row, hk), hat.at<T>(b, row, hk), dim, eps, &m);
+    largest = fmaxf(largest, m);
+  }
+  if (threadIdx.x % 32 == 0) largest_of[warp] = largest;
+  __syncthreads();
+  for (int w = 0; w < kWarps; ++w) largest = fmaxf(largest, largest_of[w]);
+  const float scale = mt::screen_scale(largest);
+  float err = 0.f;
+  // Each warp quantizes the rows it normalized (its own writes, read back in program order).
+  for (int j = warp; j < kCellKeys && first + j < s.k_len; j += kWarps) {
+    const std::int64_t row = s.k_start + first + j;
+    err = fmaxf(err, quantize_row4(load_row4(hat.at<const T>(b, row, hk), dim), scale, k8.at<std::int8_t>(b, row, hk)));
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) largest_of[warp] = err;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kWarps; ++w) err = fmaxf(err, largest_of[w]);
+    tile_meta[(b * p.heads_kv + hk) * key_tiles + t] = make_float2(scale, err);
+  }
 }
 
 // A warp per (batch row, head): out = the gradient through the normalization from dL/dx_hat
@@ -311,19 +434,10 @@ class NormalizedViews {
 
   template <class T>
   void compute(const detail::AttentionParams& p, const ThresholdConfig& cfg) {
-    auto* base = buffer_.as<unsigned char>();
+    assign_rows<T>();
     const float eps = static_cast<float>(cfg.norm_eps);
     for (int v = 0; v < views_; ++v) {
       ViewRows& vr = rows_[v];
-      vr.q_hat = contiguous(base, q_);
-      base += q_elems_ * sizeof(T);
-      vr.k_hat = contiguous(base, k_);
-      base += k_elems_ * sizeof(T);
-      base = reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(base) + 15) / 16 * 16);
-      vr.q_inv = reinterpret_cast<float*>(base);
-      vr.k_inv = vr.q_inv + q_norms_;
-      base += (q_norms_ + k_norms_) * sizeof(float);
-      base = reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(base) + 15) / 16 * 16);
       const Operand& q_src = v == 0 ? p.q : cfg.q2;
       const Operand& k_src = v == 0 ? p.k : cfg.k2;
       if (q_norms_ > 0) {
@@ -336,12 +450,54 @@ class NormalizedViews {
       }
     }
   }
+  // The forward's rows for the screen: normalized (as compute writes them, without the inverse
+  // norms) and quantized into `screen`'s int8 rows and bounds.
+  template <class T>
+  void compute_screened(const detail::AttentionParams& p, const ThresholdConfig& cfg, ThresholdScreenParams& screen) {
+    assign_rows<T>();
+    const float eps = static_cast<float>(cfg.norm_eps);
+    for (int v = 0; v < views_; ++v) {
+      const Operand& q_src = v == 0 ? p.q : cfg.q2;
+      const Operand& k_src = v == 0 ? p.k : cfg.k2;
+      screen.q_hat[v] = rows_[v].q_hat;
+      screen.k_hat[v] = rows_[v].k_hat;
+      if (q_norms_ > 0) {
+        normalize_quantize_queries_kernel<T><<<warp_blocks(q_), 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
+            q_src, rows_[v].q_hat, screen.q8[v], screen.q_meta[v], q_, eps);
+        check_launch("threshold normalize_quantize_queries_kernel");
+      }
+      const dim3 grid(static_cast<unsigned>(screen.key_tiles), static_cast<unsigned>(p.heads_kv),
+                      static_cast<unsigned>(p.num_seqs));
+      if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
+        normalize_quantize_key_tiles_kernel<T><<<grid, 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
+            p, k_src, rows_[v].k_hat, screen.k8[v], screen.tile_meta[v], screen.key_tiles, eps);
+        check_launch("threshold normalize_quantize_key_tiles_kernel");
+      }
+    }
+  }
   const ViewRows& view(int v) const { return rows_[v]; }
   int count() const { return views_; }
   const RowGeometry& queries() const { return q_; }
   const RowGeometry& keys() const { return k_; }
 
  private:
+  template <class T>
+  void assign_rows() {
+    auto* base = buffer_.as<unsigned char>();
+    for (int v = 0; v < views_; ++v) {
+      ViewRows& vr = rows_[v];
+      vr.q_hat = contiguous(base, q_);
+      base += q_elems_ * sizeof(T);
+      vr.k_hat = contiguous(base, k_);
+      base += k_elems_ * sizeof(T);
+      base = reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(base) + 15) / 16 * 16);
+      vr.q_inv = reinterpret_cast<float*>(base);
+      vr.k_inv = vr.q_inv + q_norms_;
+      base += (q_norms_ + k_norms_) * sizeof(float);
+      base = reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(base) + 15) / 16 * 16);
+    }
+  }
+
   int views_;
   RowGeometry q_, k_;
   std::size_t q_elems_, k_elems_, q_norms_, k_norms_;
@@ -391,6 +547,120 @@ void fused_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg,
   for (int v = 0; v < views.count(); ++v) {
     launch_fused_forward<T, D, ThresholdRows>(view_params(p, views.view(v)), view_config(p, cfg, v));
   }
+}
+
+// The screen's scratch: per view the int8 rows and their bounds, and the dense / live tile bits
+// (cleared), carved from one buffer of the caller's allocator.
+class ScreenBuffer {
+ public:
+  ScreenBuffer(const detail::AttentionParams& p, int views)
+      : q_rows_(static_cast<std::size_t>(p.rows_q * p.heads_q)),
+        k_rows_(static_cast<std::size_t>(p.rows_k * p.heads_kv)),
+        tiles_(static_cast<std::size_t>(p.num_seqs * p.heads_kv) * static_cast<std::size_t>(map_cells(p))),
+        dense_words_(static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(row_groups(p)) *
+                     static_cast<std::size_t>(map_words(p))),
+        live_words_(map_blocks(p) * static_cast<std::size_t>(map_words(p))),
+        per_view_(aligned(q_rows_ * kScreenRowBytes) + aligned(k_rows_ * kScreenRowBytes) +
+                  aligned(q_rows_ * sizeof(float2)) + aligned(tiles_ * sizeof(float2))),
+        bits_(aligned((dense_words_ + live_words_) * sizeof(std::uint32_t))),
+        buffer_(p, views * per_view_ + bits_) {
+    auto* base = buffer_.as<unsigned char>();
+    const RowGeometry q = query_rows(p), k = key_rows(p, kScreenRowBytes);
+    RowGeometry q8 = q;
+    q8.dim = kScreenRowBytes;
+    for (int v = 0; v < views; ++v) {
+      params_.q8[v] = contiguous(base, q8);
+      base += aligned(q_rows_ * kScreenRowBytes);
+      params_.k8[v] = contiguous(base, k);
+      base += aligned(k_rows_ * kScreenRowBytes);
+      params_.q_meta[v] = reinterpret_cast<float2*>(base);
+      base += aligned(q_rows_ * sizeof(float2));
+      params_.tile_meta[v] = reinterpret_cast<float2*>(base);
+      base += aligned(tiles_ * sizeof(float2));
+    }
+    params_.key_tiles = map_cells(p);
+    params_.words = map_words(p);
+    params_.row_groups = row_groups(p);
+    params_.q_blocks = map_query_blocks(p);
+    params_.dense_bits = reinterpret_cast<std::uint32_t*>(base);
+    params_.live_bits = params_.dense_bits + dense_words_;
+    if (bits_ > 0) check(cudaMemsetAsync(base, 0, bits_, stream_of(p)), "clearing the screen's tile bits");
+  }
+  ThresholdScreenParams& params() { return params_; }
+  LiveKeyTiles live() const { return {params_.live_bits, params_.q_blocks, params_.words}; }
+
+  // Row groups per (sequence, head): whole blocks' worth, as the kernels address them.
+  static int row_groups(const detail::AttentionParams& p) {
+    return map_query_blocks(p) * (kCellRows / kScreenGroupRows);
+  }
+
+ private:
+  static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+  std::size_t q_rows_, k_rows_, tiles_, dense_words_, live_words_, per_view_, bits_;
+  DeviceBuffer buffer_;
+  ThresholdScreenParams params_;
+};
+
+template <class T, int D, int Views>
+void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams& sp) {
+  using Shape = Sm90ScreenShape;
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.z == 0) return;
+  auto kernel = threshold_screen_sm90_kernel<T, D, Views>;
+  const int smem = Sm90ScreenSmem<Views>::kBytes;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, sp);
+  check_launch("threshold_screen_sm90_kernel");
+}
+
+// The screen is opt-in (WINNOW_THRESHOLD_SCREEN set, WINNOW_DENSE_KEY_TILES not): on the H100 it
+// makes the forward at beta = 1 1.4x faster at L = 16384 but the one at beta = 0 12-22% slower
+// (docs/performance.md), and which one a model meets is known only from its data.
+bool screen_requested(const detail::AttentionParams& p) {
+  return std::getenv("WINNOW_THRESHOLD_SCREEN") != nullptr && key_tile_skipping_enabled(p);
+}
+
+// The screened forward where it runs (Hopper, requested): the screen writes the
+// output's sparse part, then each view's fused forward adds the dense tiles'.
+template <class T, int D>
+bool screened_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg, NormalizedViews& views) {
+  if (!screen_requested(p) || !hopper_kernel_runs(threshold_screen_sm90_kernel<T, D, 1>)) return false;
+  // The normalization reads four features at once from the raw rows (the first view's are
+  // aligned on the fused path).
+  if (cfg.differential() && (!aligned_rows(cfg.q2, p.dtype) || !aligned_rows(cfg.k2, p.dtype))) return false;
+  ScreenBuffer screen(p, views.count());
+  ThresholdScreenParams& sp = screen.params();
+  views.compute_screened<T>(p, cfg, sp);
+  sp.view = view_config(p, cfg, views.count() - 1);
+  const detail::AttentionParams first = view_params(p, views.view(0));
+  const bool stats = std::getenv("WINNOW_SCREEN_STATS") != nullptr;
+  DeviceBuffer counters(p, stats ? 4 * sizeof(unsigned long long) : 0);
+  if (stats) {
+    sp.stats = counters.as<unsigned long long>();
+    check(cudaMemsetAsync(sp.stats, 0, 4 * sizeof(unsigned long long), stream_of(p)), "clearing the screen's counters");
+  }
+  if (views.count() == 2) {
+    launch_screen<T, D, 2>(first, sp);
+  } else {
+    launch_screen<T, D, 1>(first, sp);
+  }
+  if (stats) {
+    unsigned long long c[4];
+    check(cudaMemcpyAsync(c, sp.stats, sizeof(c), cudaMemcpyDeviceToHost, stream_of(p)), "reading the screen's counters");
+    check(cudaStreamSynchronize(stream_of(p)), "reading the screen's counters");
+    std::fprintf(stderr, "winnow screen: %llu warp tiles, %llu dense, %llu with candidates handled, %llu candidates\n",
+                 c[0], c[1], c[2], c[3]);
+  }
+  for (int v = 0; v < views.count(); ++v) {
+    ThresholdCudaConfig c = view_config(p, cfg, v);
+    c.add_to_output = true;
+    c.dense_bits = sp.dense_bits;
+    c.dense_row_groups = sp.row_groups;
+    c.dense_words = sp.words;
+    launch_fused_forward<T, D, ScreenedThresholdRows>(view_params(p, views.view(v)), c, screen.live());
+  }
+  return true;
 }
 
 template <class T>
@@ -546,6 +816,7 @@ struct FusedForward {
   NormalizedViews& views;
   template <class T, int D>
   void operator()() const {
+    if (screened_forward<T, D>(p, cfg, views)) return;
     views.compute<T>(p, cfg);
     fused_forward<T, D>(p, cfg, views);
   }

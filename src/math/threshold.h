@@ -89,4 +89,41 @@ WINNOW_HD T lambda_slope(T lambda, bool clamp) {
   return clamp ? ((lambda >= T(0) && lambda <= T(1)) ? T(1) : T(0)) : T(1);
 }
 
+// The screen of the CUDA forward (cuda/attention/threshold_screen_sm90.cuh) rules pairs out
+// with 8-bit products before any 16-bit one. A normalized row a, as the kernels store it in 16
+// bits, is written as scale * c with c int8 (|c_d| <= 127, scale = max_d |a_d| / 127) and
+// err = |a - scale c| (the quantization's error radius). For two rows a, b:
+//   |a.b - scale_a scale_b (c_a.c_b)| <= err_a |b| + |scale_a c_a| err_b
+//                                     <= err_a N + (N + err_a) err_b
+// with N >= |b| for any normalized row rounded to 16 bits (|x_hat| <= 1, rounding <= 2^-8 of it).
+// So a pair whose integer product is at most screen_cut(tau, ...) scores at most tau: an exact
+// zero for any power. kScreenSlack covers float32 rounding in the scores and in the cut itself.
+inline constexpr float kScreenRowNorm = 1.004f;
+inline constexpr float kScreenSlack = 1e-4f;
+inline constexpr int kScreenLevels = 127;
+
+template <class T>
+WINNOW_HD T screen_scale(T max_abs) {
+  return max_abs > T(0) ? max_abs / T(kScreenLevels) : T(1);
+}
+template <class T>
+WINNOW_HD int screen_quantize(T x, T scale) {
+  using std::rint;
+  const T c = rint(x / scale);
+  return static_cast<int>(c > T(kScreenLevels) ? T(kScreenLevels) : (c < T(-kScreenLevels) ? T(-kScreenLevels) : c));
+}
+// The bound on |a.b - scale_a scale_b (c_a.c_b)| from the two error radii (err_k may be the
+// largest of a tile's keys: the bound grows with it).
+template <class T>
+WINNOW_HD T screen_margin(T err_q, T err_k) {
+  return err_q * T(kScreenRowNorm) + (T(kScreenRowNorm) + err_q) * err_k + T(kScreenSlack);
+}
+// Integer products at or below the cut are exact zeros. scale_k and err_k may be the largest of
+// a tile's keys (the cut only falls). Below 1 the screen rules nothing out (tau within the
+// margin, as for beta = 0): the caller computes every score.
+template <class T>
+WINNOW_HD T screen_cut(T tau, T err_q, T scale_q, T err_k, T scale_k) {
+  return (tau - screen_margin(err_q, err_k)) / (scale_q * scale_k);
+}
+
 }  // namespace winnow::math::threshold

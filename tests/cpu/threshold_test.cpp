@@ -7,6 +7,7 @@
 // and float32, with tiles skipped and not), and the API's errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <random>
@@ -14,6 +15,7 @@
 #include "support/attention_case.h"
 #include "support/expect_error.h"
 #include "support/threshold_case.h"
+#include "math/threshold.h"
 #include "winnow/threshold.h"
 
 namespace winnow::testing {
@@ -219,6 +221,81 @@ TEST(ThresholdReference, HighThresholdLeavesExactZerosAndTheFirstQueryItsOwnKey)
   const Grads g = backward(in);
   for (double d : g.dbeta) EXPECT_EQ(d, 0.0);
   for (std::size_t e = 2 * 5; e < g.dq.size(); ++e) EXPECT_EQ(g.dq[e], 0.0) << e;
+}
+
+// The CUDA forward's screen (math/threshold.h, screen_*): rows normalized and rounded to bf16
+// and fp16 as the kernels store them, quantized to int8 as the kernels do (in float32); for
+// every pair the 8-bit product is within screen_margin of the 16-bit score, and every pair at or
+// below screen_cut (with tile-wide largest scale and error) scores at most tau. Random rows and
+// the awkward ones: one-hot, flat, one large feature among small ones, the zero row.
+TEST(ThresholdScreen, IntegerProductsBoundTheScores) {
+  namespace mt = math::threshold;
+  for (DType dtype : {DType::bfloat16, DType::float16}) {
+    for (std::int64_t D : {64, 128}) {
+      const std::int64_t n = 96;
+      std::mt19937_64 rng(31 + static_cast<std::uint64_t>(D));
+      std::normal_distribution<double> normal;
+      HostTensor rows({n, D}, DType::float64);
+      std::vector<double> x(static_cast<std::size_t>(n * D));
+      for (std::int64_t r = 0; r < n; ++r) {
+        for (std::int64_t d = 0; d < D; ++d) {
+          double value = normal(rng);
+          if (r == 0) value = d == 3 ? 1.0 : 0.0;                    // one-hot
+          if (r == 1) value = 1.0;                                   // flat
+          if (r == 2) value = d == 5 ? 40.0 : 1e-3 * normal(rng);    // one large feature
+          if (r == 3) value = 0.0;                                   // the zero row
+          if (r >= 4 && r < 8) value = x[static_cast<std::size_t>((r - 4) * D + d)] * 0.999 + 1e-3 * normal(rng);
+          x[static_cast<std::size_t>(r * D + d)] = value;
+        }
+        double sum = 0;
+        for (std::int64_t d = 0; d < D; ++d) sum += x[static_cast<std::size_t>(r * D + d)] * x[static_cast<std::size_t>(r * D + d)];
+        const double inv = 1.0 / std::max(std::sqrt(sum), 1e-6);
+        for (std::int64_t d = 0; d < D; ++d) x[static_cast<std::size_t>(r * D + d)] *= inv;
+      }
+      rows.set_values(x);
+      const std::vector<double> hat = rows.converted(dtype).converted(DType::float64).values();
+      std::vector<int> codes(hat.size());
+      std::vector<float> scale(static_cast<std::size_t>(n)), err(static_cast<std::size_t>(n));
+      for (std::int64_t r = 0; r < n; ++r) {
+        float largest = 0.f;
+        for (std::int64_t d = 0; d < D; ++d) largest = std::max(largest, std::abs(static_cast<float>(hat[static_cast<std::size_t>(r * D + d)])));
+        const float s = mt::screen_scale(largest);
+        float e2 = 0.f;
+        for (std::int64_t d = 0; d < D; ++d) {
+          const float a = static_cast<float>(hat[static_cast<std::size_t>(r * D + d)]);
+          const int c = mt::screen_quantize(a, s);
+          ASSERT_LE(std::abs(c), mt::kScreenLevels);
+          codes[static_cast<std::size_t>(r * D + d)] = c;
+          e2 += (a - s * static_cast<float>(c)) * (a - s * static_cast<float>(c));
+        }
+        scale[static_cast<std::size_t>(r)] = s;
+        err[static_cast<std::size_t>(r)] = std::sqrt(e2);
+      }
+      const float scale_max = *std::max_element(scale.begin(), scale.end());
+      const float err_max = *std::max_element(err.begin(), err.end());
+      int ruled_out = 0;
+      for (std::int64_t a = 0; a < n; ++a) {
+        for (std::int64_t b = 0; b < n; ++b) {
+          double score = 0;
+          long long product = 0;
+          for (std::int64_t d = 0; d < D; ++d) {
+            score += hat[static_cast<std::size_t>(a * D + d)] * hat[static_cast<std::size_t>(b * D + d)];
+            product += static_cast<long long>(codes[static_cast<std::size_t>(a * D + d)]) * codes[static_cast<std::size_t>(b * D + d)];
+          }
+          const double approx = static_cast<double>(scale[static_cast<std::size_t>(a)]) * scale[static_cast<std::size_t>(b)] * static_cast<double>(product);
+          ASSERT_LE(std::abs(score - approx), mt::screen_margin(err[static_cast<std::size_t>(a)], err[static_cast<std::size_t>(b)]))
+              << to_string(dtype) << " D " << D << " rows " << a << " " << b;
+          for (float tau : {0.05f, 0.2f, 0.35f, 0.6f, 0.95f}) {
+            const float cut = mt::screen_cut(tau, err[static_cast<std::size_t>(a)], scale[static_cast<std::size_t>(a)], err_max, scale_max);
+            if (!(cut >= 1.f) || static_cast<double>(product) > std::floor(cut)) continue;
+            ++ruled_out;
+            EXPECT_LE(score, static_cast<double>(tau)) << to_string(dtype) << " D " << D << " rows " << a << " " << b;
+          }
+        }
+      }
+      EXPECT_GT(ruled_out, n * n) << "the screen rules out most pairs of random rows at these thresholds";
+    }
+  }
 }
 
 // nonzero counts the keys a row keeps in some view: at beta = 0 and p = 1 (ReLA) the keys with

@@ -16,10 +16,12 @@
 // sums of terms of both signs over every pair, they move with that rounding by several percent
 // on random inputs, and are checked against the reference on the kernels' normalized rows.
 // Label `cuda`: runs only on a machine with a GPU (tools/gpu_check.sh).
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
@@ -158,6 +160,51 @@ INSTANTIATE_TEST_SUITE_P(Cuda, ThresholdCuda,
                                             ::testing::Bool()),
                          param_name);
 
+// Runs f with the int8 screen requested (WINNOW_THRESHOLD_SCREEN; Hopper only, elsewhere the
+// request changes nothing).
+template <class F>
+auto with_screen(F&& f) {
+  setenv("WINNOW_THRESHOLD_SCREEN", "1", 1);
+  auto result = f();
+  unsetenv("WINNOW_THRESHOLD_SCREEN");
+  return result;
+}
+
+// The screened forward (Hopper; threshold_screen_sm90.cuh): beta = 1 leaves a few survivors
+// per row on random rows, which the screen finds and handles itself; beta = 0.7 leaves enough
+// that some warps' tiles are dense and others not; beta = 0.2 makes nearly every tile dense.
+// Each matches the reference, and the default (unscreened) forward.
+// Long enough rows that tau clears the screen's bound for most of them.
+TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  if (major != 9) GTEST_SKIP() << "the screen runs on Hopper only";
+  const std::vector<ProblemShape> shapes = {
+      {"screen_d128", {{1100, 1100}}, false, 2, 1, 128, 128},
+      {"screen_d64_varlen_suffix", {{700, 700}, {0, 0}, {390, 520}}, true, 2, 2, 64, 64},
+  };
+  for (const ProblemShape& shape : shapes) {
+    for (bool tda : {false, true}) {
+      for (double power : {2.0, 1.5}) {
+        for (double beta : {1.0, 0.7, 0.2}) {
+          const ThresholdCase c{shape.name, shape, tda, power, true, /*shared_beta=*/false};
+          const ThresholdInputs in = make_threshold_inputs(c, 123, beta);
+          const std::vector<double> want = threshold_forward(rounded(in, DType::bfloat16), reference());
+          const ThresholdInputs x = converted_for_kernels(in, DType::bfloat16);
+          CudaPlacement gpu;
+          const std::vector<double> out = with_screen([&] { return threshold_forward(x, {}, &gpu); });
+          const std::vector<double> dense = threshold_forward(x, {}, &gpu);
+          SCOPED_TRACE(shape.name + (tda ? " tda" : " tra") + " p " + std::to_string(power) + " beta " +
+                       std::to_string(beta));
+          EXPECT_LT(relative_error(out, want), tolerance(DType::bfloat16));
+          EXPECT_LT(relative_error(out, dense), tolerance(DType::bfloat16));
+        }
+      }
+    }
+  }
+}
+
 // The survivor counts come from the simple kernel (both views in one sweep): they equal the
 // reference's on float32 inputs, TRA and TDA.
 TEST(ThresholdCuda, SurvivorCountsMatchTheReference) {
@@ -171,10 +218,12 @@ TEST(ThresholdCuda, SurvivorCountsMatchTheReference) {
   }
 }
 
-// Small problems for compute-sanitizer (tools/gpu_check.sh filters on "Small").
+// Small problems for compute-sanitizer (tools/gpu_check.sh filters on "Small"). The
+// deterministic pass runs the forward with the screen at beta 1, which at 300 rows takes its
+// sparse path for most warps.
 TEST(CudaSmall, ThresholdFusedAndSimplePaths) {
   const std::vector<ProblemShape> small = {
-      {"fused", {{70, 70}, {70, 70}}, false, 2, 1, 64, 64},
+      {"fused", {{300, 300}, {300, 300}}, false, 2, 1, 64, 64},
       {"fused_varlen", {{5, 5}, {0, 0}, {66, 80}}, true, 2, 2, 128, 128},
       {"simple", {{33, 33}}, false, 2, 1, 16, 24},
   };
@@ -182,13 +231,14 @@ TEST(CudaSmall, ThresholdFusedAndSimplePaths) {
     for (bool tda : {false, true}) {
       for (bool deterministic : {false, true}) {
         const ThresholdCase c{shape.name, shape, tda, 2.0, true, false};
-        const ThresholdInputs in = make_threshold_inputs(c, 99, 0.3);
+        const ThresholdInputs in = make_threshold_inputs(c, 99, deterministic ? 1.0 : 0.3);
         const ThresholdInputs x =
             converted_for_kernels(in, shape.name == std::string("simple") ? DType::float32 : DType::bfloat16);
         ExecContext ctx;
         ctx.deterministic = deterministic;
         CudaPlacement gpu;
-        const std::vector<double> out = threshold_forward(x, ctx, &gpu);
+        const std::vector<double> out = deterministic ? with_screen([&] { return threshold_forward(x, ctx, &gpu); })
+                                                      : threshold_forward(x, ctx, &gpu);
         const ThresholdGrads g = threshold_backward(x, ctx, &gpu);
         for (const auto* values : {&out, &g.dq, &g.dk, &g.dv, &g.dbeta}) {
           for (double v : *values) ASSERT_TRUE(std::isfinite(v)) << shape.name << " tda " << tda;

@@ -29,6 +29,7 @@ __device__ __forceinline__ int key_of(int tig, int n, int e) {
 // One block's query tile: rows [r0, r0 + BQ) of sequence b, query head h.
 template <int BQ, int BK>
 struct QueryTile {
+  static constexpr int kRows = BQ;
   std::int64_t b, h, hk, r0;
   SequenceExtent s;
   std::int64_t first_limit;  // last key visible to row r0 (clamped to the sequence)

@@ -33,6 +33,11 @@ struct ThresholdCudaConfig {
   const float* q_inv_norm = nullptr;
   float* dbeta = nullptr;
   float* lambda_dot = nullptr;
+  // Forward after the screen (threshold_screen_sm90.cuh): per row group of 16 and key tile, one
+  // bit, set where this launch computes the group's weights; elsewhere the screen has added
+  // them already (or they are exact zeros), so they are zeroed here.
+  const std::uint32_t* dense_bits = nullptr;
+  int dense_row_groups = 0, dense_words = 0;  // row groups per (sequence, head), words per group
 
   __device__ __forceinline__ float factor(std::int64_t h) const {
     return lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
@@ -131,6 +136,48 @@ struct ThresholdRows {
   __device__ __forceinline__ void store_extra(const AttentionParams&, const ThresholdCudaConfig&,
                                               std::int64_t, std::int64_t, std::int64_t,
                                               std::int64_t, int) const {}
+};
+
+// The fused forward after the screen (threshold_screen_sm90.cuh): the weights of a row group
+// only in the key tiles the screen left dense for it (cfg.dense_bits), zero elsewhere (the
+// screen has added them already, or they are exact zeros); a block whose row groups have no
+// dense tile returns at once, the screen having written its output whole. A policy of its own
+// so that the unscreened forward carries none of it.
+struct ScreenedThresholdRows : ThresholdRows {
+  static constexpr bool kSkipsSettledBlocks = true;
+  const std::uint32_t* dense_row;  // this thread's row group's dense tiles
+
+  template <class Tile>
+  __device__ __forceinline__ static const std::uint32_t* group_bits(const AttentionParams& p,
+                                                                    const ThresholdCudaConfig& cfg, const Tile& qt,
+                                                                    std::int64_t row) {
+    return cfg.dense_bits + ((qt.b * p.heads_q + qt.h) * cfg.dense_row_groups + row / 16) * cfg.dense_words;
+  }
+
+  template <class Tile>
+  __device__ __forceinline__ ScreenedThresholdRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                                   const Tile& qt, std::int64_t row0)
+      : ThresholdRows(p, cfg, qt, row0), dense_row(group_bits(p, cfg, qt, row0)) {}
+
+  template <class Tile>
+  static __device__ __forceinline__ bool settled(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                                 const Tile& qt, std::int64_t row) {
+    const std::uint32_t* group = group_bits(p, cfg, qt, row);
+    for (int w = 0; w < cfg.dense_words; ++w) {
+      if (group[w] != 0) return false;
+    }
+    return true;
+  }
+
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    const std::int64_t cell = mask.key0 / kCellKeys;
+    if (((dense_row[cell >> 5] >> (cell & 31)) & 1u) == 0) {
+      tile::zero(s);
+      return;
+    }
+    ThresholdRows::weights<Masked>(s, mask);
+  }
 };
 
 // The backward rows: P = factor w and dS = factor dP p relu(s - tau)^(p - 1), with the row sums

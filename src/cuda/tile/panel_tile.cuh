@@ -1,6 +1,7 @@
 // Shared-memory tiles in the layout the Hopper matrix units read directly: a Rows x Cols tile
-// of 16-bit elements is Cols / 64 column panels one after another, each panel Rows rows of
-// 128 bytes with the 16-byte chunks of row r XOR-swizzled by r % 8 (the 128-byte swizzle).
+// of 16-bit (or 8-bit) elements is column panels of 128 bytes (64 or 128 elements) one after
+// another, each panel Rows rows of 128 bytes with the 16-byte chunks of row r XOR-swizzled by
+// r % 8 (the 128-byte swizzle).
 // A tile is filled with cp.async (any row order, any strides, zero rows past the operand) and
 // read through descriptors, as a K-major operand (its rows are the product's M or N index) or
 // an MN-major one (its rows are the product's k index).
@@ -14,12 +15,14 @@ namespace winnow::cuda::tile {
 
 template <class T, int Rows, int Cols>
 struct PanelTile {
-  static_assert(sizeof(T) == 2, "16-bit elements");
-  static_assert(Cols % 64 == 0 && Rows % 8 == 0, "whole panels of whole 8-row groups");
-  static constexpr int kPanels = Cols / 64;
+  static_assert(sizeof(T) == 2 || sizeof(T) == 1, "16-bit or 8-bit elements");
+  static constexpr int kPanelCols = 128 / static_cast<int>(sizeof(T));
+  static constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T));
+  static_assert(Cols % kPanelCols == 0 && Rows % 8 == 0, "whole panels of whole 8-row groups");
+  static constexpr int kPanels = Cols / kPanelCols;
   static constexpr int kPanelBytes = Rows * 128;
-  static constexpr int kBytes = Rows * Cols * 2;
-  static constexpr int kChunks = Cols / 8;  // 16-byte chunks per row
+  static constexpr int kBytes = Rows * Cols * static_cast<int>(sizeof(T));
+  static constexpr int kChunks = Cols / kChunkElems;  // 16-byte chunks per row
   unsigned char* data;                      // 1024-byte aligned
 
   __device__ __forceinline__ int offset(int row, int chunk) const {
@@ -37,7 +40,7 @@ struct PanelTile {
       const int idx = tid + i * NThreads;
       const int row = idx / kChunks, chunk = idx % kChunks;
       const T* src = row_src(row);
-      cp_async_16(data + offset(row, chunk), src ? src + chunk * 8 : nullptr, src != nullptr);
+      cp_async_16(data + offset(row, chunk), src ? src + chunk * kChunkElems : nullptr, src != nullptr);
     }
   }
 
@@ -53,7 +56,7 @@ struct PanelTile {
     constexpr int P = NThreads / kChunks, J = Rows / P;
     const int chunk = tid % kChunks;
     unsigned char* dst = data + offset(tid / kChunks, chunk);
-    const T* src = first + chunk * 8;
+    const T* src = first + chunk * kChunkElems;
 #pragma unroll
     for (int j = 0; j < J; ++j) cp_async_16(dst + j * P * 128, src + j * step, j < valid);
   }
@@ -63,13 +66,16 @@ struct PanelTile {
   template <int NThreads>
   static constexpr int row_stride_of() { return NThreads / kChunks; }
 
-  // Rows row0 .. (a multiple of 8) as a K-major operand, at k-step k0 (a multiple of 16).
+  // Rows row0 .. (a multiple of 8) as a K-major operand, at k-step k0 (a multiple of 32 bytes:
+  // 16 16-bit or 32 8-bit elements).
   __device__ __forceinline__ std::uint64_t k_major(int row0, int k0) const {
-    const std::uint32_t addr = smem_address(data) + (k0 >> 6) * kPanelBytes + row0 * 128 + (k0 & 63) * 2;
+    const std::uint32_t addr = smem_address(data) + (k0 / kPanelCols) * kPanelBytes + row0 * 128 +
+                               (k0 % kPanelCols) * static_cast<int>(sizeof(T));
     return smem_descriptor(addr, 16, 1024);
   }
   // The tile as an MN-major operand whose k index runs along the rows, from row k0.
   __device__ __forceinline__ std::uint64_t mn_major(int k0) const {
+    static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
     return smem_descriptor(smem_address(data) + k0 * 128, kPanelBytes, 1024);
   }
 };

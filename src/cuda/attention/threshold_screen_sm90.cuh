@@ -1,0 +1,460 @@
+// The screen of threshold attention's forward on Hopper (sm_90a): sparsity used before the
+// products, not after them.
+//
+// With beta near 1 well over 99% of the weights are exact zeros, but skipping P V for tiles
+// without a survivor saves at most the half of the work that P V is: Q K^T must still be
+// computed to know. The screen computes Q K^T with 8-bit operands instead (the rows quantized
+// once per call, math/threshold.h: screen_*), at twice the 16-bit rate and half the bytes, and
+// bounds how far each 8-bit product can be from the 16-bit score. A pair whose integer product
+// is at or below its row's cut scores at most tau, so its weight is an exact zero; the few
+// pairs above the cut ("candidates") get their exact score from the 16-bit rows and, when it
+// clears tau, their weighted value row, on the CUDA cores. Per warp (16 rows) and key tile:
+//   no candidate                nothing more;
+//   a few (kSparseCandidates)   handled here, exactly;
+//   many, or a row whose tau is within the bound (beta near 0, the first rows)
+//                               the tile is "dense" for this warp: a bit in dense_bits, and the
+//                               block's bit in live_bits, so the fused forward (forward_sm90.cuh
+//                               with ThresholdRows) visits it afterwards and adds the warp's
+//                               rows' weights for it, every other row's being zeroed there.
+// A consumer warpgroup whose warps are all dense on the first (diagonal) tile gives up on its
+// rows: every tile becomes dense for them (a low beta costs one 8-bit tile per block, not a
+// whole screen). The output written here is the candidates' part; the fused forward adds the
+// dense tiles' part into it.
+//
+// Block: 128 query rows of one head, a producer warpgroup copying the 8-bit key tiles (natural
+// key order, 128 keys x 128 bytes) into a ring of stages, and two consumer warpgroups of 64
+// rows. Views = 2 (TDA) screens both views' products; a candidate of either view gets both
+// exact scores and the weight w1 - lambda w2.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/attention/forward_sm90.cuh"
+#include "cuda/attention/key_tiles.cuh"
+#include "cuda/attention/threshold_rows.cuh"
+#include "cuda/tile/hopper.cuh"
+#include "cuda/tile/panel_tile.cuh"
+
+namespace winnow::cuda {
+
+inline constexpr int kScreenRowBytes = 128;  // int8 rows, zero past the head dimension
+inline constexpr int kScreenGroupRows = 16;  // rows of one warp: the granularity of dense_bits
+inline constexpr int kSparseCandidates = 24;  // per warp and key tile, above which the tile is dense
+inline constexpr int kCandidateSlots = 128;   // per warp: candidates kept for handling in bulk
+
+struct ThresholdScreenParams {
+  ThresholdCudaConfig view;  // power, dim, beta; lambda set for TDA (the second view's factor)
+  // Per view: the 16-bit normalized rows (the kernels' scores), the int8 rows
+  // ([batch row][head][128 bytes]), per query row its {scale, error radius} ([batch row][head]),
+  // per key tile the largest scale and error radius of its keys ([sequence][kv head][tile]).
+  detail::Operand q_hat[2], k_hat[2], q8[2], k8[2];
+  float2* q_meta[2] = {nullptr, nullptr};  // written by the normalization, read by the screen
+  float2* tile_meta[2] = {nullptr, nullptr};
+  int key_tiles = 0;  // tiles per (sequence, kv head) in tile_meta
+  // [sequence][query head][row group of 16][words]: a warp's dense tiles; and the blocks' live
+  // tiles in LiveKeyTiles' layout. Both cleared before the launch.
+  std::uint32_t* dense_bits = nullptr;
+  int row_groups = 0, words = 0;
+  std::uint32_t* live_bits = nullptr;
+  int q_blocks = 0;
+  // Diagnostics (WINNOW_SCREEN_STATS): warp tiles screened, left dense, with candidates handled,
+  // candidates handled. Null: not counted.
+  unsigned long long* stats = nullptr;
+};
+
+struct Sm90ScreenShape {
+  static constexpr int kBQ = 128, kBK = 128, kStages = 4, kThreads = 384;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+};
+
+template <int Views>
+struct Sm90ScreenSmem {
+  using Shape = Sm90ScreenShape;
+  using QTile = tile::PanelTile<std::int8_t, Shape::kBQ, kScreenRowBytes>;
+  using KTile = tile::PanelTile<std::int8_t, Shape::kBK, kScreenRowBytes>;
+  static constexpr int kQ = 0;  // view v at kQ + v * QTile::kBytes
+  static constexpr int kK = Views * QTile::kBytes;  // stage s, view v at kK + (s * Views + v) * KTile::kBytes
+  static constexpr int kSync = kK + Shape::kStages * Views * KTile::kBytes;
+  // mbarriers k_full, k_empty [stages]; end[stages]; halted[2].
+  static constexpr int kSyncBytes = 16 * Shape::kStages + 4 * Shape::kStages + 8;
+  // Per consumer warp, its pending candidates: key << 4 | row within the warp's 16.
+  static constexpr int kCandidates = (kSync + kSyncBytes + 15) / 16 * 16;
+  static constexpr int kBytes = kCandidates + 8 * kCandidateSlots * 4 + 1024;
+};
+
+namespace screen {
+
+// Features 8 n + 2 tig + 0..1 of a 16-bit row (a thread's accumulator columns), as floats.
+template <class T>
+__device__ __forceinline__ float2 feature_pair(const T* row, int n, int tig) {
+  const std::uint32_t bits = *reinterpret_cast<const std::uint32_t*>(row + 8 * n + 2 * tig);
+  const T* e = reinterpret_cast<const T*>(&bits);
+  return make_float2(tile::to_float(e[0]), tile::to_float(e[1]));
+}
+
+// The exact score of (row, key) from the 16-bit rows, summed over a quad: each of its four
+// threads takes the features of its accumulator columns.
+template <class T, int D>
+__device__ __forceinline__ float quad_score(const T* q, const T* k, bool active, int tig) {
+  float part = 0.f;
+  if (active) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const float2 a = feature_pair(q, n, tig), b = feature_pair(k, n, tig);
+      part += a.x * b.x + a.y * b.y;
+    }
+  }
+  return tile::quad_sum(part);
+}
+
+}  // namespace screen
+
+// When no row of the block can be screened on its diagonal tile (tau within the bound, as for
+// beta near 0), the block leaves every tile to the fused forward before loading anything: each
+// row group's tiles dense, the block's live, its output rows zero. Returns whether it did.
+template <class T, int D, int Views, class Tile>
+__device__ __forceinline__ bool block_unscreenable(const AttentionParams& p, const ThresholdScreenParams& sp,
+                                                   const Tile& qt) {
+  const int tid = threadIdx.x, n_tiles = qt.key_tiles;
+  bool unscreenable = true;
+  if (tid < Tile::kRows && n_tiles > 0) {
+    const std::int64_t row = qt.r0 + tid, limit = qt.limit(p, row);
+    if (limit >= 0) {
+      const float tau = sp.view.beta[qt.h * sp.view.beta_head] * sp.view.unit(limit);
+#pragma unroll
+      for (int v = 0; v < Views; ++v) {
+        const float2 q = sp.q_meta[v][p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h];
+        const float2 k = sp.tile_meta[v][(qt.b * p.heads_kv + qt.hk) * sp.key_tiles + n_tiles - 1];
+        if (math::threshold::screen_cut(tau, q.y, q.x, k.y, k.x) >= 1.f) unscreenable = false;
+      }
+    }
+  }
+  if (!__syncthreads_and(unscreenable)) return false;
+  if (tid < Tile::kRows / kScreenGroupRows) {
+    std::uint32_t* dense_row =
+        sp.dense_bits + ((qt.b * p.heads_q + qt.h) * sp.row_groups + qt.r0 / kScreenGroupRows + tid) * sp.words;
+    std::uint32_t* live_row = sp.live_bits + map_block(qt.b, qt.h, p.heads_q, sp.q_blocks, qt.r0) * sp.words;
+    for (int w = 0; 32 * w < n_tiles; ++w) {
+      const int left = n_tiles - 32 * w;
+      const std::uint32_t bits = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
+      dense_row[w] = bits;
+      if (tid == 0) live_row[w] = bits;
+    }
+  }
+  constexpr int kChunks = D / 8;  // 16-byte chunks of an output row
+  for (int c = tid; c < Tile::kRows * kChunks; c += blockDim.x) {
+    const std::int64_t row = qt.r0 + c / kChunks;
+    if (row < qt.s.q_len) {
+      *reinterpret_cast<uint4*>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h) + 8 * (c % kChunks)) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  return true;
+}
+
+template <class T, int D, int Views>
+__global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
+    threshold_screen_sm90_kernel(const AttentionParams p, const ThresholdScreenParams sp) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace mt = math::threshold;
+  using Shape = Sm90ScreenShape;
+  using Smem = Sm90ScreenSmem<Views>;
+  constexpr int BQ = Shape::kBQ, BK = Shape::kBK, S = Shape::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
+  auto q_tile = [&](int v) { return typename Smem::QTile{smem + Smem::kQ + v * Smem::QTile::kBytes}; };
+  auto k_tile = [&](int s, int v) {
+    return typename Smem::KTile{smem + Smem::kK + (s * Views + v) * Smem::KTile::kBytes};
+  };
+  std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
+  std::uint64_t* const k_empty = k_full + S;
+  volatile int* const end = reinterpret_cast<volatile int*>(k_empty + S);
+  volatile int* const halted = end + S;
+
+  const QueryTile<BQ, BK> qt(p);
+  if (qt.empty()) return;
+  const int tid = threadIdx.x;
+  const int n_tiles = qt.key_tiles;
+  if (block_unscreenable<T, D, Views>(p, sp, qt)) return;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      tile::mbar_init(&k_full[s], 128);
+      tile::mbar_init(&k_empty[s], 256);
+      end[s] = 0;
+    }
+    halted[0] = halted[1] = 0;
+    tile::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ---------------------------------------------------------------- producer
+    tile::registers_release<Shape::kProducerRegisters>();
+    const int ptid = tid;
+    using K = typename Smem::KTile;
+    constexpr int P = K::template row_stride_of<128>();
+    const int r0 = K::template first_row_of<128>(ptid);
+    auto rows_valid = [&](std::int64_t left) {  // of this thread's rows r0, r0 + P, ...
+      return left <= 0 ? 0 : static_cast<int>(left < BK ? (left + P - 1) / P : BK);
+    };
+    for (int i = 0, kt = n_tiles - 1; i < n_tiles; ++i, --kt) {
+      const int s = i % S;
+      if (i >= S) {
+        tile::mbar_wait_sleepy(&k_empty[s], ((i / S) - 1) & 1);
+        if (tile::named_sync_or(kProducerBarrier, 128, ptid == 0 && halted[0] != 0 && halted[1] != 0)) {
+          if (ptid == 0) end[s] = -1;
+          tile::mbar_arrive(&k_full[s]);
+          return;
+        }
+      }
+      if (i == 0) {
+        const int valid = rows_valid(qt.s.q_len - qt.r0 - r0);
+#pragma unroll
+        for (int v = 0; v < Views; ++v) {
+          const detail::Operand& q8 = sp.q8[v];
+          q_tile(v).template load_rows_async<128>(ptid, q8.at<const std::int8_t>(qt.b, qt.s.q_start + qt.r0 + r0, qt.h),
+                                                  P * q8.row, valid);
+        }
+      }
+      const std::int64_t key = static_cast<std::int64_t>(kt) * BK + r0;
+      const int valid = rows_valid(qt.s.k_len - key);
+#pragma unroll
+      for (int v = 0; v < Views; ++v) {
+        const detail::Operand& k8 = sp.k8[v];
+        k_tile(s, v).template load_rows_async<128>(ptid, k8.at<const std::int8_t>(qt.b, qt.s.k_start + key, qt.hk),
+                                                   P * k8.row, valid);
+      }
+      tile::mbar_arrive_on_copies(&k_full[s]);
+    }
+  } else {
+    // ---------------------------------------------------------------- consumers
+    tile::registers_claim<Shape::kConsumerRegisters>();
+    const int ctid = tid - 128, wg = ctid / 128, wtid = ctid % 128;
+    const int warp = wtid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
+    const std::int64_t group0 = qt.r0 + 64 * wg + 16 * warp;  // this warp's 16 rows
+    const std::int64_t row0 = group0 + g;                      // this thread's rows: row0, row0 + 8
+    std::uint32_t* const dense_row =
+        sp.dense_bits + ((qt.b * p.heads_q + qt.h) * sp.row_groups + group0 / kScreenGroupRows) * sp.words;
+    std::uint32_t* const live_row = sp.live_bits + map_block(qt.b, qt.h, p.heads_q, sp.q_blocks, qt.r0) * sp.words;
+
+    const float beta = sp.view.beta[qt.h * sp.view.beta_head];
+    const float power = sp.view.power;
+    const float lambda = Views == 2 ? -sp.view.factor(qt.h) : 0.f;
+    std::int64_t limit[2];
+    float tau[2], q_scale[Views][2], q_err[Views][2];
+    bool in[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      limit[half] = qt.limit(p, row);
+      in[half] = limit[half] >= 0;
+      tau[half] = beta * sp.view.unit(limit[half]);
+#pragma unroll
+      for (int v = 0; v < Views; ++v) {
+        const float2 m = in[half] ? sp.q_meta[v][p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h]
+                                  : make_float2(1.f, 0.f);
+        q_scale[v][half] = m.x;
+        q_err[v][half] = m.y;
+      }
+    }
+    const T* q_rows[Views][2];
+#pragma unroll
+    for (int v = 0; v < Views; ++v) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        q_rows[v][half] = in[half] ? sp.q_hat[v].at<const T>(qt.b, qt.s.q_start + row0 + 8 * half, qt.h) : nullptr;
+      }
+    }
+
+    float o[D / 8][4];
+    tile::zero(o);
+    bool done = false;  // this warpgroup gave its rows up to the fused forward
+
+    // Marks key tile kt dense for this warp (lane 0 only): dense_row is the warp's own.
+    auto mark_dense = [&](int kt) {
+      dense_row[kt >> 5] |= 1u << (kt & 31);
+      atomicOr(live_row + (kt >> 5), 1u << (kt & 31));
+    };
+
+    // The warp's pending candidates, each handled by the quad that holds its row's output: per
+    // pass every quad takes its next one (scanning the list from its cursor), so up to eight
+    // candidates' rows are loaded at once.
+    std::uint32_t* const candidates =
+        reinterpret_cast<std::uint32_t*>(smem + Smem::kCandidates) + (4 * wg + warp) * kCandidateSlots;
+    int pending = 0;  // the same in every lane
+    auto handle_candidates = [&]() {
+      int cursor = 0;
+      while (true) {
+        std::uint32_t entry = 0;
+        bool active = false;
+        for (; cursor < pending; ++cursor) {
+          const std::uint32_t x = candidates[cursor];
+          if (static_cast<int>(x & 7u) == g) {
+            entry = x;
+            active = true;
+            ++cursor;
+            break;
+          }
+        }
+        if (!__any_sync(0xffffffffu, active)) break;
+        const int half = static_cast<int>((entry >> 3) & 1u);
+        const std::int64_t key = static_cast<std::int64_t>(entry >> 4);
+        float w = 0.f;
+#pragma unroll
+        for (int v = 0; v < Views; ++v) {
+          const T* k = active ? sp.k_hat[v].at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
+          const float score = screen::quad_score<T, D>(half == 0 ? q_rows[v][0] : q_rows[v][1], k, active, tig);
+          const float wv = mt::weight(score - tau[half], power);
+          w += v == 0 ? wv : -lambda * wv;
+        }
+        if (active && w != 0.f) {
+          const T* vrow = p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk);
+          const float w_lo = half == 0 ? w : 0.f, w_hi = half == 0 ? 0.f : w;
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            const float2 x = screen::feature_pair(vrow, n, tig);
+            o[n][0] += w_lo * x.x;
+            o[n][1] += w_lo * x.y;
+            o[n][2] += w_hi * x.x;
+            o[n][3] += w_hi * x.y;
+          }
+        }
+      }
+      pending = 0;
+      __syncwarp();
+    };
+
+    for (int i = 0, kt = n_tiles - 1; i < n_tiles; ++i, --kt) {
+      const int s = i % S;
+      // The tile's largest key scale and error radius, read while the products run.
+      float2 tm[Views];
+#pragma unroll
+      for (int v = 0; v < Views; ++v) tm[v] = sp.tile_meta[v][(qt.b * p.heads_kv + qt.hk) * sp.key_tiles + kt];
+      tile::mbar_wait(&k_full[s], (i / S) & 1);
+      if (end[s] < 0) break;
+      tile::fence_to_async_proxy();
+
+      // Each row's cut; a row whose tau lies within the bound makes the tile dense.
+      int cut[Views][2];
+      bool dense = false;
+#pragma unroll
+      for (int v = 0; v < Views; ++v) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float c = mt::screen_cut(tau[half], q_err[v][half], q_scale[v][half], tm[v].y, tm[v].x);
+          dense = dense || (in[half] && !(c >= 1.f));
+          cut[v][half] = !in[half] ? INT_MAX : (c >= 1.f ? (c < 1e9f ? static_cast<int>(c) : INT_MAX) : 0);
+        }
+      }
+      dense = __any_sync(0xffffffffu, dense);
+
+      // One view at a time (one accumulator's registers): the largest product of each row
+      // against its cut, and only where some row of the warp is over, the candidates: bit
+      // 4 j + e of this thread's accumulator entries, over either view, among the visible keys.
+      std::uint64_t cand = 0;
+      const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
+#pragma unroll
+      for (int v = 0; v < Views; ++v) {
+        int acc[64];
+#pragma unroll
+        for (int j = 0; j < 64; ++j) asm volatile("" : "=r"(acc[j]));
+        tile::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kScreenRowBytes / 32; ++ks) {
+          tile::wgmma_ss_s8_n128(acc, q_tile(v).k_major(64 * wg, 32 * ks), k_tile(s, v).k_major(0, 32 * ks), ks > 0);
+        }
+        tile::wgmma_commit();
+        tile::wgmma_wait<0>();
+        tile::pin(acc);
+        if (v == Views - 1) tile::mbar_arrive(&k_empty[s]);
+        if (done || dense) continue;
+        int m0 = INT_MIN, m1 = INT_MIN;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          m0 = max(m0, max(acc[4 * j], acc[4 * j + 1]));
+          m1 = max(m1, max(acc[4 * j + 2], acc[4 * j + 3]));
+        }
+        if (__any_sync(0xffffffffu, m0 > cut[v][0] || m1 > cut[v][1])) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int half = e / 2;
+              const std::int64_t key = key0 + 8 * j + 2 * tig + (e & 1);
+              if (acc[4 * j + e] > cut[v][half] && key <= limit[half]) cand |= 1ull << (4 * j + e);
+            }
+          }
+        }
+      }
+      if (done) continue;
+      if (!dense && __any_sync(0xffffffffu, cand != 0)) {
+        const int count = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(__popcll(cand))));
+        dense = count > kSparseCandidates;
+        if (!dense && sp.stats != nullptr && lane == 0) {
+          atomicAdd(sp.stats + 2, 1ull);
+          atomicAdd(sp.stats + 3, static_cast<unsigned long long>(count));
+        }
+        if (!dense) {
+          // Appended to the warp's list, in order of lane: the list is handled in bulk (below)
+          // so that the eight quads' loads overlap.
+          const int mine = __popcll(cand);
+          int before = mine;
+#pragma unroll
+          for (int off = 1; off < 32; off *= 2) {
+            const int t = __shfl_up_sync(0xffffffffu, before, off);
+            if (lane >= off) before += t;
+          }
+          int slot = pending + before - mine;
+          while (cand != 0) {
+            const int idx = __ffsll(cand) - 1;
+            cand &= cand - 1;
+            const int row = g + 8 * ((idx & 3) >> 1);
+            const std::int64_t key = key0 + 8 * (idx >> 2) + 2 * tig + (idx & 1);
+            candidates[slot++] = static_cast<std::uint32_t>(key) << 4 | static_cast<std::uint32_t>(row);
+          }
+          pending += count;
+          __syncwarp();
+          if (pending > kCandidateSlots - kSparseCandidates) handle_candidates();
+        }
+      }
+      if (dense && lane == 0) mark_dense(kt);
+      if (sp.stats != nullptr && lane == 0) {
+        atomicAdd(sp.stats, 1ull);
+        if (dense) atomicAdd(sp.stats + 1, 1ull);
+      }
+      if (i == 0) {
+        // A warpgroup whose warps are all dense on the diagonal tile leaves every tile of its
+        // rows to the fused forward.
+        done = tile::named_sync_and(kConsumerBarrier + wg, 128, dense);
+        if (done) {
+          if (lane == 0) {
+            for (int w = 0; w < sp.words; ++w) {
+              const int left = n_tiles - 32 * w;
+              if (left <= 0) break;
+              const std::uint32_t bits = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
+              dense_row[w] |= bits;
+              atomicOr(live_row + w, bits);
+            }
+          }
+          if (wtid == 0) halted[wg] = 1;
+        }
+      }
+    }
+
+    if (pending > 0) handle_candidates();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      if (row >= qt.s.q_len) continue;
+      T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) = tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace winnow::cuda
