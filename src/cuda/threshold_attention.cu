@@ -579,15 +579,15 @@ class ScreenBuffer {
       base += aligned(tiles_ * sizeof(float2));
     }
     params_.key_tiles = map_cells(p);
-    params_.words = map_words(p);
-    params_.row_groups = row_groups(p);
+    params_.dense.words = map_words(p);
+    params_.dense.row_groups = row_groups(p);
     params_.q_blocks = map_query_blocks(p);
-    params_.dense_bits = reinterpret_cast<std::uint32_t*>(base);
-    params_.live_bits = params_.dense_bits + dense_words_;
+    params_.dense.bits = reinterpret_cast<std::uint32_t*>(base);
+    params_.live_bits = params_.dense.bits + dense_words_;
     if (bits_ > 0) check(cudaMemsetAsync(base, 0, bits_, stream_of(p)), "clearing the screen's tile bits");
   }
   ThresholdScreenParams& params() { return params_; }
-  LiveKeyTiles live() const { return {params_.live_bits, params_.q_blocks, params_.words}; }
+  LiveKeyTiles live() const { return {params_.live_bits, params_.q_blocks, params_.dense.words}; }
 
   // Row groups per (sequence, head): whole blocks' worth, as the kernels address them.
   static int row_groups(const detail::AttentionParams& p) {
@@ -655,9 +655,7 @@ bool screened_forward(const detail::AttentionParams& p, const ThresholdConfig& c
   for (int v = 0; v < views.count(); ++v) {
     ThresholdCudaConfig c = view_config(p, cfg, v);
     c.add_to_output = true;
-    c.dense_bits = sp.dense_bits;
-    c.dense_row_groups = sp.row_groups;
-    c.dense_words = sp.words;
+    c.dense = sp.dense;
     launch_fused_forward<T, D, ScreenedThresholdRows>(view_params(p, views.view(v)), c, screen.live());
   }
   return true;

@@ -17,6 +17,20 @@
 
 namespace winnow::cuda {
 
+// Per (sequence, query head, row group of 16 and key tile): one bit, set where the screen
+// (threshold_screen_sm90.cuh) left the tile dense for the group, so that the fused forward
+// computes the group's weights there. Row groups cover whole blocks of kCellRows rows.
+inline constexpr int kScreenGroupRows = 16;  // one warp's rows
+struct DenseTileBits {
+  std::uint32_t* bits = nullptr;
+  int row_groups = 0, words = 0;  // per (sequence, head); per group
+
+  template <class Tile>
+  __device__ __forceinline__ std::uint32_t* group(const AttentionParams& p, const Tile& qt, std::int64_t row) const {
+    return bits + ((qt.b * p.heads_q + qt.h) * row_groups + row / kScreenGroupRows) * words;
+  }
+};
+
 struct ThresholdCudaConfig {
   float power = 2.f;
   float dim = 64.f;  // D of the threshold's sqrt(2 log n / D)
@@ -33,11 +47,9 @@ struct ThresholdCudaConfig {
   const float* q_inv_norm = nullptr;
   float* dbeta = nullptr;
   float* lambda_dot = nullptr;
-  // Forward after the screen (threshold_screen_sm90.cuh): per row group of 16 and key tile, one
-  // bit, set where this launch computes the group's weights; elsewhere the screen has added
-  // them already (or they are exact zeros), so they are zeroed here.
-  const std::uint32_t* dense_bits = nullptr;
-  int dense_row_groups = 0, dense_words = 0;  // row groups per (sequence, head), words per group
+  // Forward after the screen: where this launch computes a row group's weights; elsewhere the
+  // screen has added them already (or they are exact zeros), so they are zeroed here.
+  DenseTileBits dense;
 
   __device__ __forceinline__ float factor(std::int64_t h) const {
     return lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
@@ -139,7 +151,7 @@ struct ThresholdRows {
 };
 
 // The fused forward after the screen (threshold_screen_sm90.cuh): the weights of a row group
-// only in the key tiles the screen left dense for it (cfg.dense_bits), zero elsewhere (the
+// only in the key tiles the screen left dense for it (cfg.dense), zero elsewhere (the
 // screen has added them already, or they are exact zeros); a block whose row groups have no
 // dense tile returns at once, the screen having written its output whole. A policy of its own
 // so that the unscreened forward carries none of it.
@@ -148,22 +160,15 @@ struct ScreenedThresholdRows : ThresholdRows {
   const std::uint32_t* dense_row;  // this thread's row group's dense tiles
 
   template <class Tile>
-  __device__ __forceinline__ static const std::uint32_t* group_bits(const AttentionParams& p,
-                                                                    const ThresholdCudaConfig& cfg, const Tile& qt,
-                                                                    std::int64_t row) {
-    return cfg.dense_bits + ((qt.b * p.heads_q + qt.h) * cfg.dense_row_groups + row / 16) * cfg.dense_words;
-  }
-
-  template <class Tile>
   __device__ __forceinline__ ScreenedThresholdRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
                                                    const Tile& qt, std::int64_t row0)
-      : ThresholdRows(p, cfg, qt, row0), dense_row(group_bits(p, cfg, qt, row0)) {}
+      : ThresholdRows(p, cfg, qt, row0), dense_row(cfg.dense.group(p, qt, row0)) {}
 
   template <class Tile>
   static __device__ __forceinline__ bool settled(const AttentionParams& p, const ThresholdCudaConfig& cfg,
                                                  const Tile& qt, std::int64_t row) {
-    const std::uint32_t* group = group_bits(p, cfg, qt, row);
-    for (int w = 0; w < cfg.dense_words; ++w) {
+    const std::uint32_t* group = cfg.dense.group(p, qt, row);
+    for (int w = 0; w < cfg.dense.words; ++w) {
       if (group[w] != 0) return false;
     }
     return true;

@@ -12,7 +12,7 @@
 //   no candidate                nothing more;
 //   a few (kSparseCandidates)   handled here, exactly;
 //   many, or a row whose tau is within the bound (beta near 0, the first rows)
-//                               the tile is "dense" for this warp: a bit in dense_bits, and the
+//                               the tile is "dense" for this warp: a bit in DenseTileBits, and the
 //                               block's bit in live_bits, so the fused forward (forward_sm90.cuh
 //                               with ThresholdRows) visits it afterwards and adds the warp's
 //                               rows' weights for it, every other row's being zeroed there.
@@ -39,7 +39,6 @@
 namespace winnow::cuda {
 
 inline constexpr int kScreenRowBytes = 128;  // int8 rows, zero past the head dimension
-inline constexpr int kScreenGroupRows = 16;  // rows of one warp: the granularity of dense_bits
 inline constexpr int kSparseCandidates = 24;  // per warp and key tile, above which the tile is dense
 inline constexpr int kCandidateSlots = 128;   // per warp: candidates kept for handling in bulk
 
@@ -52,16 +51,39 @@ struct ThresholdScreenParams {
   float2* q_meta[2] = {nullptr, nullptr};  // written by the normalization, read by the screen
   float2* tile_meta[2] = {nullptr, nullptr};
   int key_tiles = 0;  // tiles per (sequence, kv head) in tile_meta
-  // [sequence][query head][row group of 16][words]: a warp's dense tiles; and the blocks' live
-  // tiles in LiveKeyTiles' layout. Both cleared before the launch.
-  std::uint32_t* dense_bits = nullptr;
-  int row_groups = 0, words = 0;
+  // The warps' dense tiles, and the blocks' live tiles in LiveKeyTiles' layout (as many words
+  // per block as dense has per group). Both cleared before the launch.
+  DenseTileBits dense;
   std::uint32_t* live_bits = nullptr;
   int q_blocks = 0;
   // Diagnostics (WINNOW_SCREEN_STATS): warp tiles screened, left dense, with candidates handled,
   // candidates handled. Null: not counted.
   unsigned long long* stats = nullptr;
+
+  // A query row's {scale, error radius}, and a key tile's largest.
+  template <class Tile>
+  __device__ __forceinline__ float2 row_bound(int v, const AttentionParams& p, const Tile& qt, std::int64_t row) const {
+    return q_meta[v][p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h];
+  }
+  template <class Tile>
+  __device__ __forceinline__ float2 tile_bound(int v, const AttentionParams& p, const Tile& qt, int kt) const {
+    return tile_meta[v][(qt.b * p.heads_kv + qt.hk) * key_tiles + kt];
+  }
+  template <class Tile>
+  __device__ __forceinline__ std::uint32_t* live_row(const AttentionParams& p, const Tile& qt) const {
+    return live_bits + map_block(qt.b, qt.h, p.heads_q, q_blocks, qt.r0) * dense.words;
+  }
 };
+
+// Marks key tiles 0 .. n_tiles - 1 dense for a row group, and live for its block.
+__device__ __forceinline__ void mark_tiles_dense(std::uint32_t* dense_row, std::uint32_t* live_row, int n_tiles) {
+  for (int w = 0; 32 * w < n_tiles; ++w) {
+    const int left = n_tiles - 32 * w;
+    const std::uint32_t bits = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
+    dense_row[w] |= bits;
+    atomicOr(live_row + w, bits);
+  }
+}
 
 struct Sm90ScreenShape {
   static constexpr int kBQ = 128, kBK = 128, kStages = 4, kThreads = 384;
@@ -125,23 +147,14 @@ __device__ __forceinline__ bool block_unscreenable(const AttentionParams& p, con
       const float tau = sp.view.beta[qt.h * sp.view.beta_head] * sp.view.unit(limit);
 #pragma unroll
       for (int v = 0; v < Views; ++v) {
-        const float2 q = sp.q_meta[v][p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h];
-        const float2 k = sp.tile_meta[v][(qt.b * p.heads_kv + qt.hk) * sp.key_tiles + n_tiles - 1];
+        const float2 q = sp.row_bound(v, p, qt, row), k = sp.tile_bound(v, p, qt, n_tiles - 1);
         if (math::threshold::screen_cut(tau, q.y, q.x, k.y, k.x) >= 1.f) unscreenable = false;
       }
     }
   }
   if (!__syncthreads_and(unscreenable)) return false;
   if (tid < Tile::kRows / kScreenGroupRows) {
-    std::uint32_t* dense_row =
-        sp.dense_bits + ((qt.b * p.heads_q + qt.h) * sp.row_groups + qt.r0 / kScreenGroupRows + tid) * sp.words;
-    std::uint32_t* live_row = sp.live_bits + map_block(qt.b, qt.h, p.heads_q, sp.q_blocks, qt.r0) * sp.words;
-    for (int w = 0; 32 * w < n_tiles; ++w) {
-      const int left = n_tiles - 32 * w;
-      const std::uint32_t bits = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
-      dense_row[w] = bits;
-      if (tid == 0) live_row[w] = bits;
-    }
+    mark_tiles_dense(sp.dense.group(p, qt, qt.r0 + kScreenGroupRows * tid), sp.live_row(p, qt), n_tiles);
   }
   constexpr int kChunks = D / 8;  // 16-byte chunks of an output row
   for (int c = tid; c < Tile::kRows * kChunks; c += blockDim.x) {
@@ -234,9 +247,8 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
     const int warp = wtid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
     const std::int64_t group0 = qt.r0 + 64 * wg + 16 * warp;  // this warp's 16 rows
     const std::int64_t row0 = group0 + g;                      // this thread's rows: row0, row0 + 8
-    std::uint32_t* const dense_row =
-        sp.dense_bits + ((qt.b * p.heads_q + qt.h) * sp.row_groups + group0 / kScreenGroupRows) * sp.words;
-    std::uint32_t* const live_row = sp.live_bits + map_block(qt.b, qt.h, p.heads_q, sp.q_blocks, qt.r0) * sp.words;
+    std::uint32_t* const dense_row = sp.dense.group(p, qt, group0);
+    std::uint32_t* const live_row = sp.live_row(p, qt);
 
     const float beta = sp.view.beta[qt.h * sp.view.beta_head];
     const float power = sp.view.power;
@@ -252,8 +264,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       tau[half] = beta * sp.view.unit(limit[half]);
 #pragma unroll
       for (int v = 0; v < Views; ++v) {
-        const float2 m = in[half] ? sp.q_meta[v][p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h]
-                                  : make_float2(1.f, 0.f);
+        const float2 m = in[half] ? sp.row_bound(v, p, qt, row) : make_float2(1.f, 0.f);
         q_scale[v][half] = m.x;
         q_err[v][half] = m.y;
       }
@@ -330,7 +341,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       // The tile's largest key scale and error radius, read while the products run.
       float2 tm[Views];
 #pragma unroll
-      for (int v = 0; v < Views; ++v) tm[v] = sp.tile_meta[v][(qt.b * p.heads_kv + qt.hk) * sp.key_tiles + kt];
+      for (int v = 0; v < Views; ++v) tm[v] = sp.tile_bound(v, p, qt, kt);
       tile::mbar_wait(&k_full[s], (i / S) & 1);
       if (end[s] < 0) break;
       tile::fence_to_async_proxy();
@@ -428,15 +439,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         // rows to the fused forward.
         done = tile::named_sync_and(kConsumerBarrier + wg, 128, dense);
         if (done) {
-          if (lane == 0) {
-            for (int w = 0; w < sp.words; ++w) {
-              const int left = n_tiles - 32 * w;
-              if (left <= 0) break;
-              const std::uint32_t bits = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
-              dense_row[w] |= bits;
-              atomicOr(live_row + w, bits);
-            }
-          }
+          if (lane == 0) mark_tiles_dense(dense_row, live_row, n_tiles);
           if (wtid == 0) halted[wg] = 1;
         }
       }
