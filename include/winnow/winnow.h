@@ -6,6 +6,7 @@
 #include "winnow/error.h"
 #include "winnow/rms_norm.h"
 #include "winnow/rotary.h"
+#include "winnow/screening.h"
 #include "winnow/sieve.h"
 #include "winnow/softmax.h"
 #include "winnow/stick_breaking.h"

@@ -237,6 +237,31 @@ GradientParams AttentionCall::gradients(const TensorView& dout, const AttentionG
   return g;
 }
 
+Operand AttentionCall::per_head(const char* name, const TensorView& t) const {
+  const std::int64_t heads = params_.heads_q;
+  const std::string expected = std::string(to_string(stats_dtype())) + " (" + std::to_string(heads) +
+                               ") or (1) on " + to_string(in_.q.device);
+  if (t.ndim != 1 || (t.shape[0] != heads && t.shape[0] != 1) || t.dtype != stats_dtype() ||
+      t.device != in_.q.device) {
+    fail(name, expected, describe(t));
+  }
+  if (t.data == nullptr) fail(name, "a view with data", "a null pointer");
+  Operand o;
+  o.data = t.data;
+  o.head = t.shape[0] == 1 ? 0 : t.stride[0];
+  return o;
+}
+
+Operand AttentionCall::per_head_grad(const char* name, const TensorView& t, const char* like_name,
+                                     const TensorView& like) const {
+  if (t.ndim != 1 || like.ndim != 1 || t.shape[0] != like.shape[0]) {
+    fail(name, std::string("a tensor shaped like ") + like_name + " " + like.shape_string(), describe(t));
+  }
+  Operand o = per_head(name, t);
+  require_writable(name, t);
+  return o;
+}
+
 void AttentionCall::require_writable(const char* name, const TensorView& t) const {
   for (int d = 0; d < t.ndim; ++d) {
     if (t.shape[d] > 1 && t.stride[d] == 0) {

@@ -30,6 +30,12 @@ class AttentionCall {
   // Per-row statistics: (B, Lq, Hq) or (Tq, Hq), of stats_dtype() (or the given dtype).
   Operand row_stats(const char* name, const TensorView& t) const;
   Operand row_stats(const char* name, const TensorView& t, DType dtype) const;
+  // A learned scalar per query head: (Hq) or (1) (shared by every head), of stats_dtype(), on
+  // q's device. The operand's head stride is 0 for a shared one.
+  Operand per_head(const char* name, const TensorView& t) const;
+  // Its gradient: shaped like `like` (the scalar), writable.
+  Operand per_head_grad(const char* name, const TensorView& t, const char* like_name,
+                        const TensorView& like) const;
   // Outputs must not overlap themselves (no broadcast strides on dimensions of size > 1).
   void require_writable(const char* name, const TensorView& t) const;
   // A backward's operands, checked in this order: dout, the statistic's gradient (when the

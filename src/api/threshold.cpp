@@ -17,28 +17,12 @@ using detail::Route;
 
 namespace {
 
-// beta, lambda and their gradients: (Hq) or (1), of the statistics' dtype, on q's device.
-Operand per_head(const AttentionCall& call, const char* name, const TensorView& t,
-                 const TensorView& q, std::int64_t heads) {
-  const std::string expected = std::string(to_string(call.stats_dtype())) + " (" +
-                               std::to_string(heads) + ") or (1) on " + to_string(q.device);
-  if (t.ndim != 1 || (t.shape[0] != heads && t.shape[0] != 1) || t.dtype != call.stats_dtype() ||
-      t.device != q.device) {
-    call.fail(name, expected, api::describe(t));
-  }
-  if (t.data == nullptr) call.fail(name, "a view with data", "a null pointer");
-  Operand o;
-  o.data = t.data;
-  o.head = t.shape[0] == 1 ? 0 : t.stride[0];
-  return o;
-}
-
 struct Checked {
   detail::AttentionParams params;
   detail::ThresholdConfig config;
 };
 
-Checked checked(const AttentionCall& call, const AttentionInputs& in, const Views& views,
+Checked checked(const AttentionCall& call, const Views& views,
                 const Options& options) {
   call.check_option("power", std::isfinite(options.power) && options.power > 0,
                     "a finite number > 0 (2: 004's default, 1: ReLA)",
@@ -46,11 +30,10 @@ Checked checked(const AttentionCall& call, const AttentionInputs& in, const View
   call.check_option("norm_eps", std::isfinite(options.norm_eps) && options.norm_eps > 0,
                     "a finite number > 0", std::to_string(options.norm_eps));
   Checked c{call.params(1.0, options.attend_current), {}};
-  const std::int64_t heads = c.params.heads_q;
   c.config.power = options.power;
   c.config.norm_eps = options.norm_eps;
   c.config.clamp_lambda = options.clamp_lambda;
-  c.config.beta = per_head(call, "beta", views.beta, in.q, heads);
+  c.config.beta = call.per_head("beta", views.beta);
   const bool tda = views.lambda.has_value();
   if (!tda && (views.q2 || views.k2)) {
     call.fail(views.q2 ? "q2" : "k2", "no second view without lambda (TRA)", "a tensor");
@@ -61,7 +44,7 @@ Checked checked(const AttentionCall& call, const AttentionInputs& in, const View
                                             std::string(!views.q2 ? "q" : "k"),
                 "none");
     }
-    c.config.lambda = per_head(call, "lambda", *views.lambda, in.q, heads);
+    c.config.lambda = call.per_head("lambda", *views.lambda);
     c.config.q2 = call.like_q("q2", *views.q2, /*value_dim=*/false);
     c.config.k2 = call.like_k("k2", *views.k2, /*value_dim=*/false);
   }
@@ -73,7 +56,7 @@ Checked checked(const AttentionCall& call, const AttentionInputs& in, const View
 void forward(const AttentionInputs& in, const Views& views, const Options& options,
              const Outputs& outputs, const ExecContext& ctx) {
   AttentionCall call("winnow::threshold::forward", in, ctx);
-  Checked c = checked(call, in, views, options);
+  Checked c = checked(call, views, options);
   c.params.out = call.like_q("out", outputs.out, /*value_dim=*/true);
   call.require_writable("out", outputs.out);
   if (outputs.nonzero) {
@@ -91,26 +74,15 @@ void backward(const AttentionInputs& in, const Views& views, const Options& opti
               const TensorView& dout, const AttentionGrads& grads, const ViewGrads& view_grads,
               const ExecContext& ctx) {
   AttentionCall call("winnow::threshold::backward", in, ctx);
-  Checked c = checked(call, in, views, options);
+  Checked c = checked(call, views, options);
   const detail::GradientParams g = call.gradients(dout, grads);
-  const std::int64_t heads = c.params.heads_q;
-  if (view_grads.dbeta.ndim != 1 || view_grads.dbeta.shape[0] != views.beta.shape[0]) {
-    call.fail("dbeta", "a tensor shaped like beta " + views.beta.shape_string(),
-              api::describe(view_grads.dbeta));
-  }
-  c.config.dbeta = per_head(call, "dbeta", view_grads.dbeta, in.q, heads);
-  call.require_writable("dbeta", view_grads.dbeta);
+  c.config.dbeta = call.per_head_grad("dbeta", view_grads.dbeta, "beta", views.beta);
   if (c.config.differential()) {
     const char* missing = !view_grads.dlambda ? "dlambda" : !view_grads.dq2 ? "dq2" : !view_grads.dk2 ? "dk2" : nullptr;
     if (missing != nullptr) call.fail(missing, "a gradient tensor (TDA)", "none");
-    if (view_grads.dlambda->ndim != 1 || view_grads.dlambda->shape[0] != views.lambda->shape[0]) {
-      call.fail("dlambda", "a tensor shaped like lambda " + views.lambda->shape_string(),
-                api::describe(*view_grads.dlambda));
-    }
-    c.config.dlambda = per_head(call, "dlambda", *view_grads.dlambda, in.q, heads);
+    c.config.dlambda = call.per_head_grad("dlambda", *view_grads.dlambda, "lambda", *views.lambda);
     c.config.dq2 = call.like_q("dq2", *view_grads.dq2, /*value_dim=*/false);
     c.config.dk2 = call.like_k("dk2", *view_grads.dk2, /*value_dim=*/false);
-    call.require_writable("dlambda", *view_grads.dlambda);
     call.require_writable("dq2", *view_grads.dq2);
     call.require_writable("dk2", *view_grads.dk2);
   } else if (view_grads.dlambda || view_grads.dq2 || view_grads.dk2) {

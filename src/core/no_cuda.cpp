@@ -41,6 +41,11 @@ void threshold_backward(const detail::AttentionParams&, const detail::GradientPa
                         const detail::ThresholdConfig&) {
   no_cuda();
 }
+void screening_forward(const detail::AttentionParams&, const detail::ScreeningConfig&) { no_cuda(); }
+void screening_backward(const detail::AttentionParams&, const detail::GradientParams&,
+                        const detail::ScreeningConfig&) {
+  no_cuda();
+}
 void rotary(const detail::RotaryParams&) { no_cuda(); }
 void rms_norm_forward(const detail::RMSNormParams&) { no_cuda(); }
 void rms_norm_backward(const detail::RMSNormParams&) { no_cuda(); }

@@ -137,4 +137,24 @@ struct ThresholdConfig {
   }
 };
 
+// Multiscreen's screening (spec/screening.md). s_w and s_r (and their gradients) hold one value
+// per query head at stride `head` (0: one for every head; the backward then adds every head's
+// gradient into it). The per-row statistic (AttentionParams::stats) is |h_i|, the norm TanhNorm
+// saw: the forward writes it, the backward reads it with the output.
+struct ScreeningConfig {
+  double mipe_threshold = 256.0;  // w_th
+  double expand_above = 0.0;      // > 0: windows wider than this are infinite (SWE)
+  double norm_eps = 1e-6;
+  Operand s_w, s_r;
+  Operand ds_w, ds_r;  // backward only
+  template <class T>
+  WINNOW_HD T s_w_at(std::int64_t h) const {
+    return static_cast<const T*>(s_w.data)[h * s_w.head];
+  }
+  template <class T>
+  WINNOW_HD T s_r_at(std::int64_t h) const {
+    return static_cast<const T*>(s_r.data)[h * s_r.head];
+  }
+};
+
 }  // namespace winnow::detail

@@ -27,6 +27,10 @@ void threshold_forward(const detail::AttentionParams& p, const detail::Threshold
 void threshold_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                         const detail::ThresholdConfig& cfg);
 
+void screening_forward(const detail::AttentionParams& p, const detail::ScreeningConfig& cfg);
+void screening_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                        const detail::ScreeningConfig& cfg);
+
 void rotary(const detail::RotaryParams& p);
 
 // dy in x's dtype, y in x's dtype (the API checks): the CPU has float32 and float64 only.

@@ -10,6 +10,7 @@
 
 #include "cpu/cpu.h"
 #include "cpu/tiles.h"
+#include "cpu/unit_rows.h"
 #include "math/threshold.h"
 
 namespace winnow::cpu {
@@ -17,38 +18,6 @@ namespace {
 
 namespace mt = math::threshold;
 using detail::ThresholdConfig;
-
-// Rows of x scaled to unit length in place, with what the gradient needs.
-template <class T>
-struct Normalized {
-  RowMatrix<T> hat;
-  RowVector<T> inv_norm;
-  std::vector<char> clipped;
-
-  void load(const Operand& op, std::int64_t b, std::int64_t start, std::int64_t n, std::int64_t h,
-            std::int64_t cols, T eps) {
-    load_rows<T>(op, b, start, n, h, cols, hat);
-    inv_norm.resize(n);
-    clipped.resize(static_cast<std::size_t>(n));
-    for (std::int64_t r = 0; r < n; ++r) {
-      const T sum = hat.row(r).squaredNorm();
-      inv_norm[r] = mt::inverse_norm(sum, eps);
-      clipped[static_cast<std::size_t>(r)] = mt::norm_clipped(sum, eps) ? 1 : 0;
-      hat.row(r) *= inv_norm[r];
-    }
-  }
-
-  // g (rows x cols, dL/dx_hat) becomes dL/dx, row by row.
-  void backward(RowMatrix<T>& g) const {
-    for (std::int64_t r = 0; r < g.rows(); ++r) {
-      const T dot = hat.row(r).dot(g.row(r));
-      const bool c = clipped[static_cast<std::size_t>(r)] != 0;
-      for (std::int64_t d = 0; d < g.cols(); ++d) {
-        g(r, d) = mt::normalize_grad(g(r, d), hat(r, d), dot, inv_norm[r], c);
-      }
-    }
-  }
-};
 
 // tau_r / beta for the rows of a query tile: row r sees first_limit + r + 1 keys.
 template <class T>
@@ -78,7 +47,7 @@ void forward_impl(const AttentionParams& p, const ThresholdConfig& cfg) {
   const T eps = T(cfg.norm_eps), power = T(cfg.power);
   const bool tda = cfg.differential();
   for_each_query_tile(p, [&](const QueryTile& qt, const SequenceExtent& s) {
-    thread_local Normalized<T> q1, q2, k1, k2;
+    thread_local UnitRows<T> q1, q2, k1, k2;
     thread_local RowMatrix<T> v, o;
     thread_local ScoreTile<T> x1, w1, x2, w2;
     thread_local RowVector<T> unit, tau;
@@ -133,7 +102,7 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Thre
   };
   run_backward<T>(p, g, tda ? &cfg.dk2 : nullptr,
                   [&](const QueryTile& qt, const SequenceExtent& s, KeyValueGrads<T>& kv) {
-    thread_local Normalized<T> q1, q2, k1, k2;
+    thread_local UnitRows<T> q1, q2, k1, k2;
     thread_local RowMatrix<T> v, dout, dq1, dq2, dk_tile;
     thread_local ScoreTile<T> x1, w1, x2, w2, dw, ds;
     thread_local RowVector<T> unit, tau, dtau;
@@ -149,8 +118,8 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Thre
     if (tda) dq2.setZero(qt.n, p.dim_qk);
     T w2_dot_dw = 0;
     // ds = sign * dw * slope(x); dtau -= rowsum(ds); dq_hat += ds kh; dk += J_k(ds^T qh).
-    const auto view_grads = [&](const KeyRange& kr, const ScoreTile<T>& x, T sign, Normalized<T>& k,
-                                const Normalized<T>& q, RowMatrix<T>& dq, RowMatrix<T>& dk) {
+    const auto view_grads = [&](const KeyRange& kr, const ScoreTile<T>& x, T sign, UnitRows<T>& k,
+                                const UnitRows<T>& q, RowMatrix<T>& dq, RowMatrix<T>& dk) {
       ds = (sign * dw.array() * mt::weight_slope_array(x.array(), power)).matrix();
       dtau -= ds.rowwise().sum().array();
       dq.noalias() += ds * k.hat;

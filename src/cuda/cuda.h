@@ -38,6 +38,12 @@ void threshold_forward(const detail::AttentionParams& p, const detail::Threshold
 void threshold_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                         const detail::ThresholdConfig& cfg);
 
+// Multiscreen's screening: fused kernels for 16-bit inputs at d_K 16 / 32 / 64 with d_V 64 / 128,
+// the simple path otherwise.
+void screening_forward(const detail::AttentionParams& p, const detail::ScreeningConfig& cfg);
+void screening_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                        const detail::ScreeningConfig& cfg);
+
 // Rotary position embedding (winnow/rotary.h), one element-wise pass.
 void rotary(const detail::RotaryParams& p);
 

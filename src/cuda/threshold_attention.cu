@@ -80,10 +80,10 @@ __global__ void normalize_rows_kernel(const Operand src, const Operand dst, floa
     sum += v * v;
   }
   sum = simple::warp_sum(sum);
-  const float inv = mt::inverse_norm(sum, eps);
+  const float inv = math::inverse_norm(sum, eps);
   T* y = dst.at<T>(b, at, h);
   for (int d = lane; d < r.dim; d += 32) y[d] = simple::from_float<T>(simple::load(x + d * src.dim) * inv);
-  if (lane == 0) inv_norm[idx] = mt::norm_clipped(sum, eps) ? -inv : inv;
+  if (lane == 0) inv_norm[idx] = math::norm_clipped(sum, eps) ? -inv : inv;
 }
 
 // The screen's rows: a warp per row, a lane per four consecutive features (dim 64 or 128, rows
@@ -111,7 +111,7 @@ template <class T>
 __device__ __forceinline__ ScreenRow normalize_row4(const T* x, T* hat, int dim, float eps, float* largest) {
   const int lane = threadIdx.x % 32;
   ScreenRow r = load_row4(x, dim);
-  const float inv = mt::inverse_norm(simple::warp_sum(r.a[0] * r.a[0] + r.a[1] * r.a[1] + r.a[2] * r.a[2] + r.a[3] * r.a[3]), eps);
+  const float inv = math::inverse_norm(simple::warp_sum(r.a[0] * r.a[0] + r.a[1] * r.a[1] + r.a[2] * r.a[2] + r.a[3] * r.a[3]), eps);
   float m = 0.f;
   if (4 * lane < dim) {
     uint2 bits;
@@ -221,7 +221,7 @@ __global__ void store_grad_rows_kernel(const float* g_hat, const Operand hat, co
   dot = simple::warp_sum(dot);
   const float inv = inv_norm[idx];
   for (int d = lane; d < r.dim; d += 32) {
-    y[d * out.dim] = simple::from_float<T>(mt::normalize_grad(g[d], simple::load(x + d), dot, fabsf(inv), inv < 0.f));
+    y[d * out.dim] = simple::from_float<T>(math::normalize_grad(g[d], simple::load(x + d), dot, fabsf(inv), inv < 0.f));
   }
 }
 

@@ -28,4 +28,25 @@ WINNOW_HD auto sigmoid(const X& x) {
   return S(1) / (S(1) + exp(-x));
 }
 
+// Unit normalization x / max(|x|, eps) (threshold attention, Multiscreen): the inverse norm
+// from sum(x^2), whether eps was taken, and the gradient.
+template <class T>
+WINNOW_HD T inverse_norm(T sum_of_squares, T eps) {
+  using std::sqrt;
+  const T n = sqrt(sum_of_squares);
+  return T(1) / (n > eps ? n : eps);
+}
+
+// Whether max(|x|, eps) took eps (then x_hat = x / eps is linear in x).
+template <class T>
+WINNOW_HD bool norm_clipped(T sum_of_squares, T eps) {
+  return !(sum_of_squares > eps * eps);
+}
+
+// dx_e from g = dL/dx_hat: (g_e - x_hat_e <x_hat, g>) / |x| where |x| > eps, else g_e / eps.
+template <class T>
+WINNOW_HD T normalize_grad(T g, T x_hat, T x_hat_dot_g, T inv_norm, bool clipped) {
+  return clipped ? g * inv_norm : (g - x_hat * x_hat_dot_g) * inv_norm;
+}
+
 }  // namespace winnow::math

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "math/elementwise.h"
 #include "math/host_device.h"
 
 namespace winnow::math::threshold {
@@ -57,26 +58,6 @@ auto weight_slope_array(const X& x, scalar_of_t<X> p) {
   if (p == S(2)) return (S(2) * r).eval();
   if (p == S(1)) return (x > S(0)).template cast<S>().eval();
   return (x > S(0)).select(p * r.pow(p - S(1)), S(0)).eval();
-}
-
-// 1 / max(|x|, eps) from sum(x^2).
-template <class T>
-WINNOW_HD T inverse_norm(T sum_of_squares, T eps) {
-  using std::sqrt;
-  const T n = sqrt(sum_of_squares);
-  return T(1) / (n > eps ? n : eps);
-}
-
-// Whether max(|x|, eps) took eps (then x_hat = x / eps is linear in x).
-template <class T>
-WINNOW_HD bool norm_clipped(T sum_of_squares, T eps) {
-  return !(sum_of_squares > eps * eps);
-}
-
-// dx_e from g = dL/dx_hat: (g_e - x_hat_e <x_hat, g>) / |x| where |x| > eps, else g_e / eps.
-template <class T>
-WINNOW_HD T normalize_grad(T g, T x_hat, T x_hat_dot_g, T inv_norm, bool clipped) {
-  return clipped ? g * inv_norm : (g - x_hat * x_hat_dot_g) * inv_norm;
 }
 
 // TDA's lambda as the weights use it, and d(used)/d(lambda).

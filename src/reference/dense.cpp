@@ -1,5 +1,7 @@
 #include "reference/dense.h"
 
+#include "math/elementwise.h"
+
 namespace winnow::reference {
 
 using detail::AttentionParams;
@@ -35,6 +37,45 @@ void add_product(const Dense& a, const Dense& b, Dense& c, bool a_transposed, bo
     }
   }
 }
+
+Normalized normalize(const Dense& x, double eps) {
+  Normalized n{Dense(x.rows, x.cols), std::vector<double>(static_cast<std::size_t>(x.rows)),
+               std::vector<bool>(static_cast<std::size_t>(x.rows))};
+  for (std::int64_t r = 0; r < x.rows; ++r) {
+    double sum = 0;
+    for (std::int64_t c = 0; c < x.cols; ++c) sum += x(r, c) * x(r, c);
+    const auto i = static_cast<std::size_t>(r);
+    n.inv_norm[i] = math::inverse_norm(sum, eps);
+    n.clipped[i] = math::norm_clipped(sum, eps);
+    for (std::int64_t c = 0; c < x.cols; ++c) n.hat(r, c) = x(r, c) * n.inv_norm[i];
+  }
+  return n;
+}
+
+Dense normalize_backward(const Normalized& n, const Dense& g) {
+  Dense dx(g.rows, g.cols);
+  for (std::int64_t r = 0; r < g.rows; ++r) {
+    double dot = 0;
+    for (std::int64_t c = 0; c < g.cols; ++c) dot += n.hat(r, c) * g(r, c);
+    const auto i = static_cast<std::size_t>(r);
+    for (std::int64_t c = 0; c < g.cols; ++c) {
+      dx(r, c) = math::normalize_grad(g(r, c), n.hat(r, c), dot, n.inv_norm[i], n.clipped[i]);
+    }
+  }
+  return dx;
+}
+
+void write_per_head(const Operand& o, const std::vector<double>& values) {
+  auto* data = static_cast<double*>(o.data);
+  if (o.head == 0) {
+    double sum = 0;
+    for (double v : values) sum += v;
+    *data = sum;
+    return;
+  }
+  for (std::size_t h = 0; h < values.size(); ++h) data[static_cast<std::int64_t>(h) * o.head] = values[h];
+}
+
 
 namespace {
 

@@ -29,6 +29,20 @@ void scatter(const Dense& m, const detail::Operand& op, std::int64_t b, std::int
 // a^T b (true, false).
 void add_product(const Dense& a, const Dense& b, Dense& c, bool a_transposed, bool b_transposed);
 
+// Rows of x scaled to unit length (or by 1 / eps when shorter than eps), with what the gradient
+// needs; and dL/dx from dL/dx_hat.
+struct Normalized {
+  Dense hat;
+  std::vector<double> inv_norm;
+  std::vector<bool> clipped;
+};
+Normalized normalize(const Dense& x, double eps);
+Dense normalize_backward(const Normalized& n, const Dense& g);
+
+// Writes per-head values into an operand of one value per head, or their sum into a shared one
+// (head stride 0).
+void write_per_head(const detail::Operand& o, const std::vector<double>& values);
+
 // One (sequence, query head) problem: scores over the visible keys.
 struct HeadProblem {
   Dense z;                      // Lq x Lk scaled scores (0 where not visible)

@@ -29,4 +29,10 @@ void threshold_forward(const detail::AttentionParams& p, const detail::Threshold
 void threshold_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                         const detail::ThresholdConfig& cfg);
 
+// Multiscreen's screening. The backward recomputes everything from the inputs (it ignores the
+// saved output and norms) and writes dq, dk, dv and cfg's ds_w and ds_r.
+void screening_forward(const detail::AttentionParams& p, const detail::ScreeningConfig& cfg);
+void screening_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                        const detail::ScreeningConfig& cfg);
+
 }  // namespace winnow::reference

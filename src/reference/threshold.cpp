@@ -15,41 +15,6 @@ using detail::AttentionParams;
 using detail::Operand;
 using detail::ThresholdConfig;
 
-// Rows of x scaled to unit length (or by 1 / eps when shorter than eps).
-struct Normalized {
-  Dense hat;
-  std::vector<double> inv_norm;
-  std::vector<bool> clipped;
-};
-
-Normalized normalize(const Dense& x, double eps) {
-  Normalized n{Dense(x.rows, x.cols), std::vector<double>(static_cast<std::size_t>(x.rows)),
-               std::vector<bool>(static_cast<std::size_t>(x.rows))};
-  for (std::int64_t r = 0; r < x.rows; ++r) {
-    double sum = 0;
-    for (std::int64_t c = 0; c < x.cols; ++c) sum += x(r, c) * x(r, c);
-    const auto i = static_cast<std::size_t>(r);
-    n.inv_norm[i] = mt::inverse_norm(sum, eps);
-    n.clipped[i] = mt::norm_clipped(sum, eps);
-    for (std::int64_t c = 0; c < x.cols; ++c) n.hat(r, c) = x(r, c) * n.inv_norm[i];
-  }
-  return n;
-}
-
-// dL/dx from dL/dx_hat.
-Dense normalize_backward(const Normalized& n, const Dense& g) {
-  Dense dx(g.rows, g.cols);
-  for (std::int64_t r = 0; r < g.rows; ++r) {
-    double dot = 0;
-    for (std::int64_t c = 0; c < g.cols; ++c) dot += n.hat(r, c) * g(r, c);
-    const auto i = static_cast<std::size_t>(r);
-    for (std::int64_t c = 0; c < g.cols; ++c) {
-      dx(r, c) = mt::normalize_grad(g(r, c), n.hat(r, c), dot, n.inv_norm[i], n.clipped[i]);
-    }
-  }
-  return dx;
-}
-
 // One view of one (sequence, query head): x = s - tau over the visible keys and the weights.
 struct ViewWeights {
   Normalized q, k;
@@ -86,18 +51,6 @@ ViewWeights view_weights(const AttentionParams& p, const ThresholdConfig& cfg, c
 
 double lambda_of(const ThresholdConfig& cfg, std::int64_t h) {
   return mt::lambda_used(cfg.lambda_at<double>(h), cfg.clamp_lambda);
-}
-
-// Writes per-head gradients into an operand of one value per head, or their sum into a shared one.
-void write_per_head(const Operand& o, const std::vector<double>& values) {
-  auto* data = static_cast<double*>(o.data);
-  if (o.head == 0) {
-    double sum = 0;
-    for (double v : values) sum += v;
-    *data = sum;
-    return;
-  }
-  for (std::size_t h = 0; h < values.size(); ++h) data[static_cast<std::int64_t>(h) * o.head] = values[h];
 }
 
 }  // namespace

@@ -266,7 +266,7 @@ struct ThresholdBackwardRows {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& g = dq[n][2 * half + e];
-          g = math::threshold::normalize_grad(g, tile::to_float(q_hat[8 * n + 2 * tig + e]), dot, fabsf(inv), clipped);
+          g = math::normalize_grad(g, tile::to_float(q_hat[8 * n + 2 * tig + e]), dot, fabsf(inv), clipped);
         }
       }
     }
