@@ -28,6 +28,7 @@ __all__ = [
     "entmax_attention",
     "sieve_attention",
     "threshold_attention",
+    "screening_attention",
     "rotary_embedding",
     "rms_norm",
     "add_rms_norm",
@@ -192,6 +193,37 @@ def threshold_attention(
         q, k, v, beta, lam=lam, q2=q2, k2=k2, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, power=power, attend_current=attend_current,
         clamp_lambda=clamp_lambda, norm_eps=norm_eps)
+
+
+def screening_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s_w: torch.Tensor,
+    s_r: torch.Tensor,
+    *,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    mipe_threshold: float = 256.0,
+    expand_windows_above: float = 0.0,
+    norm_eps: float = 1e-6,
+) -> torch.Tensor:
+    """Multiscreen's screening unit (seed 001), causal.
+
+    q, k, v are unit-normalized inside; MiPE rotates the first two coordinates of queries and
+    keys by position * pi * gamma(w) / w (identity once w >= ``mipe_threshold``); query i keeps
+    key j only inside its window (i - w < j <= i) and where the cosine clears 1 - r, with
+    relevance max(1 - (1 - s) / r, 0) ** 2 * (cos(pi (j - i) / w) + 1) / 2; the relevant values
+    are summed without normalization and squashed by TanhNorm. w = exp(s_w) + 1 and
+    r = sigmoid(s_r), with ``s_w``, ``s_r`` (Hq) or (1) tensors (float32, float64 for float64
+    inputs). ``expand_windows_above`` > 0 makes wider windows infinite (screening-window
+    expansion). Differentiable in q, k, v, s_w and s_r. Shapes as in :func:`softmax_attention`
+    (k's head dimension may differ from v's).
+    """
+    return torch.ops.winnow.screening_attention(
+        q, k, v, s_w, s_r, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        mipe_threshold=mipe_threshold, expand_windows_above=expand_windows_above,
+        norm_eps=norm_eps)
 
 
 def sieve_attention(

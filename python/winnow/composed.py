@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = ["softmax_attention", "stick_breaking_attention", "entmax_attention",
-           "sieve_attention", "rotary_embedding", "entmax_threshold"]
+           "sieve_attention", "screening_attention", "rotary_embedding", "entmax_threshold"]
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -154,6 +154,49 @@ def sieve_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     out = (w.to(v.dtype) @ vh).transpose(1, 2)
     rem = torch.exp(-cost.sum(-1)).transpose(1, 2).to(q.dtype)
     return out, rem, kept.sum(-1).transpose(1, 2).to(torch.int32)
+
+
+def screening_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_w: torch.Tensor,
+                        s_r: torch.Tensor, *, mipe_threshold: float = 256.0,
+                        expand_windows_above: float = 0.0, norm_eps: float = 1e-6) -> torch.Tensor:
+    """Multiscreen's screening unit (spec/screening.md): normalized q, k, v; MiPE on coordinates
+    0 and 1 by absolute position; Trim; the causal Softmask; unnormalized sum; TanhNorm.
+    ``s_w`` and ``s_r`` are (Hq) or (1); autograd gives every gradient."""
+    heads = q.shape[2]
+    s_w = s_w.expand(heads) if s_w.numel() == 1 else s_w
+    s_r = s_r.expand(heads) if s_r.numel() == 1 else s_r
+    w = torch.exp(s_w) + 1
+    r = torch.sigmoid(s_r)
+    infinite = (w > expand_windows_above) if expand_windows_above > 0 else torch.zeros_like(w, dtype=torch.bool)
+    w_th = mipe_threshold
+    gamma = torch.where(w < w_th, 0.5 * (torch.cos(math.pi * w / w_th) + 1), torch.zeros_like(w))
+    rate = torch.where(infinite, torch.zeros_like(w), math.pi * gamma / w)  # (H)
+
+    def unit(x):
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(norm_eps)
+
+    qh, kh, vh = _heads(unit(q), unit(k), unit(v))  # (B, H, L, D)
+    lq, lk = q.shape[1], k.shape[1]
+    pos_q = torch.arange(lq, device=q.device, dtype=q.dtype) + (lk - lq)
+    pos_k = torch.arange(lk, device=q.device, dtype=q.dtype)
+
+    def mipe(x, pos):
+        angle = rate.to(x.dtype)[:, None] * pos[None, :]  # (H, L)
+        c, s = torch.cos(angle), torch.sin(angle)
+        x0, x1 = x[..., 0], x[..., 1]
+        return torch.cat([(x0 * c - x1 * s)[..., None], (x0 * s + x1 * c)[..., None], x[..., 2:]], -1)
+
+    scores = mipe(qh, pos_q) @ mipe(kh, pos_k).transpose(-1, -2)  # (B, H, Lq, Lk)
+    alpha = torch.relu(1 - (1 - scores) / r.to(q.dtype)[:, None, None]) ** 2
+    d = pos_k[None, :] - pos_q[:, None]  # j - i
+    wq = w.to(q.dtype)[:, None, None]
+    inside = (d[None] <= 0) & ((d[None] > -wq) | infinite[:, None, None])
+    mask = torch.where(infinite[:, None, None], torch.ones_like(wq), 0.5 * (torch.cos(math.pi * d[None] / wq) + 1))
+    rel = torch.where(inside, alpha * mask, torch.zeros_like(alpha))
+    h = rel @ vh
+    n = h.norm(dim=-1, keepdim=True)
+    factor = torch.where(n > 1e-4, torch.tanh(n) / n.clamp_min(1e-4), 1 - n * n / 3)
+    return (h * factor).transpose(1, 2)
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "api/attention_call.h"
 #include "cpu/cpu.h"
@@ -40,6 +41,14 @@ Checked checked(const AttentionCall& call, const Scalars& scalars, const Options
   if (c.params.dim_qk < 2) {
     call.fail("q", "head dimension >= 2 (MiPE rotates coordinates 0 and 1)",
               std::to_string(c.params.dim_qk));
+  }
+  if (call.route() == Route::cuda) {
+    for (const auto& [name, dim] : {std::pair<const char*, std::int64_t>{"q", c.params.dim_qk}, {"v", c.params.dim_v}}) {
+      if (dim > detail::kMaxScreeningCudaDim) {
+        call.fail(name, "head dimension <= " + std::to_string(detail::kMaxScreeningCudaDim) + " on CUDA",
+                  std::to_string(dim));
+      }
+    }
   }
   return c;
 }

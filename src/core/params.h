@@ -141,6 +141,8 @@ struct ThresholdConfig {
 // per query head at stride `head` (0: one for every head; the backward then adds every head's
 // gradient into it). The per-row statistic (AttentionParams::stats) is |h_i|, the norm TanhNorm
 // saw: the forward writes it, the backward reads it with the output.
+// The CUDA kernels hold a row of each head dimension per thread.
+inline constexpr std::int64_t kMaxScreeningCudaDim = 256;
 struct ScreeningConfig {
   double mipe_threshold = 256.0;  // w_th
   double expand_above = 0.0;      // > 0: windows wider than this are infinite (SWE)

@@ -635,6 +635,99 @@ at::Tensor threshold_attention_no_grad(const at::Tensor& q, const at::Tensor& k,
                                       attend_current, clamp_lambda, norm_eps, false, false));
 }
 
+// ------------------------------------------------------------------ screening (Multiscreen)
+
+std::tuple<at::Tensor, at::Tensor> screening_forward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s_w,
+    const at::Tensor& s_r, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+    double mipe_threshold, double expand_windows_above, double norm_eps, bool reference) {
+  constexpr const char* op = "winnow.screening_attention_forward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor out = at::empty(out_shape(q, v), q.options());
+    at::Tensor h_norm = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    const screening::Options options{mipe_threshold, expand_windows_above, norm_eps};
+    const DeviceScope scope(q);
+    screening::forward(in, {view_of(s_w, op, "s_w"), view_of(s_r, op, "s_r")}, options,
+                       {view_of(out, op, "out"), view_of(h_norm, op, "h_norm")},
+                       scope.context(false, reference));
+    return std::make_tuple(out, h_norm);
+  });
+}
+
+using ScreeningGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+ScreeningGrads screening_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& s_w, const at::Tensor& s_r,
+                                     const at::Tensor& out, const at::Tensor& h_norm,
+                                     const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
+                                     const Opt<at::Tensor>& cu_k, double mipe_threshold,
+                                     double expand_windows_above, double norm_eps,
+                                     bool reference) {
+  constexpr const char* op = "winnow.screening_attention_backward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    at::Tensor ds_w = at::empty_like(s_w), ds_r = at::empty_like(s_r);
+    const screening::Options options{mipe_threshold, expand_windows_above, norm_eps};
+    const DeviceScope scope(q);
+    screening::backward(in, {view_of(s_w, op, "s_w"), view_of(s_r, op, "s_r")}, options,
+                        {view_of(out, op, "out"), view_of(h_norm, op, "h_norm")},
+                        view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
+                        {view_of(ds_w, op, "ds_w"), view_of(ds_r, op, "ds_r")},
+                        scope.context(false, reference));
+    return std::make_tuple(dq, dk, dv, ds_w, ds_r);
+  });
+}
+
+constexpr Dispatched<&screening_forward_op> screening_forward{"winnow::screening_attention_forward"};
+constexpr Dispatched<&screening_backward_op> screening_backward{"winnow::screening_attention_backward"};
+
+struct ScreeningFunction : public torch::autograd::Function<ScreeningFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& s_w, const at::Tensor& s_r,
+                               const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                               double mipe_threshold, double expand_windows_above, double norm_eps) {
+    auto [out, h_norm] = screening_forward(q, k, v, s_w, s_r, cu_q, cu_k, mipe_threshold,
+                                           expand_windows_above, norm_eps, false);
+    save_call(ctx, {q, k, v, s_w, s_r, out, h_norm}, cu_q, cu_k, Opt<double>(), true);
+    ctx->saved_data["mipe_threshold"] = mipe_threshold;
+    ctx->saved_data["expand_windows_above"] = expand_windows_above;
+    ctx->saved_data["norm_eps"] = norm_eps;
+    ctx->mark_non_differentiable({h_norm});
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const SavedCall c = saved_call(ctx);
+    const variable_list& s = c.tensors;
+    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[5]);
+    auto [dq, dk, dv, ds_w, ds_r] = screening_backward(
+        s[0], s[1], s[2], s[3], s[4], s[5], s[6], dout, c.cu_q, c.cu_k,
+        ctx->saved_data["mipe_threshold"].toDouble(), ctx->saved_data["expand_windows_above"].toDouble(),
+        ctx->saved_data["norm_eps"].toDouble(), false);
+    return {dq, dk, dv, ds_w, ds_r, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor screening_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& s_w, const at::Tensor& s_r,
+                                        const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                        double mipe_threshold, double expand_windows_above,
+                                        double norm_eps) {
+  return ScreeningFunction::apply(q, k, v, s_w, s_r, cu_q, cu_k, mipe_threshold, expand_windows_above,
+                                  norm_eps)[0];
+}
+
+at::Tensor screening_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& s_w, const at::Tensor& s_r,
+                                       const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                       double mipe_threshold, double expand_windows_above,
+                                       double norm_eps) {
+  return std::get<0>(screening_forward(q, k, v, s_w, s_r, cu_q, cu_k, mipe_threshold,
+                                       expand_windows_above, norm_eps, false));
+}
+
 // ------------------------------------------------------------------ rotary embedding
 
 at::Tensor rotary_apply_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -1124,6 +1217,23 @@ ThresholdGrads threshold_backward(const at::Tensor& q, const at::Tensor& k, cons
                          tda && k2.has_value() ? at::empty_like(*k2) : at::empty({0}, k.options()));
 }
 
+std::tuple<at::Tensor, at::Tensor> screening_forward(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, const at::Tensor&,
+                                                     const at::Tensor&, const Opt<at::Tensor>&,
+                                                     const Opt<at::Tensor>&, double, double, double,
+                                                     bool) {
+  check_attention("winnow.screening_attention_forward", q, k, v);
+  return std::make_tuple(out(q, v), stats(q));
+}
+
+ScreeningGrads screening_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& s_w, const at::Tensor& s_r, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const Opt<at::Tensor>&,
+                                  const Opt<at::Tensor>&, double, double, double, bool) {
+  auto [dq, dk, dv] = grads("winnow.screening_attention_backward", q, k, v);
+  return std::make_tuple(dq, dk, dv, at::empty_like(s_w), at::empty_like(s_r));
+}
+
 }  // namespace meta
 
 }  // namespace
@@ -1203,6 +1313,21 @@ TORCH_LIBRARY(winnow, m) {
       "bool clamp_lambda=True, float norm_eps=1e-06, bool deterministic=False, "
       "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbeta, Tensor dlam, "
       "Tensor dq2, Tensor dk2)");
+  m.def(
+      "screening_attention(Tensor q, Tensor k, Tensor v, Tensor s_w, Tensor s_r, *, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float mipe_threshold=256.0, "
+      "float expand_windows_above=0.0, float norm_eps=1e-06) -> Tensor");
+  m.def(
+      "screening_attention_forward(Tensor q, Tensor k, Tensor v, Tensor s_w, Tensor s_r, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float mipe_threshold=256.0, "
+      "float expand_windows_above=0.0, float norm_eps=1e-06, bool reference=False) "
+      "-> (Tensor out, Tensor h_norm)");
+  m.def(
+      "screening_attention_backward(Tensor q, Tensor k, Tensor v, Tensor s_w, Tensor s_r, "
+      "Tensor out, Tensor h_norm, Tensor dout, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float mipe_threshold=256.0, float expand_windows_above=0.0, "
+      "float norm_eps=1e-06, bool reference=False) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor ds_w, Tensor ds_r)");
   m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rotary_embedding_apply(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06, ScalarType? out_dtype=None) -> Tensor");
@@ -1240,6 +1365,8 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("sieve_attention_backward", sieve_backward_op);
   m.impl("threshold_attention_forward", threshold_forward_op);
   m.impl("threshold_attention_backward", threshold_backward_op);
+  m.impl("screening_attention_forward", screening_forward_op);
+  m.impl("screening_attention_backward", screening_backward_op);
   m.impl("rotary_embedding_apply", rotary_apply_op);
   m.impl("rms_norm_forward", rms_norm_forward_op);
   m.impl("rms_norm_backward", rms_norm_backward_op);
@@ -1260,6 +1387,8 @@ TORCH_LIBRARY_IMPL(winnow, Meta, m) {
   m.impl("sieve_attention_backward", meta::sieve_backward);
   m.impl("threshold_attention_forward", meta::threshold_forward);
   m.impl("threshold_attention_backward", meta::threshold_backward);
+  m.impl("screening_attention_forward", meta::screening_forward);
+  m.impl("screening_attention_backward", meta::screening_backward);
   m.impl("rotary_embedding_apply", meta::rotary_apply);
   m.impl("rms_norm_forward", meta::rms_norm_forward);
   m.impl("rms_norm_backward", meta::rms_norm_backward);
@@ -1278,6 +1407,7 @@ TORCH_LIBRARY_IMPL(winnow, AutogradMeta, m) {
                            "entmax_attention_forward", "entmax_attention_backward",
                            "sieve_attention_forward", "sieve_attention_backward",
                            "threshold_attention_forward", "threshold_attention_backward",
+                           "screening_attention_forward", "screening_attention_backward",
                            "rotary_embedding_apply", "rms_norm_forward", "rms_norm_backward",
                            "add_rms_norm_forward", "add_rms_norm_backward", "swiglu_forward",
                            "swiglu_backward"}) {
@@ -1294,6 +1424,7 @@ TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("entmax_attention", entmax_attention_autograd);
   m.impl("sieve_attention", sieve_attention_autograd);
   m.impl("threshold_attention", threshold_attention_autograd);
+  m.impl("screening_attention", screening_attention_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
   m.impl("rms_norm", rms_norm_autograd);
   m.impl("add_rms_norm", add_rms_norm_autograd);
@@ -1306,6 +1437,7 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("entmax_attention", entmax_attention_no_grad);
   m.impl("sieve_attention", sieve_attention_no_grad);
   m.impl("threshold_attention", threshold_attention_no_grad);
+  m.impl("screening_attention", screening_attention_no_grad);
   m.impl("rotary_embedding", rotary_embedding_no_grad);
   m.impl("rms_norm", rms_norm_no_grad);
   m.impl("add_rms_norm", add_rms_norm_no_grad);
@@ -1376,6 +1508,18 @@ at::Tensor threshold_attention(const at::Tensor& q, const at::Tensor& k, const a
   return op.call(q, k, v, beta, views.lam, views.q2, views.k2, call.cu_seqlens_q,
                  call.cu_seqlens_k, options.power, call.attend_current, options.clamp_lambda,
                  options.norm_eps);
+}
+
+at::Tensor screening_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& s_w, const at::Tensor& s_r, const AttentionCall& call,
+                               const ScreeningOptions& options) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::screening_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&, const Opt<at::Tensor>&,
+                                         const Opt<at::Tensor>&, double, double, double)>();
+  return op.call(q, k, v, s_w, s_r, call.cu_seqlens_q, call.cu_seqlens_k, options.mipe_threshold,
+                 options.expand_windows_above, options.norm_eps);
 }
 
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

@@ -15,13 +15,14 @@ import winnow
 # operators those call. Every registered operator must appear here: test_every_operator_has_samples
 # compares this list with torch.ops.winnow.
 DIFFERENTIABLE = ["softmax_attention", "stick_breaking_attention", "entmax_attention",
-                  "sieve_attention", "threshold_attention", "rotary_embedding", "rms_norm",
+                  "sieve_attention", "threshold_attention", "screening_attention", "rotary_embedding", "rms_norm",
                   "add_rms_norm", "swiglu"]
 KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
            "stick_breaking_attention_forward", "stick_breaking_attention_backward",
            "entmax_attention_forward", "entmax_attention_backward",
            "sieve_attention_forward", "sieve_attention_backward",
-           "threshold_attention_forward", "threshold_attention_backward", "rotary_embedding_apply",
+           "threshold_attention_forward", "threshold_attention_backward",
+           "screening_attention_forward", "screening_attention_backward", "rotary_embedding_apply",
            "rms_norm_forward", "rms_norm_backward", "add_rms_norm_forward",
            "add_rms_norm_backward", "swiglu_forward", "swiglu_backward"]
 # Operators without CUDA kernels yet: their samples exist on the CPU only, and the CUDA tests
@@ -130,6 +131,23 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
                           {}, "tra"))
         out.append(Sample("threshold_attention_backward", (q, k, v, beta, lam, q2, k2, dout),
                           {}, "tda"))
+
+    # Screening (Multiscreen): s_w and s_r per query head or one for the layer, float32 (float64
+    # for float64 inputs); d_K may differ from d_V.
+    q, k, v = _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, requires_grad, gen)
+    out.append(Sample("screening_attention", (q, k, v, scalars(4, 1.0), scalars(4, 1.5)), {}, "batched"))
+    q, k, v, cu_q, cu_k = _packed(d, dtype, device, requires_grad, gen)
+    out.append(Sample("screening_attention", (q, k, v, scalars(1, 2.0), scalars(1, 1.0)),
+                      {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "expand_windows_above": 5.0}, "packed"))
+    with torch.no_grad():
+        q, k, v = (t.detach() for t in _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, False, gen))
+        s_w = torch.full((4,), 1.0, dtype=stat, device=device)
+        s_r = torch.full((4,), 1.5, dtype=stat, device=device)
+        o, h_norm = torch.ops.winnow.screening_attention_forward(q, k, v, s_w, s_r)
+        dout = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+        out.append(Sample("screening_attention_forward", (q, k, v, s_w, s_r), {}, "batched"))
+        out.append(Sample("screening_attention_backward", (q, k, v, s_w, s_r, o, h_norm, dout), {},
+                          "batched"))
 
     # Rotary embedding: x (B, L, H, D), tables (L, D/2) in float32 (float64 for float64 x).
     table_dtype = torch.float64 if dtype == torch.float64 else torch.float32

@@ -503,3 +503,41 @@ def test_threshold_bad_arguments_name_them():
         winnow.threshold_attention(q, q, q, torch.zeros(2), power=0.0)
     with pytest.raises(ValueError, match="argument 'q2'"):
         winnow.threshold_attention(q, q, q, torch.zeros(2), lam=torch.zeros(1))
+
+
+@pytest.mark.parametrize("expand", [0.0, 10.0])
+def test_screening_matches_composed_with_gradients(expand):
+    torch.manual_seed(21)
+    q = torch.randn(2, 13, 4, 6, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 17, 2, 6, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 17, 2, 5, dtype=torch.float64, requires_grad=True)
+    # Windows 2.5, 8, 30 and 400 (past w_th: no MiPE); acceptance widths 0.8 to 0.95.
+    s_w = torch.tensor([1.5, 7.0, 29.0, 399.0], dtype=torch.float64).log().requires_grad_()
+    s_r = torch.tensor([0.8, 0.9, 0.95, 0.85], dtype=torch.float64).logit().requires_grad_()
+    w = torch.randn(2, 13, 4, 5, dtype=torch.float64)
+    out = winnow.screening_attention(q, k, v, s_w, s_r, expand_windows_above=expand)
+    ref = winnow.composed.screening_attention(q, k, v, s_w, s_r, expand_windows_above=expand)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    leaves = (q, k, v, s_w, s_r)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+    out32 = winnow.screening_attention(*(t.detach().float() for t in (q, k, v, s_w, s_r)),
+                                       expand_windows_above=expand)
+    torch.testing.assert_close(out32.double(), ref.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_screening_gradcheck_and_bad_arguments():
+    torch.manual_seed(22)
+    q = torch.randn(1, 9, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 9, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 9, 1, 3, dtype=torch.float64, requires_grad=True)
+    s_w = torch.tensor([1.0], dtype=torch.float64, requires_grad=True)
+    s_r = torch.tensor([1.5], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(winnow.screening_attention, (q, k, v, s_w, s_r))
+    x = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="argument 's_w'"):
+        winnow.screening_attention(x, x, x, torch.zeros(3), torch.zeros(2))
+    with pytest.raises(ValueError, match="argument 'mipe_threshold'"):
+        winnow.screening_attention(x, x, x, torch.zeros(2), torch.zeros(2), mipe_threshold=0.0)

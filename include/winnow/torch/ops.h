@@ -55,6 +55,19 @@ at::Tensor threshold_attention(const at::Tensor& q, const at::Tensor& k, const a
                                const ThresholdViews& views = {},
                                const ThresholdOptions& options = {});
 
+// Multiscreen's screening unit (winnow/screening.h): s_w and s_r are (Hq) or (1) tensors with
+// gradients (window w = exp(s_w) + 1, acceptance width r = sigmoid(s_r)); queries, keys and values
+// are normalized inside (call.scale and call.attend_current are ignored: scores are cosines and
+// every query sees itself).
+struct ScreeningOptions {
+  double mipe_threshold = 256.0;
+  double expand_windows_above = 0.0;  // > 0: windows wider than this become infinite (SWE)
+  double norm_eps = 1e-6;
+};
+at::Tensor screening_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& s_w, const at::Tensor& s_r, const AttentionCall& call,
+                               const ScreeningOptions& options = {});
+
 // Rotary position embedding of x (B, L, H, D) by tables cos and sin (L, D/2) (winnow/rotary.h):
 // one kernel forward and one backward (the transposed rotation); gradients reach x only.
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
