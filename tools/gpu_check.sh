@@ -17,6 +17,8 @@
 #              wheel, winnow)
 #   tbench     bench/gpu_threshold_bench.py (threshold attention beside SDPA, and 004's Triton
 #              kernels when $BASELINES has snap-research/TDA's triton_threshold_attention.py)
+#   sbench     bench/gpu_screening_bench.py (Multiscreen's screening beside SDPA flash and cuDNN
+#              at head dimension 64, issue 15; $SBENCH_ARGS, e.g. --lengths 4096)
 #   trainbench winnow train-bench (the build's tool) on the compared kinds, then
 #              bench/train_baseline.py (the same model and step in PyTorch, eager and
 #              torch.compile) against its JSON: parameter count and initial loss checked, tokens/s
@@ -142,6 +144,13 @@ for stage in "${stages[@]}"; do
       python3 bench/gpu_threshold_bench.py --json "$OUT/threshold_bench.json" ${TBENCH_ARGS:-} 2>&1 \
         | tee "$OUT/threshold_bench.txt"
       note "tbench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
+      ;;
+    sbench)
+      export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      # shellcheck disable=SC2086
+      python3 bench/gpu_screening_bench.py --json "$OUT/screening_bench.json" ${SBENCH_ARGS:-} 2>&1 \
+        | tee "$OUT/screening_bench.txt"
+      note "sbench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
       ;;
     trainbench)
       # The fused kinds the baseline writes in PyTorch, and winnow's composed runs beside them.
