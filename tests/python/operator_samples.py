@@ -215,6 +215,7 @@ FUNCTIONS: Dict[str, Callable] = {
     "entmax_attention": winnow.entmax_attention,
     "sieve_attention": winnow.sieve_attention,
     "threshold_attention": winnow.threshold_attention,
+    "screening_attention": winnow.screening_attention,
     "rotary_embedding": winnow.rotary_embedding,
     "rms_norm": winnow.rms_norm,
     "add_rms_norm": winnow.add_rms_norm,

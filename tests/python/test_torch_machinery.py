@@ -100,6 +100,10 @@ def call_with_loss(name, tensors, options):
         q, k, v, beta, *cu = tensors
         extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}
         outputs = tensors_of(fn(q, k, v, beta, **extra, **options))
+    elif name == "screening_attention":  # (q, k, v, s_w, s_r[, cu_q, cu_k])
+        q, k, v, s_w, s_r, *cu = tensors
+        extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}
+        outputs = tensors_of(fn(q, k, v, s_w, s_r, **extra, **options))
     else:
         q, k, v, *cu = tensors
         extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}
@@ -123,7 +127,9 @@ def longer(tensors):
         x, cos, sin = tensors
         return [torch.cat([x.detach()] * 2, 1).requires_grad_(x.requires_grad),
                 torch.cat([cos] * 2), torch.cat([sin] * 2)]
-    return [torch.cat([t.detach()] * 2, 1).requires_grad_(t.requires_grad) for t in tensors]
+    # Attention: q, k, v along their length; per-head scalars (1-D) as they are.
+    return [torch.cat([t.detach()] * 2, 1).requires_grad_(t.requires_grad) if t.dim() > 1 else t
+            for t in tensors]
 
 
 def compile_check(name, device, dtype, d, backend, rtol, atol):
