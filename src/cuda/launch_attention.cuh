@@ -58,18 +58,25 @@ bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, co
   return true;
 }
 
+// The portable (mma.sync, sm_80 and later) forward kernel, with its own head dimensions for
+// queries and keys (DK) and values (DV).
+template <class T, int DK, int DV, class Rows, class Config>
+void launch_portable_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live = {}) {
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + kForwardBQ - 1) / kForwardBQ),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.z == 0) return;
+  auto kernel = attention_forward_kernel<T, DK, DV, Rows, Config>;
+  const int smem = ForwardSmem<T, DK, DV>::kBytes;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, 32 * kForwardWarps, smem, stream_of(p)>>>(p, cfg, live);
+  check_launch("attention_forward_kernel");
+}
+
 // live: the key tiles each block visits (key_tiles.cuh); by default every one.
 template <class T, int D, class Rows, class Config>
 void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live = {}) {
   if (launch_sm90_forward<T, D, Rows>(p, cfg, live)) return;
-  const dim3 grid(static_cast<unsigned>((p.max_len_q + kForwardBQ - 1) / kForwardBQ),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
-  if (grid.x == 0 || grid.z == 0) return;
-  auto kernel = attention_forward_kernel<T, D, Rows, Config>;
-  const int smem = ForwardSmem<T, D>::kBytes;
-  allow_shared_memory(kernel, smem);
-  kernel<<<grid, 32 * kForwardWarps, smem, stream_of(p)>>>(p, cfg, live);
-  check_launch("attention_forward_kernel");
+  launch_portable_forward<T, D, D, Rows>(p, cfg, live);
 }
 
 // Whether the fused backward of this instantiation runs the Hopper kernel.
@@ -89,6 +96,22 @@ inline std::size_t backward_order_counters(const detail::AttentionParams& p, boo
                          : 0;
 }
 
+// The portable (mma.sync) backward kernel alone, with its own head dimensions for queries and
+// keys (DK) and values (DV): adds dk and dv into acc's fp32 accumulators ([key row][kv head][DK]
+// and [..][DV]), cleared by the caller; dq is written.
+template <class T, int DK, int DV, class Rows, class Config>
+void run_portable_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const Config& cfg,
+                           const KeyGradAccumulators& acc, const LiveKeyTiles& live = {}) {
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + kBackwardBQ - 1) / kBackwardBQ),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.z == 0) return;
+  auto kernel = attention_backward_kernel<T, DK, DV, Rows, Config>;
+  const int smem = BackwardSmem<T, DK, DV>::kBytes;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc, live);
+  check_launch("attention_backward_kernel");
+}
+
 // The fused backward kernel alone: adds dk and dv into acc's fp32 accumulators (and advances
 // its counters), cleared by the caller; dq is written.
 template <class T, int D, class Rows, class Config>
@@ -106,14 +129,7 @@ void run_fused_backward(const detail::AttentionParams& p, const detail::Gradient
     check_launch("attention_backward_sm90_kernel");
     return;
   }
-  const dim3 grid(static_cast<unsigned>((p.max_len_q + kBackwardBQ - 1) / kBackwardBQ),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
-  if (grid.x == 0 || grid.z == 0) return;
-  auto kernel = attention_backward_kernel<T, D, Rows, Config>;
-  const int smem = BackwardSmem<T, D>::kBytes;
-  allow_shared_memory(kernel, smem);
-  kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc, live);
-  check_launch("attention_backward_kernel");
+  run_portable_backward<T, D, D, Rows>(p, g, cfg, acc, live);
 }
 
 template <class T, int D, class Rows, class Config>

@@ -1,15 +1,27 @@
-// Multiscreen's screening on CUDA: the simple path, every dtype and head dimension up to
-// kMaxScreeningDim, deterministic (no atomics).
+// Multiscreen's screening on CUDA. A call first writes each query and key unit-normalized and
+// rotated by MiPE (keys once per query head, as the rotation is the head's), and each value
+// unit-normalized, with the inverse norms the backward needs.
 //
-// A call first writes each query and key unit-normalized and rotated by MiPE (keys once per
-// query head, as the rotation is the head's), and each value unit-normalized, in fp32. Then a
-// thread per (query row, head) walks only the keys of its window: the forward sums R_ij vn_j
-// and applies TanhNorm; the backward's query side recomputes R and gives dq (back through MiPE
-// and the normalization) with each row's share of ds_w and ds_r; its key side, a thread per
-// (key row, query head), walks the queries whose window holds the key and gives dk and dv.
-// Per-head sums and the group's sum of key gradients are reduced in a fixed order.
+// Fused path (16-bit inputs, one kv head per query head, d_K 16 / 32 / 64, d_V 64 / 128): those
+// rows in the input dtype, then the portable fused kernels (mma.sync) with the screening row
+// policies (attention/screening_rows.cuh), which visit only the key tiles that meet the
+// block's windows. The backward's dO is dL/dh (TanhNorm's Jacobian applied by a warp per row);
+// its key gradients come back through MiPE and the normalization from the fp32 accumulators,
+// adding the keys' share of d/d rate.
+//
+// Simple path (everything else: float32, grouped heads, other head dimensions up to
+// kMaxScreeningDim, unaligned outputs): the rows in fp32; a thread per (query row, head) walks
+// only the keys of its window: the forward sums R_ij vn_j and applies TanhNorm; the backward's
+// query side recomputes R and gives dq with each row's share of ds_w and ds_r; its key side, a
+// thread per (key row, query head), walks the queries whose window holds the key and gives dk
+// and dv. Deterministic: per-head sums and the group's sum of key gradients are reduced in a
+// fixed order (the fused backward's accumulators follow ExecContext::deterministic).
 #include <cub/block/block_reduce.cuh>
 
+#include <cstdlib>
+#include <type_traits>
+
+#include "cuda/attention/screening_rows.cuh"
 #include "cuda/attention/simple.cuh"
 #include "cuda/cuda.h"
 #include "cuda/launch_attention.cuh"
@@ -19,7 +31,6 @@
 namespace winnow::cuda {
 namespace {
 
-namespace ms = math::screening;
 using detail::AttentionParams;
 using detail::GradientParams;
 using detail::Operand;
@@ -58,38 +69,45 @@ __device__ ms::Head<double> head_of(const ScreeningConfig& cfg, std::int64_t h) 
           cfg.mipe_threshold, cfg.expand_above};
 }
 
-// The fp32 rows a call works on, [batch row][head][dim], carved from one buffer.
+// The rows a call works on, [batch row][head][dim], carved from one buffer: stored as S (fp32 for
+// the simple path, the input dtype for the fused kernels), inverse norms in fp32.
+template <class S>
 struct UnitRows {
-  float *qn, *qm, *q_inv;  // queries: normalized, rotated (per query head); inverse norms
-  float *kn, *km, *k_inv;  // keys: normalized (per kv head), rotated per query head
-  float *vn, *v_inv;       // values (per kv head)
-  // Inverse norms are negated where the norm was clipped at eps.
+  S *qn, *qm;   // queries: normalized, rotated (per query head)
+  S *kn, *km;   // keys: normalized (per kv head), rotated per query head
+  S *vn;        // values (per kv head)
+  float *q_inv, *k_inv, *v_inv;  // negated where the norm was clipped at eps
 
-  static std::size_t floats(const AttentionParams& p) {
+  static std::size_t rows(const AttentionParams& p) {
     const std::size_t q = static_cast<std::size_t>(p.rows_q * p.heads_q);
     const std::size_t kq = static_cast<std::size_t>(p.rows_k * p.heads_q);
     const std::size_t kv = static_cast<std::size_t>(p.rows_k * p.heads_kv);
-    return q * (2 * p.dim_qk + 1) + kq * p.dim_qk + kv * (p.dim_qk + 1 + p.dim_v + 1);
+    return q * 2 * p.dim_qk + kq * p.dim_qk + kv * (p.dim_qk + p.dim_v);
   }
-  UnitRows(const AttentionParams& p, float* base) {
+  static std::size_t norms(const AttentionParams& p) {
+    return static_cast<std::size_t>(p.rows_q * p.heads_q + 2 * p.rows_k * p.heads_kv);
+  }
+  // Bytes of a buffer holding both, the rows first (16-byte aligned sizes keep every part so).
+  static std::size_t bytes(const AttentionParams& p) { return rows(p) * sizeof(S) + norms(p) * sizeof(float); }
+  UnitRows(const AttentionParams& p, void* base) {
     const std::size_t q = static_cast<std::size_t>(p.rows_q * p.heads_q);
     const std::size_t kq = static_cast<std::size_t>(p.rows_k * p.heads_q);
     const std::size_t kv = static_cast<std::size_t>(p.rows_k * p.heads_kv);
-    qn = base;
+    qn = static_cast<S*>(base);
     qm = qn + q * p.dim_qk;
-    q_inv = qm + q * p.dim_qk;
-    km = q_inv + q;
+    km = qm + q * p.dim_qk;
     kn = km + kq * p.dim_qk;
-    k_inv = kn + kv * p.dim_qk;
-    vn = k_inv + kv;
-    v_inv = vn + kv * p.dim_v;
+    vn = kn + kv * p.dim_qk;
+    q_inv = reinterpret_cast<float*>(vn + kv * p.dim_v);
+    k_inv = q_inv + q;
+    v_inv = k_inv + kv;
   }
 };
 
 // A warp normalizes one row of `dim` features of x into y (fp32); returns the inverse norm,
 // negated where the norm was clipped.
-template <class T>
-__device__ float normalize_row(const T* x, std::int64_t stride, int dim, float eps, float* y) {
+template <class T, class S>
+__device__ float normalize_row(const T* x, std::int64_t stride, int dim, float eps, S* y) {
   const int lane = threadIdx.x % 32;
   float sum = 0.f;
   for (int d = lane; d < dim; d += 32) {
@@ -98,30 +116,31 @@ __device__ float normalize_row(const T* x, std::int64_t stride, int dim, float e
   }
   sum = simple::warp_sum(sum);
   const float inv = math::inverse_norm(sum, eps);
-  for (int d = lane; d < dim; d += 32) y[d] = simple::load(x + d * stride) * inv;
+  for (int d = lane; d < dim; d += 32) y[d] = simple::from_float<S>(simple::load(x + d * stride) * inv);
   return math::norm_clipped(sum, eps) ? -inv : inv;
 }
 
 // Coordinates 0 and 1 of src rotated by angle (src may be dst).
-__device__ __forceinline__ void rotate_pair(const float* src, float* dst, double angle) {
+template <class S>
+__device__ __forceinline__ void rotate_pair(const S* src, S* dst, double angle) {
   double s, c;
   sincos(angle, &s, &c);
-  const float x0 = src[0], x1 = src[1];
-  dst[0] = x0 * static_cast<float>(c) - x1 * static_cast<float>(s);
-  dst[1] = x0 * static_cast<float>(s) + x1 * static_cast<float>(c);
+  const float x0 = simple::load(src), x1 = simple::load(src + 1);
+  dst[0] = simple::from_float<S>(x0 * static_cast<float>(c) - x1 * static_cast<float>(s));
+  dst[1] = simple::from_float<S>(x0 * static_cast<float>(s) + x1 * static_cast<float>(c));
 }
 
 // A warp per (query row, query head): qn, qm, q_inv.
-template <class T>
-__global__ void prepare_queries_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows u) {
+template <class T, class S>
+__global__ void prepare_queries_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows<S> u) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (idx >= p.rows_q * p.heads_q) return;
   const int lane = threadIdx.x % 32, dk = static_cast<int>(p.dim_qk);
   const std::int64_t row = idx / p.heads_q, h = idx % p.heads_q;
   const RowAt at = locate(p, row, true);
   const detail::SequenceExtent s = p.sequence(at.b);
-  float* qn = u.qn + idx * dk;
-  float* qm = u.qm + idx * dk;
+  S* qn = u.qn + idx * dk;
+  S* qm = u.qm + idx * dk;
   const float inv = normalize_row(p.q.at<const T>(at.b, s.q_start + at.r, h), p.q.dim, dk,
                                   static_cast<float>(cfg.norm_eps), qn);
   __syncwarp();
@@ -135,8 +154,8 @@ __global__ void prepare_queries_kernel(const AttentionParams p, const ScreeningC
 
 // A warp per (key row, query head): km for the head; the group's first head also writes kn,
 // k_inv, vn and v_inv of the kv head.
-template <class T>
-__global__ void prepare_keys_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows u) {
+template <class T, class S>
+__global__ void prepare_keys_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows<S> u) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (idx >= p.rows_k * p.heads_q) return;
   const int lane = threadIdx.x % 32, dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
@@ -145,7 +164,7 @@ __global__ void prepare_keys_kernel(const AttentionParams p, const ScreeningConf
   const detail::SequenceExtent s = p.sequence(at.b);
   const std::int64_t kv_idx = row * p.heads_kv + hk;
   const bool first = h % p.group_size() == 0;
-  float* km = u.km + idx * dk;
+  S* km = u.km + idx * dk;
   const float eps = static_cast<float>(cfg.norm_eps);
   const float inv = normalize_row(p.k.at<const T>(at.b, s.k_start + at.r, hk), p.k.dim, dk, eps, km);
   __syncwarp();
@@ -193,7 +212,7 @@ __device__ __forceinline__ float dot(const float* a, const float* b, int n) {
 
 // A thread per (query row, query head): h = sum_j R_ij vn_j over the window, then TanhNorm.
 template <class T>
-__global__ void __launch_bounds__(kThreads) forward_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows u) {
+__global__ void __launch_bounds__(kThreads) forward_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows<float> u) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= p.rows_q * p.heads_q) return;
   const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
@@ -217,9 +236,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const AttentionParams
 }
 
 // A warp per (query row, query head): dL/dh = f du + phi <u, du> u from the saved output and
-// norm, into gh (fp32).
-template <class T>
-__global__ void tanh_norm_grad_kernel(const AttentionParams p, const GradientParams g, float* gh) {
+// norm, into gh ([batch row][head][d_V], as S).
+template <class T, class S>
+__global__ void tanh_norm_grad_kernel(const AttentionParams p, const GradientParams g, S* gh) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (idx >= p.rows_q * p.heads_q) return;
   const int lane = threadIdx.x % 32, dv = static_cast<int>(p.dim_v);
@@ -235,7 +254,7 @@ __global__ void tanh_norm_grad_kernel(const AttentionParams p, const GradientPar
   const float f = ms::tanh_norm_factor(n);
   const float phi_dot = static_cast<float>(ms::tanh_norm_phi(static_cast<double>(n))) * dot_u;
   for (int d = lane; d < dv; d += 32) {
-    gh[idx * dv + d] = f * simple::load(du + d * g.dout.dim) + phi_dot * simple::load(u + d * p.out.dim);
+    gh[idx * dv + d] = simple::from_float<S>(f * simple::load(du + d * g.dout.dim) + phi_dot * simple::load(u + d * p.out.dim));
   }
 }
 
@@ -243,7 +262,7 @@ __global__ void tanh_norm_grad_kernel(const AttentionParams p, const GradientPar
 // shares of ds_w and ds_r (double, [row][head][2]).
 template <class T>
 __global__ void __launch_bounds__(kThreads) query_grads_kernel(const AttentionParams p, const GradientParams g,
-                                                               const ScreeningConfig cfg, const UnitRows u,
+                                                               const ScreeningConfig cfg, const UnitRows<float> u,
                                                                const float* gh, double* scalar_parts) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= p.rows_q * p.heads_q) return;
@@ -281,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) query_grads_kernel(const AttentionPa
 // A thread per (key row, query head): the queries whose window holds the key; dL/dkn (back
 // through this head's MiPE) and dL/dvn of this head, fp32 [key row][query head][dim].
 __global__ void __launch_bounds__(kThreads) key_grads_kernel(const AttentionParams p, const ScreeningConfig cfg,
-                                                             const UnitRows u, const float* gh, float* dkn_h,
+                                                             const UnitRows<float> u, const float* gh, float* dkn_h,
                                                              float* dvn_h) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= p.rows_k * p.heads_q) return;
@@ -324,7 +343,7 @@ __global__ void __launch_bounds__(kThreads) key_grads_kernel(const AttentionPara
 // A warp per (key row, kv head): the group's heads summed in order, then back through the
 // normalization into dk and dv.
 template <class T>
-__global__ void store_key_grads_kernel(const AttentionParams p, const GradientParams g, const UnitRows u,
+__global__ void store_key_grads_kernel(const AttentionParams p, const GradientParams g, const UnitRows<float> u,
                                        const float* dkn_h, const float* dvn_h) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (idx >= p.rows_k * p.heads_kv) return;
@@ -353,15 +372,19 @@ __global__ void store_key_grads_kernel(const AttentionParams p, const GradientPa
   store(dvn_h, dv, u.vn + idx * dv, u.v_inv[idx], g.dv);
 }
 
-// A block per query head: the rows' shares of ds_w and ds_r summed in a fixed order.
+// A block per query head: the query rows' shares of ds_w and ds_r ([row][head][2]) and, when
+// given, the key rows' shares of ds_w ([row][head]) summed in a fixed order.
 __global__ void __launch_bounds__(kThreads) head_sums_kernel(const AttentionParams p, const double* parts,
-                                                             double* sums) {
+                                                             const double* key_parts, double* sums) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
   const std::int64_t h = blockIdx.x;
   for (int k = 0; k < 2; ++k) {
     double x = 0;
     for (std::int64_t row = threadIdx.x; row < p.rows_q; row += kThreads) x += parts[2 * (row * p.heads_q + h) + k];
+    if (k == 0 && key_parts != nullptr) {
+      for (std::int64_t row = threadIdx.x; row < p.rows_k; row += kThreads) x += key_parts[row * p.heads_q + h];
+    }
     const double total = Reduce(storage).Sum(x);
     if (threadIdx.x == 0) sums[2 * h + k] = total;
     __syncthreads();
@@ -387,17 +410,26 @@ unsigned blocks_for(std::int64_t items, int per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
 }
 
-template <class T>
-void prepare(const AttentionParams& p, const ScreeningConfig& cfg, const UnitRows& u) {
+template <class T, class S>
+void prepare(const AttentionParams& p, const ScreeningConfig& cfg, const UnitRows<S>& u) {
   const cudaStream_t stream = stream_of(p);
   if (p.rows_q * p.heads_q > 0) {
-    prepare_queries_kernel<T><<<blocks_for(p.rows_q * p.heads_q, kWarpsPerBlock), kThreads, 0, stream>>>(p, cfg, u);
+    prepare_queries_kernel<T, S><<<blocks_for(p.rows_q * p.heads_q, kWarpsPerBlock), kThreads, 0, stream>>>(p, cfg, u);
     check_launch("screening prepare_queries_kernel");
   }
   if (p.rows_k * p.heads_q > 0) {
-    prepare_keys_kernel<T><<<blocks_for(p.rows_k * p.heads_q, kWarpsPerBlock), kThreads, 0, stream>>>(p, cfg, u);
+    prepare_keys_kernel<T, S><<<blocks_for(p.rows_k * p.heads_q, kWarpsPerBlock), kThreads, 0, stream>>>(p, cfg, u);
     check_launch("screening prepare_keys_kernel");
   }
+}
+
+void sum_scalar_grads(const AttentionParams& p, const ScreeningConfig& cfg, const double* parts,
+                      const double* key_parts, double* sums) {
+  if (p.heads_q == 0) return;
+  head_sums_kernel<<<static_cast<unsigned>(p.heads_q), kThreads, 0, stream_of(p)>>>(p, parts, key_parts, sums);
+  check_launch("screening head_sums_kernel");
+  store_scalar_grads_kernel<<<1, 1, 0, stream_of(p)>>>(p, cfg, sums);
+  check_launch("screening store_scalar_grads_kernel");
 }
 
 struct SimpleForward {
@@ -405,8 +437,8 @@ struct SimpleForward {
   const ScreeningConfig& cfg;
   template <class T>
   void operator()() const {
-    DeviceBuffer rows(p, UnitRows::floats(p) * sizeof(float));
-    const UnitRows u(p, rows.as<float>());
+    DeviceBuffer rows(p, UnitRows<float>::bytes(p));
+    const UnitRows<float> u(p, rows.as<void>());
     prepare<T>(p, cfg, u);
     if (p.rows_q * p.heads_q == 0) return;
     forward_kernel<T><<<blocks_for(p.rows_q * p.heads_q, kThreads), kThreads, 0, stream_of(p)>>>(p, cfg, u);
@@ -423,22 +455,19 @@ struct SimpleBackward {
     const cudaStream_t stream = stream_of(p);
     const std::size_t q_items = static_cast<std::size_t>(p.rows_q * p.heads_q);
     const std::size_t k_items = static_cast<std::size_t>(p.rows_k * p.heads_q);
-    const std::size_t unit = UnitRows::floats(p), gh = q_items * p.dim_v, dkn = k_items * p.dim_qk,
-                      dvn = k_items * p.dim_v;
-    const std::size_t float_count = unit + gh + dkn + dvn;
+    const std::size_t gh = q_items * p.dim_v, dkn = k_items * p.dim_qk, dvn = k_items * p.dim_v;
     const std::size_t parts = 2 * q_items, sums = 2 * static_cast<std::size_t>(p.heads_q);
     // doubles first, so that they are aligned.
-    DeviceBuffer buffer(p, (parts + sums) * sizeof(double) + float_count * sizeof(float));
+    DeviceBuffer buffer(p, (parts + sums) * sizeof(double) + (gh + dkn + dvn) * sizeof(float) + UnitRows<float>::bytes(p));
     double* scalar_parts = buffer.as<double>();
     double* head_sums = scalar_parts + parts;
-    float* floats = reinterpret_cast<float*>(head_sums + sums);
-    const UnitRows u(p, floats);
-    float* g_h = floats + unit;
+    float* g_h = reinterpret_cast<float*>(head_sums + sums);
     float* dkn_h = g_h + gh;
     float* dvn_h = dkn_h + dkn;
+    const UnitRows<float> u(p, dvn_h + dvn);
     prepare<T>(p, cfg, u);
     if (q_items > 0) {
-      tanh_norm_grad_kernel<T><<<blocks_for(q_items, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, g_h);
+      tanh_norm_grad_kernel<T, float><<<blocks_for(q_items, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, g_h);
       check_launch("screening tanh_norm_grad_kernel");
       query_grads_kernel<T><<<blocks_for(q_items, kThreads), kThreads, 0, stream>>>(p, g, cfg, u, g_h, scalar_parts);
       check_launch("screening query_grads_kernel");
@@ -449,22 +478,217 @@ struct SimpleBackward {
       store_key_grads_kernel<T><<<blocks_for(p.rows_k * p.heads_kv, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, u, dkn_h, dvn_h);
       check_launch("screening store_key_grads_kernel");
     }
-    if (p.heads_q > 0) {
-      head_sums_kernel<<<static_cast<unsigned>(p.heads_q), kThreads, 0, stream>>>(p, scalar_parts, head_sums);
-      check_launch("screening head_sums_kernel");
-      store_scalar_grads_kernel<<<1, 1, 0, stream>>>(p, cfg, head_sums);
-      check_launch("screening store_scalar_grads_kernel");
+    sum_scalar_grads(p, cfg, scalar_parts, nullptr, head_sums);
+  }
+};
+
+// ---------------------------------------------------------------- fused path
+
+// Every head's constants, once per call.
+__global__ void head_constants_kernel(const AttentionParams p, const ScreeningConfig cfg, ms::Head<double>* heads) {
+  const std::int64_t h = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (h < p.heads_q) heads[h] = head_of(cfg, h);
+}
+
+// An operand over a contiguous [batch row][head][dim] buffer, addressed like the caller's.
+Operand contiguous(void* data, const AttentionParams& p, bool query, std::int64_t heads, std::int64_t dim) {
+  Operand o;
+  o.data = data;
+  o.dim = 1;
+  o.head = dim;
+  o.row = heads * dim;
+  const bool packed = (query ? p.cu_seqlens_q : p.cu_seqlens_k) != nullptr;
+  o.batch = packed ? 0 : (query ? p.len_q : p.len_k) * o.row;
+  return o;
+}
+
+// What the fused kernels see: the prepared rows as q, k and v (one kv head per query head).
+AttentionParams kernel_params(const AttentionParams& p, const void* qm, const void* km, const void* vn) {
+  AttentionParams k = p;
+  k.q = contiguous(const_cast<void*>(qm), p, true, p.heads_q, p.dim_qk);
+  k.k = contiguous(const_cast<void*>(km), p, false, p.heads_q, p.dim_qk);
+  k.v = contiguous(const_cast<void*>(vn), p, false, p.heads_q, p.dim_v);
+  return k;
+}
+
+bool fused_applies(const AttentionParams& p, const GradientParams* g) {
+  if (p.dtype != DType::bfloat16 && p.dtype != DType::float16) return false;
+  if (p.heads_q != p.heads_kv || p.num_seqs > 65535 || p.heads_q > 65535) return false;
+  if (p.dim_qk != 16 && p.dim_qk != 32 && p.dim_qk != 64) return false;
+  if (p.dim_v != 64 && p.dim_v != 128) return false;
+  if (!aligned_rows(p.out, p.dtype)) return false;
+  return g == nullptr || aligned_rows(g->dq, p.dtype);
+}
+
+// Calls fn.template operator()<T, DK, DV>() for the fused path's instantiations.
+template <class Fn>
+void dispatch_screening_fused(const AttentionParams& p, Fn&& fn) {
+  auto dims = [&](auto t) {
+    using T = decltype(t);
+    auto dv = [&](auto dk_tag) {
+      constexpr int DK = decltype(dk_tag)::value;
+      if (p.dim_v == 64) {
+        fn.template operator()<T, DK, 64>();
+      } else {
+        fn.template operator()<T, DK, 128>();
+      }
+    };
+    if (p.dim_qk == 16) {
+      dv(std::integral_constant<int, 16>{});
+    } else if (p.dim_qk == 32) {
+      dv(std::integral_constant<int, 32>{});
+    } else {
+      dv(std::integral_constant<int, 64>{});
     }
+  };
+  if (p.dtype == DType::bfloat16) {
+    dims(__nv_bfloat16{});
+  } else {
+    dims(__half{});
+  }
+}
+
+// The per-head constants and the prepared rows (as T), carved from one buffer.
+template <class T>
+struct FusedRows {
+  DeviceBuffer buffer;
+  ms::Head<double>* heads;
+  UnitRows<T> u;
+  static std::size_t head_bytes(const AttentionParams& p) {
+    return (static_cast<std::size_t>(p.heads_q) * sizeof(ms::Head<double>) + 15) / 16 * 16;
+  }
+  FusedRows(const AttentionParams& p, const ScreeningConfig& cfg)
+      : buffer(p, head_bytes(p) + UnitRows<T>::bytes(p)),
+        heads(buffer.as<ms::Head<double>>()),
+        u(p, buffer.as<unsigned char>() + head_bytes(p)) {
+    head_constants_kernel<<<1, static_cast<unsigned>((p.heads_q + 31) / 32 * 32), 0, stream_of(p)>>>(p, cfg, heads);
+    check_launch("screening head_constants_kernel");
+    prepare<T>(p, cfg, u);
+  }
+};
+
+struct FusedForward {
+  const AttentionParams& p;
+  const ScreeningConfig& cfg;
+  template <class T, int DK, int DV>
+  void operator()() const {
+    const FusedRows<T> rows(p, cfg);
+    ScreeningCudaConfig c;
+    c.heads = rows.heads;
+    launch_portable_forward<T, DK, DV, ScreeningRows>(kernel_params(p, rows.u.qm, rows.u.km, rows.u.vn), c);
+  }
+};
+
+// A warp per (key row, head): dL/dkm and dL/dvn from the fp32 accumulators; the key's share of
+// d/d rate (position j times <(-km_1, km_0), dkm>) into key_parts; dkm back through MiPE; both
+// back through their normalization into dk and dv.
+template <class T>
+__global__ void fused_key_grads_kernel(const AttentionParams p, const GradientParams g, const UnitRows<T> u,
+                                       const ms::Head<double>* heads, const float* dkm, const float* dvn,
+                                       double* key_parts) {
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  if (idx >= p.rows_k * p.heads_q) return;
+  const int lane = threadIdx.x % 32, dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+  const std::int64_t row = idx / p.heads_q, h = idx % p.heads_q;
+  const RowAt at = locate(p, row, false);
+  const std::int64_t abs_row = p.sequence(at.b).k_start + at.r;
+  const ms::Head<double>& hd = heads[h];
+  const float* gk = dkm + idx * dk;
+  // Coordinates 0 and 1: the rate's share, then the transposed rotation (lane 0 holds both).
+  float g0 = gk[0], g1 = gk[1];
+  if (lane == 0) {
+    const float k0 = simple::load(u.km + idx * dk), k1 = simple::load(u.km + idx * dk + 1);
+    key_parts[idx] = static_cast<double>(at.r) * static_cast<double>(k0 * g1 - k1 * g0) * hd.rate_slope * hd.dw_ds();
+    double sn, cs;
+    sincos(-static_cast<double>(at.r) * hd.rate, &sn, &cs);
+    const float x0 = g0, x1 = g1;
+    g0 = x0 * static_cast<float>(cs) - x1 * static_cast<float>(sn);
+    g1 = x0 * static_cast<float>(sn) + x1 * static_cast<float>(cs);
+  }
+  g0 = __shfl_sync(0xffffffffu, g0, 0);
+  g1 = __shfl_sync(0xffffffffu, g1, 0);
+  auto grad_k = [&](int d) { return d == 0 ? g0 : d == 1 ? g1 : gk[d]; };
+  auto store = [&](auto grad, int dim, const T* hat, float inv, const Operand& out) {
+    float dot_n = 0.f;
+    for (int d = lane; d < dim; d += 32) dot_n += grad(d) * simple::load(hat + d);
+    dot_n = simple::warp_sum(dot_n);
+    T* y = out.at<T>(at.b, abs_row, h);
+    for (int d = lane; d < dim; d += 32) {
+      y[d * out.dim] = simple::from_float<T>(math::normalize_grad(grad(d), simple::load(hat + d), dot_n, fabsf(inv), inv < 0.f));
+    }
+  };
+  store(grad_k, dk, u.kn + idx * dk, u.k_inv[idx], g.dk);
+  const float* gv = dvn + idx * dv;
+  store([&](int d) { return gv[d]; }, dv, u.vn + idx * dv, u.v_inv[idx], g.dv);
+}
+
+struct FusedBackward {
+  const AttentionParams& p;
+  const GradientParams& g;
+  const ScreeningConfig& cfg;
+  template <class T, int DK, int DV>
+  void operator()() const {
+    const cudaStream_t stream = stream_of(p);
+    const FusedRows<T> rows(p, cfg);
+    const std::size_t q_items = static_cast<std::size_t>(p.rows_q * p.heads_q);
+    const std::size_t k_items = static_cast<std::size_t>(p.rows_k * p.heads_q);
+    const std::size_t parts = 2 * q_items + k_items, sums = 2 * static_cast<std::size_t>(p.heads_q);
+    const std::size_t acc_floats = k_items * (DK + DV), counters = backward_order_counters(p, false);
+    // doubles, then the fp32 accumulators and counters (cleared), then dL/dh in T.
+    const std::size_t head = (parts + sums) * sizeof(double);
+    const std::size_t cleared = (acc_floats + counters) * sizeof(float);
+    // dL/dh's rows are loaded 16 bytes at a time.
+    const std::size_t gh_offset = (head + cleared + 15) / 16 * 16;
+    DeviceBuffer buffer(p, gh_offset + q_items * DV * sizeof(T));
+    double* row_parts = buffer.as<double>();
+    double* key_parts = row_parts + 2 * q_items;
+    double* head_sums = key_parts + k_items;
+    float* dkm = reinterpret_cast<float*>(head_sums + sums);
+    float* dvn = dkm + k_items * DK;
+    int* order = reinterpret_cast<int*>(dvn + k_items * DV);
+    T* gh = reinterpret_cast<T*>(buffer.as<unsigned char>() + gh_offset);
+    if (cleared > 0) check(cudaMemsetAsync(dkm, 0, cleared, stream), "clearing accumulators");
+    if (q_items > 0) {
+      tanh_norm_grad_kernel<T, T><<<blocks_for(q_items, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, gh);
+      check_launch("screening tanh_norm_grad_kernel");
+    }
+    const AttentionParams kp = kernel_params(p, rows.u.qm, rows.u.km, rows.u.vn);
+    GradientParams kg = g;
+    kg.dout = contiguous(gh, p, true, p.heads_q, DV);
+    ScreeningCudaConfig c;
+    c.heads = rows.heads;
+    c.q_rotated = contiguous(rows.u.qm, p, true, p.heads_q, DK);
+    c.q_unit = contiguous(rows.u.qn, p, true, p.heads_q, DK);
+    c.q_inv_norm = rows.u.q_inv;
+    c.row_parts = row_parts;
+    KeyGradAccumulators acc;
+    acc.dk = dkm;
+    acc.dv = dvn;
+    acc.order = order;
+    acc.key_tiles = backward_key_tiles(p);
+    acc.deterministic = p.deterministic;
+    run_portable_backward<T, DK, DV, ScreeningBackwardRows<T>>(kp, kg, c, acc);
+    if (k_items > 0) {
+      fused_key_grads_kernel<T><<<blocks_for(k_items, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, rows.u, rows.heads,
+                                                                                          dkm, dvn, key_parts);
+      check_launch("screening fused_key_grads_kernel");
+    }
+    sum_scalar_grads(p, cfg, row_parts, key_parts, head_sums);
   }
 };
 
 }  // namespace
 
+// WINNOW_SCREENING_SIMPLE forces the simple path (for comparison and tests).
+bool fused_requested() { return std::getenv("WINNOW_SCREENING_SIMPLE") == nullptr; }
+
 void screening_forward(const AttentionParams& p, const ScreeningConfig& cfg) {
+  if (fused_requested() && fused_applies(p, nullptr)) return dispatch_screening_fused(p, FusedForward{p, cfg});
   dispatch_simple(p, SimpleForward{p, cfg});
 }
 
 void screening_backward(const AttentionParams& p, const GradientParams& g, const ScreeningConfig& cfg) {
+  if (fused_requested() && fused_applies(p, &g)) return dispatch_screening_fused(p, FusedBackward{p, g, cfg});
   dispatch_simple(p, SimpleBackward{p, g, cfg});
 }
 

@@ -1,13 +1,15 @@
 // Multiscreen screening's CUDA kernels against the float64 reference on the same rounded
-// inputs: d_K 16 / 32 / 64 with d_V 64 / 128, windows narrower than a tile, wider than one and
-// past w_th, grouped heads, suffix queries, packed sequences with empty ones, a single token,
-// window expansion, shared scalars; bf16, fp16 and float32; every gradient, ds_w's and ds_r's
-// included. The kernels compute in fp32 from the rounded inputs and round only their outputs
-// (and the saved output the backward reads), so the tolerances are the output dtype's.
+// inputs: d_K 16 / 32 / 64 with d_V 64 / 128 (and 24 / 40 on the simple path), windows narrower
+// than a tile, wider than one and past w_th, grouped heads, suffix queries, packed sequences
+// with empty ones, a single token, window expansion, shared scalars; bf16, fp16 and float32;
+// every gradient, ds_w's and ds_r's included. The fused kernels score rows rounded to the
+// input dtype and round the relevance and dS to it for the matrix products (as FlashAttention
+// rounds P), so the tolerances are the dtype's.
 // Label `cuda`: runs only on a machine with a GPU (tools/gpu_check.sh).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
@@ -25,13 +27,18 @@ double tolerance(DType dtype) {
   }
 }
 
+// With one kv head per query head, 16-bit inputs take the fused kernels; grouped heads, float32
+// and the rest take the simple path.
 const std::vector<ScreeningCase>& cases() {
   static const std::vector<ScreeningCase> all = {
       {"dk16_dv64_four_windows", {"b", {{300, 300}, {300, 300}}, false, 4, 4, 16, 64}, {3.5, 70.0, 300.0, 130.0}, {0.8, 0.85, 0.75, 0.9}},
-      {"dk32_gqa_suffix", {"s", {{77, 333}}, false, 4, 2, 32, 64}, {20.0, 257.0}, {0.9, 0.8}},
-      {"dk16_varlen", {"v", {{5, 5}, {0, 0}, {200, 200}, {129, 300}, {1, 1}}, true, 4, 2, 16, 64}, {2.0, 9.0, 64.5, 500.0}, {0.85, 0.9, 0.8, 0.75}},
-      {"dk64_dv128_expanded_shared", {"e", {{150, 150}}, false, 2, 1, 64, 128}, {200.0}, {0.9}, true, 100.0},
-      {"single_token", {"one", {{1, 1}}, false, 2, 1, 16, 64}, {3.0, 40.0}, {0.9, 0.9}},
+      {"dk16_long_narrow_windows", {"l", {{1000, 1000}}, false, 2, 2, 16, 64}, {2.0, 40.0}, {0.85, 0.9}},
+      {"dk32_suffix", {"s", {{77, 333}}, false, 2, 2, 32, 64}, {20.0, 257.0}, {0.9, 0.8}},
+      {"dk16_varlen", {"v", {{5, 5}, {0, 0}, {200, 200}, {129, 300}, {1, 1}}, true, 4, 4, 16, 64}, {2.0, 9.0, 64.5, 500.0}, {0.85, 0.9, 0.8, 0.75}},
+      {"dk64_dv128_expanded_shared", {"e", {{150, 150}}, false, 2, 2, 64, 128}, {200.0}, {0.9}, true, 100.0},
+      {"dk16_gqa_simple", {"g", {{100, 100}}, false, 4, 2, 16, 64}, {5.0, 30.0}, {0.85, 0.9}},
+      {"dk24_dv40_simple", {"o", {{90, 90}}, false, 2, 2, 24, 40}, {6.0, 300.0}, {0.85, 0.9}},
+      {"single_token", {"one", {{1, 1}}, false, 2, 2, 16, 64}, {3.0, 40.0}, {0.9, 0.9}},
   };
   return all;
 }
@@ -65,13 +72,43 @@ INSTANTIATE_TEST_SUITE_P(Cases, ScreeningCuda,
                                   to_string(std::get<1>(info.param));
                          });
 
+// The simple path on 16-bit inputs (forced), and the fused backward's deterministic mode: two
+// runs agree bit for bit.
+TEST(ScreeningCudaPaths, SimplePathOn16BitAndDeterministicFusedBackward) {
+  const ScreeningCase& c = cases()[0];
+  const ScreeningInputs in = make_screening_inputs(c, 43);
+  ExecContext ref;
+  ref.backend = Backend::reference;
+  const ScreeningResults want = screening_run(rounded(in, DType::bfloat16), ref);
+  const ScreeningInputs x = converted_for_kernels(in, DType::bfloat16);
+  {
+    setenv("WINNOW_SCREENING_SIMPLE", "1", 1);
+    CudaPlacement placement;
+    const ScreeningResults got = screening_run(x, {}, &placement);
+    unsetenv("WINNOW_SCREENING_SIMPLE");
+    EXPECT_LT(relative_error(got.out, want.out), 2e-2);
+    EXPECT_LT(relative_error(got.dq, want.dq), 2e-2);
+    EXPECT_LT(relative_error(got.ds_w, want.ds_w), 2e-2);
+  }
+  ExecContext deterministic;
+  deterministic.deterministic = true;
+  CudaPlacement p1, p2;
+  const ScreeningResults a = screening_run(x, deterministic, &p1), b = screening_run(x, deterministic, &p2);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
+  EXPECT_EQ(a.ds_w, b.ds_w);
+  EXPECT_LT(relative_error(a.dk, want.dk), 2e-2);
+}
+
 // All keys rejected: exact zeros on the device too.
 TEST(ScreeningCudaSpec, AllRejectedRowsOutputExactZeros) {
-  const ScreeningCase c{"rejected", {"r", {{100, 100}}, false, 2, 1, 16, 64}, {6.0, 300.0}, {1e-3, 1e-3}};
-  CudaPlacement placement;
-  const ScreeningResults r = screening_run(converted_for_kernels(make_screening_inputs(c, 5), DType::bfloat16), {}, &placement);
-  for (const auto* x : {&r.out, &r.h_norm, &r.dq, &r.dk, &r.dv, &r.ds_w, &r.ds_r}) {
-    for (double v : *x) EXPECT_EQ(v, 0.0);
+  for (std::int64_t kv_heads : {1, 2}) {  // simple path, fused
+    const ScreeningCase c{"rejected", {"r", {{100, 100}}, false, 2, kv_heads, 16, 64}, {6.0, 300.0}, {1e-3, 1e-3}};
+    CudaPlacement placement;
+    const ScreeningResults r = screening_run(converted_for_kernels(make_screening_inputs(c, 5), DType::bfloat16), {}, &placement);
+    for (const auto* x : {&r.out, &r.h_norm, &r.dq, &r.dk, &r.dv, &r.ds_w, &r.ds_r}) {
+      for (double v : *x) EXPECT_EQ(v, 0.0);
+    }
   }
 }
 

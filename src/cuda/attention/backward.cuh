@@ -37,11 +37,12 @@ struct KeyGradAccumulators {
   bool deterministic = false;
 };
 
-template <class T, int D>
+// DK: the head dimension of queries and keys, DV: of values and dO.
+template <class T, int DK, int DV = DK>
 struct BackwardSmem {
   static constexpr int kBQ = kBackwardBQ, kBK = kBackwardBK;
-  // Q, dO (BQ x D); K, V double-buffered (BK x D); P and dS (BQ x BK).
-  static constexpr int kBytes = (2 * kBQ * D + 4 * kBK * D + 2 * kBQ * kBK) * sizeof(T);
+  // Q (BQ x DK), dO (BQ x DV); K, V double-buffered (BK x DK, BK x DV); P and dS (BQ x BK).
+  static constexpr int kBytes = (kBQ * (DK + DV) + 2 * kBK * (DK + DV) + 2 * kBQ * kBK) * sizeof(T);
 };
 
 // Waits until it is this block's turn on a key tile's accumulators (deterministic mode).
@@ -60,21 +61,22 @@ __device__ __forceinline__ void pass_turn(int* counter) {
   if (threadIdx.x == 0) atomicAdd(counter, 1);
 }
 
-template <class T, int D, class Rows, class Config>
+template <class T, int DK, int DV, class Rows, class Config>
 __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
     attention_backward_kernel(const AttentionParams p, const detail::GradientParams g,
                               const Config cfg, const KeyGradAccumulators acc, const LiveKeyTiles live) {
-  constexpr int BQ = kBackwardBQ, BK = kBackwardBK, NT = BK / 8, DT = D / 8, KS = D / 16;
+  constexpr int BQ = kBackwardBQ, BK = kBackwardBK, NT = BK / 8, DT = DK / 8, KS = DK / 16, KSV = DV / 16;
   constexpr int kThreads = 32 * kBackwardWarps;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
-  const tile::SmemTile<T, BQ, D> q_tile{smem}, do_tile{smem + BQ * D};
-  T* const k_base = smem + 2 * BQ * D;
-  T* const v_base = k_base + 2 * BK * D;
-  auto k_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{k_base + buf * BK * D}; };
-  auto v_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{v_base + buf * BK * D}; };
-  T* const kv_base = k_base;
-  const tile::SmemTile<T, BQ, BK> p_tile{kv_base + 4 * BK * D}, ds_tile{kv_base + 4 * BK * D + BQ * BK};
+  const tile::SmemTile<T, BQ, DK> q_tile{smem};
+  const tile::SmemTile<T, BQ, DV> do_tile{smem + BQ * DK};
+  T* const k_base = smem + BQ * (DK + DV);
+  T* const v_base = k_base + 2 * BK * DK;
+  auto k_tile = [&](int buf) { return tile::SmemTile<T, BK, DK>{k_base + buf * BK * DK}; };
+  auto v_tile = [&](int buf) { return tile::SmemTile<T, BK, DV>{v_base + buf * BK * DV}; };
+  T* const pds_base = v_base + 2 * BK * DV;
+  const tile::SmemTile<T, BQ, BK> p_tile{pds_base}, ds_tile{pds_base + BQ * BK};
   __shared__ int block_first_tile;
 
   const QueryTile<BQ, BK> qt(p);
@@ -168,7 +170,7 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
     // Q and dO fragments come from shared memory at every tile: holding them in registers
     // would spill.
     tile::mma_smem_a_b_rows<T, KS>(s, q_tile, 16 * warp, k_tile(buf), 0, lane);
-    tile::mma_smem_a_b_rows<T, KS>(dp, do_tile, 16 * warp, v_tile(buf), 0, lane);
+    tile::mma_smem_a_b_rows<T, KSV>(dp, do_tile, 16 * warp, v_tile(buf), 0, lane);
     mask.key0 = static_cast<std::int64_t>(kt) * BK;
     mask.active = qt.needs_mask(kt) || mask.key0 < mask.first[0] || mask.key0 < mask.first[1];
     // Tiles off the diagonal and right of every row's first kept key need no mask arithmetic.
@@ -188,17 +190,20 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
     tile::mma_b_cols<T>(dq, dsa, k_tile(buf), 0, lane);
     __syncthreads();
 
-    // dV and dK of this key tile: warp w owns keys 16 (w % 4) .. +15 and half the columns.
-    // One product at a time, so only one 16 x D/2 accumulator is live next to dq.
-    constexpr int HALF = D / 2, HT = HALF / 8;
-    const int m0 = 16 * (warp % 4), c0 = HALF * (warp / 4);
+    // dV and dK of this key tile: warp w owns keys 16 (w % 4) .. +15 and half the columns (all
+    // of them for a 16-wide dK, which warps 4 .. 7 then leave alone). One product at a time, so
+    // only one 16 x D/2 accumulator is live next to dq.
+    const int m0 = 16 * (warp % 4);
     int* counter = nullptr;
     if (acc.deterministic) {
       const int rank = rank_and_counter(kt, &counter);
       wait_turn(counter, rank);
     }
-    auto reduce_into = [&](const tile::SmemTile<T, BQ, BK>& weights, const tile::SmemTile<T, BQ, D>& rows_tile,
-                           float* dst) {
+    auto reduce_into = [&](const tile::SmemTile<T, BQ, BK>& weights, const auto& rows_tile, float* dst) {
+      constexpr int D = std::decay_t<decltype(rows_tile)>::kCols;
+      constexpr int SPLIT = D >= 32 ? 2 : 1, HALF = D / SPLIT, HT = HALF / 8;
+      if (warp / 4 >= SPLIT) return;
+      const int c0 = HALF * (warp / 4);
       float part[HT][4];
       tile::zero(part);
 #pragma unroll

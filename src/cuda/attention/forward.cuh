@@ -21,6 +21,9 @@
 //   kFinishesOutput,           optional: the policy may change the finished output before it
 //   finish_output<T>(o, p,     is stored (TDA's second view adds the first's)
 //     cfg, qt, row0, tig)
+//   kLimitsFirstKey,           optional: keys left of first_visible_key(p, cfg, qt, row) (a
+//   first_visible_key(...)     static member) carry no weight for that row, and the sweep stops
+//                              at the block's smallest (Multiscreen's windows)
 //   kScratchBytes,             optional, sweeps without values only: shared memory the policy
 //   borrow_scratch(slot,       keeps per-thread lists in (entmax's candidate keys). It lies
 //     stride, capacity)        where V would; thread (local row r, tig) owns floats
@@ -98,6 +101,30 @@ template <class Rows>
 inline constexpr bool kFinishesDq<Rows, std::void_t<decltype(Rows::kFinishesDq)>> = Rows::kFinishesDq;
 
 template <class Rows, class = void>
+inline constexpr bool kLimitsFirstKey = false;
+template <class Rows>
+inline constexpr bool kLimitsFirstKey<Rows, std::void_t<decltype(Rows::kLimitsFirstKey)>> = Rows::kLimitsFirstKey;
+
+// The first key tile any row of the block needs (0 unless the policy limits first keys). Every
+// thread of the block must call this.
+template <class Rows, int BQ, int BK, class Config, class Tile>
+__device__ __forceinline__ int block_first_key_tile(const AttentionParams& p, const Config& cfg, const Tile& qt) {
+  if constexpr (kLimitsFirstKey<Rows>) {
+    __shared__ int first;
+    if (threadIdx.x == 0) first = qt.key_tiles;
+    __syncthreads();
+    const std::int64_t row = qt.r0 + threadIdx.x;
+    if (threadIdx.x < BQ && qt.limit(p, row) >= 0) {
+      atomicMin(&first, static_cast<int>(Rows::first_visible_key(p, cfg, qt, row) / BK));
+    }
+    __syncthreads();
+    return first;
+  } else {
+    return 0;
+  }
+}
+
+template <class Rows, class = void>
 inline constexpr bool kSkipsSettledBlocks = false;
 template <class Rows>
 inline constexpr bool kSkipsSettledBlocks<Rows, std::void_t<decltype(Rows::kSkipsSettledBlocks)>> =
@@ -114,25 +141,26 @@ __device__ __forceinline__ bool block_settled(const AttentionParams& p, const Co
   }
 }
 
-template <class T, int D>
+// DK: the head dimension of queries and keys, DV: of values (Multiscreen's 16 and 64).
+template <class T, int DK, int DV = DK>
 struct ForwardSmem {
-  static constexpr int kBytes = (kForwardBQ * D + 4 * kForwardBK * D) * sizeof(T);
+  static constexpr int kBytes = (kForwardBQ * DK + 2 * kForwardBK * (DK + DV)) * sizeof(T);
 };
 
-template <class T, int D, class Rows, class Config>
-__global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
+template <class T, int DK, int DV, class Rows, class Config>
+__global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<(DK > DV ? DK : DV)>)
     attention_forward_kernel(const AttentionParams p, const Config cfg, const LiveKeyTiles live) {
-  constexpr int BQ = kForwardBQ, BK = kForwardBK, NT = BK / 8, DT = D / 8, KS = D / 16;
+  constexpr int BQ = kForwardBQ, BK = kForwardBK, NT = BK / 8, DT = DV / 8, KS = DK / 16;
   constexpr int kThreads = 32 * kForwardWarps;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
-  const tile::SmemTile<T, BQ, D> q_tile{smem};
-  // Buffer b of K is at k_base + b * BK * D, of V at v_base + b * BK * D (pointer arithmetic
+  const tile::SmemTile<T, BQ, DK> q_tile{smem};
+  // Buffer b of K is at k_base + b * BK * DK, of V at v_base + b * BK * DV (pointer arithmetic
   // rather than an array of tiles, which would be indexed at run time from local memory).
-  T* const k_base = smem + BQ * D;
-  T* const v_base = k_base + 2 * BK * D;
-  auto k_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{k_base + buf * BK * D}; };
-  auto v_tile = [&](int buf) { return tile::SmemTile<T, BK, D>{v_base + buf * BK * D}; };
+  T* const k_base = smem + BQ * DK;
+  T* const v_base = k_base + 2 * BK * DK;
+  auto k_tile = [&](int buf) { return tile::SmemTile<T, BK, DK>{k_base + buf * BK * DK}; };
+  auto v_tile = [&](int buf) { return tile::SmemTile<T, BK, DV>{v_base + buf * BK * DV}; };
 
   const QueryTile<BQ, BK> qt(p);
   if (qt.empty() || block_settled<Rows, BQ>(p, cfg, qt)) return;
@@ -158,7 +186,9 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
     return row < qt.s.q_len ? p.q.at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
   });
   const KeyTileSweep<BK> sweep(p, live, qt);
+  const int first_tile = block_first_key_tile<Rows, BQ, BK>(p, cfg, qt);
   int kt = sweep.last();
+  if (kt < first_tile) kt = -1;
   if (kt >= 0) load_kv(kt, 0);
   tile::cp_async_commit();
 
@@ -168,13 +198,13 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<D>)
   mask.tig = tig;
 
   Rows rows(p, cfg, qt, row0);
-  lend_scratch<BQ>(rows, v_base, 2 * BK * D * static_cast<int>(sizeof(T)), qt, row0, tig);
+  lend_scratch<BQ>(rows, v_base, 2 * BK * DV * static_cast<int>(sizeof(T)), qt, row0, tig);
   float o[DT][4];
   tile::zero(o);
   int kept_from_tile = 0;
 
   for (int i = 0; kt >= 0; ++i) {
-    const int buf = i & 1, next = sweep.before(kt);
+    const int buf = i & 1, before = sweep.before(kt), next = before >= first_tile ? before : -1;
     if (next >= 0) {
       load_kv(next, buf ^ 1);
       tile::cp_async_commit();

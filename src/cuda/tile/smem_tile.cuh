@@ -16,12 +16,21 @@ namespace winnow::cuda::tile {
 
 template <class T, int Rows, int Cols>
 struct SmemTile {
-  static_assert(Cols % 64 == 0, "rows must span whole 128-byte lines for the swizzle");
+  static_assert(Cols % 64 == 0 || Cols == 16 || Cols == 32,
+                "rows span whole 128-byte lines, or a line holds 4 (Cols 16) or 2 (Cols 32) rows");
   static constexpr int kRows = Rows, kCols = Cols, kChunks = Cols / 8;
+  // Rows narrower than a 128-byte line share one: a line holds kRowsPerLine rows, and the
+  // chunk index is XORed with the line's index within each group of eight chunks, so that the
+  // eight consecutive rows of an ldmatrix still land in eight distinct 16-byte bank groups.
+  static constexpr int kRowsPerLine = kChunks >= 8 ? 1 : 8 / kChunks;
   T* data;
 
   __device__ __forceinline__ int offset(int row, int chunk) const {
-    return row * Cols + ((chunk ^ (row & 7)) << 3);
+    if constexpr (kRowsPerLine == 1) {
+      return row * Cols + ((chunk ^ (row & 7)) << 3);
+    } else {
+      return row * Cols + ((chunk ^ ((row / kRowsPerLine) & (kChunks - 1))) << 3);
+    }
   }
   __device__ __forceinline__ T* chunk_ptr(int row, int chunk) const {
     return data + offset(row, chunk);
@@ -32,9 +41,12 @@ struct SmemTile {
   // memory and 16-byte aligned.
   template <int NThreads, class RowSrc>
   __device__ __forceinline__ void load_async(int tid, RowSrc&& row_src) const {
-    static_assert((Rows * kChunks) % NThreads == 0, "tile chunks must divide among threads");
+    constexpr int kTotal = Rows * kChunks;
+    static_assert(kTotal % NThreads == 0 || NThreads % kTotal == 0,
+                  "tile chunks must divide among threads (or threads among chunks)");
+    if (kTotal < NThreads && tid >= kTotal) return;  // a narrow tile: one chunk per thread
 #pragma unroll
-    for (int i = 0; i < Rows * kChunks / NThreads; ++i) {
+    for (int i = 0; i < (kTotal + NThreads - 1) / NThreads; ++i) {
       const int idx = tid + i * NThreads;
       const int row = idx / kChunks, chunk = idx % kChunks;
       const T* src = row_src(row);
