@@ -54,6 +54,25 @@ def time_screening(B, L, H, dk, dv, windows, device):
     return median_ms(fwd), median_ms(fwd_bwd)
 
 
+def profile_screening(B, L, H, dk, dv, windows, device):
+    """Per-kernel CUDA time of one screening forward+backward (torch.profiler), printed."""
+    q, k, v, s_w, s_r, expand = screening_inputs(B, L, H, dk, dv, windows, device, True)
+    dout = torch.randn(B, L, H, dv, device=device, dtype=torch.bfloat16)
+
+    def step():
+        out = winnow.screening_attention(q, k, v, s_w, s_r, expand_windows_above=expand)
+        torch.autograd.grad(out, (q, k, v, s_w, s_r), dout)
+
+    step()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"\nkernels of one forward+backward, L={L}, windows {windows}:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+
+
 def time_sdpa(backend, B, L, H, D, device):
     g = torch.Generator(device="cpu").manual_seed(1)
     q, k, v = (torch.randn(B, L, H, D, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_()
@@ -80,6 +99,7 @@ def main():
     parser.add_argument("--dk", type=int, default=16)
     parser.add_argument("--dv", type=int, default=64)
     parser.add_argument("--windows", default="init,infinite")
+    parser.add_argument("--profile", action="store_true", help="per-kernel times of screening at the last length")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = "cuda"
@@ -112,6 +132,9 @@ def main():
         print(f"{r['method']:<18}{r['L']:>7}{r['windows']:>10}{r['fwd_ms']:>10.3f}{r['fwd_bwd_ms']:>10.3f}"
               f"{r.get('fwd_tflops', float('nan')):>10.1f}{r.get('fwd_bwd_tflops', float('nan')):>10.1f}"
               f"{r.get('fwd_vs_flash', float('nan')):>14.2f}{r.get('fwd_bwd_vs_flash', float('nan')):>14.2f}")
+    if args.profile:
+        for windows in args.windows.split(","):
+            profile_screening(B, L, H, args.dk, args.dv, windows, device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

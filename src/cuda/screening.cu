@@ -104,80 +104,69 @@ struct UnitRows {
   }
 };
 
-// A warp normalizes one row of `dim` features of x into y (fp32); returns the inverse norm,
-// negated where the norm was clipped.
+// One thread's row x / max(|x|, eps) into unit (when not null) and, rotated by MiPE's (sn, cs)
+// in coordinates 0 and 1, into rotated (when not null); returns the inverse norm, negated where
+// the norm was clipped at eps.
 template <class T, class S>
-__device__ float normalize_row(const T* x, std::int64_t stride, int dim, float eps, S* y) {
-  const int lane = threadIdx.x % 32;
+__device__ float unit_row(const T* x, std::int64_t stride, int dim, float eps, S* unit, S* rotated, float sn,
+                          float cs) {
   float sum = 0.f;
-  for (int d = lane; d < dim; d += 32) {
+  for (int d = 0; d < dim; ++d) {
     const float v = simple::load(x + d * stride);
     sum += v * v;
   }
-  sum = simple::warp_sum(sum);
   const float inv = math::inverse_norm(sum, eps);
-  for (int d = lane; d < dim; d += 32) y[d] = simple::from_float<S>(simple::load(x + d * stride) * inv);
+  for (int d = 0; d < dim; ++d) {
+    const float v = simple::load(x + d * stride) * inv;
+    if (unit != nullptr) unit[d] = simple::from_float<S>(v);
+    if (rotated != nullptr && d >= 2) rotated[d] = simple::from_float<S>(v);
+  }
+  if (rotated != nullptr) {
+    const float x0 = simple::load(x) * inv, x1 = simple::load(x + stride) * inv;
+    rotated[0] = simple::from_float<S>(x0 * cs - x1 * sn);
+    rotated[1] = simple::from_float<S>(x0 * sn + x1 * cs);
+  }
   return math::norm_clipped(sum, eps) ? -inv : inv;
 }
 
-// Coordinates 0 and 1 of src rotated by angle (src may be dst).
-template <class S>
-__device__ __forceinline__ void rotate_pair(const S* src, S* dst, double angle) {
-  double s, c;
-  sincos(angle, &s, &c);
-  const float x0 = simple::load(src), x1 = simple::load(src + 1);
-  dst[0] = simple::from_float<S>(x0 * static_cast<float>(c) - x1 * static_cast<float>(s));
-  dst[1] = simple::from_float<S>(x0 * static_cast<float>(s) + x1 * static_cast<float>(c));
-}
-
-// A warp per (query row, query head): qn, qm, q_inv.
+// A thread per (query row, query head): qm, q_inv and (for the backward) qn.
 template <class T, class S>
-__global__ void prepare_queries_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows<S> u) {
-  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+__global__ void prepare_queries_kernel(const AttentionParams p, const ScreeningConfig cfg,
+                                       const ms::Head<double>* heads, const UnitRows<S> u, bool backward) {
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= p.rows_q * p.heads_q) return;
-  const int lane = threadIdx.x % 32, dk = static_cast<int>(p.dim_qk);
+  const int dk = static_cast<int>(p.dim_qk);
   const std::int64_t row = idx / p.heads_q, h = idx % p.heads_q;
   const RowAt at = locate(p, row, true);
   const detail::SequenceExtent s = p.sequence(at.b);
-  S* qn = u.qn + idx * dk;
-  S* qm = u.qm + idx * dk;
-  const float inv = normalize_row(p.q.at<const T>(at.b, s.q_start + at.r, h), p.q.dim, dk,
-                                  static_cast<float>(cfg.norm_eps), qn);
-  __syncwarp();
-  for (int d = lane; d < dk; d += 32) qm[d] = qn[d];
-  __syncwarp();
-  if (lane == 0) {
-    u.q_inv[idx] = inv;
-    rotate_pair(qn, qm, static_cast<double>(at.r + s.q_offset()) * head_of(cfg, h).rate);
-  }
+  float sn, cs;
+  mipe_sincos(at.r + s.q_offset(), heads[h].rate, &sn, &cs);
+  u.q_inv[idx] = unit_row(p.q.at<const T>(at.b, s.q_start + at.r, h), p.q.dim, dk, static_cast<float>(cfg.norm_eps),
+                          backward ? u.qn + idx * dk : nullptr, u.qm + idx * dk, sn, cs);
 }
 
-// A warp per (key row, query head): km for the head; the group's first head also writes kn,
-// k_inv, vn and v_inv of the kv head.
+// A thread per (key row, query head): km for the head; the group's first head also writes vn,
+// v_inv, k_inv and (for the backward) kn of the kv head.
 template <class T, class S>
-__global__ void prepare_keys_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows<S> u) {
-  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+__global__ void prepare_keys_kernel(const AttentionParams p, const ScreeningConfig cfg,
+                                    const ms::Head<double>* heads, const UnitRows<S> u, bool backward) {
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= p.rows_k * p.heads_q) return;
-  const int lane = threadIdx.x % 32, dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
   const std::int64_t row = idx / p.heads_q, h = idx % p.heads_q, hk = p.kv_head(h);
   const RowAt at = locate(p, row, false);
   const detail::SequenceExtent s = p.sequence(at.b);
   const std::int64_t kv_idx = row * p.heads_kv + hk;
   const bool first = h % p.group_size() == 0;
-  S* km = u.km + idx * dk;
   const float eps = static_cast<float>(cfg.norm_eps);
-  const float inv = normalize_row(p.k.at<const T>(at.b, s.k_start + at.r, hk), p.k.dim, dk, eps, km);
-  __syncwarp();
-  if (first) {
-    for (int d = lane; d < dk; d += 32) u.kn[kv_idx * dk + d] = km[d];
-    const float v_inv = normalize_row(p.v.at<const T>(at.b, s.k_start + at.r, hk), p.v.dim, dv, eps, u.vn + kv_idx * dv);
-    if (lane == 0) {
-      u.k_inv[kv_idx] = inv;
-      u.v_inv[kv_idx] = v_inv;
-    }
-  }
-  __syncwarp();
-  if (lane == 0) rotate_pair(km, km, static_cast<double>(at.r) * head_of(cfg, h).rate);
+  float sn, cs;
+  mipe_sincos(at.r, heads[h].rate, &sn, &cs);
+  const float k_inv = unit_row(p.k.at<const T>(at.b, s.k_start + at.r, hk), p.k.dim, dk, eps,
+                               first && backward ? u.kn + kv_idx * dk : nullptr, u.km + idx * dk, sn, cs);
+  if (!first) return;
+  u.k_inv[kv_idx] = k_inv;
+  u.v_inv[kv_idx] = unit_row(p.v.at<const T>(at.b, s.k_start + at.r, hk), p.v.dim, dv, eps, u.vn + kv_idx * dv,
+                             static_cast<S*>(nullptr), 0.f, 1.f);
 }
 
 // One query row's view of its head: position, window and the key range it visits.
@@ -188,8 +177,8 @@ struct QueryRow {
   float w, r;
   std::int64_t first, last;  // keys visited (positions)
 
-  __device__ QueryRow(const AttentionParams& p, const ScreeningConfig& cfg, std::int64_t idx)
-      : h(idx % p.heads_q), hk(p.kv_head(idx % p.heads_q)), q_row(idx / p.heads_q), hd(head_of(cfg, idx % p.heads_q)) {
+  __device__ QueryRow(const AttentionParams& p, const ms::Head<double>* heads, std::int64_t idx)
+      : h(idx % p.heads_q), hk(p.kv_head(idx % p.heads_q)), q_row(idx / p.heads_q), hd(heads[idx % p.heads_q]) {
     const RowAt at = locate(p, q_row, true);
     b = at.b;
     s = p.sequence(b);
@@ -212,11 +201,11 @@ __device__ __forceinline__ float dot(const float* a, const float* b, int n) {
 
 // A thread per (query row, query head): h = sum_j R_ij vn_j over the window, then TanhNorm.
 template <class T>
-__global__ void __launch_bounds__(kThreads) forward_kernel(const AttentionParams p, const ScreeningConfig cfg, const UnitRows<float> u) {
+__global__ void __launch_bounds__(kThreads) forward_kernel(const AttentionParams p, const ms::Head<double>* heads, const UnitRows<float> u) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= p.rows_q * p.heads_q) return;
   const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
-  const QueryRow q(p, cfg, idx);
+  const QueryRow q(p, heads, idx);
   const float* qm = u.qm + idx * dk;
   float acc[kMaxScreeningDim];
   for (int d = 0; d < dv; ++d) acc[d] = 0.f;
@@ -262,12 +251,12 @@ __global__ void tanh_norm_grad_kernel(const AttentionParams p, const GradientPar
 // shares of ds_w and ds_r (double, [row][head][2]).
 template <class T>
 __global__ void __launch_bounds__(kThreads) query_grads_kernel(const AttentionParams p, const GradientParams g,
-                                                               const ScreeningConfig cfg, const UnitRows<float> u,
+                                                               const ms::Head<double>* heads, const UnitRows<float> u,
                                                                const float* gh, double* scalar_parts) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= p.rows_q * p.heads_q) return;
   const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
-  const QueryRow q(p, cfg, idx);
+  const QueryRow q(p, heads, idx);
   const float* qm = u.qm + idx * dk;
   const float* g_row = gh + idx * dv;
   float dqm[kMaxScreeningDim];
@@ -286,20 +275,21 @@ __global__ void __launch_bounds__(kThreads) query_grads_kernel(const AttentionPa
     drate += ds * dist * (qm[1] * km[0] - qm[0] * km[1]);
     for (int d = 0; d < dk; ++d) dqm[d] += ds * km[d];
   }
-  rotate_pair(dqm, dqm, -static_cast<double>(q.i) * q.hd.rate);
+  unrotate(dqm, q.i, q.hd.rate);
   const float* qn = u.qn + idx * dk;
   const float inv = u.q_inv[idx], dot_n = dot(qn, dqm, dk);
   T* dq = g.dq.at<T>(q.b, q.s.q_start + (q.i - q.s.q_offset()), q.h);
   for (int d = 0; d < dk; ++d) {
     dq[d * g.dq.dim] = simple::from_float<T>(math::normalize_grad(dqm[d], qn[d], dot_n, fabsf(inv), inv < 0.f));
   }
-  scalar_parts[2 * idx] = (dw + drate * q.hd.rate_slope) * q.hd.dw_ds();
-  scalar_parts[2 * idx + 1] = dr_total * q.hd.dr_ds();
+  const ScalarParts parts{p, scalar_parts};
+  parts.query(0, q.h, q.q_row) = (dw + drate * q.hd.rate_slope) * q.hd.dw_ds();
+  parts.query(1, q.h, q.q_row) = dr_total * q.hd.dr_ds();
 }
 
 // A thread per (key row, query head): the queries whose window holds the key; dL/dkn (back
 // through this head's MiPE) and dL/dvn of this head, fp32 [key row][query head][dim].
-__global__ void __launch_bounds__(kThreads) key_grads_kernel(const AttentionParams p, const ScreeningConfig cfg,
+__global__ void __launch_bounds__(kThreads) key_grads_kernel(const AttentionParams p, const ms::Head<double>* heads,
                                                              const UnitRows<float> u, const float* gh, float* dkn_h,
                                                              float* dvn_h) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -308,7 +298,7 @@ __global__ void __launch_bounds__(kThreads) key_grads_kernel(const AttentionPara
   const std::int64_t row = idx / p.heads_q, h = idx % p.heads_q, hk = p.kv_head(h);
   const RowAt at = locate(p, row, false);
   const detail::SequenceExtent s = p.sequence(at.b);
-  const ms::Head<double> hd = head_of(cfg, h);
+  const ms::Head<double>& hd = heads[h];
   const float w = static_cast<float>(hd.w), r = static_cast<float>(hd.r);
   const std::int64_t j = at.r;
   const float* km = u.km + idx * dk;
@@ -335,7 +325,7 @@ __global__ void __launch_bounds__(kThreads) key_grads_kernel(const AttentionPara
     for (int d = 0; d < dk; ++d) dkm[d] += ds * qm[d];
     for (int d = 0; d < dv; ++d) dvn[d] += rel * g_row[d];
   }
-  rotate_pair(dkm, dkm, -static_cast<double>(j) * hd.rate);
+  unrotate(dkm, j, hd.rate);
   for (int d = 0; d < dk; ++d) dkn_h[idx * dk + d] = dkm[d];
   for (int d = 0; d < dv; ++d) dvn_h[idx * dv + d] = dvn[d];
 }
@@ -372,18 +362,18 @@ __global__ void store_key_grads_kernel(const AttentionParams p, const GradientPa
   store(dvn_h, dv, u.vn + idx * dv, u.v_inv[idx], g.dv);
 }
 
-// A block per query head: the query rows' shares of ds_w and ds_r ([row][head][2]) and, when
-// given, the key rows' shares of ds_w ([row][head]) summed in a fixed order.
-__global__ void __launch_bounds__(kThreads) head_sums_kernel(const AttentionParams p, const double* parts,
-                                                             const double* key_parts, double* sums) {
+// A block per query head: its query rows' shares of ds_w and ds_r and, when given, its key
+// rows' shares of ds_w, summed in a fixed order.
+__global__ void __launch_bounds__(kThreads) head_sums_kernel(const AttentionParams p, const ScalarParts parts,
+                                                             bool key_parts, double* sums) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
   const std::int64_t h = blockIdx.x;
   for (int k = 0; k < 2; ++k) {
     double x = 0;
-    for (std::int64_t row = threadIdx.x; row < p.rows_q; row += kThreads) x += parts[2 * (row * p.heads_q + h) + k];
-    if (k == 0 && key_parts != nullptr) {
-      for (std::int64_t row = threadIdx.x; row < p.rows_k; row += kThreads) x += key_parts[row * p.heads_q + h];
+    for (std::int64_t row = threadIdx.x; row < p.rows_q; row += kThreads) x += parts.query(k, h, row);
+    if (k == 0 && key_parts) {
+      for (std::int64_t row = threadIdx.x; row < p.rows_k; row += kThreads) x += parts.key(h, row);
     }
     const double total = Reduce(storage).Sum(x);
     if (threadIdx.x == 0) sums[2 * h + k] = total;
@@ -410,21 +400,45 @@ unsigned blocks_for(std::int64_t items, int per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
 }
 
-template <class T, class S>
-void prepare(const AttentionParams& p, const ScreeningConfig& cfg, const UnitRows<S>& u) {
-  const cudaStream_t stream = stream_of(p);
-  if (p.rows_q * p.heads_q > 0) {
-    prepare_queries_kernel<T, S><<<blocks_for(p.rows_q * p.heads_q, kWarpsPerBlock), kThreads, 0, stream>>>(p, cfg, u);
-    check_launch("screening prepare_queries_kernel");
-  }
-  if (p.rows_k * p.heads_q > 0) {
-    prepare_keys_kernel<T, S><<<blocks_for(p.rows_k * p.heads_q, kWarpsPerBlock), kThreads, 0, stream>>>(p, cfg, u);
-    check_launch("screening prepare_keys_kernel");
-  }
+// Every head's constants, once per call.
+__global__ void head_constants_kernel(const AttentionParams p, const ScreeningConfig cfg, ms::Head<double>* heads) {
+  const std::int64_t h = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (h < p.heads_q) heads[h] = head_of(cfg, h);
 }
 
-void sum_scalar_grads(const AttentionParams& p, const ScreeningConfig& cfg, const double* parts,
-                      const double* key_parts, double* sums) {
+// The heads' constants and the prepared rows (stored as S), carved from one buffer.
+template <class T, class S>
+struct PreparedRows {
+  DeviceBuffer buffer;
+  ms::Head<double>* heads;
+  UnitRows<S> u;
+  static std::size_t head_bytes(const AttentionParams& p) {
+    return (static_cast<std::size_t>(p.heads_q) * sizeof(ms::Head<double>) + 15) / 16 * 16;
+  }
+  // backward: also the plain normalized queries and keys the gradients go back through.
+  PreparedRows(const AttentionParams& p, const ScreeningConfig& cfg, bool backward)
+      : buffer(p, head_bytes(p) + UnitRows<S>::bytes(p)),
+        heads(buffer.as<ms::Head<double>>()),
+        u(p, buffer.as<unsigned char>() + head_bytes(p)) {
+    const cudaStream_t stream = stream_of(p);
+    if (p.heads_q == 0) return;
+    head_constants_kernel<<<blocks_for(p.heads_q, kThreads), kThreads, 0, stream>>>(p, cfg, heads);
+    check_launch("screening head_constants_kernel");
+    if (p.rows_q * p.heads_q > 0) {
+      prepare_queries_kernel<T, S><<<blocks_for(p.rows_q * p.heads_q, kThreads), kThreads, 0, stream>>>(
+          p, cfg, heads, u, backward);
+      check_launch("screening prepare_queries_kernel");
+    }
+    if (p.rows_k * p.heads_q > 0) {
+      prepare_keys_kernel<T, S><<<blocks_for(p.rows_k * p.heads_q, kThreads), kThreads, 0, stream>>>(
+          p, cfg, heads, u, backward);
+      check_launch("screening prepare_keys_kernel");
+    }
+  }
+};
+
+void sum_scalar_grads(const AttentionParams& p, const ScreeningConfig& cfg, const ScalarParts& parts, bool key_parts,
+                      double* sums) {
   if (p.heads_q == 0) return;
   head_sums_kernel<<<static_cast<unsigned>(p.heads_q), kThreads, 0, stream_of(p)>>>(p, parts, key_parts, sums);
   check_launch("screening head_sums_kernel");
@@ -437,11 +451,9 @@ struct SimpleForward {
   const ScreeningConfig& cfg;
   template <class T>
   void operator()() const {
-    DeviceBuffer rows(p, UnitRows<float>::bytes(p));
-    const UnitRows<float> u(p, rows.as<void>());
-    prepare<T>(p, cfg, u);
+    const PreparedRows<T, float> rows(p, cfg, false);
     if (p.rows_q * p.heads_q == 0) return;
-    forward_kernel<T><<<blocks_for(p.rows_q * p.heads_q, kThreads), kThreads, 0, stream_of(p)>>>(p, cfg, u);
+    forward_kernel<T><<<blocks_for(p.rows_q * p.heads_q, kThreads), kThreads, 0, stream_of(p)>>>(p, rows.heads, rows.u);
     check_launch("screening forward_kernel");
   }
 };
@@ -458,37 +470,31 @@ struct SimpleBackward {
     const std::size_t gh = q_items * p.dim_v, dkn = k_items * p.dim_qk, dvn = k_items * p.dim_v;
     const std::size_t parts = 2 * q_items, sums = 2 * static_cast<std::size_t>(p.heads_q);
     // doubles first, so that they are aligned.
-    DeviceBuffer buffer(p, (parts + sums) * sizeof(double) + (gh + dkn + dvn) * sizeof(float) + UnitRows<float>::bytes(p));
+    DeviceBuffer buffer(p, (parts + sums) * sizeof(double) + (gh + dkn + dvn) * sizeof(float));
     double* scalar_parts = buffer.as<double>();
     double* head_sums = scalar_parts + parts;
     float* g_h = reinterpret_cast<float*>(head_sums + sums);
     float* dkn_h = g_h + gh;
     float* dvn_h = dkn_h + dkn;
-    const UnitRows<float> u(p, dvn_h + dvn);
-    prepare<T>(p, cfg, u);
+    const PreparedRows<T, float> rows(p, cfg, true);
+    const UnitRows<float>& u = rows.u;
     if (q_items > 0) {
       tanh_norm_grad_kernel<T, float><<<blocks_for(q_items, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, g_h);
       check_launch("screening tanh_norm_grad_kernel");
-      query_grads_kernel<T><<<blocks_for(q_items, kThreads), kThreads, 0, stream>>>(p, g, cfg, u, g_h, scalar_parts);
+      query_grads_kernel<T><<<blocks_for(q_items, kThreads), kThreads, 0, stream>>>(p, g, rows.heads, u, g_h, scalar_parts);
       check_launch("screening query_grads_kernel");
     }
     if (k_items > 0) {
-      key_grads_kernel<<<blocks_for(k_items, kThreads), kThreads, 0, stream>>>(p, cfg, u, g_h, dkn_h, dvn_h);
+      key_grads_kernel<<<blocks_for(k_items, kThreads), kThreads, 0, stream>>>(p, rows.heads, u, g_h, dkn_h, dvn_h);
       check_launch("screening key_grads_kernel");
       store_key_grads_kernel<T><<<blocks_for(p.rows_k * p.heads_kv, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, u, dkn_h, dvn_h);
       check_launch("screening store_key_grads_kernel");
     }
-    sum_scalar_grads(p, cfg, scalar_parts, nullptr, head_sums);
+    sum_scalar_grads(p, cfg, ScalarParts{p, scalar_parts}, false, head_sums);
   }
 };
 
 // ---------------------------------------------------------------- fused path
-
-// Every head's constants, once per call.
-__global__ void head_constants_kernel(const AttentionParams p, const ScreeningConfig cfg, ms::Head<double>* heads) {
-  const std::int64_t h = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (h < p.heads_q) heads[h] = head_of(cfg, h);
-}
 
 // An operand over a contiguous [batch row][head][dim] buffer, addressed like the caller's.
 Operand contiguous(void* data, const AttentionParams& p, bool query, std::int64_t heads, std::int64_t dim) {
@@ -548,31 +554,12 @@ void dispatch_screening_fused(const AttentionParams& p, Fn&& fn) {
   }
 }
 
-// The per-head constants and the prepared rows (as T), carved from one buffer.
-template <class T>
-struct FusedRows {
-  DeviceBuffer buffer;
-  ms::Head<double>* heads;
-  UnitRows<T> u;
-  static std::size_t head_bytes(const AttentionParams& p) {
-    return (static_cast<std::size_t>(p.heads_q) * sizeof(ms::Head<double>) + 15) / 16 * 16;
-  }
-  FusedRows(const AttentionParams& p, const ScreeningConfig& cfg)
-      : buffer(p, head_bytes(p) + UnitRows<T>::bytes(p)),
-        heads(buffer.as<ms::Head<double>>()),
-        u(p, buffer.as<unsigned char>() + head_bytes(p)) {
-    head_constants_kernel<<<1, static_cast<unsigned>((p.heads_q + 31) / 32 * 32), 0, stream_of(p)>>>(p, cfg, heads);
-    check_launch("screening head_constants_kernel");
-    prepare<T>(p, cfg, u);
-  }
-};
-
 struct FusedForward {
   const AttentionParams& p;
   const ScreeningConfig& cfg;
   template <class T, int DK, int DV>
   void operator()() const {
-    const FusedRows<T> rows(p, cfg);
+    const PreparedRows<T, T> rows(p, cfg, false);
     ScreeningCudaConfig c;
     c.heads = rows.heads;
     launch_portable_forward<T, DK, DV, ScreeningRows>(kernel_params(p, rows.u.qm, rows.u.km, rows.u.vn), c);
@@ -585,7 +572,7 @@ struct FusedForward {
 template <class T>
 __global__ void fused_key_grads_kernel(const AttentionParams p, const GradientParams g, const UnitRows<T> u,
                                        const ms::Head<double>* heads, const float* dkm, const float* dvn,
-                                       double* key_parts) {
+                                       const ScalarParts parts) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (idx >= p.rows_k * p.heads_q) return;
   const int lane = threadIdx.x % 32, dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
@@ -598,12 +585,11 @@ __global__ void fused_key_grads_kernel(const AttentionParams p, const GradientPa
   float g0 = gk[0], g1 = gk[1];
   if (lane == 0) {
     const float k0 = simple::load(u.km + idx * dk), k1 = simple::load(u.km + idx * dk + 1);
-    key_parts[idx] = static_cast<double>(at.r) * static_cast<double>(k0 * g1 - k1 * g0) * hd.rate_slope * hd.dw_ds();
-    double sn, cs;
-    sincos(-static_cast<double>(at.r) * hd.rate, &sn, &cs);
-    const float x0 = g0, x1 = g1;
-    g0 = x0 * static_cast<float>(cs) - x1 * static_cast<float>(sn);
-    g1 = x0 * static_cast<float>(sn) + x1 * static_cast<float>(cs);
+    parts.key(h, row) = static_cast<double>(at.r) * static_cast<double>(k0 * g1 - k1 * g0) * hd.rate_slope * hd.dw_ds();
+    float g[2] = {g0, g1};
+    unrotate(g, at.r, hd.rate);
+    g0 = g[0];
+    g1 = g[1];
   }
   g0 = __shfl_sync(0xffffffffu, g0, 0);
   g1 = __shfl_sync(0xffffffffu, g1, 0);
@@ -629,7 +615,7 @@ struct FusedBackward {
   template <class T, int DK, int DV>
   void operator()() const {
     const cudaStream_t stream = stream_of(p);
-    const FusedRows<T> rows(p, cfg);
+    const PreparedRows<T, T> rows(p, cfg, true);
     const std::size_t q_items = static_cast<std::size_t>(p.rows_q * p.heads_q);
     const std::size_t k_items = static_cast<std::size_t>(p.rows_k * p.heads_q);
     const std::size_t parts = 2 * q_items + k_items, sums = 2 * static_cast<std::size_t>(p.heads_q);
@@ -640,9 +626,8 @@ struct FusedBackward {
     // dL/dh's rows are loaded 16 bytes at a time.
     const std::size_t gh_offset = (head + cleared + 15) / 16 * 16;
     DeviceBuffer buffer(p, gh_offset + q_items * DV * sizeof(T));
-    double* row_parts = buffer.as<double>();
-    double* key_parts = row_parts + 2 * q_items;
-    double* head_sums = key_parts + k_items;
+    const ScalarParts scalar_parts{p, buffer.as<double>()};
+    double* head_sums = buffer.as<double>() + parts;
     float* dkm = reinterpret_cast<float*>(head_sums + sums);
     float* dvn = dkm + k_items * DK;
     int* order = reinterpret_cast<int*>(dvn + k_items * DV);
@@ -660,7 +645,7 @@ struct FusedBackward {
     c.q_rotated = contiguous(rows.u.qm, p, true, p.heads_q, DK);
     c.q_unit = contiguous(rows.u.qn, p, true, p.heads_q, DK);
     c.q_inv_norm = rows.u.q_inv;
-    c.row_parts = row_parts;
+    c.parts = scalar_parts;
     KeyGradAccumulators acc;
     acc.dk = dkm;
     acc.dv = dvn;
@@ -670,10 +655,10 @@ struct FusedBackward {
     run_portable_backward<T, DK, DV, ScreeningBackwardRows<T>>(kp, kg, c, acc);
     if (k_items > 0) {
       fused_key_grads_kernel<T><<<blocks_for(k_items, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, rows.u, rows.heads,
-                                                                                          dkm, dvn, key_parts);
+                                                                                          dkm, dvn, scalar_parts);
       check_launch("screening fused_key_grads_kernel");
     }
-    sum_scalar_grads(p, cfg, row_parts, key_parts, head_sums);
+    sum_scalar_grads(p, cfg, scalar_parts, true, head_sums);
   }
 };
 

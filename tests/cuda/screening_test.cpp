@@ -43,6 +43,12 @@ const std::vector<ScreeningCase>& cases() {
   return all;
 }
 
+// ds_w and ds_r sum terms of both signs over every pair, each moved by the rounding of the 16-bit
+// rows the fused kernels score (Trim's slope grows from 0 at the threshold, where a rounded
+// score may fall either way): in bf16 they move by several percent on random inputs. The same
+// kernels in fp16, whose rounding is 8x finer, check them at fp16's tolerance.
+double scalar_tolerance(DType dtype) { return dtype == DType::bfloat16 ? 8e-2 : tolerance(dtype); }
+
 class ScreeningCuda : public ::testing::TestWithParam<std::tuple<int, DType>> {};
 
 TEST_P(ScreeningCuda, MatchesTheReference) {
@@ -60,8 +66,8 @@ TEST_P(ScreeningCuda, MatchesTheReference) {
   EXPECT_LT(relative_error(got.dq, want.dq), tol) << "dq";
   EXPECT_LT(relative_error(got.dk, want.dk), tol) << "dk";
   EXPECT_LT(relative_error(got.dv, want.dv), tol) << "dv";
-  EXPECT_LT(relative_error(got.ds_w, want.ds_w), tol) << "ds_w";
-  EXPECT_LT(relative_error(got.ds_r, want.ds_r), tol) << "ds_r";
+  EXPECT_LT(relative_error(got.ds_w, want.ds_w), scalar_tolerance(dtype)) << "ds_w";
+  EXPECT_LT(relative_error(got.ds_r, want.ds_r), scalar_tolerance(dtype)) << "ds_r";
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, ScreeningCuda,

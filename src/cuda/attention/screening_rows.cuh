@@ -21,14 +21,47 @@ namespace winnow::cuda {
 
 namespace ms = math::screening;
 
+// sin and cos of MiPE's angle pos * rate: reduced to [-pi, pi] in double (positions reach 10^5
+// and more), then evaluated in float.
+__device__ __forceinline__ void mipe_sincos(std::int64_t pos, double rate, float* sn, float* cs) {
+  const double angle = static_cast<double>(pos) * rate;
+  const double turns = rint(angle * (0.5 / ms::kPi));
+  sincosf(static_cast<float>(angle - turns * (2.0 * ms::kPi)), sn, cs);
+}
+
+// Coordinates 0 and 1 of x (a gradient) rotated back by MiPE's angle at pos.
+__device__ __forceinline__ void unrotate(float* x, std::int64_t pos, double rate) {
+  float sn, cs;
+  mipe_sincos(pos, rate, &sn, &cs);
+  const float x0 = x[0], x1 = x[1];
+  x[0] = x0 * cs + x1 * sn;
+  x[1] = -x0 * sn + x1 * cs;
+}
+
+// Each row's share of the per-head gradients, in double, head-major so that a block per head
+// sums them reading contiguous memory: query rows' shares of ds_w (k = 0) and ds_r (k = 1),
+// then (the fused backward) key rows' shares of ds_w.
+struct ScalarParts {
+  double* data = nullptr;
+  std::int64_t rows_q = 0, rows_k = 0, heads = 0;
+  ScalarParts() = default;
+  __host__ __device__ ScalarParts(const AttentionParams& p, double* d)
+      : data(d), rows_q(p.rows_q), rows_k(p.rows_k), heads(p.heads_q) {}
+  __device__ __forceinline__ double& query(int k, std::int64_t h, std::int64_t row) const {
+    return data[(k * heads + h) * rows_q + row];
+  }
+  __device__ __forceinline__ double& key(std::int64_t h, std::int64_t row) const {
+    return data[2 * heads * rows_q + h * rows_k + row];
+  }
+};
+
 struct ScreeningCudaConfig {
   const ms::Head<double>* heads = nullptr;  // one per query head (device memory)
   // Backward only: the rotated and the plain normalized queries (T, [batch row][head][dim]) with
-  // their inverse norms (negated where clipped), and the per-row shares of ds_w and ds_r
-  // (double, [batch row][head][2]).
+  // their inverse norms (negated where clipped), and the rows' shares of ds_w and ds_r.
   detail::Operand q_rotated, q_unit;
   const float* q_inv_norm = nullptr;
-  double* row_parts = nullptr;
+  ScalarParts parts;
 };
 
 // One head's constants as the weights use them.
@@ -191,15 +224,11 @@ struct ScreeningBackwardRows {
       double rate_share = 0;
       if (tig == 0 && hd.rate != 0) {
         const float q0 = tile::to_float(qm[0]), q1 = tile::to_float(qm[1]);
-        float& g0 = dq[0][2 * half];
-        float& g1 = dq[0][2 * half + 1];
-        rate_share = static_cast<double>(pos[half]) * static_cast<double>(q0 * g1 - q1 * g0);
-        double sn, cs;
-        sincos(-static_cast<double>(pos[half]) * hd.rate, &sn, &cs);
-        const float c = static_cast<float>(cs), sv = static_cast<float>(sn);
-        const float x0 = g0, x1 = g1;
-        g0 = x0 * c - x1 * sv;
-        g1 = x0 * sv + x1 * c;
+        float g[2] = {dq[0][2 * half], dq[0][2 * half + 1]};
+        rate_share = static_cast<double>(pos[half]) * static_cast<double>(q0 * g[1] - q1 * g[0]);
+        unrotate(g, pos[half], hd.rate);
+        dq[0][2 * half] = g[0];
+        dq[0][2 * half + 1] = g[1];
       }
       float partial = 0.f;
 #pragma unroll
@@ -218,9 +247,9 @@ struct ScreeningBackwardRows {
         }
       }
       if (tig == 0) {
-        double* part = cfg.row_parts + 2 * (p.batch_row_q(qt.b, abs_row) * p.heads_q + qt.h);
-        part[0] = (static_cast<double>(dw) + rate_share * hd.rate_slope) * hd.dw_ds();
-        part[1] = static_cast<double>(dr) * hd.dr_ds();
+        const std::int64_t batch_row = p.batch_row_q(qt.b, abs_row);
+        cfg.parts.query(0, qt.h, batch_row) = (static_cast<double>(dw) + rate_share * hd.rate_slope) * hd.dw_ds();
+        cfg.parts.query(1, qt.h, batch_row) = static_cast<double>(dr) * hd.dr_ds();
       }
     }
   }
