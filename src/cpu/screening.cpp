@@ -135,7 +135,7 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Scre
     gh.resize(qt.n, p.dim_v);
     for (std::int64_t r = 0; r < qt.n; ++r) {
       const T f = ms::tanh_norm_factor(norm[r]);
-      const T phi = static_cast<T>(ms::tanh_norm_phi(static_cast<double>(norm[r])));
+      const T phi = ms::tanh_norm_phi(norm[r]);
       gh.row(r) = f * du.row(r) + (phi * u.row(r).dot(du.row(r))) * u.row(r);
     }
     dqm.setZero(qt.n, p.dim_qk);

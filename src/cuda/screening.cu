@@ -241,7 +241,7 @@ __global__ void tanh_norm_grad_kernel(const AttentionParams p, const GradientPar
   dot_u = simple::warp_sum(dot_u);
   const float n = *p.stats.at<const float>(at.b, abs_row, h);
   const float f = ms::tanh_norm_factor(n);
-  const float phi_dot = static_cast<float>(ms::tanh_norm_phi(static_cast<double>(n))) * dot_u;
+  const float phi_dot = ms::tanh_norm_phi(n) * dot_u;
   for (int d = lane; d < dv; d += 32) {
     gh[idx * dv + d] = simple::from_float<S>(f * simple::load(du + d * g.dout.dim) + phi_dot * simple::load(u + d * p.out.dim));
   }
@@ -364,16 +364,17 @@ __global__ void store_key_grads_kernel(const AttentionParams p, const GradientPa
 
 // A block per query head: its query rows' shares of ds_w and ds_r and, when given, its key
 // rows' shares of ds_w, summed in a fixed order.
-__global__ void __launch_bounds__(kThreads) head_sums_kernel(const AttentionParams p, const ScalarParts parts,
-                                                             bool key_parts, double* sums) {
-  using Reduce = cub::BlockReduce<double, kThreads>;
+constexpr int kSumThreads = 1024;
+__global__ void __launch_bounds__(kSumThreads) head_sums_kernel(const AttentionParams p, const ScalarParts parts,
+                                                                bool key_parts, double* sums) {
+  using Reduce = cub::BlockReduce<double, kSumThreads>;
   __shared__ typename Reduce::TempStorage storage;
   const std::int64_t h = blockIdx.x;
   for (int k = 0; k < 2; ++k) {
     double x = 0;
-    for (std::int64_t row = threadIdx.x; row < p.rows_q; row += kThreads) x += parts.query(k, h, row);
+    for (std::int64_t row = threadIdx.x; row < p.rows_q; row += kSumThreads) x += parts.query(k, h, row);
     if (k == 0 && key_parts) {
-      for (std::int64_t row = threadIdx.x; row < p.rows_k; row += kThreads) x += parts.key(h, row);
+      for (std::int64_t row = threadIdx.x; row < p.rows_k; row += kSumThreads) x += parts.key(h, row);
     }
     const double total = Reduce(storage).Sum(x);
     if (threadIdx.x == 0) sums[2 * h + k] = total;
@@ -440,7 +441,7 @@ struct PreparedRows {
 void sum_scalar_grads(const AttentionParams& p, const ScreeningConfig& cfg, const ScalarParts& parts, bool key_parts,
                       double* sums) {
   if (p.heads_q == 0) return;
-  head_sums_kernel<<<static_cast<unsigned>(p.heads_q), kThreads, 0, stream_of(p)>>>(p, parts, key_parts, sums);
+  head_sums_kernel<<<static_cast<unsigned>(p.heads_q), kSumThreads, 0, stream_of(p)>>>(p, parts, key_parts, sums);
   check_launch("screening head_sums_kernel");
   store_scalar_grads_kernel<<<1, 1, 0, stream_of(p)>>>(p, cfg, sums);
   check_launch("screening store_scalar_grads_kernel");
@@ -522,8 +523,10 @@ bool fused_applies(const AttentionParams& p, const GradientParams* g) {
   if (p.heads_q != p.heads_kv || p.num_seqs > 65535 || p.heads_q > 65535) return false;
   if (p.dim_qk != 16 && p.dim_qk != 32 && p.dim_qk != 64) return false;
   if (p.dim_v != 64 && p.dim_v != 128) return false;
-  if (!aligned_rows(p.out, p.dtype)) return false;
-  return g == nullptr || aligned_rows(g->dq, p.dtype);
+  for (const Operand* op : {&p.q, &p.k, &p.v, &p.out}) {
+    if (!aligned_rows(*op, p.dtype)) return false;
+  }
+  return g == nullptr || (aligned_rows(g->dq, p.dtype) && aligned_rows(g->dout, p.dtype));
 }
 
 // Calls fn.template operator()<T, DK, DV>() for the fused path's instantiations.
@@ -554,12 +557,157 @@ void dispatch_screening_fused(const AttentionParams& p, Fn&& fn) {
   }
 }
 
+// The fused path's row passes: a group of G = dim / 8 consecutive threads per row, each holding
+// 8 features (16 bytes) of 16-bit rows with contiguous, 16-byte aligned features; row sums by
+// shuffles within the group. (A thread per row would issue a 2-byte access per feature, 32
+// rows apart across a warp: several times slower.)
+template <class T>
+struct Chunk8 {
+  float v[8];
+  __device__ __forceinline__ void load(const T* x) {
+    const uint4 bits = *reinterpret_cast<const uint4*>(x);
+    const T* e = reinterpret_cast<const T*>(&bits);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = simple::load(e + j);
+  }
+  __device__ __forceinline__ void store(T* y) const {
+    uint4 bits;
+    T* e = reinterpret_cast<T*>(&bits);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) e[j] = simple::from_float<T>(v[j]);
+    *reinterpret_cast<uint4*>(y) = bits;
+  }
+};
+
+template <int G>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int off = 1; off < G; off *= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+enum class RowRole { query, key, value };
+
+// Role query: a group per (query row, query head) writes qm (and qn). Role key: a group per
+// (key row, query head) writes km for the head (and kn, k_inv for the first head of its
+// group). Role value: a group per (key row, kv head) writes vn and v_inv.
+template <class T, int D, RowRole Role>
+__global__ void fused_prepare_kernel(const AttentionParams p, const ScreeningConfig cfg, const ms::Head<double>* heads,
+                                     const UnitRows<T> u, bool backward) {
+  constexpr int G = D / 8;
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const std::int64_t idx = thread / G;
+  const int part = static_cast<int>(thread % G);
+  const bool query = Role == RowRole::query;
+  const std::int64_t heads_here = Role == RowRole::value ? p.heads_kv : p.heads_q;
+  const bool valid = idx < (query ? p.rows_q : p.rows_k) * heads_here;
+  const std::int64_t row = valid ? idx / heads_here : 0, h = valid ? idx % heads_here : 0;
+  const RowAt at = locate(p, row, query);
+  const detail::SequenceExtent s = p.sequence(at.b);
+  const std::int64_t hk = Role == RowRole::value ? h : p.kv_head(h);
+  const Operand& src = Role == RowRole::query ? p.q : (Role == RowRole::key ? p.k : p.v);
+  Chunk8<T> c;
+  if (valid) {
+    c.load(src.at<const T>(at.b, (query ? s.q_start : s.k_start) + at.r, Role == RowRole::query ? h : hk) + 8 * part);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c.v[j] = 0.f;
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sum += c.v[j] * c.v[j];
+  sum = group_sum<G>(sum);  // every lane takes part
+  if (!valid) return;
+  const float eps = static_cast<float>(cfg.norm_eps);
+  const float inv = math::inverse_norm(sum, eps), signed_inv = math::norm_clipped(sum, eps) ? -inv : inv;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) c.v[j] *= inv;
+  if (Role == RowRole::value) {
+    c.store(u.vn + idx * D + 8 * part);
+    if (part == 0) u.v_inv[idx] = signed_inv;
+    return;
+  }
+  const bool first = Role == RowRole::query || h % p.group_size() == 0;
+  const std::int64_t kv_idx = row * p.heads_kv + hk;
+  if (backward && first) c.store((query ? u.qn + idx * D : u.kn + kv_idx * D) + 8 * part);
+  if (part == 0) {
+    if (query) {
+      u.q_inv[idx] = signed_inv;
+    } else if (first) {
+      u.k_inv[kv_idx] = signed_inv;
+    }
+    float sn, cs;
+    mipe_sincos(query ? at.r + s.q_offset() : at.r, heads[h].rate, &sn, &cs);
+    const float x0 = c.v[0], x1 = c.v[1];
+    c.v[0] = x0 * cs - x1 * sn;
+    c.v[1] = x0 * sn + x1 * cs;
+  }
+  c.store((query ? u.qm : u.km) + idx * D + 8 * part);
+}
+
+template <class T, int D, RowRole Role>
+void launch_fused_prepare(const AttentionParams& p, const ScreeningConfig& cfg, const ms::Head<double>* heads,
+                          const UnitRows<T>& u, bool backward) {
+  const std::int64_t items = (Role == RowRole::query ? p.rows_q : p.rows_k) * (Role == RowRole::value ? p.heads_kv : p.heads_q);
+  if (items == 0) return;
+  fused_prepare_kernel<T, D, Role><<<blocks_for(items * (D / 8), kThreads), kThreads, 0, stream_of(p)>>>(p, cfg, heads, u, backward);
+  check_launch("screening fused_prepare_kernel");
+}
+
+// The heads' constants and the rows the fused kernels take (as T), carved from one buffer.
+template <class T, int DK, int DV>
+struct FusedRows {
+  DeviceBuffer buffer;
+  ms::Head<double>* heads;
+  UnitRows<T> u;
+  FusedRows(const AttentionParams& p, const ScreeningConfig& cfg, bool backward)
+      : buffer(p, PreparedRows<T, T>::head_bytes(p) + UnitRows<T>::bytes(p)),
+        heads(buffer.as<ms::Head<double>>()),
+        u(p, buffer.as<unsigned char>() + PreparedRows<T, T>::head_bytes(p)) {
+    if (p.heads_q == 0) return;
+    head_constants_kernel<<<blocks_for(p.heads_q, kThreads), kThreads, 0, stream_of(p)>>>(p, cfg, heads);
+    check_launch("screening head_constants_kernel");
+    launch_fused_prepare<T, DK, RowRole::query>(p, cfg, heads, u, backward);
+    launch_fused_prepare<T, DK, RowRole::key>(p, cfg, heads, u, backward);
+    launch_fused_prepare<T, DV, RowRole::value>(p, cfg, heads, u, backward);
+  }
+};
+
+// A group of DV / 8 threads per (query row, query head): dL/dh = f du + phi <u, du> u from the
+// saved output and norm, into gh (T, contiguous).
+template <class T, int DV>
+__global__ void fused_tanh_norm_grad_kernel(const AttentionParams p, const GradientParams g, T* gh) {
+  constexpr int G = DV / 8;
+  const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const std::int64_t idx = thread / G;
+  const int part = static_cast<int>(thread % G);
+  const bool valid = idx < p.rows_q * p.heads_q;
+  const std::int64_t row = valid ? idx / p.heads_q : 0, h = valid ? idx % p.heads_q : 0;
+  const RowAt at = locate(p, row, true);
+  const std::int64_t abs_row = p.sequence(at.b).q_start + at.r;
+  Chunk8<T> u, du;
+  float dot = 0.f;
+  if (valid) {
+    u.load(p.out.at<const T>(at.b, abs_row, h) + 8 * part);
+    du.load(g.dout.at<const T>(at.b, abs_row, h) + 8 * part);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dot += u.v[j] * du.v[j];
+  }
+  dot = group_sum<G>(dot);
+  if (!valid) return;
+  const float n = *p.stats.at<const float>(at.b, abs_row, h);
+  const float f = ms::tanh_norm_factor(n), phi_dot = ms::tanh_norm_phi(n) * dot;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) du.v[j] = f * du.v[j] + phi_dot * u.v[j];
+  du.store(gh + idx * DV + 8 * part);
+}
+
 struct FusedForward {
   const AttentionParams& p;
   const ScreeningConfig& cfg;
   template <class T, int DK, int DV>
   void operator()() const {
-    const PreparedRows<T, T> rows(p, cfg, false);
+    const FusedRows<T, DK, DV> rows(p, cfg, false);
     ScreeningCudaConfig c;
     c.heads = rows.heads;
     launch_portable_forward<T, DK, DV, ScreeningRows>(kernel_params(p, rows.u.qm, rows.u.km, rows.u.vn), c);
@@ -615,7 +763,7 @@ struct FusedBackward {
   template <class T, int DK, int DV>
   void operator()() const {
     const cudaStream_t stream = stream_of(p);
-    const PreparedRows<T, T> rows(p, cfg, true);
+    const FusedRows<T, DK, DV> rows(p, cfg, true);
     const std::size_t q_items = static_cast<std::size_t>(p.rows_q * p.heads_q);
     const std::size_t k_items = static_cast<std::size_t>(p.rows_k * p.heads_q);
     const std::size_t parts = 2 * q_items + k_items, sums = 2 * static_cast<std::size_t>(p.heads_q);
@@ -634,7 +782,7 @@ struct FusedBackward {
     T* gh = reinterpret_cast<T*>(buffer.as<unsigned char>() + gh_offset);
     if (cleared > 0) check(cudaMemsetAsync(dkm, 0, cleared, stream), "clearing accumulators");
     if (q_items > 0) {
-      tanh_norm_grad_kernel<T, T><<<blocks_for(q_items, kWarpsPerBlock), kThreads, 0, stream>>>(p, g, gh);
+      fused_tanh_norm_grad_kernel<T, DV><<<blocks_for(q_items * (DV / 8), kThreads), kThreads, 0, stream>>>(p, g, gh);
       check_launch("screening tanh_norm_grad_kernel");
     }
     const AttentionParams kp = kernel_params(p, rows.u.qm, rows.u.km, rows.u.vn);

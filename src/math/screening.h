@@ -105,12 +105,19 @@ WINNOW_HD T tanh_norm_factor(T n) {
   return n < T(1e-4) ? T(1) - n * n / T(3) : tanh(n) / n;
 }
 // The backward from the output: with du = dL/du, dL/dh = f du + phi(n) <u, du> u where
-// phi(n) = f'(n) / (n f(n)^2) = (n sech^2 n - tanh n) / (n tanh^2 n), which tends to -2/3 at 0.
-// Evaluated in double (per row only): its numerator cancels at small n.
-WINNOW_HD double tanh_norm_phi(double n) {
-  if (n < 2e-3) return -2.0 / 3.0 + 4.0 * n * n / 45.0;
-  const double t = tanh(n);
-  const double sech2 = 1.0 - t * t;
+// phi(n) = f'(n) / (n f(n)^2) = (n sech^2 n - tanh n) / (n tanh^2 n), -2/3 at 0. Its numerator
+// cancels at small n, so there the series -2/3 + 4n^2/45 - 4n^4/315 + 8n^6/4725 stands in
+// (below 0.5 in float and 0.05 in double: both sides then within about 1e-6 and 1e-13).
+template <class T>
+WINNOW_HD T tanh_norm_phi(T n) {
+  using std::tanh;
+  const T small = sizeof(T) >= 8 ? T(0.05) : T(0.5);
+  if (n < small) {
+    const T n2 = n * n;
+    return T(-2) / T(3) + n2 * (T(4) / T(45) + n2 * (T(-4) / T(315) + n2 * (T(8) / T(4725))));
+  }
+  const T t = tanh(n);
+  const T sech2 = T(1) - t * t;
   return (n * sech2 - t) / (n * t * t);
 }
 

@@ -211,10 +211,13 @@ TEST(ScreeningMath, MipeFadesToTheIdentityAtTheThreshold) {
     EXPECT_NEAR(ms::mipe_rate_slope(w, 256.0), (ms::mipe_rate(w + h, 256.0) - ms::mipe_rate(w - h, 256.0)) / (2 * h), 1e-7);
   }
   // TanhNorm's backward factor at small norms, against its closed form.
-  for (double n : {1e-3, 3e-3, 0.1, 2.0}) {
-    const double f = std::tanh(n) / n;
-    const double fp = (n / (std::cosh(n) * std::cosh(n)) - std::tanh(n)) / (n * n);
-    EXPECT_NEAR(ms::tanh_norm_phi(n), fp / (n * f * f), 1e-7) << n;
+  // (Long double stands in for the exact value; its own cancellation stays below 1e-11 here.)
+  for (double n : {1e-3, 3e-3, 0.049, 0.051, 0.1, 0.3, 0.499, 0.501, 0.8, 2.0, 9.0}) {
+    const long double x = n, t = std::tanh(x), f = t / x;
+    const long double fp = (x / (std::cosh(x) * std::cosh(x)) - t) / (x * x);
+    const double want = static_cast<double>(fp / (x * f * f));
+    if (n >= 0.04) EXPECT_NEAR(ms::tanh_norm_phi(n), want, 1e-10) << n;
+    EXPECT_NEAR(ms::tanh_norm_phi(static_cast<float>(n)), want, 2e-6) << n;
   }
 }
 
