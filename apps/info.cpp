@@ -27,9 +27,11 @@ void add_info_command(CLI::App& app) {
               << "\n"
               << "CUDA devices: " << cuda_device_count() << "\n"
               << "operators:    softmax_attention, stick_breaking_attention, entmax_attention "
-                 "(any alpha > 1), sieve_attention (exact | bound filter); forward and backward\n"
-              << "fused CUDA:   softmax, stick-breaking, entmax, Sieve (bf16 / fp16, D = Dv = 64 "
-                 "or 128); everything else on the simple path\n";
+                 "(any alpha > 1), sieve_attention (exact | bound filter), threshold_attention "
+                 "(TRA, TDA), screening_attention (Multiscreen); forward and backward\n"
+              << "fused CUDA:   softmax, stick-breaking, entmax, Sieve, TRA / TDA (bf16 / fp16, "
+                 "D = Dv = 64 or 128), screening (bf16 / fp16, d_K 16 / 32 / 64, d_V 64 / 128); "
+                 "everything else on the simple path\n";
 #ifdef WINNOW_WITH_MODELS
     for (const auto& [label, value] : train::runtime_report()) {
       std::cout << label << ":" << std::string(label.size() < 13 ? 13 - label.size() : 1, ' ')

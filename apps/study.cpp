@@ -17,7 +17,7 @@
 
 #include "commands.h"
 #include "eval/evaluate.h"
-#include "nn/transformer.h"
+#include "nn/language_model.h"
 #include "study/report.h"
 #include "tasks/text.h"
 #include "train/checkpoint.h"
@@ -258,8 +258,8 @@ void add_eval(CLI::App& app) {
                       config.task.name);
     }
     const torch::Device device =
-        train::pick_device(config.device, nn::uses_kernel(config.model.attention));
-    nn::TransformerLM model(config.model);
+        train::pick_device(config.device, nn::uses_kernel(config.model));
+    const nn::LanguageModel model = nn::make_language_model(config.model);
     train::restore_model(folder, *model);
     model->to(device);
     const eval::Runtime rt = eval::runtime_for(device, config.train.dtype, args->batch_tokens);
@@ -462,8 +462,8 @@ void add_generate(CLI::App& app) {
     }
     const std::vector<std::int64_t> encoded = codec->encode(prompt);
     const torch::Device device =
-        train::pick_device(config.device, nn::uses_kernel(config.model.attention));
-    nn::TransformerLM model(config.model);
+        train::pick_device(config.device, nn::uses_kernel(config.model));
+    const nn::LanguageModel model = nn::make_language_model(config.model);
     train::restore_model(folder, *model);
     model->to(device);
     const eval::Runtime rt = eval::runtime_for(device, config.train.dtype, 0);

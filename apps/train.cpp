@@ -59,10 +59,9 @@ void add_train(CLI::App& app) {
       return;
     }
     train::Trainer trainer(config);
-    std::printf("model: %s attention (%s, %s), %lld layers, d_model %lld, %lld parameters; "
+    std::printf("model: %s, %lld layers, d_model %lld, %lld parameters; "
                 "device %s\n",
-                config.model.attention.kind.c_str(), config.model.attention.position.c_str(),
-                config.model.attention.implementation.c_str(),
+                nn::describe(trainer.model()->config()).c_str(),
                 static_cast<long long>(config.model.layers),
                 static_cast<long long>(config.model.d_model),
                 static_cast<long long>([&] {

@@ -105,14 +105,14 @@ SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batc
   return s;
 }
 
-SequenceScore score_sequences(nn::TransformerLM& model, const tasks::Task& task,
+SequenceScore score_sequences(const nn::LanguageModel& model, const tasks::Task& task,
                               std::int64_t length, std::int64_t instances, std::uint64_t seed,
                               const Runtime& rt, nn::AttentionProbe* probe,
                               PositionSums* positions) {
   torch::NoGradGuard no_grad;
   model->eval();
   struct Attached {
-    nn::TransformerLM& m;
+    const nn::LanguageModel& m;
     ~Attached() { m->attach_probe(nullptr); }
   } attached{model};
   model->attach_probe(probe);
@@ -136,7 +136,7 @@ namespace {
 // Continues prompts (B, P) by `steps` tokens through the KV cache: one prefill pass, then one
 // token at a time; pick maps the last position's logits (B, V) to the next tokens (B, 1).
 template <class Pick>
-torch::Tensor decode(nn::TransformerLM& model, const torch::Tensor& prompts, std::int64_t steps,
+torch::Tensor decode(const nn::LanguageModel& model, const torch::Tensor& prompts, std::int64_t steps,
                      const Runtime& rt, Pick&& pick) {
   torch::NoGradGuard no_grad;
   model->eval();
@@ -158,13 +158,13 @@ torch::Tensor decode(nn::TransformerLM& model, const torch::Tensor& prompts, std
 
 }  // namespace
 
-torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& prompts,
+torch::Tensor generate_greedy(const nn::LanguageModel& model, const torch::Tensor& prompts,
                               std::int64_t steps, const Runtime& rt) {
   return decode(model, prompts, steps, rt,
                 [](const torch::Tensor& last) { return last.argmax(-1, /*keepdim=*/true); });
 }
 
-torch::Tensor generate(nn::TransformerLM& model, const torch::Tensor& prompts, std::int64_t steps,
+torch::Tensor generate(const nn::LanguageModel& model, const torch::Tensor& prompts, std::int64_t steps,
                        const Runtime& rt, const Sampling& sampling) {
   if (!(sampling.temperature >= 0) || !std::isfinite(sampling.temperature)) {
     throw Error(ErrorKind::invalid_argument,
@@ -194,7 +194,7 @@ torch::Tensor generate(nn::TransformerLM& model, const torch::Tensor& prompts, s
   });
 }
 
-GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& task,
+GenerationScore score_generation(const nn::LanguageModel& model, const tasks::Task& task,
                                  std::int64_t length, double depth, std::int64_t instances,
                                  std::uint64_t seed, const Runtime& rt) {
   if (!task.generative()) {
@@ -234,7 +234,7 @@ GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& ta
   return score;
 }
 
-PositionLoss loss_by_position(nn::TransformerLM& model, const torch::Tensor& tokens,
+PositionLoss loss_by_position(const nn::LanguageModel& model, const torch::Tensor& tokens,
                               std::int64_t bins, const Runtime& rt) {
   if (tokens.dim() != 2 || tokens.size(1) < 2) {
     throw Error(ErrorKind::invalid_argument,

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "nn/probe.h"
-#include "nn/transformer.h"
+#include "nn/language_model.h"
 #include "tasks/task.h"
 
 namespace winnow::eval {
@@ -64,14 +64,14 @@ SequenceScore score_logits(const torch::Tensor& logits, const tasks::Batch& batc
 
 // `instances` fresh sequences of `length` tokens, one forward pass per batch; a probe, when
 // given, collects diagnostics on every batch, and positions the loss by position.
-SequenceScore score_sequences(nn::TransformerLM& model, const tasks::Task& task,
+SequenceScore score_sequences(const nn::LanguageModel& model, const tasks::Task& task,
                               std::int64_t length, std::int64_t instances, std::uint64_t seed,
                               const Runtime& rt, nn::AttentionProbe* probe = nullptr,
                               PositionSums* positions = nullptr);
 
 // Greedy continuation of prompts (B, P) by `steps` tokens: one prefill pass through the KV
 // cache, then one token at a time. Returns (B, steps).
-torch::Tensor generate_greedy(nn::TransformerLM& model, const torch::Tensor& prompts,
+torch::Tensor generate_greedy(const nn::LanguageModel& model, const torch::Tensor& prompts,
                               std::int64_t steps, const Runtime& rt);
 
 // How the next token is drawn from the logits: temperature 0 is greedy (argmax); otherwise
@@ -82,7 +82,7 @@ struct Sampling {
   std::uint64_t seed = 0;  // the draws are a pure function of the seed (on one device)
 };
 // Continuation of prompts (B, P) by `steps` sampled tokens through the KV cache; (B, steps).
-torch::Tensor generate(nn::TransformerLM& model, const torch::Tensor& prompts, std::int64_t steps,
+torch::Tensor generate(const nn::LanguageModel& model, const torch::Tensor& prompts, std::int64_t steps,
                        const Runtime& rt, const Sampling& sampling);
 
 struct GenerationScore {
@@ -94,13 +94,13 @@ struct GenerationScore {
 };
 
 // Exact match of `instances` prompts of a generative task at (length, depth).
-GenerationScore score_generation(nn::TransformerLM& model, const tasks::Task& task,
+GenerationScore score_generation(const nn::LanguageModel& model, const tasks::Task& task,
                                  std::int64_t length, double depth, std::int64_t instances,
                                  std::uint64_t seed, const Runtime& rt);
 
 // Mean next-token cross entropy by position of token streams (N, L): position t predicts token
 // t + 1; positions are grouped into `bins` equal-width bins.
-PositionLoss loss_by_position(nn::TransformerLM& model, const torch::Tensor& tokens,
+PositionLoss loss_by_position(const nn::LanguageModel& model, const torch::Tensor& tokens,
                               std::int64_t bins, const Runtime& rt);
 
 // The seed of the instances at one evaluation point (length, depth index): a stream of its

@@ -285,4 +285,51 @@ torch::Tensor threshold_attention(const torch::Tensor& q, const torch::Tensor& k
   return torch::matmul(w.to(v.scalar_type()), vh).transpose(1, 2);
 }
 
+torch::Tensor screening(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& s_w, const torch::Tensor& s_r, double mipe_threshold,
+                        double expand_above, double norm_eps) {
+  using torch::indexing::Slice;
+  const std::int64_t heads = q.size(2), group = heads / k.size(2);
+  const auto work = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  const auto opts = q.options().dtype(work);
+  const torch::Tensor sw = s_w.to(work).expand({heads}), sr = s_r.to(work).expand({heads});
+  const torch::Tensor w = torch::exp(sw) + 1, r = torch::sigmoid(sr);
+  const torch::Tensor infinite = expand_above > 0 ? w > expand_above : torch::zeros_like(w, torch::kBool);
+  const double pi = 3.14159265358979323846;
+  const torch::Tensor gamma = torch::where(w < mipe_threshold, 0.5 * (torch::cos(pi * w / mipe_threshold) + 1),
+                                           torch::zeros_like(w));
+  const torch::Tensor rate = torch::where(infinite, torch::zeros_like(w), pi * gamma / w);  // (H)
+  auto unit = [&](const torch::Tensor& x) {
+    const torch::Tensor xf = x.to(work);
+    return xf / xf.norm(2, -1, true).clamp_min(norm_eps);
+  };
+  // (B, H, L, D), the kv heads repeated for their query heads.
+  const torch::Tensor qh = unit(q).transpose(1, 2);
+  const torch::Tensor kh = unit(k).repeat_interleave(group, 2).transpose(1, 2);
+  const torch::Tensor vh = unit(v).repeat_interleave(group, 2).transpose(1, 2);
+  const std::int64_t lq = q.size(1), lk = k.size(1);
+  const torch::Tensor pos_q = torch::arange(lq, opts) + static_cast<double>(lk - lq);
+  const torch::Tensor pos_k = torch::arange(lk, opts);
+  auto mipe = [&](const torch::Tensor& x, const torch::Tensor& pos) {
+    const torch::Tensor angle = rate.view({1, heads, 1}) * pos.view({1, 1, -1});  // (1, H, L)
+    const torch::Tensor c = torch::cos(angle), s = torch::sin(angle);
+    const torch::Tensor x0 = x.index({"...", 0}), x1 = x.index({"...", 1});
+    return torch::cat({(x0 * c - x1 * s).unsqueeze(-1), (x0 * s + x1 * c).unsqueeze(-1),
+                       x.index({"...", Slice(2, torch::indexing::None)})},
+                      -1);
+  };
+  const torch::Tensor scores = torch::matmul(mipe(qh, pos_q), mipe(kh, pos_k).transpose(-1, -2));
+  const torch::Tensor alpha = torch::relu(1 - (1 - scores) / r.view({1, heads, 1, 1})).pow(2);
+  const torch::Tensor d = (pos_k.view({1, -1}) - pos_q.view({-1, 1})).view({1, 1, lq, lk});  // j - i
+  const torch::Tensor wh = w.view({1, heads, 1, 1});
+  const torch::Tensor inf = infinite.view({1, heads, 1, 1});
+  const torch::Tensor inside = (d <= 0) & ((d > -wh) | inf);
+  const torch::Tensor mask = torch::where(inf, torch::ones_like(wh), 0.5 * (torch::cos(pi * d / wh) + 1));
+  const torch::Tensor rel = torch::where(inside, alpha * mask, torch::zeros_like(alpha));
+  const torch::Tensor h = torch::matmul(rel, vh);
+  const torch::Tensor n = h.norm(2, -1, true);
+  const torch::Tensor factor = torch::where(n > 1e-4, torch::tanh(n) / n.clamp_min(1e-4), 1 - n * n / 3);
+  return (h * factor).transpose(1, 2).to(q.scalar_type());
+}
+
 }  // namespace winnow::nn::composed

@@ -78,4 +78,12 @@ std::pair<torch::Tensor, torch::Tensor> sieve_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
     bool attend_current, double alpha, const std::string& filter, std::optional<double> eps);
 
+// Multiscreen's screening unit (spec/screening.md) from its formulas: normalized q, k, v; MiPE on
+// coordinates 0 and 1 by absolute position; Trim; the causal Softmask (1 for windows wider than
+// expand_above when it is > 0); the unnormalized sum; TanhNorm. s_w and s_r are (Hq) or (1);
+// autograd gives every gradient. (B, Lq, Hq, Dk), (B, Lk, Hkv, Dk), (B, Lk, Hkv, Dv).
+torch::Tensor screening(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& s_w, const torch::Tensor& s_r, double mipe_threshold,
+                        double expand_above, double norm_eps = 1e-6);
+
 }  // namespace winnow::nn::composed

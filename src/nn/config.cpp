@@ -44,6 +44,7 @@ void resolve(ModelConfig& c, const std::string& path) {
     config::fail(path + ".context_len", ">= 1 (or 0 in a file, where train.seq_len supplies it)",
                  std::to_string(c.context_len));
   }
+  if (c.multiscreen.tiles == 0) c.multiscreen.tiles = c.layers;
   if (c.mlp_hidden == 0) {
     const std::int64_t raw = c.mlp == "swiglu" ? (8 * c.d_model + 2) / 3 : 4 * c.d_model;
     c.mlp_hidden = (raw + 63) / 64 * 64;

@@ -58,7 +58,33 @@ struct AttentionConfig {
   }
 };
 
+// Multiscreen (seed 001, spec/screening.md), the architecture "multiscreen": layers of gated
+// screening tiles added to a residual stream, tied unit-norm embeddings with learned scales, no
+// norm layers and no MLP. ModelConfig::d_model is d_E and layers the layer count (001 scales
+// both with one psi: layers = tiles = psi, d_E = psi^2); attention and the MLP keys are unused.
+struct MultiscreenConfig {
+  std::int64_t tiles = 0;  // screening tiles per layer; 0: as many as layers
+  std::int64_t key_dim = 16, value_dim = 64;
+  double mipe_threshold = 256.0;
+  // Screening-window expansion (001 appendix M): > 0 makes windows wider than this infinite
+  // (set at inference to the training context). 0: off.
+  double window_expansion = 0.0;
+  // kernel: winnow::screening_attention; composed: the LibTorch expression (nn/composed.h).
+  std::string implementation = "kernel";
+
+  template <class V>
+  void fields(V& v) {
+    v("tiles", tiles, config::with_words(config::at_least(0), "0: as many as layers"));
+    v("key_dim", key_dim, config::at_least(2));
+    v("value_dim", value_dim, config::at_least(1));
+    v("mipe_threshold", mipe_threshold, config::greater_than(0));
+    v("window_expansion", window_expansion, config::with_words(config::at_least(0), "0: off"));
+    v("implementation", implementation, config::one_of({"kernel", "composed"}));
+  }
+};
+
 struct ModelConfig {
+  std::string architecture = "transformer";  // transformer | multiscreen
   std::int64_t vocab_size = 0;    // 0: the task's vocabulary
   std::int64_t d_model = 256;
   std::int64_t layers = 2;
@@ -71,9 +97,11 @@ struct ModelConfig {
   std::int64_t context_len = 0;
   double init_std = 0.02;
   AttentionConfig attention;
+  MultiscreenConfig multiscreen;
 
   template <class V>
   void fields(V& v) {
+    v("architecture", architecture, config::one_of({"transformer", "multiscreen"}));
     v("vocab_size", vocab_size, config::with_words(config::at_least(0), "0: the task's"));
     v("d_model", d_model, config::at_least(1));
     v("layers", layers, config::at_least(1));
@@ -83,6 +111,7 @@ struct ModelConfig {
     v("norm_eps", norm_eps, config::greater_than(0));
     v("context_len", context_len, config::with_words(config::at_least(0), "0: train.seq_len"));
     v("init_std", init_std, config::greater_than(0));
+    v("multiscreen", multiscreen);
     // attention is read and written by read_model / write_model: its JSON object also holds
     // the mechanism's own keys.
   }

@@ -11,15 +11,10 @@
 
 #include "nn/attention.h"
 #include "nn/config.h"
+#include "nn/language_model.h"
 #include "nn/modules.h"
 
 namespace winnow::nn {
-
-// The cache of a whole model for incremental decoding.
-struct KVCache {
-  std::vector<LayerCache> layers;
-  std::int64_t length() const { return layers.empty() ? 0 : layers.front().length(); }
-};
 
 class BlockImpl : public torch::nn::Module {
  public:
@@ -39,28 +34,18 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-class TransformerLMImpl : public torch::nn::Module {
+class TransformerLMImpl : public LanguageModelImpl {
  public:
   // Resolves (and so checks) the config first: a bad value is an error naming its key.
   explicit TransformerLMImpl(ModelConfig c);
 
-  // tokens (B, L) int64 -> logits (B, L, vocab). With a cache the tokens continue the cached
-  // sequence (prefill in chunks, then one token at a time) and the cache grows by L.
-  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr);
-  KVCache new_cache() const { return KVCache{std::vector<LayerCache>(blocks_.size())}; }
-
-  // The largest |value| of the residual stream after each block (layers,) on the device, from
-  // a forward pass over `tokens` without gradients: the "maximum activation" that 001 and 003
-  // track for stability.
-  torch::Tensor residual_maxima(const torch::Tensor& tokens);
-
-  // The auxiliary losses of the last forward pass, summed over layers by name.
-  std::map<std::string, torch::Tensor> aux_losses() const;
-  void set_phase(const std::string& phase);
-  // Attaches a diagnostics probe to every attention layer (nullptr detaches).
-  void attach_probe(AttentionProbe* probe);
-
-  const ModelConfig& config() const { return config_; }
+  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr) override;
+  KVCache new_cache() const override { return KVCache{std::vector<LayerCache>(blocks_.size())}; }
+  torch::Tensor residual_maxima(const torch::Tensor& tokens) override;
+  std::map<std::string, torch::Tensor> aux_losses() const override;
+  void set_phase(const std::string& phase) override;
+  void attach_probe(AttentionProbe* probe) override;
+  const ModelConfig& config() const override { return config_; }
 
  private:
   // forward(), and the residual stream's largest |value| after each block into `maxima`.

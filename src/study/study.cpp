@@ -228,10 +228,10 @@ json run_study(const Study& s, const RunOptions& options) {
       trainer.resume();
     }
     std::printf(
-        "\n== [%zu/%zu] %s: %s attention (%s), %lld parameters, %lld steps of %lld x %lld "
+        "\n== [%zu/%zu] %s: %s, %lld parameters, %lld steps of %lld x %lld "
         "tokens on %s\n",
-        index, s.mechanisms.size(), m.label.c_str(), config.model.attention.kind.c_str(),
-        config.model.attention.position.c_str(), static_cast<long long>(parameter_count(trainer)),
+        index, s.mechanisms.size(), m.label.c_str(), nn::describe(trainer.model()->config()).c_str(),
+        static_cast<long long>(parameter_count(trainer)),
         static_cast<long long>(config.train.steps), static_cast<long long>(config.train.batch_size),
         static_cast<long long>(config.train.seq_len), trainer.device().str().c_str());
     std::fflush(stdout);

@@ -272,7 +272,7 @@ ExperimentConfig resolved(ExperimentConfig c) {
 
 Trainer::Trainer(const ExperimentConfig& config)
     : config_(resolved(config)),
-      device_(pick_device(config_.device, nn::uses_kernel(config_.model.attention))) {
+      device_(pick_device(config_.device, nn::uses_kernel(config_.model))) {
   const TrainConfig& t = config_.train;
   if (config_.threads > 0) at::set_num_threads(static_cast<int>(config_.threads));
   if (t.dtype == "bfloat16" && !device_.is_cuda()) {
@@ -283,7 +283,7 @@ Trainer::Trainer(const ExperimentConfig& config)
   autocast_ = uses_autocast(device_, t.dtype);
   torch::manual_seed(config_.seed);
   task_ = tasks::make_task(config_.task);
-  model_ = nn::TransformerLM(config_.model);
+  model_ = nn::make_language_model(config_.model);
   model_->to(device_);
 
   const auto named = model_->named_parameters();

@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "nn/transformer.h"
+#include "nn/language_model.h"
 #include "tasks/task.h"
 #include "train/config.h"
 #include "winnow/error.h"
@@ -150,7 +150,7 @@ class Trainer {
   // The largest |activation| of the residual stream, by block, on the first held-out batch
   // (and folded into health().max_activation).
   std::vector<double> measure_activations();
-  nn::TransformerLM& model() { return model_; }
+  nn::LanguageModel& model() { return model_; }
   torch::optim::AdamW& optimizer() { return *optimizer_; }
   const ExperimentConfig& config() const { return config_; }
   torch::Device device() const { return device_; }
@@ -211,7 +211,7 @@ class Trainer {
   ExperimentConfig config_;
   torch::Device device_;
   bool autocast_ = false;
-  nn::TransformerLM model_{nullptr};
+  nn::LanguageModel model_;
   std::unique_ptr<tasks::Task> task_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<double> group_multipliers_;

@@ -64,7 +64,7 @@ TEST(Generate, ThroughTheCacheEqualsFullForwardPasses) {
     nn::TransformerLM model(tiny(kind));
     model->eval();
     const torch::Tensor prompts = torch::randint(0, 11, {3, 7}, torch::kInt64);
-    const torch::Tensor cached = generate_greedy(model, prompts, 5, Runtime{});
+    const torch::Tensor cached = generate_greedy(model.ptr(), prompts, 5, Runtime{});
     torch::NoGradGuard no_grad;
     torch::Tensor seq = prompts;
     for (int i = 0; i < 5; ++i) {
@@ -89,7 +89,7 @@ class KnownAnswers final : public tasks::Task {
     for (std::int64_t i = 0; i < length - 2; ++i)
       p.tokens.push_back(static_cast<std::int64_t>(rng.below(11)));
     const torch::Tensor mine =
-        generate_greedy(model_, torch::tensor(p.tokens).view({1, -1}), 2, Runtime{});
+        generate_greedy(model_.ptr(), torch::tensor(p.tokens).view({1, -1}), 2, Runtime{});
     p.answer = {mine[0][0].item<std::int64_t>(), mine[0][1].item<std::int64_t>()};
     if (seed % 2 == 1) {
       p.answer[1] = (p.answer[1] + 1) % 11;
@@ -111,7 +111,7 @@ TEST(Generate, ExactMatchCountsTheRightAnswers) {
   KnownAnswers task(model);
   Runtime rt;
   rt.batch_tokens = 40;  // 4 prompts of 10 per batch: several batches
-  const GenerationScore g = score_generation(model, task, 10, 0.5, 13, 9, rt);
+  const GenerationScore g = score_generation(model.ptr(), task, 10, 0.5, 13, 9, rt);
   EXPECT_EQ(task.asked, 13);
   EXPECT_EQ(g.instances, 13);
   EXPECT_EQ(g.exact, task.right);
@@ -125,8 +125,8 @@ TEST(PositionLoss, BinsAverageThePerTokenLoss) {
   const torch::Tensor tokens = torch::randint(0, 11, {5, 13}, torch::kInt64);
   Runtime rt;
   rt.batch_tokens = 26;
-  const PositionLoss one = loss_by_position(model, tokens, 1, rt);
-  const PositionLoss four = loss_by_position(model, tokens, 4, rt);
+  const PositionLoss one = loss_by_position(model.ptr(), tokens, 1, rt);
+  const PositionLoss four = loss_by_position(model.ptr(), tokens, 4, rt);
   torch::NoGradGuard no_grad;
   const torch::Tensor logp = torch::log_softmax(model->forward(tokens.narrow(1, 0, 12)), -1);
   const torch::Tensor nll = -logp.gather(-1, tokens.narrow(1, 1, 12).unsqueeze(-1)).squeeze(-1);
@@ -180,27 +180,27 @@ TEST(Generate, SamplingIsSeededAndGreedyAtTemperatureZero) {
   nn::TransformerLM model(tiny("softmax", 13));
   const torch::Tensor prompts = torch::randint(0, 13, {3, 4}, torch::kInt64);
   Runtime rt;
-  const torch::Tensor greedy = generate_greedy(model, prompts, 6, rt);
+  const torch::Tensor greedy = generate_greedy(model.ptr(), prompts, 6, rt);
   Sampling s;
   s.temperature = 0;
-  EXPECT_TRUE(torch::equal(generate(model, prompts, 6, rt, s), greedy));
+  EXPECT_TRUE(torch::equal(generate(model.ptr(), prompts, 6, rt, s), greedy));
   s.temperature = 1.0;
   s.top_k = 1;  // only the most likely token remains
-  EXPECT_TRUE(torch::equal(generate(model, prompts, 6, rt, s), greedy));
+  EXPECT_TRUE(torch::equal(generate(model.ptr(), prompts, 6, rt, s), greedy));
   s.top_k = 0;
   s.temperature = 5.0;  // flat enough that two seeds differ somewhere in 3 x 40 draws
   s.seed = 7;
-  const torch::Tensor a = generate(model, prompts, 40, rt, s);
+  const torch::Tensor a = generate(model.ptr(), prompts, 40, rt, s);
   EXPECT_EQ(a.sizes(), (std::vector<std::int64_t>{3, 40}));
-  EXPECT_TRUE(torch::equal(a, generate(model, prompts, 40, rt, s)));
+  EXPECT_TRUE(torch::equal(a, generate(model.ptr(), prompts, 40, rt, s)));
   s.seed = 8;
-  EXPECT_FALSE(torch::equal(a, generate(model, prompts, 40, rt, s)));
+  EXPECT_FALSE(torch::equal(a, generate(model.ptr(), prompts, 40, rt, s)));
   EXPECT_GE(a.min().item<std::int64_t>(), 0);
   EXPECT_LT(a.max().item<std::int64_t>(), 13);
   // top-k keeps the draws among the k most likely tokens of each step: with k = 2 every drawn
   // token is one of the two largest logits given the tokens before it.
   s.top_k = 2;
-  const torch::Tensor b = generate(model, prompts, 8, rt, s);
+  const torch::Tensor b = generate(model.ptr(), prompts, 8, rt, s);
   {
     torch::NoGradGuard no_grad;
     const torch::Tensor all = torch::cat({prompts, b}, 1);
@@ -210,11 +210,11 @@ TEST(Generate, SamplingIsSeededAndGreedyAtTemperatureZero) {
   }
   Sampling bad;
   bad.temperature = -1;
-  EXPECT_THROW(generate(model, prompts, 2, rt, bad), Error);
+  EXPECT_THROW(generate(model.ptr(), prompts, 2, rt, bad), Error);
   bad.temperature = 1;
   bad.top_k = -2;
-  EXPECT_THROW(generate(model, prompts, 2, rt, bad), Error);
-  EXPECT_THROW(generate(model, torch::zeros({2, 0}, torch::kInt64), 2, rt, Sampling{}), Error);
+  EXPECT_THROW(generate(model.ptr(), prompts, 2, rt, bad), Error);
+  EXPECT_THROW(generate(model.ptr(), torch::zeros({2, 0}, torch::kInt64), 2, rt, Sampling{}), Error);
 }
 
 TEST(Probe, StatisticsMatchAHandComputation) {

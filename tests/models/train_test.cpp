@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <functional>
 #include <limits>
@@ -97,6 +98,24 @@ ExperimentConfig small(const std::string& out_dir, const std::string& kind = "st
       {"task", {{"name", "progression"}, {"vocab_size", 12}}},
   };
   return parse_experiment(j);
+}
+
+// The Multiscreen architecture through the same trainer: a few steps on the CPU, a finite loss,
+// parameters moved, and the log line naming the architecture.
+TEST(SmallRuns, MultiscreenArchitectureTrains) {
+  ExperimentConfig c = small(scratch("multiscreen"));
+  c.model.architecture = "multiscreen";
+  c.model.multiscreen.tiles = 2;
+  c.train.weight_decay = 0.0;
+  c.train.clip = 0.0;
+  Trainer t(c);
+  t.quiet = true;
+  EXPECT_EQ(nn::describe(t.model()->config()), "multiscreen (2 tiles of d_K 16 / d_V 64, kernel)");
+  const Tensor before = t.model()->named_parameters()["layer0.in"].detach().clone();
+  const nlohmann::json after = t.train();
+  EXPECT_TRUE(std::isfinite(after["eval_loss"].get<double>())) << after.dump();
+  EXPECT_FALSE(torch::equal(before, t.model()->named_parameters()["layer0.in"]));
+  winnow::train::remove_tree(c.train.out_dir);
 }
 
 Trainer quiet_trainer(const ExperimentConfig& c) {
