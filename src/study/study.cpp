@@ -73,6 +73,28 @@ json mechanism_config(const Study& s, const MechanismEntry& m) {
   return j;
 }
 
+// The model a mechanism is evaluated with: the trained one, or (eval_set) one built from its
+// config with those model keys changed, holding the trained weights.
+nn::LanguageModel evaluation_model(const MechanismEntry& m, train::Trainer& trainer) {
+  if (m.eval_set.empty()) return trainer.model();
+  const std::string where = "mechanism '" + m.label + "': eval_set";
+  for (auto it = m.eval_set.begin(); it != m.eval_set.end(); ++it) {
+    if (it.key().rfind("model.", 0) != 0) fail(where + ": expected keys of the model (model.*), got '" + it.key() + "'");
+  }
+  json j = {{"model", nn::write_model(trainer.model()->config())}};
+  apply_dotted(j, m.eval_set, where);
+  nn::LanguageModel model = nn::make_language_model(nn::read_model(j["model"], "model"));
+  torch::NoGradGuard no_grad;
+  auto trained = trainer.model()->named_parameters();
+  for (auto& item : model->named_parameters()) item.value().copy_(trained[item.key()]);
+  auto trained_buffers = trainer.model()->named_buffers();
+  for (auto& item : model->named_buffers()) {
+    if (trained_buffers.contains(item.key())) item.value().copy_(trained_buffers[item.key()]);
+  }
+  model->to(trainer.device());
+  return model;
+}
+
 // A run of a sweep: the mechanism's experiment with the swept key set, in its own folder.
 json sweep_config(const Study& s, const MechanismEntry& m, const json& value) {
   json j = mechanism_config(s, m);
@@ -258,6 +280,8 @@ json run_study(const Study& s, const RunOptions& options) {
                   {"results", json::array()}};
 
     const std::unique_ptr<tasks::Task> task = tasks::make_task(eval_task_config(s, config));
+    const nn::LanguageModel model = evaluation_model(m, trainer);
+    if (!m.eval_set.empty()) entry["eval_set"] = m.eval_set;
     const eval::Runtime rt =
         eval::runtime_for(trainer.device(), config.train.dtype, s.eval.batch_tokens);
     const auto eval_start = Clock::now();
@@ -269,7 +293,7 @@ json run_study(const Study& s, const RunOptions& options) {
         double sum = 0;
         for (std::size_t d = 0; d < s.eval.depths.size(); ++d) {
           const eval::GenerationScore g = eval::score_generation(
-              trainer.model(), *task, length, s.eval.depths[d], s.eval.instances, config.seed, rt);
+              model, *task, length, s.eval.depths[d], s.eval.instances, config.seed, rt);
           cells.push_back({{"depth", s.eval.depths[d]},
                            {"exact_match", g.exact_match()},
                            {"instances", g.instances}});
@@ -285,7 +309,7 @@ json run_study(const Study& s, const RunOptions& options) {
         std::optional<eval::PositionSums> positions;
         if (s.eval.position_bins > 0) positions.emplace();
         const eval::SequenceScore score =
-            eval::score_sequences(trainer.model(), *task, length, s.eval.instances, config.seed, rt,
+            eval::score_sequences(model, *task, length, s.eval.instances, config.seed, rt,
                                   probe ? &*probe : nullptr, positions ? &*positions : nullptr);
         if (positions) {
           const eval::PositionLoss pl = eval::binned(*positions, mult * s.eval.position_bins);

@@ -3,7 +3,8 @@
 //
 //   {"name": "mqrar", "title": "...",
 //    "base": {an experiment file: seed, device, model, train, task},
-//    "mechanisms": [{"label": "Softmax+RoPE", "set": {"model.attention.kind": "softmax", ...}}],
+//    "mechanisms": [{"label": "Softmax+RoPE", "set": {"model.attention.kind": "softmax", ...},
+//                    "eval_set": {"model...": ...}}],
 //    "eval": {"multiples": [1, 4, 16], "instances": 1000, ...},
 //    "profiles": {"cpu": {"base.train.steps": 300, ...}, "cuda": {...}},
 //    "out_dir": "runs/studies/mqrar"}
@@ -26,11 +27,15 @@ namespace winnow::study {
 struct MechanismEntry {
   std::string label;
   nlohmann::json set = nlohmann::json::object();
+  // Dotted keys of the model changed for evaluation only, on the trained weights: e.g. 001's
+  // screening-window expansion, {"model.multiscreen.window_expansion": 256}.
+  nlohmann::json eval_set = nlohmann::json::object();
 
   template <class V>
   void fields(V& v) {
     v("label", label);
     v("set", set);
+    v("eval_set", eval_set);
   }
 };
 

@@ -312,6 +312,32 @@ TEST(Cli, MqrarStudyRunsEndToEndThenEvalAndPlot) {
   winnow::train::remove_tree(dir);
 }
 
+// A mechanism evaluated with model keys changed for inference only: ABCDigits' Multiscreen row
+// trains as configured and is evaluated with screening-window expansion at the training length,
+// on the trained weights.
+TEST(Cli, StudyEvaluatesWithEvalSetOnTheTrainedWeights) {
+  const std::string dir = scratch("study_eval_set");
+  std::vector<std::string> args = tiny_study("abcdigits", dir + "/out");
+  args.insert(args.end(), {"--set", "eval.multiples=[1,2]", "--set", "eval.depths=[0.5]", "--only", "Multiscreen"});
+  Outcome r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/result.json"));
+  ASSERT_EQ(result["mechanisms"].size(), 1u);
+  const nlohmann::json& m = result["mechanisms"][0];
+  EXPECT_EQ(m["config"]["model"]["architecture"], "multiscreen");
+  EXPECT_EQ(m["config"]["model"]["multiscreen"]["window_expansion"], 0.0);
+  EXPECT_EQ(m["eval_set"]["model.multiscreen.window_expansion"], 256);
+  ASSERT_EQ(m["results"].size(), 2u);
+  EXPECT_NE(r.output.find("multiscreen (8 tiles"), std::string::npos) << r.output;
+  // eval_set takes model keys only.
+  args = tiny_study("abcdigits", dir + "/bad");
+  args.insert(args.end(), {"--set", "mechanisms[4].eval_set={\"train.lr\":1}", "--only", "Multiscreen"});
+  r = run(args, dir);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("eval_set: expected keys of the model"), std::string::npos) << r.output;
+  winnow::train::remove_tree(dir);
+}
+
 // `winnow plot` on a GPU benchmark's JSON (000's figure 4 left): tokens/s against length,
 // rows that failed (no tokens/s) left out; a row without its length is an error naming it.
 TEST(Cli, PlotDrawsABenchmarksThroughput) {
