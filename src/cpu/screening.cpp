@@ -72,33 +72,57 @@ bool relevance(const ScoreTile<T>& s, std::int64_t first_position, std::int64_t 
   return any;
 }
 
+// One query tile's sweep over its windows: its rows normalized and rotated by MiPE, then each
+// key range its windows reach, with the keys loaded (k.hat), rotated (km) and scored, and R in
+// rel. Forward and backward share it; buffers are reused across work items.
 template <class T>
-void forward_impl(const AttentionParams& p, const ScreeningConfig& cfg) {
-  const T eps = T(cfg.norm_eps);
-  for_each_query_tile(p, [&](const QueryTile& qt, const SequenceExtent& s) {
-    thread_local UnitRows<T> q, k, v;
-    thread_local RowMatrix<T> qm, km, h;
-    thread_local ScoreTile<T> scores, rel;
-    const ms::Head<double> hd = head_of<T>(cfg, qt.h);
-    const std::int64_t hk = p.kv_head(qt.h), row0 = s.q_start + qt.r0;
-    const std::int64_t position0 = qt.r0 + s.q_offset();
-    q.load(p.q, qt.b, row0, qt.n, qt.h, p.dim_qk, eps);
+struct WindowSweep {
+  UnitRows<T> q, k;
+  RowMatrix<T> qm, km;
+  ScoreTile<T> scores, rel;
+
+  void load_queries(const AttentionParams& p, const QueryTile& qt, const SequenceExtent& s,
+                    std::int64_t position0, const ms::Head<double>& hd, T eps) {
+    q.load(p.q, qt.b, s.q_start + qt.r0, qt.n, qt.h, p.dim_qk, eps);
     qm = q.hat;
     rotate_rows(qm, position0, hd.rate, 1.0);
-    h.setZero(qt.n, p.dim_v);
+  }
+
+  // fn(kr) for every key range of the windows in which some pair has relevance (elsewhere R and
+  // every slope vanish, so the values are never read).
+  template <class Fn>
+  void for_each_relevant_range(const AttentionParams& p, const QueryTile& qt, const SequenceExtent& s,
+                               std::int64_t position0, const ms::Head<double>& hd, T eps, Fn&& fn) {
     const WindowTiles tiles = window_tiles(qt, position0, hd);
     for (std::int64_t kt = tiles.first_tile; kt <= tiles.last_tile; ++kt) {
       KeyRange kr = key_range(qt, kt);
       kr.i0 = std::max(kr.i0, tiles.first_key);
       if (kr.size() <= 0) continue;
-      k.load(p.k, qt.b, s.k_start + kr.i0, kr.size(), hk, p.dim_qk, eps);
+      k.load(p.k, qt.b, s.k_start + kr.i0, kr.size(), p.kv_head(qt.h), p.dim_qk, eps);
       km = k.hat;
       rotate_rows(km, kr.i0, hd.rate, 1.0);
       scores.noalias() = qm * km.transpose();
-      if (!relevance(scores, position0, kr.i0, hd, rel)) continue;
-      v.load(p.v, qt.b, s.k_start + kr.i0, kr.size(), hk, p.dim_v, eps);
-      h.noalias() += rel * v.hat;
+      if (relevance(scores, position0, kr.i0, hd, rel)) fn(kr);
     }
+  }
+};
+
+template <class T>
+void forward_impl(const AttentionParams& p, const ScreeningConfig& cfg) {
+  const T eps = T(cfg.norm_eps);
+  for_each_query_tile(p, [&](const QueryTile& qt, const SequenceExtent& s) {
+    thread_local WindowSweep<T> sweep;
+    thread_local UnitRows<T> v;
+    thread_local RowMatrix<T> h;
+    const ms::Head<double> hd = head_of<T>(cfg, qt.h);
+    const std::int64_t hk = p.kv_head(qt.h), row0 = s.q_start + qt.r0;
+    const std::int64_t position0 = qt.r0 + s.q_offset();
+    sweep.load_queries(p, qt, s, position0, hd, eps);
+    h.setZero(qt.n, p.dim_v);
+    sweep.for_each_relevant_range(p, qt, s, position0, hd, eps, [&](const KeyRange& kr) {
+      v.load(p.v, qt.b, s.k_start + kr.i0, kr.size(), hk, p.dim_v, eps);
+      h.noalias() += sweep.rel * v.hat;
+    });
     for (std::int64_t r = 0; r < qt.n; ++r) {
       const T n = h.row(r).norm();
       h.row(r) *= ms::tanh_norm_factor(n);
@@ -117,17 +141,20 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Scre
   std::vector<double> dsw_parts(static_cast<std::size_t>(p.num_seqs * p.heads_q * tiles_q), 0.0);
   std::vector<double> dsr_parts(dsw_parts.size(), 0.0);
   run_backward<T>(p, g, [&](const QueryTile& qt, const SequenceExtent& s, KeyValueGrads<T>& kv) {
-    thread_local UnitRows<T> q, k, v;
-    thread_local RowMatrix<T> qm, km, u, du, gh, dqm, dk_tile, dv_tile;
-    thread_local ScoreTile<T> scores, rel, dr, ds;
+    thread_local WindowSweep<T> sweep;
+    thread_local UnitRows<T> v;
+    thread_local RowMatrix<T> u, du, gh, dqm, dk_tile, dv_tile;
+    thread_local ScoreTile<T> dr, ds;
     thread_local RowVector<T> norm;
     const ms::Head<double> hd = head_of<T>(cfg, qt.h);
     const T w = static_cast<T>(hd.w), r_acc = static_cast<T>(hd.r);
     const std::int64_t hk = p.kv_head(qt.h), row0 = s.q_start + qt.r0;
     const std::int64_t position0 = qt.r0 + s.q_offset();
-    q.load(p.q, qt.b, row0, qt.n, qt.h, p.dim_qk, eps);
-    qm = q.hat;
-    rotate_rows(qm, position0, hd.rate, 1.0);
+    sweep.load_queries(p, qt, s, position0, hd, eps);
+    const RowMatrix<T>& qm = sweep.qm;
+    const RowMatrix<T>& km = sweep.km;
+    const ScoreTile<T>& scores = sweep.scores;
+    const ScoreTile<T>& rel = sweep.rel;
     // dL/dh through TanhNorm from the saved output: f du + phi <u, du> u.
     load_rows<T>(p.out, qt.b, row0, qt.n, qt.h, p.dim_v, u);
     load_rows<T>(g.dout, qt.b, row0, qt.n, qt.h, p.dim_v, du);
@@ -140,17 +167,7 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Scre
     }
     dqm.setZero(qt.n, p.dim_qk);
     double dw = 0, drate = 0, dr_total = 0;
-    const WindowTiles tiles = window_tiles(qt, position0, hd);
-    for (std::int64_t kt = tiles.first_tile; kt <= tiles.last_tile; ++kt) {
-      KeyRange kr = key_range(qt, kt);
-      kr.i0 = std::max(kr.i0, tiles.first_key);
-      if (kr.size() <= 0) continue;
-      k.load(p.k, qt.b, s.k_start + kr.i0, kr.size(), hk, p.dim_qk, eps);
-      km = k.hat;
-      rotate_rows(km, kr.i0, hd.rate, 1.0);
-      scores.noalias() = qm * km.transpose();
-      // No relevance anywhere in the tile: no slope either (both vanish below the Trim).
-      if (!relevance(scores, position0, kr.i0, hd, rel)) continue;
+    sweep.for_each_relevant_range(p, qt, s, position0, hd, eps, [&](const KeyRange& kr) {
       v.load(p.v, qt.b, s.k_start + kr.i0, kr.size(), hk, p.dim_v, eps);
       dr.noalias() = gh * v.hat.transpose();
       ds.resize(qt.n, kr.size());
@@ -172,14 +189,14 @@ void backward_impl(const AttentionParams& p, const GradientParams& g, const Scre
       dqm.noalias() += ds * km;
       dk_tile.noalias() = ds.transpose() * qm;
       rotate_rows(dk_tile, kr.i0, hd.rate, -1.0);
-      k.backward(dk_tile);
+      sweep.k.backward(dk_tile);
       kv.dk.middleRows(kr.i0, kr.size()) += dk_tile;
       dv_tile.noalias() = rel.transpose() * gh;
       v.backward(dv_tile);
       kv.dv.middleRows(kr.i0, kr.size()) += dv_tile;
-    }
+    });
     rotate_rows(dqm, position0, hd.rate, -1.0);
-    q.backward(dqm);
+    sweep.q.backward(dqm);
     store_rows<T>(dqm, g.dq, qt.b, row0, qt.h);
     const auto part = static_cast<std::size_t>((qt.b * p.heads_q + qt.h) * tiles_q + qt.r0 / kQueryTile);
     dsw_parts[part] = (dw + drate * hd.rate_slope) * hd.dw_ds();
