@@ -17,11 +17,11 @@ MultiscreenLayerImpl::MultiscreenLayerImpl(const ModelConfig& c, std::int64_t) :
   // 001 appendix D: W_Q, W_K ~ N(0, (0.1 / sqrt(d_K))^2), W_V ~ (0.1 / sqrt(d_V)), W_G ~ 0.1,
   // W_O ~ 0.1 / sqrt(d_E); windows spaced from 2 to w_th + 1 over the tiles; r = 0.5;
   // s_O = log(1 / sqrt(tiles * layers)).
-  in_ = register_parameter("in", torch::empty({t * (2 * dk + 2 * dv), e}));
+  in_ = register_parameter("input_projection", torch::empty({t * (2 * dk + 2 * dv), e}));
   in_.narrow(0, 0, 2 * t * dk).normal_(0.0, 0.1 / std::sqrt(static_cast<double>(dk)));
   in_.narrow(0, 2 * t * dk, t * dv).normal_(0.0, 0.1 / std::sqrt(static_cast<double>(dv)));
   in_.narrow(0, 2 * t * dk + t * dv, t * dv).normal_(0.0, 0.1);
-  out_ = register_parameter("out", torch::empty({e, t * dv}).normal_(0.0, 0.1 / std::sqrt(static_cast<double>(e))));
+  out_ = register_parameter("output_projection", torch::empty({e, t * dv}).normal_(0.0, 0.1 / std::sqrt(static_cast<double>(e))));
   s_w_ = register_parameter("s_w", torch::linspace(0.0, std::log(m.mipe_threshold), t, torch::kFloat32));
   s_r_ = register_parameter("s_r", torch::zeros({t}));
   s_o_ = register_parameter("s_o", torch::full({t}, std::log(1.0 / std::sqrt(static_cast<double>(t * c.layers)))));

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdio>
 
 #include "nn/composed.h"
 #include "nn/language_model.h"
@@ -44,7 +45,7 @@ torch::Tensor reference_logits(MultiscreenLMImpl& model, const torch::Tensor& to
   torch::Tensor x = unit.index_select(0, tokens.reshape({-1})).view({b, l, c.d_model}) * torch::exp(p["s_e"]);
   for (std::int64_t layer = 0; layer < c.layers; ++layer) {
     const std::string n = "layer" + std::to_string(layer) + ".";
-    const torch::Tensor w_in = p[n + "in"];
+    const torch::Tensor w_in = p[n + "input_projection"];
     const torch::Tensor w_q = w_in.narrow(0, 0, t * dk), w_k = w_in.narrow(0, t * dk, t * dk);
     const torch::Tensor w_v = w_in.narrow(0, 2 * t * dk, t * dv), w_g = w_in.narrow(0, 2 * t * dk + t * dv, t * dv);
     const torch::Tensor q = torch::matmul(x, w_q.t()).view({b, l, t, dk});
@@ -54,7 +55,7 @@ torch::Tensor reference_logits(MultiscreenLMImpl& model, const torch::Tensor& to
     const torch::Tensor u = composed::screening(q, k, v, p[n + "s_w"], p[n + "s_r"], c.multiscreen.mipe_threshold,
                                                 c.multiscreen.window_expansion);
     const torch::Tensor z = u * torch::tanh(g * torch::sigmoid(g)) * torch::exp(p[n + "s_o"]).view({1, 1, t, 1});
-    x = x + torch::matmul(z.reshape({b, l, t * dv}), p[n + "out"].t());
+    x = x + torch::matmul(z.reshape({b, l, t * dv}), p[n + "output_projection"].t());
   }
   return torch::matmul(x, unit.t()) * torch::exp(p["s_f"]);
 }
@@ -146,6 +147,27 @@ TEST(Multiscreen, InitializationFollows001) {
   std::int64_t n = 0;
   for (const auto& t : model->parameters()) n += t.numel();
   EXPECT_EQ(n, 13 * 64 + 2 + 4 * (5 * (2 * 4 + 2 * 6) * 64 + 64 * 5 * 6 + 3 * 5));
+}
+
+// Checkpoints go through LibTorch's archives, whose names must not be TorchScript keywords
+// ("in" was one): a saved model loads into a fresh one with every parameter.
+TEST(Multiscreen, RoundTripsThroughAnArchive) {
+  torch::manual_seed(8);
+  MultiscreenLM model(small_config()), fresh(small_config());
+  const std::string path = ::testing::TempDir() + "multiscreen_archive.pt";
+  {
+    torch::serialize::OutputArchive out;
+    model->save(out);
+    out.save_to(path);
+  }
+  torch::serialize::InputArchive in;
+  in.load_from(path);
+  fresh->load(in);
+  auto loaded = fresh->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), loaded[item.key()])) << item.key();
+  }
+  std::remove(path.c_str());
 }
 
 TEST(Multiscreen, ArchitectureIsAConfigKey) {
