@@ -1,6 +1,7 @@
 #include "eval/evaluate.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 
@@ -261,6 +262,44 @@ PositionLoss loss_by_position(const nn::LanguageModel& model, const torch::Tenso
     start += b;
   }
   return binned(sums, bins);
+}
+
+ForwardLatency forward_latency(const nn::LanguageModel& model, std::int64_t vocab, std::int64_t length,
+                               std::int64_t repeats, const Runtime& rt) {
+  if (length < 1 || repeats < 1 || vocab < 1) {
+    throw Error(ErrorKind::invalid_argument,
+                "forward_latency: expected length, repeats and vocab >= 1, got " + std::to_string(length) +
+                    ", " + std::to_string(repeats) + " and " + std::to_string(vocab));
+  }
+  torch::NoGradGuard no_grad;
+  model->eval();
+  // Fixed tokens: the latency of a mechanism whose work depends on its weights (Multiscreen's
+  // windows) should not depend on the draw.
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(instance_seed(0, length, 0, 0));
+  const torch::Tensor tokens =
+      torch::randint(vocab, {1, length}, generator, torch::TensorOptions().dtype(torch::kInt64)).to(rt.device);
+  auto pass = [&] {
+    train::Autocast autocast(rt.autocast);
+    (void)model->forward(tokens);
+  };
+  auto wait = [&] {
+    if (rt.device.is_cuda()) torch::cuda::synchronize(rt.device.index() < 0 ? -1 : rt.device.index());
+  };
+  pass();
+  wait();
+  std::vector<double> ms;
+  for (std::int64_t i = 0; i < repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    pass();
+    wait();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  ForwardLatency out;
+  out.length = length;
+  out.min_ms = ms.front();
+  out.median_ms = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
+  return out;
 }
 
 }  // namespace winnow::eval

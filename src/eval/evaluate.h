@@ -103,6 +103,16 @@ GenerationScore score_generation(const nn::LanguageModel& model, const tasks::Ta
 PositionLoss loss_by_position(const nn::LanguageModel& model, const torch::Tensor& tokens,
                               std::int64_t bins, const Runtime& rt);
 
+// Full-context forward latency (001 figure 8): one sequence of `length` random tokens below
+// `vocab`, one forward pass without gradients under the runtime's autocast, no KV cache; one
+// untimed pass, then `repeats` passes each timed between device synchronizations.
+struct ForwardLatency {
+  std::int64_t length = 0;
+  double median_ms = 0, min_ms = 0;
+};
+ForwardLatency forward_latency(const nn::LanguageModel& model, std::int64_t vocab, std::int64_t length,
+                               std::int64_t repeats, const Runtime& rt);
+
 // The seed of the instances at one evaluation point (length, depth index): a stream of its
 // own, apart from the trainer's.
 std::uint64_t instance_seed(std::uint64_t seed, std::int64_t length, std::int64_t depth_index,

@@ -155,6 +155,44 @@ std::string position_loss_table(const json& r) {
   return out;
 }
 
+// Full-context forward latency (ms, median) by length, for the mechanisms that measured it.
+std::string latency_table(const json& r) {
+  std::vector<double> lengths;
+  for (const json& m : r["mechanisms"]) {
+    if (!m.contains("latency")) continue;
+    for (const json& p : m["latency"]) {
+      const double l = p["length"].get<double>();
+      if (std::find(lengths.begin(), lengths.end(), l) == lengths.end()) lengths.push_back(l);
+    }
+  }
+  if (lengths.empty()) return "";
+  std::sort(lengths.begin(), lengths.end());
+  std::string out =
+      "\nFull-context forward latency (ms, median; one sequence, no gradients, the evaluated "
+      "model):\n\n| mechanism |";
+  std::string rule = "|---|";
+  for (double l : lengths) {
+    out += " " + fixed(l, 0) + " |";
+    rule += "---:|";
+  }
+  out += "\n" + rule + "\n";
+  for (const json& m : r["mechanisms"]) {
+    if (!m.contains("latency")) continue;
+    out += "| " + m["label"].get<std::string>() + " |";
+    for (double l : lengths) {
+      std::string cell = "-";
+      for (const json& p : m["latency"]) {
+        if (p["length"].get<double>() == l) {
+          cell = p.contains("median_ms") ? fixed(p["median_ms"].get<double>(), 2) : std::string("failed");
+        }
+      }
+      out += " " + cell + " |";
+    }
+    out += "\n";
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string markdown_report(const json& r) {
@@ -177,6 +215,7 @@ std::string markdown_report(const json& r) {
     out += table(r, measure);
   }
   out += position_loss_table(r);
+  out += latency_table(r);
   if (!r.value("generative", false)) {
     if (!language_modeling(r)) {
       const std::string other = measure == "accuracy" ? "exact_match" : "accuracy";
@@ -500,8 +539,17 @@ std::vector<std::string> plot_study(const json& r, const std::string& dir) {
   written.push_back(accuracy);
   const std::string title = r.value("title", std::string());
   const double train_length = r.value("train_length", 0.0);
-  std::vector<Curve> by_position, sinks;
+  std::vector<Curve> by_position, sinks, latency;
   for (const json& m : r["mechanisms"]) {
+    if (m.contains("latency")) {
+      Curve c{m["label"].get<std::string>(), {}, {}, {}, {}};
+      for (const json& p : m["latency"]) {
+        if (!p.contains("median_ms")) continue;
+        c.x.push_back(p["length"].get<double>());
+        c.y.push_back(p["median_ms"].get<double>());
+      }
+      if (!c.x.empty()) latency.push_back(c);
+    }
     if (const json* p = longest_with(m, "position_loss")) {
       Curve c{m["label"].get<std::string>(), {}, {}, {}, {}};
       const json& pl = (*p)["position_loss"];
@@ -525,6 +573,12 @@ std::vector<std::string> plot_study(const json& r, const std::string& dir) {
     line_plot(path, title, "position (the dashed line: the training length)",
               "loss (" + loss_unit_words(r) + "), by bins of positions", by_position,
               /*log_x=*/false, {train_length});
+    written.push_back(path);
+  }
+  if (!latency.empty()) {
+    const std::string path = (fs::path(dir) / "latency.svg").string();
+    line_plot(path, title, "sequence length in tokens (the dashed line: the training length)",
+              "full-context forward latency (ms, median)", latency, /*log_x=*/true, {train_length});
     written.push_back(path);
   }
   if (!sinks.empty()) {

@@ -321,7 +321,11 @@ json run_study(const Study& s, const RunOptions& options) {
         point["loss"] = score.loss();
         point["instances"] = score.sequences;
         point["scored_positions"] = score.scored;
-        if (probe) point["diagnostics"] = probe->summary();
+        if (probe) {
+          // Architectures without the probe's attention layers (Multiscreen) leave it empty.
+          json diagnostics = probe->summary();
+          if (!diagnostics["mean"].empty()) point["diagnostics"] = diagnostics;
+        }
       }
       const char* measure = task->generative() ? "exact_match" : s.eval.metric.c_str();
       std::printf("   %-6s (L = %6lld): %s %.1f%%\n", (std::to_string(mult) + "x").c_str(),
@@ -330,6 +334,29 @@ json run_study(const Study& s, const RunOptions& options) {
       entry["results"].push_back(point);
     }
     entry["eval_seconds"] = std::chrono::duration<double>(Clock::now() - eval_start).count();
+    if (!s.eval.latency_lengths.empty()) {
+      json latency = json::array();
+      for (std::int64_t length : s.eval.latency_lengths) {
+        // A length the device cannot hold (out of memory) is recorded as such, not allowed to
+        // throw away the study's trained and evaluated rows.
+        try {
+          const eval::ForwardLatency l = eval::forward_latency(model, model->config().vocab_size, length,
+                                                               s.eval.latency_repeats, rt);
+          latency.push_back({{"length", l.length}, {"median_ms", l.median_ms}, {"min_ms", l.min_ms}});
+          std::printf("   forward latency (L = %6lld): %.3f ms (median of %lld)\n",
+                      static_cast<long long>(length), l.median_ms,
+                      static_cast<long long>(s.eval.latency_repeats));
+        } catch (const c10::Error& e) {
+          std::string what = e.what_without_backtrace();
+          if (const auto nl = what.find('\n'); nl != std::string::npos) what = what.substr(0, nl);
+          latency.push_back({{"length", length}, {"error", what}});
+          std::printf("   forward latency (L = %6lld): failed: %s\n", static_cast<long long>(length),
+                      what.c_str());
+        }
+        std::fflush(stdout);
+      }
+      entry["latency"] = latency;
+    }
     result["generative"] = task->generative();
     result["task"] = config::write(eval_task_config(s, config));
     result["train_length"] = config.train.seq_len;

@@ -56,6 +56,10 @@ struct EvalConfig {
   // Loss by position at every length, in bins of train.seq_len / position_bins positions
   // (so a length of m times the training length has m * position_bins bins); 0: not measured.
   std::int64_t position_bins = 0;
+  // Full-context forward latency of the evaluated model at these lengths (001 figure 8): one
+  // sequence, no gradients, the median of latency_repeats timed passes; []: not measured.
+  std::vector<std::int64_t> latency_lengths;
+  std::int64_t latency_repeats = 5;
 
   template <class V>
   void fields(V& v) {
@@ -69,6 +73,8 @@ struct EvalConfig {
     v("diagnostics_max_length", diagnostics_max_length, config::at_least(1));
     v("task", task);
     v("position_bins", position_bins, config::with_words(config::at_least(0), "0: off"));
+    v("latency_lengths", latency_lengths, config::at_least(1));
+    v("latency_repeats", latency_repeats, config::at_least(1));
   }
 };
 
