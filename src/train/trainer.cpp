@@ -40,6 +40,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "nn/mechanisms.h"
 #include "train/autocast.h"
 #include "train/checkpoint.h"
 #include "train/files.h"
