@@ -104,8 +104,8 @@ PositionLoss loss_by_position(const nn::LanguageModel& model, const torch::Tenso
                               std::int64_t bins, const Runtime& rt);
 
 // Full-context forward latency (001 figure 8): one sequence of `length` random tokens below
-// `vocab`, one forward pass without gradients under the runtime's autocast, no KV cache; one
-// untimed pass, then `repeats` passes each timed between device synchronizations.
+// `vocab`, one forward pass without gradients under the runtime's autocast, no KV cache;
+// untimed passes, then `repeats` passes each timed between device synchronizations.
 struct ForwardLatency {
   std::int64_t length = 0;
   double median_ms = 0, min_ms = 0;

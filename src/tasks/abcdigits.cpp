@@ -20,6 +20,7 @@ constexpr std::int64_t kAnswer = 6;  // T's digits
 
 class AbcDigits final : public CharacterPromptTask {
  public:
+  using CharacterPromptTask::CharacterPromptTask;
   // Every letter's line once, T's included, then the query and the answer.
   std::int64_t min_length() const override { return kLetters * kLine + kQuery + kAnswer; }
 
@@ -82,6 +83,8 @@ class AbcDigits final : public CharacterPromptTask {
 
 }  // namespace
 
-std::unique_ptr<Task> make_abcdigits() { return std::make_unique<AbcDigits>(); }
+std::unique_ptr<Task> make_abcdigits(const AbcdigitsConfig& config) {
+  return std::make_unique<AbcDigits>(config.training_loss);
+}
 
 }  // namespace winnow::tasks

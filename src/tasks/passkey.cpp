@@ -21,7 +21,8 @@ std::string needle(const std::string& key) {
 
 class Passkey final : public CharacterPromptTask {
  public:
-  explicit Passkey(std::int64_t digits) : digits_(digits) {}
+  Passkey(std::int64_t digits, const std::string& training_loss)
+      : CharacterPromptTask(training_loss), digits_(digits) {}
 
   // No filler at all: the needle right after the instruction, then the question.
   std::int64_t min_length() const override {
@@ -77,7 +78,7 @@ std::unique_ptr<Task> make_passkey(const PasskeyConfig& config) {
     throw Error(ErrorKind::invalid_argument,
                 "passkey.digits: expected >= 1, got " + std::to_string(config.digits));
   }
-  return std::make_unique<Passkey>(config.digits);
+  return std::make_unique<Passkey>(config.digits, config.training_loss);
 }
 
 }  // namespace winnow::tasks

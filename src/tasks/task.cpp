@@ -103,11 +103,26 @@ Batch Task::sample_prompts(std::int64_t batch, std::int64_t length, std::uint64_
   return out;
 }
 
+CharacterPromptTask::CharacterPromptTask(const std::string& training_loss)
+    : document_loss_(training_loss == "document") {
+  if (training_loss != "answer" && training_loss != "document") {
+    config::fail("training_loss", "answer or document", "\"" + training_loss + "\"");
+  }
+}
+
+Batch CharacterPromptTask::sample_training(std::int64_t batch, std::int64_t length,
+                                           std::uint64_t seed) const {
+  Batch out = sample_prompts(batch, length, seed);
+  // Every position but the last predicts a token of the document.
+  if (document_loss_) out.loss_mask.narrow(1, 0, length - 1).fill_(1.0f);
+  return out;
+}
+
 std::unique_ptr<Task> make_task(const TaskConfig& config) {
   if (config.name == "progression") return std::make_unique<Progression>(config.vocab_size);
   if (config.name == "mqrar") return make_mqrar(config.mqrar);
   if (config.name == "copy") return make_copy(config.copy);
-  if (config.name == "abcdigits") return make_abcdigits();
+  if (config.name == "abcdigits") return make_abcdigits(config.abcdigits);
   if (config.name == "passkey") return make_passkey(config.passkey);
   if (config.name == "corpus") return make_corpus(config.corpus);
   config::fail("task.name", "one of " + config::join(task_names()), "\"" + config.name + "\"");

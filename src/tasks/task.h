@@ -39,8 +39,8 @@ class Task {
   virtual std::int64_t vocab_size() const = 0;
   // The shortest sequence the task can fill (errors name the length asked for).
   virtual std::int64_t min_length() const { return 1; }
-  // `batch` sequences of exactly `length` tokens. Generative tasks train on prompt + answer
-  // with the loss on the answer only, needles at uniformly random depths.
+  // `batch` sequences of exactly `length` tokens. Generative tasks' sequences are prompt +
+  // answer with the loss on the answer only, needles at uniformly random depths.
   virtual Batch sample(std::int64_t batch, std::int64_t length, std::uint64_t seed) const = 0;
   // What training draws: sample() unless a task trains on a wider distribution than it is
   // evaluated on (Copy's varied_training).
@@ -71,14 +71,20 @@ class Task {
 // min_length(); training batches are prompt + answer, tokens render as text.
 class CharacterPromptTask : public Task {
  public:
+  // training_loss: "answer" or "document" (task_config.h, AbcdigitsConfig).
+  explicit CharacterPromptTask(const std::string& training_loss = "answer");
   std::int64_t vocab_size() const override { return text::kVocab; }
   bool generative() const override { return true; }
   Batch sample(std::int64_t batch, std::int64_t length, std::uint64_t seed) const override {
     return sample_prompts(batch, length, seed);
   }
+  Batch sample_training(std::int64_t batch, std::int64_t length, std::uint64_t seed) const override;
   std::string render(const std::vector<std::int64_t>& tokens) const override {
     return text::decode(tokens);
   }
+
+ private:
+  bool document_loss_;
 };
 
 // An unknown name is an error naming task.name.
@@ -87,7 +93,7 @@ std::unique_ptr<Task> make_task(const TaskConfig& config);
 // The generators, each in its own file.
 std::unique_ptr<Task> make_mqrar(const MqrarConfig& config);
 std::unique_ptr<Task> make_copy(const CopyConfig& config);
-std::unique_ptr<Task> make_abcdigits();
+std::unique_ptr<Task> make_abcdigits(const AbcdigitsConfig& config = {});
 std::unique_ptr<Task> make_passkey(const PasskeyConfig& config);
 std::unique_ptr<Task> make_corpus(const CorpusConfig& config);
 

@@ -45,12 +45,28 @@ struct CopyConfig {
   }
 };
 
+// What a generative task's training batches put the loss on: "answer" (only the answer's
+// tokens, as evaluation scores them) or "document" (every next token, as a language model
+// trained on such documents would see them: repeated lines teach copying long before the
+// answer alone does). Held-out batches and evaluation score the answer either way.
+
+struct AbcdigitsConfig {
+  std::string training_loss = "answer";
+
+  template <class V>
+  void fields(V& v) {
+    v("training_loss", training_loss, config::one_of({"answer", "document"}));
+  }
+};
+
 struct PasskeyConfig {
   std::int64_t digits = 5;
+  std::string training_loss = "answer";  // as AbcdigitsConfig's
 
   template <class V>
   void fields(V& v) {
     v("digits", digits, config::in_range(1, 18, true));
+    v("training_loss", training_loss, config::one_of({"answer", "document"}));
   }
 };
 
@@ -70,6 +86,7 @@ struct TaskConfig {
   std::int64_t vocab_size = 16;      // progression's vocabulary
   MqrarConfig mqrar;
   CopyConfig copy;
+  AbcdigitsConfig abcdigits;
   PasskeyConfig passkey;
   CorpusConfig corpus;
 
@@ -79,6 +96,7 @@ struct TaskConfig {
     v("vocab_size", vocab_size, config::at_least(3));
     v("mqrar", mqrar);
     v("copy", copy);
+    v("abcdigits", abcdigits);
     v("passkey", passkey);
     v("corpus", corpus);
   }

@@ -327,7 +327,7 @@ TEST(Cli, StudyEvaluatesWithEvalSetOnTheTrainedWeights) {
   const nlohmann::json& m = result["mechanisms"][0];
   EXPECT_EQ(m["config"]["model"]["architecture"], "multiscreen");
   EXPECT_EQ(m["config"]["model"]["multiscreen"]["window_expansion"], 0.0);
-  EXPECT_EQ(m["eval_set"]["model.multiscreen.window_expansion"], 256);
+  EXPECT_EQ(m["eval_set"]["model.multiscreen.window_expansion"], 1024);
   ASSERT_EQ(m["results"].size(), 2u);
   EXPECT_NE(r.output.find("multiscreen (8 tiles"), std::string::npos) << r.output;
   // 001 figure 8's full-context forward latency, of the evaluated model, at the asked lengths.

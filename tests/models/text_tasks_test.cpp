@@ -152,6 +152,31 @@ TEST(AbcDigits, Basics) {
   EXPECT_EQ(task->render(text::encode("A=123456\n")), "A=123456\n");
 }
 
+// training_loss "document" puts the training loss on every next token of the same sequences;
+// held-out batches (sample) keep it on the answer, which evaluation scores.
+TEST(AbcDigits, DocumentLossCoversEveryPredictionInTrainingOnly) {
+  for (const char* name : {"abcdigits", "passkey"}) {
+    TaskConfig c;
+    c.name = name;
+    const auto answer_only = make_task(c);
+    c.abcdigits.training_loss = "document";
+    c.passkey.training_loss = "document";
+    const auto document = make_task(c);
+    const Batch a = answer_only->sample_training(3, 300, 5), d = document->sample_training(3, 300, 5);
+    EXPECT_TRUE(torch::equal(a.inputs, d.inputs)) << name;
+    EXPECT_TRUE(torch::equal(a.targets, d.targets)) << name;
+    const std::int64_t answer = std::string(name) == "abcdigits" ? 6 : 5;
+    EXPECT_EQ(a.loss_mask.sum().item<double>(), 3.0 * answer) << name;
+    EXPECT_EQ(d.loss_mask.sum().item<double>(), 3.0 * 299) << name;
+    EXPECT_EQ(d.loss_mask.select(1, 299).sum().item<double>(), 0.0) << name;
+    EXPECT_TRUE(torch::equal(document->sample(3, 300, 5).loss_mask, a.loss_mask)) << name;
+  }
+  TaskConfig bad;
+  bad.name = "abcdigits";
+  bad.abcdigits.training_loss = "everything";
+  expect_error([&] { make_task(bad); }, "training_loss");
+}
+
 TEST(AbcDigits, LayoutAtEveryLengthAndDepth) {
   const auto task = make_abcdigits();
   for (const std::int64_t length : {242, 243, 250, 251, 300, 1000, 4096}) {
