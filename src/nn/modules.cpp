@@ -256,4 +256,22 @@ std::pair<torch::Tensor, torch::Tensor> LayerCache::append(const torch::Tensor& 
   return {k_.narrow(1, 0, total), v_.narrow(1, 0, total)};
 }
 
+void LayerCache::keep_last(std::int64_t keep) {
+  if (keep < 1) {
+    throw Error(ErrorKind::invalid_argument,
+                "LayerCache::keep_last: argument 'keep': expected >= 1, got " + std::to_string(keep));
+  }
+  if (length_ <= 2 * keep) return;
+  const std::int64_t drop = length_ - keep;
+  if (torch::GradMode::is_enabled() && (k_.requires_grad() || v_.requires_grad())) {
+    k_ = k_.narrow(1, drop, keep);
+    v_ = v_.narrow(1, drop, keep);
+  } else {
+    // drop > keep: the kept range and its destination do not overlap.
+    k_.narrow(1, 0, keep).copy_(k_.narrow(1, drop, keep));
+    v_.narrow(1, 0, keep).copy_(v_.narrow(1, drop, keep));
+  }
+  length_ = keep;
+}
+
 }  // namespace winnow::nn

@@ -116,6 +116,11 @@ class LayerCache {
   std::int64_t length() const { return length_; }
   // Appends this chunk's keys and values; returns all of them (views of the buffer).
   std::pair<torch::Tensor, torch::Tensor> append(const torch::Tensor& k, const torch::Tensor& v);
+  // For layers whose queries never look further back than `keep` keys (Multiscreen's windows):
+  // drops all but the last `keep` entries once more than 2 * keep are held, so memory stays
+  // O(keep) and a decoding step copies O(1) entries amortized. Order is kept; length() then
+  // counts the kept entries, so positions seen through the cache become relative.
+  void keep_last(std::int64_t keep);
 
  private:
   torch::Tensor k_, v_;

@@ -46,6 +46,15 @@ torch::Tensor MultiscreenLayerImpl::forward(const torch::Tensor& x, LayerCache* 
   } else {
     u = composed::screening(q, k, v, s_w_, s_r_, m.mipe_threshold, m.window_expansion);
   }
+  if (cache != nullptr) {
+    // Keys at or beyond every tile's window have exactly zero relevance, and MiPE and the
+    // Softmask see positions only through i - j, so decoding needs only the last ceil(w_max)
+    // keys (one more for rounding between this double and the kernel's float); none can go
+    // once a window is expanded to infinity.
+    const double w_max = std::exp(s_w_.max().item<double>()) + 1.0;
+    const bool infinite = m.window_expansion > 0 && w_max > m.window_expansion;
+    if (!infinite) cache->keep_last(static_cast<std::int64_t>(std::ceil(w_max)) + 1);
+  }
   const torch::Tensor gate = torch::tanh(F::silu(g)) * torch::exp(s_o_).to(g.scalar_type()).view({1, 1, t, 1});
   return F::linear((u * gate).reshape({b, l, t * dv}), out_);
 }

@@ -125,6 +125,42 @@ TEST(Multiscreen, DecodingThroughTheCacheMatchesTheFullForward) {
   EXPECT_LT((torch::cat(steps, 1) - full).abs().max().item<double>(), 1e-11);
 }
 
+// Windows of at most 5 keys: the cache keeps O(window) keys (positions become relative, which
+// MiPE and the Softmask cannot tell apart), and decoding still matches the full forward; with
+// the windows expanded to infinity it keeps every key.
+TEST(Multiscreen, DecodingKeepsOnlyTheKeysTheWindowsReach) {
+  torch::manual_seed(6);
+  ModelConfig c = small_config();
+  c.multiscreen.mipe_threshold = 16;  // MiPE active at these windows
+  for (const double expansion : {0.0, 4.5}) {
+    c.multiscreen.window_expansion = expansion;
+    MultiscreenLM model(c);
+    model->to(torch::kFloat64);
+    torch::NoGradGuard no_grad;
+    for (auto& item : model->named_parameters()) {
+      if (item.key().find("s_w") != std::string::npos) {
+        item.value().copy_(torch::tensor({std::log(1.5), std::log(3.0), std::log(4.0)}, torch::kFloat64));
+      }
+      if (item.key().find("s_r") != std::string::npos) item.value().fill_(3.0);
+    }
+    const torch::Tensor tokens = random_tokens(2, 40, 13, 9);
+    const torch::Tensor full = model->forward(tokens);
+    KVCache cache = model->new_cache();
+    std::vector<torch::Tensor> steps = {model->forward(tokens.narrow(1, 0, 9), &cache)};
+    std::int64_t most = 0;
+    for (std::int64_t i = 9; i < 40; ++i) {
+      steps.push_back(model->forward(tokens.narrow(1, i, 1), &cache));
+      most = std::max(most, cache.length());
+    }
+    EXPECT_LT((torch::cat(steps, 1) - full).abs().max().item<double>(), 1e-11) << expansion;
+    if (expansion == 0.0) {
+      EXPECT_LE(most, 2 * 7);  // keep = ceil(w_max = 5) + 1
+    } else {
+      EXPECT_EQ(cache.length(), 40);  // a window of 5 > 4.5 is infinite
+    }
+  }
+}
+
 // 001 appendix D: windows spaced from 2 to w_th + 1 over a layer's tiles, r = 0.5,
 // s_O = log(1 / sqrt(tiles * layers)), s_E = 0, s_F = log(sqrt(d_E)), unit-norm embedding rows
 // of N(0, (0.1 / sqrt(d_E))^2) entries.
