@@ -306,6 +306,25 @@ Operand AttentionCall::row_stats(const char* name, const TensorView& t, DType dt
   return o;
 }
 
+Operand AttentionCall::per_query_row(const char* name, const TensorView& t, DType dtype,
+                                     std::int64_t width) const {
+  std::int64_t shape[3];
+  const int rows = varlen_ ? 1 : 2;
+  for (int d = 0; d < rows; ++d) shape[d] = in_.q.shape[d];
+  int n = rows;
+  if (width > 0) shape[n++] = width;
+  const char* layout = width > 0 ? (varlen_ ? "(T, width) per query row" : "(B, L, width) per query row")
+                                 : (varlen_ ? "(T) per query row" : "(B, L) per query row");
+  check_shape(name, t, shape, n, layout);
+  if (t.dtype != dtype) fail(name, to_string(dtype), describe(t));
+  Operand o;
+  o.data = t.data;
+  o.batch = varlen_ ? 0 : t.stride[0];
+  o.row = t.stride[varlen_ ? 0 : 1];
+  o.head = width > 0 ? t.stride[rows] : 0;
+  return o;
+}
+
 void AttentionCall::check_scale(const std::optional<double>& scale) const {
   if (scale && !std::isfinite(*scale)) {
     fail("scale", "a finite number", std::to_string(*scale));

@@ -30,6 +30,10 @@ class AttentionCall {
   // Per-row statistics: (B, Lq, Hq) or (Tq, Hq), of stats_dtype() (or the given dtype).
   Operand row_stats(const char* name, const TensorView& t) const;
   Operand row_stats(const char* name, const TensorView& t, DType dtype) const;
+  // Per query row, not per head: (B, Lq) or (Tq), or with a trailing dimension of `width`
+  // (B, Lq, width) or (Tq, width) when width > 0; of `dtype`. The operand's head stride walks
+  // the trailing dimension.
+  Operand per_query_row(const char* name, const TensorView& t, DType dtype, std::int64_t width = 0) const;
   // A learned scalar per query head: (Hq) or (1) (shared by every head), of stats_dtype(), on
   // q's device. The operand's head stride is 0 for a shared one.
   Operand per_head(const char* name, const TensorView& t) const;

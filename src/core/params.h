@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "math/gsa.h"
 #include "math/host_device.h"
 #include "winnow/attention.h"
 #include "winnow/tensor.h"
@@ -156,6 +157,23 @@ struct ScreeningConfig {
   template <class T>
   WINNOW_HD T s_r_at(std::int64_t h) const {
     return static_cast<const T*>(s_r.data)[h * s_r.head];
+  }
+};
+
+// GSA's indexer with selection (spec/gsa.md). AttentionParams carries the indexer's queries
+// (q: H_I heads of d_I) and its single key head (k), the sequences and the scale; the per-row
+// statistic (stats) is the row's score variance over its visible keys. `weights` holds the
+// heads' pre-activation weights per query row and head, in q's dtype; `bias` one value per head
+// at stride `head` (sigmoid form). `indices` (int32, the k_max slots of a row at stride `head`)
+// gets the selected keys' positions in their sequence in increasing order, -1 after `counts`.
+struct IndexerConfig {
+  math::gsa::ScoreForm form = math::gsa::ScoreForm::sigmoid;
+  math::gsa::BudgetParams budget;
+  Operand weights, bias;
+  Operand indices, counts;
+  template <class T>
+  WINNOW_HD T bias_at(std::int64_t h) const {
+    return static_cast<const T*>(bias.data)[h * bias.head];
   }
 };
 

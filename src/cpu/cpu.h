@@ -31,6 +31,9 @@ void screening_forward(const detail::AttentionParams& p, const detail::Screening
 void screening_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                         const detail::ScreeningConfig& cfg);
 
+// GSA's indexer with selection: scores, row variance (p.stats), budget, top-k positions.
+void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConfig& c);
+
 void rotary(const detail::RotaryParams& p);
 
 // dy in x's dtype, y in x's dtype (the API checks): the CPU has float32 and float64 only.

@@ -35,4 +35,7 @@ void screening_forward(const detail::AttentionParams& p, const detail::Screening
 void screening_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                         const detail::ScreeningConfig& cfg);
 
+// GSA's indexer with selection: scores, row variance (p.stats), budget, top-k positions.
+void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConfig& c);
+
 }  // namespace winnow::reference

@@ -1,0 +1,76 @@
+#include "winnow/gsa.h"
+
+#include <cmath>
+#include <string>
+
+#include "api/attention_call.h"
+#include "cpu/cpu.h"
+#include "reference/reference.h"
+
+namespace winnow::gsa {
+
+using detail::AttentionCall;
+using detail::Route;
+
+void select_keys(const IndexerInputs& in, const IndexerOptions& options, const Selection& out,
+                 const ExecContext& ctx) {
+  // The indexer's single key head doubles as v: AttentionCall checks a value operand, and the
+  // indexer reads none.
+  const AttentionInputs attention{in.q, in.k, in.k, in.cu_seqlens_q, in.cu_seqlens_k};
+  AttentionCall call("winnow::gsa::select_keys", attention, ctx);
+  call.check_scale(options.scale);
+  detail::AttentionParams p = call.params(options.scale, /*attend_current=*/true);
+  if (p.heads_kv != 1) call.fail("k", "one key head shared by the indexer's heads", std::to_string(p.heads_kv) + " heads");
+
+  const std::string k_max = std::to_string(options.k_max);
+  call.check_option("k_max", options.k_max >= 1, "an integer >= 1", k_max);
+  if (options.budget == Budget::fixed) {
+    call.check_option("k", options.k >= 1, "an integer >= 1 (the fixed budget)", std::to_string(options.k));
+  } else {
+    call.check_option("k_min", options.k_min >= 1 && options.k_min <= options.k_max,
+                      "an integer in [1, k_max = " + k_max + "]", std::to_string(options.k_min));
+    call.check_option("k_base", options.k_base >= 1, "an integer >= 1", std::to_string(options.k_base));
+    call.check_option("mean_variance", std::isfinite(options.mean_variance) && options.mean_variance > 0,
+                      "a finite number > 0", std::to_string(options.mean_variance));
+  }
+
+  detail::IndexerConfig c;
+  c.form = options.form == ScoreForm::relu ? math::gsa::ScoreForm::relu : math::gsa::ScoreForm::sigmoid;
+  c.budget.rule = options.budget == Budget::fixed              ? math::gsa::Budget::fixed
+                  : options.budget == Budget::inverse_variance ? math::gsa::Budget::inverse_variance
+                  : options.budget == Budget::eq8              ? math::gsa::Budget::eq8
+                                                               : math::gsa::Budget::reference;
+  c.budget.k = options.k;
+  c.budget.k_base = options.k_base;
+  c.budget.k_min = options.budget == Budget::fixed ? 1 : options.k_min;
+  c.budget.k_max = options.k_max;
+  c.budget.mean_variance = options.mean_variance;
+
+  c.weights = call.row_stats("head_weights", in.head_weights, p.dtype);
+  // A missing bias is zero: one value read at head stride 0, alive for this (synchronous) call.
+  const double zero64 = 0.0;
+  const float zero32 = 0.0f;
+  if (in.bias) {
+    if (c.form == math::gsa::ScoreForm::relu) call.fail("bias", "absent for the relu score form", "a tensor");
+    c.bias = call.per_head("bias", *in.bias);
+  } else {
+    c.bias.data = const_cast<void*>(call.stats_dtype() == DType::float64 ? static_cast<const void*>(&zero64)
+                                                                          : static_cast<const void*>(&zero32));
+  }
+  c.indices = call.per_query_row("indices", out.indices, DType::int32, options.k_max);
+  c.counts = call.per_query_row("counts", out.counts, DType::int32);
+  p.stats = call.per_query_row("variance", out.variance, call.stats_dtype());
+  for (const auto& [name, view] : {std::pair<const char*, const TensorView*>{"indices", &out.indices},
+                                   {"counts", &out.counts}, {"variance", &out.variance}}) {
+    call.require_writable(name, *view);
+  }
+  switch (call.route()) {
+    case Route::reference: return reference::gsa_select_keys(p, c);
+    case Route::cpu: return cpu::gsa_select_keys(p, c);
+    case Route::cuda:
+      call.fail("q", "a CPU tensor (GSA's indexer has no CUDA kernel yet)", "a CUDA tensor",
+                ErrorKind::unsupported);
+  }
+}
+
+}  // namespace winnow::gsa
