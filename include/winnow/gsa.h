@@ -52,4 +52,29 @@ struct Selection {
 void select_keys(const IndexerInputs& in, const IndexerOptions& options, const Selection& out,
                  const ExecContext& ctx = {});
 
+// Softmax attention of every query over its own key list, one list per token shared by all
+// of its heads (003 eq. 6's sparse SDPA; spec/gsa.md):
+//   O_t,h = sum_{s in S_t} softmax_{s in S_t}(<q_t,h, k_s> * scale) v_s
+// The lists are select_keys's output: indices (B, Lq, k_max) or (Tq, k_max), int32 positions
+// in the sequence, strictly increasing and visible to the query (<= its position) in the first
+// counts[t] slots; counts (B, Lq) or (Tq). An empty list gives zeros and lse -inf. The lists
+// are checked before any work (on CPU tensors; every entry is read).
+struct KeyLists {
+  TensorView indices;
+  TensorView counts;
+};
+
+struct SparseOutputs {
+  TensorView out;  // like q with v's head dimension
+  TensorView lse;  // (B, Lq, Hq) or (Tq, Hq): each row's log-sum-exp over its list
+};
+
+void sparse_forward(const AttentionInputs& in, const KeyLists& lists, std::optional<double> scale,
+                    const SparseOutputs& out, const ExecContext& ctx = {});
+// Gradients of sum(dout * out) with respect to q, k and v; dk and dv get every query's share
+// (keys outside every list get zero).
+void sparse_backward(const AttentionInputs& in, const KeyLists& lists, std::optional<double> scale,
+                     const SparseOutputs& saved, const TensorView& dout, const AttentionGrads& grads,
+                     const ExecContext& ctx = {});
+
 }  // namespace winnow::gsa

@@ -73,4 +73,79 @@ void select_keys(const IndexerInputs& in, const IndexerOptions& options, const S
   }
 }
 
+namespace {
+
+// The lists as the kernels take them, every entry checked first: an index out of its row's
+// visible range would read outside the keys.
+detail::KeyListConfig checked_lists(const AttentionCall& call, const detail::AttentionParams& p,
+                                    const KeyLists& lists) {
+  const TensorView& idx = lists.indices;
+  detail::KeyListConfig c;
+  c.k_max = idx.ndim >= 1 ? idx.shape[idx.ndim - 1] : 0;
+  if (c.k_max < 1) call.fail("indices", "a trailing dimension of k_max >= 1 slots", idx.shape_string());
+  c.indices = call.per_query_row("indices", idx, DType::int32, c.k_max);
+  c.counts = call.per_query_row("counts", lists.counts, DType::int32);
+  if (idx.device.kind != DeviceKind::cpu) {
+    call.fail("indices", "a CPU tensor (GSA's sparse attention has no CUDA kernel yet)", "a CUDA tensor",
+              ErrorKind::unsupported);
+  }
+  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
+    const detail::SequenceExtent s = p.sequence(b);
+    for (std::int64_t r = 0; r < s.q_len; ++r) {
+      const std::int64_t row = s.q_start + r, t = r + s.q_offset();
+      const std::int32_t n = *c.counts.at<const std::int32_t>(b, row, 0);
+      const std::string where = "sequence " + std::to_string(b) + ", query row " + std::to_string(r);
+      if (n < 0 || n > c.k_max) {
+        call.fail("counts", "values in [0, k_max = " + std::to_string(c.k_max) + "]", std::to_string(n) + " at " + where);
+      }
+      std::int64_t previous = -1;
+      for (std::int32_t i = 0; i < n; ++i) {
+        const std::int32_t key = *c.indices.at<const std::int32_t>(b, row, i);
+        if (key <= previous || key > t) {
+          call.fail("indices", "strictly increasing positions in [0, " + std::to_string(t) + "] at " + where,
+                    std::to_string(key) + " in slot " + std::to_string(i));
+        }
+        previous = key;
+      }
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+void sparse_forward(const AttentionInputs& in, const KeyLists& lists, std::optional<double> scale,
+                    const SparseOutputs& out, const ExecContext& ctx) {
+  AttentionCall call("winnow::gsa::sparse_forward", in, ctx);
+  call.check_scale(scale);
+  detail::AttentionParams p = call.params(scale, /*attend_current=*/true);
+  p.out = call.like_q("out", out.out, /*value_dim=*/true);
+  p.stats = call.row_stats("lse", out.lse);
+  call.require_writable("out", out.out);
+  call.require_writable("lse", out.lse);
+  const detail::KeyListConfig c = checked_lists(call, p, lists);
+  switch (call.route()) {
+    case Route::reference: return reference::gsa_sparse_forward(p, c);
+    case Route::cpu: return cpu::gsa_sparse_forward(p, c);
+    case Route::cuda: break;  // checked_lists refused CUDA lists
+  }
+}
+
+void sparse_backward(const AttentionInputs& in, const KeyLists& lists, std::optional<double> scale,
+                     const SparseOutputs& saved, const TensorView& dout, const AttentionGrads& grads,
+                     const ExecContext& ctx) {
+  AttentionCall call("winnow::gsa::sparse_backward", in, ctx);
+  call.check_scale(scale);
+  detail::AttentionParams p = call.params(scale, /*attend_current=*/true);
+  p.out = call.like_q("out", saved.out, /*value_dim=*/true);
+  p.stats = call.row_stats("lse", saved.lse);
+  const detail::GradientParams g = call.gradients(dout, grads);
+  const detail::KeyListConfig c = checked_lists(call, p, lists);
+  switch (call.route()) {
+    case Route::reference: return reference::gsa_sparse_backward(p, g, c);
+    case Route::cpu: return cpu::gsa_sparse_backward(p, g, c);
+    case Route::cuda: break;
+  }
+}
+
 }  // namespace winnow::gsa

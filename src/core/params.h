@@ -177,4 +177,12 @@ struct IndexerConfig {
   }
 };
 
+// GSA's sparse attention: each query row's key list (positions in its sequence, increasing),
+// shared by the row's heads; the per-row statistic (AttentionParams::stats) is the
+// log-sum-exp over the list.
+struct KeyListConfig {
+  Operand indices, counts;  // int32; indices' k_max slots of a row at stride `head`
+  std::int64_t k_max = 0;
+};
+
 }  // namespace winnow::detail

@@ -34,6 +34,11 @@ void screening_backward(const detail::AttentionParams& p, const detail::Gradient
 // GSA's indexer with selection: scores, row variance (p.stats), budget, top-k positions.
 void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConfig& c);
 
+// GSA's sparse attention over per-row key lists (validated by the API).
+void gsa_sparse_forward(const detail::AttentionParams& p, const detail::KeyListConfig& lists);
+void gsa_sparse_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                         const detail::KeyListConfig& lists);
+
 void rotary(const detail::RotaryParams& p);
 
 // dy in x's dtype, y in x's dtype (the API checks): the CPU has float32 and float64 only.

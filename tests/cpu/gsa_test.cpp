@@ -4,17 +4,23 @@
 // out (ties toward the more recent key); every budget rule, both score forms. Then the CPU
 // kernels against the reference (bitwise in float64, by rank in float32) on batched, suffix
 // and packed layouts with permuted strides, and the API's errors.
+// The sparse attention over those lists: with every visible key listed it is softmax attention
+// (spec/gsa.md's first check), its float64 gradients against finite differences, an empty list,
+// the CPU kernels against the reference (GQA, Dv != D, suffix queries, packed sequences,
+// permuted strides, float64 and float32), and bad lists refused before any work.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "math/gsa.h"
 #include "support/expect_error.h"
 #include "support/host_tensor.h"
 #include "winnow/gsa.h"
+#include "winnow/softmax.h"
 
 namespace winnow::testing {
 namespace {
@@ -348,6 +354,235 @@ TEST(GsaIndexer, ErrorsNameTheArgument) {
     in.head_weights = w.view();
     gsa::select_keys(in, good, out);
   }, "head_weights");
+}
+
+// ------------------------------------------------------------------ sparse attention
+
+struct SparseCase {
+  IndexerShape shape;
+  std::int64_t heads_kv = 2, dim_v = 6;
+  HostTensor q, k, v, dout, indices, counts, cu;
+  std::int64_t rows_q = 0, k_max = 0;
+
+  // Lists of `per_row` keys drawn at random from each row's visible ones (all of them when
+  // per_row >= t + 1); per_row = 0 lists every visible key.
+  SparseCase(IndexerShape s, std::int64_t hkv, std::int64_t dv, DType dtype, std::uint64_t seed, std::int64_t per_row,
+             bool permuted = false)
+      : shape(std::move(s)), heads_kv(hkv), dim_v(dv) {
+    std::mt19937_64 rng(seed);
+    const std::int64_t h = shape.heads, d = shape.dim, b = static_cast<std::int64_t>(shape.seqs.size());
+    std::vector<std::int32_t> cq = {0}, ck = {0};
+    std::int64_t longest = 0;
+    for (const auto& [lq, lk] : shape.seqs) {
+      cq.push_back(cq.back() + static_cast<std::int32_t>(lq));
+      ck.push_back(ck.back() + static_cast<std::int32_t>(lk));
+      longest = std::max(longest, lk);
+    }
+    rows_q = cq.back();
+    k_max = per_row > 0 ? per_row : longest;
+    const std::vector<int> order = permuted ? std::vector<int>{0, 2, 1, 3} : std::vector<int>{};
+    const std::vector<int> order3 = permuted ? std::vector<int>{1, 0, 2} : std::vector<int>{};
+    if (shape.varlen) {
+      q = HostTensor({cq.back(), h, d}, dtype, order3);
+      k = HostTensor({ck.back(), hkv, d}, dtype, order3);
+      v = HostTensor({ck.back(), hkv, dv}, dtype);
+      dout = HostTensor({cq.back(), h, dv}, dtype);
+      indices = HostTensor({cq.back(), k_max}, DType::int32);
+      counts = HostTensor({cq.back()}, DType::int32);
+      cu = int32_tensor(cq);
+    } else {
+      const std::int64_t lq = shape.seqs[0].first, lk = shape.seqs[0].second;
+      q = HostTensor({b, lq, h, d}, dtype, order);
+      k = HostTensor({b, lk, hkv, d}, dtype, order);
+      v = HostTensor({b, lk, hkv, dv}, dtype);
+      dout = HostTensor({b, lq, h, dv}, dtype);
+      indices = HostTensor({b, lq, k_max}, DType::int32);
+      counts = HostTensor({b, lq}, DType::int32);
+    }
+    for (HostTensor* t : {&q, &k, &v, &dout}) t->set_values(random_normal(t->numel(), rng));
+    std::vector<double> idx(static_cast<std::size_t>(rows_q * k_max), -1.0), cnt;
+    std::int64_t row = 0;
+    for (const auto& [lq, lk] : shape.seqs) {
+      for (std::int64_t r = 0; r < lq; ++r, ++row) {
+        std::vector<std::int64_t> keys(static_cast<std::size_t>(r + lk - lq + 1));
+        for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = static_cast<std::int64_t>(i);
+        std::shuffle(keys.begin(), keys.end(), rng);
+        keys.resize(std::min<std::size_t>(keys.size(), static_cast<std::size_t>(k_max)));
+        std::sort(keys.begin(), keys.end());
+        for (std::size_t i = 0; i < keys.size(); ++i) idx[static_cast<std::size_t>(row * k_max) + i] = static_cast<double>(keys[i]);
+        cnt.push_back(static_cast<double>(keys.size()));
+      }
+    }
+    if (!shape.varlen) {
+      // Batched: every sequence has the same (lq, lk); rows were laid out b-major already.
+    }
+    indices.set_values(idx);
+    counts.set_values(cnt);
+  }
+
+  AttentionInputs inputs() const {
+    AttentionInputs in{q.view(), k.view(), v.view(), std::nullopt, std::nullopt};
+    if (shape.varlen) in.cu_seqlens_q = cu.view();  // keys and queries share the offsets here
+    return in;
+  }
+  gsa::KeyLists lists() const { return {indices.view(), counts.view()}; }
+};
+
+struct SparseResult {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+SparseResult run_sparse(const SparseCase& c, const ExecContext& ctx) {
+  const DType dtype = c.q.dtype(), stats = dtype == DType::float64 ? DType::float64 : DType::float32;
+  std::vector<std::int64_t> out_shape = c.dout.shape(), lse_shape = c.q.shape();
+  lse_shape.pop_back();
+  HostTensor out(out_shape, dtype), lse(lse_shape, stats), dq(c.q.shape(), dtype), dk(c.k.shape(), dtype),
+      dv(c.v.shape(), dtype);
+  for (HostTensor* t : {&out, &dq, &dk, &dv}) t->fill(123.0);  // every entry must be written
+  gsa::sparse_forward(c.inputs(), c.lists(), std::nullopt, {out.view(), lse.view()}, ctx);
+  gsa::sparse_backward(c.inputs(), c.lists(), std::nullopt, {out.view(), lse.view()}, c.dout.view(),
+                       {dq.view(), dk.view(), dv.view()}, ctx);
+  return {out.values(), lse.values(), dq.values(), dk.values(), dv.values()};
+}
+
+// The packed case's sequences have q_len == k_len, so one cu_seqlens serves both.
+const std::vector<IndexerShape>& sparse_shapes() {
+  static const std::vector<IndexerShape> all = {
+      {{{23, 23}, {23, 23}}, false, 4, 8},
+      {{{6, 31}}, false, 4, 8},                        // suffix queries
+      {{{7, 7}, {0, 0}, {19, 19}, {1, 1}}, true, 2, 4},  // packed, an empty sequence
+  };
+  return all;
+}
+
+TEST(GsaSparse, EveryVisibleKeyListedIsSoftmaxAttention) {
+  for (const IndexerShape& shape : sparse_shapes()) {
+    const SparseCase c(shape, 2, 6, DType::float64, 41, /*per_row=*/0);
+    const SparseResult sparse = run_sparse(c, reference());
+    HostTensor out(c.dout.shape(), DType::float64), lse(std::vector<std::int64_t>(c.q.shape().begin(), c.q.shape().end() - 1), DType::float64),
+        dq(c.q.shape(), DType::float64), dk(c.k.shape(), DType::float64), dv(c.v.shape(), DType::float64);
+    AttentionInputs in = c.inputs();
+    if (shape.varlen) in.cu_seqlens_k = c.cu.view();
+    softmax::forward(in, {}, {out.view(), lse.view()}, reference());
+    softmax::backward(in, {}, {out.view(), lse.view()}, c.dout.view(), {dq.view(), dk.view(), dv.view()}, reference());
+    EXPECT_LT(relative_error(sparse.out, out.values()), 1e-13);
+    EXPECT_LT(relative_error(sparse.lse, lse.values()), 1e-13);
+    EXPECT_LT(relative_error(sparse.dq, dq.values()), 1e-12);
+    EXPECT_LT(relative_error(sparse.dk, dk.values()), 1e-12);
+    EXPECT_LT(relative_error(sparse.dv, dv.values()), 1e-12);
+  }
+}
+
+TEST(GsaSparse, ReferenceGradientsMatchFiniteDifferences) {
+  SparseCase c({{{9, 12}}, false, 4, 4}, 2, 3, DType::float64, 42, /*per_row=*/4);
+  const SparseResult r = run_sparse(c, reference());
+  auto loss = [&] {
+    const SparseResult x = run_sparse(c, reference());
+    const std::vector<double> g = c.dout.values();
+    double l = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) l += g[i] * x.out[i];
+    return l;
+  };
+  for (const auto& [name, tensor, want] : {std::tuple<const char*, HostTensor*, const std::vector<double>*>{"q", &c.q, &r.dq},
+                                           {"k", &c.k, &r.dk}, {"v", &c.v, &r.dv}}) {
+    std::vector<double> x = tensor->values(), fd(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const double x0 = x[i], h = 1e-6;
+      x[i] = x0 + h;
+      tensor->set_values(x);
+      const double up = loss();
+      x[i] = x0 - h;
+      tensor->set_values(x);
+      const double down = loss();
+      x[i] = x0;
+      tensor->set_values(x);
+      fd[i] = (up - down) / (2 * h);
+    }
+    EXPECT_LT(relative_error(*want, fd), 1e-8) << name;
+  }
+  // Keys no list holds get exactly zero gradient: 3 rows of 2 keys leave at least 6 of 12.
+  const SparseCase few({{{3, 12}}, false, 4, 4}, 2, 3, DType::float64, 46, /*per_row=*/2);
+  const SparseResult g = run_sparse(few, reference());
+  std::set<std::int64_t> listed;
+  const std::vector<double> idx = few.indices.values();
+  for (double x : idx) {
+    if (x >= 0) listed.insert(static_cast<std::int64_t>(x));
+  }
+  ASSERT_LE(listed.size(), 6u);
+  for (std::int64_t key = 0; key < 12; ++key) {
+    for (std::int64_t i = 0; i < 2 * 4; ++i) {  // kv heads x D
+      const double dk = g.dk[static_cast<std::size_t>(key * 8 + i)];
+      if (listed.count(key)) continue;
+      EXPECT_EQ(dk, 0.0) << "key " << key;
+    }
+  }
+}
+
+TEST(GsaSparse, AnEmptyListOutputsZero) {
+  SparseCase c({{{3, 3}}, false, 2, 4}, 1, 4, DType::float64, 43, 2);
+  std::vector<double> counts = c.counts.values();
+  counts[1] = 0;
+  c.counts.set_values(counts);
+  for (const ExecContext& ctx : {reference(), cpu_kernels()}) {
+    const SparseResult r = run_sparse(c, ctx);
+    for (std::int64_t h = 0; h < 2; ++h) {
+      EXPECT_TRUE(std::isinf(r.lse[static_cast<std::size_t>(2 + h)]) && r.lse[static_cast<std::size_t>(2 + h)] < 0);
+      for (std::int64_t d = 0; d < 4; ++d) {
+        EXPECT_EQ(r.out[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
+        EXPECT_EQ(r.dq[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
+      }
+    }
+  }
+}
+
+TEST(GsaSparse, CpuKernelsMatchTheReference) {
+  for (const IndexerShape& shape : sparse_shapes()) {
+    for (const bool permuted : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << shape.seqs.size() << " sequences, permuted " << permuted);
+      const SparseCase c64(shape, 2, 6, DType::float64, 44, 5, permuted);
+      const SparseResult want = run_sparse(c64, reference());
+      const SparseCase c32(shape, 2, 6, DType::float32, 44, 5, permuted);
+      for (const auto& [c, tol] : {std::pair<const SparseCase*, double>{&c64, 1e-12}, {&c32, 1e-5}}) {
+        const SparseResult got = run_sparse(*c, cpu_kernels());
+        EXPECT_LT(relative_error(got.out, want.out), tol);
+        EXPECT_LT(relative_error(got.lse, want.lse), tol);
+        EXPECT_LT(relative_error(got.dq, want.dq), tol);
+        EXPECT_LT(relative_error(got.dk, want.dk), tol);
+        EXPECT_LT(relative_error(got.dv, want.dv), tol);
+      }
+    }
+  }
+}
+
+TEST(GsaSparse, BadListsAreRefusedBeforeAnyWork) {
+  SparseCase c({{{4, 4}}, false, 2, 4}, 1, 4, DType::float64, 45, 2);
+  HostTensor out(c.dout.shape(), DType::float64), lse({1, 4, 2}, DType::float64);
+  out.fill(5.0);
+  auto call = [&] { gsa::sparse_forward(c.inputs(), c.lists(), std::nullopt, {out.view(), lse.view()}); };
+  const std::vector<double> idx = c.indices.values(), cnt = c.counts.values();
+  auto with = [&](std::vector<double> i, std::vector<double> n, const std::string& fragment) {
+    c.indices.set_values(i);
+    c.counts.set_values(n);
+    expect_error(call, fragment);
+    c.indices.set_values(idx);
+    c.counts.set_values(cnt);
+  };
+  std::vector<double> future = idx;
+  future[0] = 1;  // row 0 sees key 0 only
+  with(future, cnt, "strictly increasing positions in [0, 0]");
+  std::vector<double> repeated = idx;
+  repeated[3 * 2 + 0] = repeated[3 * 2 + 1] = 2;  // row 3 lists key 2 twice
+  with(repeated, cnt, "indices");
+  std::vector<double> many = cnt;
+  many[2] = 3;
+  with(idx, many, "counts");
+  std::vector<double> negative = cnt;
+  negative[2] = -1;
+  with(idx, negative, "counts");
+  for (double x : out.values()) EXPECT_EQ(x, 5.0);  // nothing written
+  HostTensor wide({1, 4, 2}, DType::float32);
+  expect_error([&] { gsa::sparse_forward(c.inputs(), {wide.view(), c.counts.view()}, std::nullopt, {out.view(), lse.view()}); },
+               "indices");
 }
 
 }  // namespace
