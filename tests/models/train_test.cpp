@@ -111,10 +111,10 @@ TEST(SmallRuns, MultiscreenArchitectureTrains) {
   Trainer t(c);
   t.quiet = true;
   EXPECT_EQ(nn::describe(t.model()->config()), "multiscreen (2 tiles of d_K 16 / d_V 64, kernel)");
-  const Tensor before = t.model()->named_parameters()["layer0.in"].detach().clone();
+  const Tensor before = t.model()->named_parameters()["layer0.input_projection"].detach().clone();
   const nlohmann::json after = t.train();
   EXPECT_TRUE(std::isfinite(after["eval_loss"].get<double>())) << after.dump();
-  EXPECT_FALSE(torch::equal(before, t.model()->named_parameters()["layer0.in"]));
+  EXPECT_FALSE(torch::equal(before, t.model()->named_parameters()["layer0.input_projection"]));
   winnow::train::remove_tree(c.train.out_dir);
 }
 
