@@ -5,7 +5,6 @@
 // The sparse attention: the forward runs query rows in parallel, every head of a row over the
 // row's one list; the backward runs (sequence, kv head) pairs in parallel, each accumulating
 // its keys' dk and dv privately, so results do not depend on the thread count.
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,35 +12,39 @@
 #include <vector>
 
 #include "cpu/cpu.h"
+#include "cpu/tiles.h"
 #include "math/gsa.h"
 #include "math/softmax.h"
 
 namespace winnow::cpu {
 namespace {
 
-int threads_of(const detail::AttentionParams& p) { return p.num_threads > 0 ? p.num_threads : omp_get_max_threads(); }
+// Every (sequence, query row), the work items of the row-parallel loops. Later rows see more
+// keys: listing them first balances the dynamic schedule.
+struct RowItem {
+  std::int64_t b, r;
+};
+std::vector<RowItem> query_rows(const detail::AttentionParams& p) {
+  std::vector<RowItem> items;
+  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
+    for (std::int64_t r = p.sequence(b).q_len - 1; r >= 0; --r) items.push_back({b, r});
+  }
+  return items;
+}
 
 template <class T>
 void select_keys(const detail::AttentionParams& p, const detail::IndexerConfig& c) {
-  struct Item {
-    std::int64_t b, r;
-  };
-  std::vector<Item> items;
-  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
-    const detail::SequenceExtent s = p.sequence(b);
-    // Later rows see more keys: listing them first balances the dynamic schedule.
-    for (std::int64_t r = s.q_len - 1; r >= 0; --r) items.push_back({b, r});
-  }
+  const std::vector<RowItem> items = query_rows(p);
   const std::int64_t count_items = static_cast<std::int64_t>(items.size());
   const std::int64_t k_max = c.budget.k_max;
-#pragma omp parallel num_threads(threads_of(p))
+#pragma omp parallel num_threads(thread_count(p))
   {
     std::vector<T> score;
     std::vector<std::int64_t> order;
     std::vector<T> q_row(static_cast<std::size_t>(p.dim_qk));
 #pragma omp for schedule(dynamic, 16)
     for (std::int64_t it = 0; it < count_items; ++it) {
-      const Item item = items[static_cast<std::size_t>(it)];
+      const RowItem item = items[static_cast<std::size_t>(it)];
       const detail::SequenceExtent s = p.sequence(item.b);
       const std::int64_t t = item.r + s.q_offset(), row = s.q_start + item.r;
       score.assign(static_cast<std::size_t>(t + 1), T(0));
@@ -86,11 +89,6 @@ void select_keys(const detail::AttentionParams& p, const detail::IndexerConfig& 
   }
 }
 
-template <class T>
-const T* row_ptr(const detail::Operand& o, std::int64_t b, std::int64_t row, std::int64_t h) {
-  return o.at<const T>(b, row, h);
-}
-
 // Row `row` of head h: its list's scaled scores turned into probabilities (in z), returning the
 // log-sum-exp (-inf for an empty list).
 template <class T>
@@ -98,10 +96,10 @@ T list_probabilities(const detail::AttentionParams& p, const detail::KeyListConf
                      const detail::SequenceExtent& s, std::int64_t row, std::int64_t h, std::vector<T>& z) {
   const std::int64_t n = *c.counts.at<const std::int32_t>(b, row, 0);
   z.resize(static_cast<std::size_t>(n));
-  const T* q = row_ptr<T>(p.q, b, row, h);
+  const T* q = p.q.at<const T>(b, row, h);
   T m = -std::numeric_limits<T>::infinity();
   for (std::int64_t i = 0; i < n; ++i) {
-    const T* k = row_ptr<T>(p.k, b, s.k_start + *c.indices.at<const std::int32_t>(b, row, i), p.kv_head(h));
+    const T* k = p.k.at<const T>(b, s.k_start + *c.indices.at<const std::int32_t>(b, row, i), p.kv_head(h));
     T dot = 0;
     for (std::int64_t d = 0; d < p.dim_qk; ++d) dot += q[d * p.q.dim] * k[d * p.k.dim];
     z[static_cast<std::size_t>(i)] = dot * static_cast<T>(p.scale);
@@ -117,20 +115,14 @@ T list_probabilities(const detail::AttentionParams& p, const detail::KeyListConf
 
 template <class T>
 void sparse_forward(const detail::AttentionParams& p, const detail::KeyListConfig& c) {
-  struct Item {
-    std::int64_t b, r;
-  };
-  std::vector<Item> items;
-  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
-    for (std::int64_t r = 0; r < p.sequence(b).q_len; ++r) items.push_back({b, r});
-  }
+  const std::vector<RowItem> items = query_rows(p);
   const std::int64_t count = static_cast<std::int64_t>(items.size());
-#pragma omp parallel num_threads(threads_of(p))
+#pragma omp parallel num_threads(thread_count(p))
   {
     std::vector<T> w, acc(static_cast<std::size_t>(p.dim_v));
 #pragma omp for schedule(dynamic, 16)
     for (std::int64_t it = 0; it < count; ++it) {
-      const Item item = items[static_cast<std::size_t>(it)];
+      const RowItem item = items[static_cast<std::size_t>(it)];
       const detail::SequenceExtent s = p.sequence(item.b);
       const std::int64_t row = s.q_start + item.r;
       for (std::int64_t h = 0; h < p.heads_q; ++h) {
@@ -138,7 +130,7 @@ void sparse_forward(const detail::AttentionParams& p, const detail::KeyListConfi
         std::fill(acc.begin(), acc.end(), T(0));
         for (std::size_t i = 0; i < w.size(); ++i) {
           const std::int64_t key = *c.indices.at<const std::int32_t>(item.b, row, static_cast<std::int64_t>(i));
-          const T* v = row_ptr<T>(p.v, item.b, s.k_start + key, p.kv_head(h));
+          const T* v = p.v.at<const T>(item.b, s.k_start + key, p.kv_head(h));
           for (std::int64_t d = 0; d < p.dim_v; ++d) acc[static_cast<std::size_t>(d)] += w[i] * v[d * p.v.dim];
         }
         T* out = p.out.at<T>(item.b, row, h);
@@ -153,7 +145,7 @@ template <class T>
 void sparse_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                      const detail::KeyListConfig& c) {
   const std::int64_t pairs = p.num_seqs * p.heads_kv;
-#pragma omp parallel num_threads(threads_of(p))
+#pragma omp parallel num_threads(thread_count(p))
   {
     std::vector<T> w, dw, dk, dv, dq(static_cast<std::size_t>(p.dim_qk));
 #pragma omp for schedule(dynamic, 1)
@@ -166,17 +158,17 @@ void sparse_backward(const detail::AttentionParams& p, const detail::GradientPar
         for (std::int64_t r = 0; r < s.q_len; ++r) {
           const std::int64_t row = s.q_start + r;
           (void)list_probabilities(p, c, b, s, row, h, w);
-          const T* q = row_ptr<T>(p.q, b, row, h);
-          const T* dout = row_ptr<T>(g.dout, b, row, h);
-          const T* out = row_ptr<T>(p.out, b, row, h);
+          const T* q = p.q.at<const T>(b, row, h);
+          const T* dout = g.dout.at<const T>(b, row, h);
+          const T* out = p.out.at<const T>(b, row, h);
           // delta = <dout, out> = sum_i w_i dw_i, from the saved output.
           T delta = 0;
           for (std::int64_t d = 0; d < p.dim_v; ++d) delta += dout[d * g.dout.dim] * out[d * p.out.dim];
           std::fill(dq.begin(), dq.end(), T(0));
           for (std::size_t i = 0; i < w.size(); ++i) {
             const std::int64_t key = *c.indices.at<const std::int32_t>(b, row, static_cast<std::int64_t>(i));
-            const T* k = row_ptr<T>(p.k, b, s.k_start + key, hk);
-            const T* v = row_ptr<T>(p.v, b, s.k_start + key, hk);
+            const T* k = p.k.at<const T>(b, s.k_start + key, hk);
+            const T* v = p.v.at<const T>(b, s.k_start + key, hk);
             T dwi = 0;
             for (std::int64_t d = 0; d < p.dim_v; ++d) dwi += dout[d * g.dout.dim] * v[d * p.v.dim];
             const T dz = math::softmax::grad_logit(w[i], dwi, delta) * static_cast<T>(p.scale);

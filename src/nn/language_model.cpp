@@ -6,6 +6,13 @@
 
 namespace winnow::nn {
 
+torch::Tensor LanguageModelImpl::residual_maxima(const torch::Tensor& tokens) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> maxima;
+  run(tokens, nullptr, &maxima);
+  return torch::stack(maxima).to(torch::kFloat32);
+}
+
 LanguageModel make_language_model(const ModelConfig& c) {
   if (c.architecture == "multiscreen") return std::make_shared<MultiscreenLMImpl>(c);
   if (c.architecture == "transformer") return std::make_shared<TransformerLMImpl>(c);

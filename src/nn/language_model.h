@@ -28,12 +28,14 @@ class LanguageModelImpl : public torch::nn::Module {
  public:
   // tokens (B, L) int64 -> logits (B, L, vocab). With a cache the tokens continue the cached
   // sequence (prefill in chunks, then one token at a time) and the cache grows by L.
-  virtual torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr) = 0;
+  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr) {
+    return run(tokens, cache, nullptr);
+  }
   virtual KVCache new_cache() const = 0;
   // The largest |value| of the residual stream after each layer (layers,) on the device, from a
   // forward pass over `tokens` without gradients: the "maximum activation" that 001 and 003
   // track for stability.
-  virtual torch::Tensor residual_maxima(const torch::Tensor& tokens) = 0;
+  torch::Tensor residual_maxima(const torch::Tensor& tokens);
   // The auxiliary losses of the last forward pass, summed over layers by name.
   virtual std::map<std::string, torch::Tensor> aux_losses() const { return {}; }
   virtual void set_phase(const std::string&) {}
@@ -41,6 +43,11 @@ class LanguageModelImpl : public torch::nn::Module {
   // without the probe's attention layers ignore it.
   virtual void attach_probe(AttentionProbe*) {}
   virtual const ModelConfig& config() const = 0;
+
+ protected:
+  // The architecture's forward pass; with `maxima`, it also appends each layer's largest
+  // |residual| (a 0-dimensional tensor) in order.
+  virtual torch::Tensor run(const torch::Tensor& tokens, KVCache* cache, std::vector<torch::Tensor>* maxima) = 0;
 };
 using LanguageModel = std::shared_ptr<LanguageModelImpl>;
 

@@ -47,16 +47,27 @@ torch::Tensor MultiscreenLayerImpl::forward(const torch::Tensor& x, LayerCache* 
     u = composed::screening(q, k, v, s_w_, s_r_, m.mipe_threshold, m.window_expansion);
   }
   if (cache != nullptr) {
-    // Keys at or beyond every tile's window have exactly zero relevance, and MiPE and the
-    // Softmask see positions only through i - j, so decoding needs only the last ceil(w_max)
-    // keys (one more for rounding between this double and the kernel's float); none can go
-    // once a window is expanded to infinity.
-    const double w_max = std::exp(s_w_.max().item<double>()) + 1.0;
-    const bool infinite = m.window_expansion > 0 && w_max > m.window_expansion;
-    if (!infinite) cache->keep_last(static_cast<std::int64_t>(std::ceil(w_max)) + 1);
+    if (const std::int64_t keep = cache_keep(); keep > 0) cache->keep_last(keep);
   }
   const torch::Tensor gate = torch::tanh(F::silu(g)) * torch::exp(s_o_).to(g.scalar_type()).view({1, 1, t, 1});
   return F::linear((u * gate).reshape({b, l, t * dv}), out_);
+}
+
+// Keys at or beyond every tile's window have exactly zero relevance, and MiPE and the Softmask
+// see positions only through i - j, so decoding needs only the last ceil(w_max) keys (one more
+// for rounding between this double and the kernel's float); none can go once a window is
+// expanded to infinity.
+std::int64_t MultiscreenLayerImpl::cache_keep() {
+  const auto version = static_cast<std::int64_t>(s_w_._version());
+  const void* storage = s_w_.data_ptr();
+  if (version != cache_keep_version_ || storage != cache_keep_storage_) {
+    const double w_max = std::exp(s_w_.max().item<double>()) + 1.0;
+    const bool infinite = config_.window_expansion > 0 && w_max > config_.window_expansion;
+    cache_keep_ = infinite ? 0 : static_cast<std::int64_t>(std::ceil(w_max)) + 1;
+    cache_keep_version_ = version;
+    cache_keep_storage_ = storage;
+  }
+  return cache_keep_;
 }
 
 MultiscreenLMImpl::MultiscreenLMImpl(ModelConfig c) : config_(std::move(c)) {
@@ -72,17 +83,6 @@ MultiscreenLMImpl::MultiscreenLMImpl(ModelConfig c) : config_(std::move(c)) {
   for (std::int64_t i = 0; i < m.layers; ++i) {
     layers_.push_back(register_module("layer" + std::to_string(i), MultiscreenLayer(m, i)));
   }
-}
-
-torch::Tensor MultiscreenLMImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
-  return run(tokens, cache, nullptr);
-}
-
-torch::Tensor MultiscreenLMImpl::residual_maxima(const torch::Tensor& tokens) {
-  torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> maxima;
-  run(tokens, nullptr, &maxima);
-  return torch::stack(maxima).to(torch::kFloat32);
 }
 
 torch::Tensor MultiscreenLMImpl::run(const torch::Tensor& tokens, KVCache* cache, std::vector<torch::Tensor>* maxima) {

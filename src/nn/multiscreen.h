@@ -30,6 +30,13 @@ class MultiscreenLayerImpl : public torch::nn::Module {
   torch::Tensor in_;   // (tiles * (2 d_K + 2 d_V), d_E): rows of W_Q, W_K, W_V, W_G
   torch::Tensor out_;  // (d_E, tiles * d_V)
   torch::Tensor s_w_, s_r_, s_o_;  // (tiles)
+  // How many cached keys decoding needs (0: all, a window is infinite), read from s_w once per
+  // version of it (in-place updates bump the version, loads across devices swap the storage)
+  // rather than with a device sync at every decoding step.
+  std::int64_t cache_keep();
+  std::int64_t cache_keep_ = 0;
+  std::int64_t cache_keep_version_ = -1;
+  const void* cache_keep_storage_ = nullptr;
 };
 TORCH_MODULE(MultiscreenLayer);
 
@@ -38,13 +45,11 @@ class MultiscreenLMImpl : public LanguageModelImpl {
   // Resolves (and so checks) the config first.
   explicit MultiscreenLMImpl(ModelConfig c);
 
-  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr) override;
   KVCache new_cache() const override { return KVCache{std::vector<LayerCache>(layers_.size())}; }
-  torch::Tensor residual_maxima(const torch::Tensor& tokens) override;
   const ModelConfig& config() const override { return config_; }
 
  private:
-  torch::Tensor run(const torch::Tensor& tokens, KVCache* cache, std::vector<torch::Tensor>* maxima);
+  torch::Tensor run(const torch::Tensor& tokens, KVCache* cache, std::vector<torch::Tensor>* maxima) override;
 
   ModelConfig config_;
   torch::Tensor embedding_;  // W_E (vocab, d_E)

@@ -35,17 +35,6 @@ TransformerLMImpl::TransformerLMImpl(ModelConfig c) : config_(std::move(c)) {
   if (!m.tie_embeddings) head_ = make_linear(*this, "head", m.d_model, m.vocab_size, m.init_std);
 }
 
-torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
-  return run(tokens, cache, nullptr);
-}
-
-torch::Tensor TransformerLMImpl::residual_maxima(const torch::Tensor& tokens) {
-  torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> maxima;
-  run(tokens, nullptr, &maxima);
-  return torch::stack(maxima).to(torch::kFloat32);
-}
-
 torch::Tensor TransformerLMImpl::run(const torch::Tensor& tokens, KVCache* cache,
                                      std::vector<torch::Tensor>* maxima) {
   if (tokens.dim() != 2 || tokens.scalar_type() != torch::kInt64) {

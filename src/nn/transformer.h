@@ -39,9 +39,7 @@ class TransformerLMImpl : public LanguageModelImpl {
   // Resolves (and so checks) the config first: a bad value is an error naming its key.
   explicit TransformerLMImpl(ModelConfig c);
 
-  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr) override;
   KVCache new_cache() const override { return KVCache{std::vector<LayerCache>(blocks_.size())}; }
-  torch::Tensor residual_maxima(const torch::Tensor& tokens) override;
   std::map<std::string, torch::Tensor> aux_losses() const override;
   void set_phase(const std::string& phase) override;
   void attach_probe(AttentionProbe* probe) override;
@@ -49,7 +47,7 @@ class TransformerLMImpl : public LanguageModelImpl {
 
  private:
   // forward(), and the residual stream's largest |value| after each block into `maxima`.
-  torch::Tensor run(const torch::Tensor& tokens, KVCache* cache, std::vector<torch::Tensor>* maxima);
+  torch::Tensor run(const torch::Tensor& tokens, KVCache* cache, std::vector<torch::Tensor>* maxima) override;
 
   ModelConfig config_;
   torch::nn::Embedding embedding_{nullptr};

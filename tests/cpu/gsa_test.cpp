@@ -413,9 +413,6 @@ struct SparseCase {
         cnt.push_back(static_cast<double>(keys.size()));
       }
     }
-    if (!shape.varlen) {
-      // Batched: every sequence has the same (lq, lk); rows were laid out b-major already.
-    }
     indices.set_values(idx);
     counts.set_values(cnt);
   }
