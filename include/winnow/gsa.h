@@ -58,10 +58,14 @@ void select_keys(const IndexerInputs& in, const IndexerOptions& options, const S
 // The lists are select_keys's output: indices (B, Lq, k_max) or (Tq, k_max), int32 positions
 // in the sequence, strictly increasing and visible to the query (<= its position) in the first
 // counts[t] slots; counts (B, Lq) or (Tq). An empty list gives zeros and lse -inf. The lists
-// are checked before any work (on CPU tensors; every entry is read).
+// are checked before any work: every entry is read, on the GPU for CUDA lists (then the host
+// waits for the verdict). `trusted` skips the check for lists that come unchanged from
+// select_keys (a layer's forward, CUDA graph capture); the kernels still never read outside a
+// sequence's keys, but a bad trusted list gives unspecified results.
 struct KeyLists {
   TensorView indices;
   TensorView counts;
+  bool trusted = false;
 };
 
 struct SparseOutputs {
@@ -72,7 +76,9 @@ struct SparseOutputs {
 void sparse_forward(const AttentionInputs& in, const KeyLists& lists, std::optional<double> scale,
                     const SparseOutputs& out, const ExecContext& ctx = {});
 // Gradients of sum(dout * out) with respect to q, k and v; dk and dv get every query's share
-// (keys outside every list get zero).
+// (keys outside every list get zero). On CUDA the key gradients are scattered with atomics, or,
+// with ExecContext::deterministic, gathered per key over the lists inverted by a stable sort
+// (the same bits on every run, at the cost of the sort's memory: 16 bytes per list slot).
 void sparse_backward(const AttentionInputs& in, const KeyLists& lists, std::optional<double> scale,
                      const SparseOutputs& saved, const TensorView& dout, const AttentionGrads& grads,
                      const ExecContext& ctx = {});

@@ -4,7 +4,9 @@
 #include <string>
 
 #include "api/attention_call.h"
+#include "core/device_copy.h"
 #include "cpu/cpu.h"
+#include "cuda/cuda.h"
 #include "reference/reference.h"
 
 namespace winnow::gsa {
@@ -47,15 +49,9 @@ void select_keys(const IndexerInputs& in, const IndexerOptions& options, const S
   c.budget.mean_variance = options.mean_variance;
 
   c.weights = call.row_stats("head_weights", in.head_weights, p.dtype);
-  // A missing bias is zero: one value read at head stride 0, alive for this (synchronous) call.
-  const double zero64 = 0.0;
-  const float zero32 = 0.0f;
   if (in.bias) {
     if (c.form == math::gsa::ScoreForm::relu) call.fail("bias", "absent for the relu score form", "a tensor");
     c.bias = call.per_head("bias", *in.bias);
-  } else {
-    c.bias.data = const_cast<void*>(call.stats_dtype() == DType::float64 ? static_cast<const void*>(&zero64)
-                                                                          : static_cast<const void*>(&zero32));
   }
   c.indices = call.per_query_row("indices", out.indices, DType::int32, options.k_max);
   c.counts = call.per_query_row("counts", out.counts, DType::int32);
@@ -67,16 +63,34 @@ void select_keys(const IndexerInputs& in, const IndexerOptions& options, const S
   switch (call.route()) {
     case Route::reference: return reference::gsa_select_keys(p, c);
     case Route::cpu: return cpu::gsa_select_keys(p, c);
-    case Route::cuda:
-      call.fail("q", "a CPU tensor (GSA's indexer has no CUDA kernel yet)", "a CUDA tensor",
-                ErrorKind::unsupported);
+    case Route::cuda: return cuda::gsa_select_keys(p, c);
   }
 }
 
 namespace {
 
-// The lists as the kernels take them, every entry checked first: an index out of its row's
-// visible range would read outside the keys.
+// One row's list against its visible keys [0, t]; `entry(i)` reads slot i wherever it lives.
+template <class Entry>
+void check_list(const AttentionCall& call, std::int64_t k_max, std::int64_t b, std::int64_t r, std::int64_t t,
+                std::int32_t n, Entry&& entry) {
+  const std::string where = "sequence " + std::to_string(b) + ", query row " + std::to_string(r);
+  if (n < 0 || n > k_max) {
+    call.fail("counts", "values in [0, k_max = " + std::to_string(k_max) + "]", std::to_string(n) + " at " + where);
+  }
+  std::int64_t previous = -1;
+  for (std::int32_t i = 0; i < n; ++i) {
+    const std::int32_t key = entry(i);
+    if (key <= previous || key > t) {
+      call.fail("indices", "strictly increasing positions in [0, " + std::to_string(t) + "] at " + where,
+                std::to_string(key) + " in slot " + std::to_string(i));
+    }
+    previous = key;
+  }
+}
+
+// The lists as the kernels take them, every entry checked first unless trusted: an index out
+// of its row's visible range would read outside the keys. CUDA lists are checked on the device;
+// the host then reads back the first bad row alone, to name what is wrong with it.
 detail::KeyListConfig checked_lists(const AttentionCall& call, const detail::AttentionParams& p,
                                     const KeyLists& lists) {
   const TensorView& idx = lists.indices;
@@ -85,31 +99,36 @@ detail::KeyListConfig checked_lists(const AttentionCall& call, const detail::Att
   if (c.k_max < 1) call.fail("indices", "a trailing dimension of k_max >= 1 slots", idx.shape_string());
   c.indices = call.per_query_row("indices", idx, DType::int32, c.k_max);
   c.counts = call.per_query_row("counts", lists.counts, DType::int32);
-  if (idx.device.kind != DeviceKind::cpu) {
-    call.fail("indices", "a CPU tensor (GSA's sparse attention has no CUDA kernel yet)", "a CUDA tensor",
-              ErrorKind::unsupported);
-  }
-  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
-    const detail::SequenceExtent s = p.sequence(b);
-    for (std::int64_t r = 0; r < s.q_len; ++r) {
-      const std::int64_t row = s.q_start + r, t = r + s.q_offset();
-      const std::int32_t n = *c.counts.at<const std::int32_t>(b, row, 0);
-      const std::string where = "sequence " + std::to_string(b) + ", query row " + std::to_string(r);
-      if (n < 0 || n > c.k_max) {
-        call.fail("counts", "values in [0, k_max = " + std::to_string(c.k_max) + "]", std::to_string(n) + " at " + where);
-      }
-      std::int64_t previous = -1;
-      for (std::int32_t i = 0; i < n; ++i) {
-        const std::int32_t key = *c.indices.at<const std::int32_t>(b, row, i);
-        if (key <= previous || key > t) {
-          call.fail("indices", "strictly increasing positions in [0, " + std::to_string(t) + "] at " + where,
-                    std::to_string(key) + " in slot " + std::to_string(i));
-        }
-        previous = key;
+  if (lists.trusted) return c;
+  if (idx.device.kind == DeviceKind::cpu) {
+    for (std::int64_t b = 0; b < p.num_seqs; ++b) {
+      const detail::SequenceExtent s = p.sequence(b);
+      for (std::int64_t r = 0; r < s.q_len; ++r) {
+        const std::int64_t row = s.q_start + r;
+        check_list(call, c.k_max, b, r, r + s.q_offset(), *c.counts.at<const std::int32_t>(b, row, 0),
+                   [&](std::int32_t i) { return *c.indices.at<const std::int32_t>(b, row, i); });
       }
     }
+    return c;
   }
-  return c;
+  const std::int64_t first = cuda::gsa_first_bad_list(p, c);
+  if (first < 0) return c;
+  const std::int64_t b = first >> 32, r = first & 0xffffffff;
+  auto read = [&](const void* at) {
+    std::int32_t x = 0;
+    detail::copy_to_host(&x, at, sizeof x, idx.device, p.cuda_stream);
+    return x;
+  };
+  std::int64_t q_start = 0, t = r + p.len_k - p.len_q;
+  if (p.cu_seqlens_q != nullptr) {
+    q_start = read(p.cu_seqlens_q + b);
+    t = r + (read(p.cu_seqlens_k + b + 1) - read(p.cu_seqlens_k + b)) - (read(p.cu_seqlens_q + b + 1) - q_start);
+  }
+  const std::int64_t row = q_start + r;
+  check_list(call, c.k_max, b, r, t, read(c.counts.at<const std::int32_t>(b, row, 0)),
+             [&](std::int32_t i) { return read(c.indices.at<const std::int32_t>(b, row, i)); });
+  call.fail("indices", "well-formed lists", "a list the device check refused (sequence " + std::to_string(b) +
+                                                ", query row " + std::to_string(r) + ")");
 }
 
 }  // namespace
@@ -127,7 +146,7 @@ void sparse_forward(const AttentionInputs& in, const KeyLists& lists, std::optio
   switch (call.route()) {
     case Route::reference: return reference::gsa_sparse_forward(p, c);
     case Route::cpu: return cpu::gsa_sparse_forward(p, c);
-    case Route::cuda: break;  // checked_lists refused CUDA lists
+    case Route::cuda: return cuda::gsa_sparse_forward(p, c);
   }
 }
 
@@ -144,7 +163,7 @@ void sparse_backward(const AttentionInputs& in, const KeyLists& lists, std::opti
   switch (call.route()) {
     case Route::reference: return reference::gsa_sparse_backward(p, g, c);
     case Route::cpu: return cpu::gsa_sparse_backward(p, g, c);
-    case Route::cuda: break;
+    case Route::cuda: return cuda::gsa_sparse_backward(p, g, c);
   }
 }
 

@@ -46,6 +46,13 @@ void screening_backward(const detail::AttentionParams&, const detail::GradientPa
                         const detail::ScreeningConfig&) {
   no_cuda();
 }
+void gsa_select_keys(const detail::AttentionParams&, const detail::IndexerConfig&) { no_cuda(); }
+void gsa_sparse_forward(const detail::AttentionParams&, const detail::KeyListConfig&) { no_cuda(); }
+void gsa_sparse_backward(const detail::AttentionParams&, const detail::GradientParams&,
+                         const detail::KeyListConfig&) {
+  no_cuda();
+}
+std::int64_t gsa_first_bad_list(const detail::AttentionParams&, const detail::KeyListConfig&) { no_cuda(); }
 void rotary(const detail::RotaryParams&) { no_cuda(); }
 void rms_norm_forward(const detail::RMSNormParams&) { no_cuda(); }
 void rms_norm_backward(const detail::RMSNormParams&) { no_cuda(); }

@@ -164,16 +164,17 @@ struct ScreeningConfig {
 // (q: H_I heads of d_I) and its single key head (k), the sequences and the scale; the per-row
 // statistic (stats) is the row's score variance over its visible keys. `weights` holds the
 // heads' pre-activation weights per query row and head, in q's dtype; `bias` one value per head
-// at stride `head` (sigmoid form). `indices` (int32, the k_max slots of a row at stride `head`)
+// at stride `head` (sigmoid form; absent: zero). `indices` (int32, the k_max slots of a row at stride `head`)
 // gets the selected keys' positions in their sequence in increasing order, -1 after `counts`.
 struct IndexerConfig {
   math::gsa::ScoreForm form = math::gsa::ScoreForm::sigmoid;
   math::gsa::BudgetParams budget;
   Operand weights, bias;
   Operand indices, counts;
+  // b_j; a missing bias (data == nullptr) is zero.
   template <class T>
   WINNOW_HD T bias_at(std::int64_t h) const {
-    return static_cast<const T*>(bias.data)[h * bias.head];
+    return bias.data == nullptr ? T(0) : static_cast<const T*>(bias.data)[h * bias.head];
   }
 };
 

@@ -44,6 +44,17 @@ void screening_forward(const detail::AttentionParams& p, const detail::Screening
 void screening_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                         const detail::ScreeningConfig& cfg);
 
+// GSA (winnow/gsa.h): the indexer's exact top-k selection, a block per query row; sparse
+// attention over per-token key lists, a block per (query row, kv head) sharing one gather of the
+// listed keys. CUDA cores, every dtype, head dimensions up to 256.
+void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConfig& c);
+void gsa_sparse_forward(const detail::AttentionParams& p, const detail::KeyListConfig& c);
+void gsa_sparse_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
+                         const detail::KeyListConfig& c);
+// The first malformed list (count outside [0, k_max], entries not strictly increasing within
+// [0, t]) as (sequence << 32 | query row), or -1; waits for the device.
+std::int64_t gsa_first_bad_list(const detail::AttentionParams& p, const detail::KeyListConfig& c);
+
 // Rotary position embedding (winnow/rotary.h), one element-wise pass.
 void rotary(const detail::RotaryParams& p);
 

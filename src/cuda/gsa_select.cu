@@ -1,0 +1,293 @@
+// GSA's indexer with exact top-k selection on CUDA (spec/gsa.md; winnow/gsa.h). One block per
+// query row, and the row's scores are never stored: every pass recomputes them from q and k.
+//   1. statistics: the row's mean and population variance (hence its budget k_t) and the
+//      smallest and largest sort key;
+//   2. refinement: a histogram of the keys in [lo, hi] over kBins bins finds the bin holding
+//      the k_t-th largest key; every key above that bin is selected, and the bin's own keys
+//      either fit the candidate buffer (the usual case: the next pass collects them, a sort in
+//      shared memory picks the rest) or become the next, narrower [lo, hi];
+//   3. the selected positions, gathered in shared memory, are sorted and written.
+// The sort key of key s is (ordered bits of its score, s) as one 64-bit integer: larger means
+// ranks first (math::gsa::ranks_before: higher score, then the more recent key), and no two
+// keys are equal, so the refinement always ends (at the latest when a bin spans one key).
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/attention/row_blocks.cuh"
+#include "cuda/cuda.h"
+#include "cuda/element_types.cuh"
+#include "cuda/launch.h"
+#include "math/gsa.h"
+
+namespace winnow::cuda {
+namespace {
+
+constexpr int kSelectThreads = 256;
+constexpr int kBins = 2048;
+constexpr int kBinsPerThread = kBins / kSelectThreads;
+constexpr int kCandidates = 2048;
+
+// Float bits as an unsigned integer of the same order (-0 just below +0; NaN at the ends).
+__device__ __forceinline__ std::uint32_t ordered_bits(float x) {
+  const std::uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) != 0 ? ~u : u | 0x80000000u;
+}
+__device__ __forceinline__ std::uint64_t sort_key(float score, std::int64_t key) {
+  return (static_cast<std::uint64_t>(ordered_bits(score)) << 32) | static_cast<std::uint32_t>(key);
+}
+
+// What one row's block keeps in shared memory (dynamic, laid out by SelectLayout).
+struct SelectLayout {
+  int q_floats, out_slots;  // q: H_I * d_I (scaled), out: k_max rounded up to a power of two
+  __host__ __device__ static int pow2_at_least(std::int64_t n) {
+    int p = 1;
+    while (p < n) p *= 2;
+    return p;
+  }
+  __host__ __device__ SelectLayout(const detail::AttentionParams& p, const detail::IndexerConfig& c)
+      : q_floats(static_cast<int>(p.heads_q * p.dim_qk)), out_slots(pow2_at_least(c.budget.k_max)) {}
+  std::size_t bytes() const {
+    return kCandidates * sizeof(std::uint64_t) + kBins * sizeof(std::uint32_t) +
+           static_cast<std::size_t>(out_slots) * sizeof(std::int32_t) +
+           static_cast<std::size_t>(q_floats) * sizeof(float) + 32 * 2 * sizeof(float);
+  }
+};
+
+// The score of key `key` for the row whose scaled queries, head weights and biases are in
+// shared memory. Not inlined, so that every pass computes it with the same instructions and
+// gets the same bits.
+template <class T>
+__device__ __noinline__ float indexer_score(const float* q, const float* weight, const float* bias, int heads,
+                                            int dim, math::gsa::ScoreForm form, const T* k, std::int64_t k_dim) {
+  float score = 0.f;
+  for (int j = 0; j < heads; ++j) {
+    const float* qj = q + j * dim;
+    float dot = 0.f;
+    for (int d = 0; d < dim; ++d) dot = fmaf(qj[d], widen(k[d * k_dim]), dot);
+    score += math::gsa::head_term(form, weight[j], dot, bias[j]);
+  }
+  return score;
+}
+
+// Sorts a[0, n) (n a power of two) in shared memory; descending when `descending`.
+template <class K>
+__device__ void block_bitonic_sort(K* a, int n, bool descending) {
+  for (int size = 2; size <= n; size *= 2) {
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const bool up = ((i & size) == 0) != descending;
+          if ((a[i] > a[j]) == up) {
+            const K x = a[i];
+            a[i] = a[j];
+            a[j] = x;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detail::AttentionParams p,
+                                                                      const detail::IndexerConfig c) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const SelectLayout layout(p, c);
+  auto* candidates = reinterpret_cast<std::uint64_t*>(smem_raw);
+  auto* hist = reinterpret_cast<std::uint32_t*>(candidates + kCandidates);
+  auto* out = reinterpret_cast<std::int32_t*>(hist + kBins);
+  float* q = reinterpret_cast<float*>(out + layout.out_slots);
+  float* weight = q + layout.q_floats;  // 32 heads at most (checked by the launcher)
+  float* bias = weight + 32;
+
+  using Reduce = cub::BlockReduce<double, kSelectThreads>;
+  using ReduceKey = cub::BlockReduce<std::uint64_t, kSelectThreads>;
+  using Scan = cub::BlockScan<std::uint32_t, kSelectThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename ReduceKey::TempStorage reduce_key;
+    typename Scan::TempStorage scan;
+  } temp;
+  __shared__ double shared_sum;
+  __shared__ std::uint64_t shared_lo, shared_hi, shared_bin_lo, shared_bin_hi;
+  __shared__ std::uint32_t shared_above, shared_in_bin;
+  __shared__ int emitted, collected;
+  __shared__ std::int64_t shared_count;
+
+  const QueryRow row = locate_query_row(p, blockIdx.x);
+  const int tid = threadIdx.x, heads = static_cast<int>(p.heads_q), dim = static_cast<int>(p.dim_qk);
+  const std::int64_t t = row.position(), visible = t + 1, q_row = row.operand_row();
+  const math::gsa::ScoreForm form = c.form;
+
+  for (int i = tid; i < heads * dim; i += kSelectThreads) {
+    const int j = i / dim, d = i % dim;
+    q[i] = widen(p.q.at<const T>(row.b, q_row, j)[d * p.q.dim]) * static_cast<float>(p.scale);
+  }
+  if (tid < heads) {
+    weight[tid] = widen(*c.weights.at<const T>(row.b, q_row, tid));
+    bias[tid] = c.bias_at<float>(tid);
+  }
+  if (tid == 0) emitted = 0;
+  __syncthreads();
+
+  auto score_of = [&](std::int64_t key) {
+    return indexer_score<T>(q, weight, bias, heads, dim, form, p.k.at<const T>(row.b, row.s.k_start + key, 0),
+                            p.k.dim);
+  };
+
+  // 1. Statistics. Sums of (x - x_0), x_0 the first key's score: close rows (small variance
+  // next to a large mean) would otherwise cancel away in E[x^2] - E[x]^2.
+  const float shift = score_of(0);
+  double sum = 0, sum_sq = 0;
+  std::uint64_t lo = ~std::uint64_t{0}, hi = 0;
+  for (std::int64_t key = tid; key < visible; key += kSelectThreads) {
+    const float x = score_of(key);
+    const double centered = static_cast<double>(x) - static_cast<double>(shift);
+    sum += centered;
+    sum_sq += centered * centered;
+    const std::uint64_t sk = sort_key(x, key);
+    lo = sk < lo ? sk : lo;
+    hi = sk > hi ? sk : hi;
+  }
+  sum = Reduce(temp.reduce).Sum(sum);
+  if (tid == 0) shared_sum = sum;
+  __syncthreads();
+  sum_sq = Reduce(temp.reduce).Sum(sum_sq);
+  __syncthreads();
+  lo = ReduceKey(temp.reduce_key).Reduce(lo, [](std::uint64_t a, std::uint64_t b) { return a < b ? a : b; });
+  __syncthreads();
+  hi = ReduceKey(temp.reduce_key).Reduce(hi, [](std::uint64_t a, std::uint64_t b) { return a > b ? a : b; });
+  if (tid == 0) {
+    const double n = static_cast<double>(visible), mean = shared_sum / n;
+    const double variance = sum_sq / n - mean * mean;
+    const double var = variance > 0 ? variance : 0.0;
+    *p.stats.at<float>(row.b, q_row, 0) = static_cast<float>(var);
+    const std::int64_t budget = math::gsa::budget(c.budget, var);
+    shared_count = budget < visible ? budget : visible;
+    shared_lo = lo;
+    shared_hi = hi;
+  }
+  __syncthreads();
+  const std::int64_t count = shared_count;
+  std::int32_t* indices = c.indices.at<std::int32_t>(row.b, q_row, 0);
+  const std::int64_t slot_stride = c.indices.head;
+  if (tid == 0) *c.counts.at<std::int32_t>(row.b, q_row, 0) = static_cast<std::int32_t>(count);
+  const std::int64_t k_max = c.budget.k_max;
+
+  if (count == visible) {  // every visible key, already in order
+    for (std::int64_t i = tid; i < k_max; i += kSelectThreads) {
+      indices[i * slot_stride] = i < visible ? static_cast<std::int32_t>(i) : -1;
+    }
+    return;
+  }
+
+  // 2. Refinement. Keys in (emit_lo, emit_hi] are selected by an earlier level and written out
+  // by the next pass; [lo, hi] is the range still undecided, of which `need` are selected.
+  lo = shared_lo;
+  hi = shared_hi;
+  std::uint64_t emit_lo = 0, emit_hi = 0;
+  std::int64_t need = count;
+  for (;;) {
+    int shift_bits = 0;
+    while (((hi - lo) >> shift_bits) >= static_cast<std::uint64_t>(kBins)) ++shift_bits;
+    for (int b = tid; b < kBins; b += kSelectThreads) hist[b] = 0;
+    __syncthreads();
+    for (std::int64_t key = tid; key < visible; key += kSelectThreads) {
+      const std::uint64_t sk = sort_key(score_of(key), key);
+      if (sk > emit_lo && sk <= emit_hi) out[atomicAdd(&emitted, 1)] = static_cast<std::int32_t>(key);
+      if (sk >= lo && sk <= hi) atomicAdd(&hist[(sk - lo) >> shift_bits], 1u);
+    }
+    __syncthreads();
+    // Thread i owns the bins kBins - 8 (i + 1) .. kBins - 8 i - 1: thread 0 the highest, so an
+    // exclusive scan in thread order counts the keys above each thread's bins.
+    std::uint32_t own = 0;
+    const int top = kBins - kBinsPerThread * tid - 1;
+    for (int b = 0; b < kBinsPerThread; ++b) own += hist[top - b];
+    std::uint32_t higher = 0;
+    Scan(temp.scan).ExclusiveSum(own, higher);
+    for (int b = 0; b < kBinsPerThread; ++b) {
+      const std::uint32_t here = hist[top - b];
+      if (higher < need && higher + here >= need) {
+        shared_above = higher;
+        shared_in_bin = here;
+        shared_bin_lo = lo + (static_cast<std::uint64_t>(top - b) << shift_bits);
+        const std::uint64_t last = shared_bin_lo + ((std::uint64_t{1} << shift_bits) - 1);
+        shared_bin_hi = last < hi && last >= shared_bin_lo ? last : hi;
+      }
+      higher += here;
+    }
+    __syncthreads();
+    const std::uint64_t bin_lo = shared_bin_lo, bin_hi = shared_bin_hi;
+    const std::uint32_t above = shared_above, in_bin = shared_in_bin;
+    // Everything of [lo, hi] above the bin is selected; the bin's keys decide the rest.
+    emit_lo = bin_hi;
+    emit_hi = hi;
+    need -= above;
+    if (in_bin <= static_cast<std::uint32_t>(kCandidates)) {
+      if (tid == 0) collected = 0;
+      __syncthreads();
+      for (std::int64_t key = tid; key < visible; key += kSelectThreads) {
+        const std::uint64_t sk = sort_key(score_of(key), key);
+        if (sk > emit_lo && sk <= emit_hi) out[atomicAdd(&emitted, 1)] = static_cast<std::int32_t>(key);
+        if (sk >= bin_lo && sk <= bin_hi) candidates[atomicAdd(&collected, 1)] = sk;
+      }
+      __syncthreads();
+      const int n = SelectLayout::pow2_at_least(in_bin);
+      for (int i = static_cast<int>(in_bin) + tid; i < n; i += kSelectThreads) candidates[i] = 0;
+      __syncthreads();
+      block_bitonic_sort(candidates, n, /*descending=*/true);
+      const int base = emitted;
+      for (std::int64_t i = tid; i < need; i += kSelectThreads) {
+        out[base + i] = static_cast<std::int32_t>(candidates[i] & 0xffffffffu);
+      }
+      break;
+    }
+    lo = bin_lo;
+    hi = bin_hi;
+  }
+  __syncthreads();
+
+  // 3. The selected positions in increasing order, then the padding.
+  const int n = SelectLayout::pow2_at_least(count);
+  for (std::int64_t i = count + tid; i < n; i += kSelectThreads) out[i] = 0x7fffffff;
+  __syncthreads();
+  block_bitonic_sort(out, n, /*descending=*/false);
+  for (std::int64_t i = tid; i < k_max; i += kSelectThreads) indices[i * slot_stride] = i < count ? out[i] : -1;
+}
+
+}  // namespace
+
+void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConfig& c) {
+  if (p.rows_q == 0) return;
+  const SelectLayout layout(p, c);
+  const std::size_t bytes = layout.bytes();
+  int device = 0, limit = 0;
+  check(cudaGetDevice(&device), "reading the current device");
+  check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "reading the shared memory limit");
+  const std::size_t fixed_bytes = 4096;  // the kernel's static shared memory, roughly
+  if (p.heads_q > 32 || bytes + fixed_bytes > static_cast<std::size_t>(limit)) {
+    throw Error(ErrorKind::unsupported,
+                "winnow::gsa::select_keys: CUDA selection holds a row's queries (heads x d_I = " +
+                    std::to_string(p.heads_q) + " x " + std::to_string(p.dim_qk) + ", at most 32 heads) and k_max = " +
+                    std::to_string(c.budget.k_max) + " selected slots in shared memory: " + std::to_string(bytes) +
+                    " bytes, more than the device's " + std::to_string(limit - static_cast<int>(fixed_bytes)));
+  }
+  auto launch = [&](auto kernel) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+          "raising the selection kernel's shared memory");
+    kernel<<<static_cast<unsigned>(p.rows_q), kSelectThreads, bytes, stream_of(p)>>>(p, c);
+    check_launch("gsa select_keys_kernel");
+  };
+  switch (p.dtype) {
+    case DType::bfloat16: return launch(select_keys_kernel<__nv_bfloat16>);
+    case DType::float16: return launch(select_keys_kernel<__half>);
+    default: return launch(select_keys_kernel<float>);
+  }
+}
+
+}  // namespace winnow::cuda

@@ -1,0 +1,505 @@
+// GSA's sparse softmax attention on CUDA (spec/gsa.md; winnow/gsa.h): every query row attends
+// to its own list of keys, one list per token shared by all of its heads.
+//
+// Forward and the backward's query-side pass give one block to each (query row, kv head): the
+// block gathers the listed K and V rows once, in chunks of kChunk, into shared memory and
+// serves every query head of the group from them (003's shared gather), with an online softmax
+// over the chunks. The backward's key gradients are either added by that pass with atomics
+// into fp32 accumulators, or, deterministic, gathered per key: the (key, query) pairs of all
+// lists are stably sorted by key, and a block per (key row, kv head) walks its queries in
+// order. The kernels use CUDA cores and fp32 arithmetic throughout (every dtype, head
+// dimensions up to kMaxDim); entries outside a row's visible keys are ignored, never read.
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "cuda/attention/row_blocks.cuh"
+#include "cuda/cuda.h"
+#include "cuda/element_types.cuh"
+#include "cuda/launch.h"
+
+namespace winnow::cuda {
+namespace {
+
+using detail::AttentionParams;
+using detail::GradientParams;
+using detail::KeyListConfig;
+
+constexpr int kThreads = 128;
+constexpr int kChunk = 32;  // keys gathered at a time: one per lane for the softmax steps
+constexpr int kMaxDim = 256;
+static_assert(kChunk == 32, "the softmax steps give each key of a chunk a lane");
+
+// A row's list entry i as a key position, or -1 where the entry is outside [0, t].
+__device__ __forceinline__ std::int64_t listed_key(const KeyListConfig& c, const QueryRow& row, std::int64_t i) {
+  const std::int64_t key = c.indices.at<const std::int32_t>(row.b, row.operand_row(), 0)[i * c.indices.head];
+  return key >= 0 && key <= row.position() ? key : -1;
+}
+__device__ __forceinline__ std::int64_t list_length(const KeyListConfig& c, const QueryRow& row) {
+  const std::int64_t n = *c.counts.at<const std::int32_t>(row.b, row.operand_row(), 0);
+  return n < 0 ? 0 : (n > c.k_max ? c.k_max : n);
+}
+
+// Shared memory of the query-side kernels, in floats: the group's rows (q, and dout in the
+// backward), the running output (forward) or dq (backward), the chunk's K and V (K rows padded
+// by one so that lanes reading one feature of consecutive keys hit distinct banks), the
+// chunk's weights (and their gradients), and per-head statistics.
+struct QuerySideLayout {
+  int group, dk, dv, k_stride;
+  int q, acc, dout, k, v, w, dw, stat;  // offsets
+  int floats;
+  __host__ __device__ QuerySideLayout(const AttentionParams& p, bool backward)
+      : group(static_cast<int>(p.group_size())), dk(static_cast<int>(p.dim_qk)), dv(static_cast<int>(p.dim_v)),
+        k_stride(dk + 1) {
+    q = 0;
+    acc = q + group * dk;
+    const int acc_size = backward ? group * dk : group * dv;
+    dout = acc + acc_size;
+    k = dout + (backward ? group * dv : 0);
+    v = k + kChunk * k_stride;
+    w = v + kChunk * dv;
+    dw = w + group * kChunk;
+    stat = dw + (backward ? group * kChunk : 0);
+    floats = stat + 3 * group + kChunk;  // m / l / rescale (forward) or lse / delta, and the keys
+  }
+  std::size_t bytes() const { return static_cast<std::size_t>(floats) * sizeof(float); }
+};
+
+// Gathers the chunk's listed keys (positions in `keys`, -1 for none) into K and V tiles.
+template <class T>
+__device__ void gather_chunk(const AttentionParams& p, const QueryRow& row, std::int64_t hk, const int* keys,
+                             float* k_tile, int k_stride, float* v_tile) {
+  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+  for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {
+    const int i = e / dk, d = e % dk;
+    const int key = keys[i];
+    k_tile[i * k_stride + d] = key < 0 ? 0.f : widen(p.k.at<const T>(row.b, row.s.k_start + key, hk)[d * p.k.dim]);
+  }
+  for (int e = threadIdx.x; e < kChunk * dv; e += blockDim.x) {
+    const int i = e / dv, d = e % dv;
+    const int key = keys[i];
+    v_tile[i * dv + d] = key < 0 ? 0.f : widen(p.v.at<const T>(row.b, row.s.k_start + key, hk)[d * p.v.dim]);
+  }
+}
+
+// Scaled scores of the group's queries against the chunk's keys; -inf for absent keys.
+__device__ void chunk_scores(const float* q, const float* k_tile, int k_stride, const int* keys, int group, int dk,
+                             float scale, float* w) {
+  for (int e = threadIdx.x; e < group * kChunk; e += blockDim.x) {
+    const int g = e / kChunk, i = e % kChunk;
+    float dot = 0.f;
+    for (int d = 0; d < dk; ++d) dot = fmaf(q[g * dk + d], k_tile[i * k_stride + d], dot);
+    w[e] = keys[i] < 0 ? -INFINITY : dot * scale;
+  }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) sparse_forward_kernel(const AttentionParams p, const KeyListConfig c) {
+  extern __shared__ __align__(16) float smem[];
+  const QuerySideLayout L(p, /*backward=*/false);
+  float *q = smem + L.q, *o = smem + L.acc, *k_tile = smem + L.k, *v_tile = smem + L.v, *w = smem + L.w;
+  float *m = smem + L.stat, *l = m + L.group, *rescale = l + L.group;
+  int* keys = reinterpret_cast<int*>(rescale + L.group);
+  const QueryRow row = locate_query_row(p, blockIdx.x);
+  const std::int64_t hk = blockIdx.y, h0 = hk * L.group, q_row = row.operand_row();
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = kThreads / 32;
+
+  for (int e = tid; e < L.group * L.dk; e += kThreads) {
+    q[e] = widen(p.q.at<const T>(row.b, q_row, h0 + e / L.dk)[(e % L.dk) * p.q.dim]);
+  }
+  for (int e = tid; e < L.group * L.dv; e += kThreads) o[e] = 0.f;
+  for (int g = tid; g < L.group; g += kThreads) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  __syncthreads();
+  const std::int64_t n = list_length(c, row);
+  for (std::int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    if (tid < kChunk) keys[tid] = i0 + tid < n ? static_cast<int>(listed_key(c, row, i0 + tid)) : -1;
+    __syncthreads();
+    gather_chunk<T>(p, row, hk, keys, k_tile, L.k_stride, v_tile);
+    __syncthreads();
+    chunk_scores(q, k_tile, L.k_stride, keys, L.group, L.dk, static_cast<float>(p.scale), w);
+    __syncthreads();
+    for (int g = warp; g < L.group; g += warps) {
+      const float x = w[g * kChunk + lane];
+      const float m_new = fmaxf(m[g], warp_max(x));
+      const float e = m_new == -INFINITY ? 0.f : expf(x - m_new);
+      const float sum = warp_sum(e);
+      w[g * kChunk + lane] = e;
+      __syncwarp();
+      if (lane == 0) {
+        const float r = m[g] == -INFINITY ? 0.f : expf(m[g] - m_new);
+        rescale[g] = r;
+        l[g] = l[g] * r + sum;
+        m[g] = m_new;
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < L.group * L.dv; e += kThreads) {
+      const int g = e / L.dv, d = e % L.dv;
+      float acc = o[e] * rescale[g];
+      for (int i = 0; i < kChunk; ++i) acc = fmaf(w[g * kChunk + i], v_tile[i * L.dv + d], acc);
+      o[e] = acc;
+    }
+    __syncthreads();
+  }
+  for (int e = tid; e < L.group * L.dv; e += kThreads) {
+    const int g = e / L.dv, d = e % L.dv;
+    p.out.at<T>(row.b, q_row, h0 + g)[d * p.out.dim] = narrow_to<T>(l[g] > 0.f ? o[e] / l[g] : 0.f);
+  }
+  for (int g = tid; g < L.group; g += kThreads) {
+    *p.stats.at<float>(row.b, q_row, h0 + g) = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
+  }
+}
+
+// The backward's query side: dq of the group's heads, and delta = <dout, out> per head (kept
+// for the key side). With dk_acc / dv_acc (fp32, [key row][kv head][dim], zeroed) it also adds
+// the key gradients there with atomics.
+template <class T>
+__global__ void __launch_bounds__(kThreads) sparse_backward_query_kernel(const AttentionParams p, const GradientParams g,
+                                                                       const KeyListConfig c, float* delta_out,
+                                                                       float* dk_acc, float* dv_acc) {
+  extern __shared__ __align__(16) float smem[];
+  const QuerySideLayout L(p, /*backward=*/true);
+  float *q = smem + L.q, *dq = smem + L.acc, *dout = smem + L.dout, *k_tile = smem + L.k, *v_tile = smem + L.v;
+  float *w = smem + L.w, *dw = smem + L.dw, *lse = smem + L.stat, *delta = lse + L.group;
+  int* keys = reinterpret_cast<int*>(delta + L.group);
+  const QueryRow row = locate_query_row(p, blockIdx.x);
+  const std::int64_t hk = blockIdx.y, h0 = hk * L.group, q_row = row.operand_row();
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = kThreads / 32;
+  const float scale = static_cast<float>(p.scale);
+
+  for (int e = tid; e < L.group * L.dk; e += kThreads) {
+    q[e] = widen(p.q.at<const T>(row.b, q_row, h0 + e / L.dk)[(e % L.dk) * p.q.dim]);
+    dq[e] = 0.f;
+  }
+  for (int e = tid; e < L.group * L.dv; e += kThreads) {
+    dout[e] = widen(g.dout.at<const T>(row.b, q_row, h0 + e / L.dv)[(e % L.dv) * g.dout.dim]);
+  }
+  __syncthreads();
+  for (int h = warp; h < L.group; h += warps) {
+    const T* out = p.out.at<const T>(row.b, q_row, h0 + h);
+    float x = 0.f;
+    for (int d = lane; d < L.dv; d += 32) x = fmaf(dout[h * L.dv + d], widen(out[d * p.out.dim]), x);
+    x = warp_sum(x);
+    if (lane == 0) {
+      delta[h] = x;
+      lse[h] = *p.stats.at<const float>(row.b, q_row, h0 + h);
+      if (delta_out != nullptr) delta_out[p.batch_row_q(row.b, q_row) * p.heads_q + h0 + h] = x;
+    }
+  }
+  const std::int64_t n = list_length(c, row);
+  for (std::int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    if (tid < kChunk) keys[tid] = i0 + tid < n ? static_cast<int>(listed_key(c, row, i0 + tid)) : -1;
+    __syncthreads();
+    gather_chunk<T>(p, row, hk, keys, k_tile, L.k_stride, v_tile);
+    __syncthreads();
+    chunk_scores(q, k_tile, L.k_stride, keys, L.group, L.dk, scale, w);
+    // dp = <dout, v> per (head, key).
+    for (int e = tid; e < L.group * kChunk; e += kThreads) {
+      const int h = e / kChunk, i = e % kChunk;
+      float x = 0.f;
+      for (int d = 0; d < L.dv; ++d) x = fmaf(dout[h * L.dv + d], v_tile[i * L.dv + d], x);
+      dw[e] = x;
+    }
+    __syncthreads();
+    // w -> probabilities, dw -> d(score) (with the scale: the gradient of the raw dot product).
+    for (int e = tid; e < L.group * kChunk; e += kThreads) {
+      const int h = e / kChunk;
+      const float prob = w[e] == -INFINITY || lse[h] == -INFINITY ? 0.f : expf(w[e] - lse[h]);
+      w[e] = prob;
+      dw[e] = prob * (dw[e] - delta[h]) * scale;
+    }
+    __syncthreads();
+    for (int e = tid; e < L.group * L.dk; e += kThreads) {
+      const int h = e / L.dk, d = e % L.dk;
+      float x = dq[e];
+      for (int i = 0; i < kChunk; ++i) x = fmaf(dw[h * kChunk + i], k_tile[i * L.k_stride + d], x);
+      dq[e] = x;
+    }
+    if (dk_acc != nullptr) {
+      for (int e = tid; e < kChunk * L.dk; e += kThreads) {
+        const int i = e / L.dk, d = e % L.dk;
+        if (keys[i] < 0) continue;
+        float x = 0.f;
+        for (int h = 0; h < L.group; ++h) x = fmaf(dw[h * kChunk + i], q[h * L.dk + d], x);
+        const std::int64_t key_row = p.batch_row_k(row.b, row.s.k_start + keys[i]);
+        atomicAdd(dk_acc + (key_row * p.heads_kv + hk) * L.dk + d, x);
+      }
+      for (int e = tid; e < kChunk * L.dv; e += kThreads) {
+        const int i = e / L.dv, d = e % L.dv;
+        if (keys[i] < 0) continue;
+        float x = 0.f;
+        for (int h = 0; h < L.group; ++h) x = fmaf(w[h * kChunk + i], dout[h * L.dv + d], x);
+        const std::int64_t key_row = p.batch_row_k(row.b, row.s.k_start + keys[i]);
+        atomicAdd(dv_acc + (key_row * p.heads_kv + hk) * L.dv + d, x);
+      }
+    }
+    __syncthreads();
+  }
+  for (int e = tid; e < L.group * L.dk; e += kThreads) {
+    g.dq.at<T>(row.b, q_row, h0 + e / L.dk)[(e % L.dk) * g.dq.dim] = narrow_to<T>(dq[e]);
+  }
+}
+
+// ---- The deterministic key side.
+
+// Every list slot as a (key row, query row) pair over the whole batch; slots past a list's
+// count or outside its row's visible keys get key row rows_k, sorted past every real one.
+__global__ void list_pairs_kernel(const AttentionParams p, const KeyListConfig c, std::uint32_t* key_rows,
+                                  std::uint32_t* query_rows) {
+  const std::int64_t total = p.rows_q * c.k_max;
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t i = e / c.k_max, slot = e % c.k_max;
+    const QueryRow row = locate_query_row(p, i);
+    const std::int64_t key = slot < list_length(c, row) ? listed_key(c, row, slot) : -1;
+    key_rows[e] = static_cast<std::uint32_t>(key < 0 ? p.rows_k : p.batch_row_k(row.b, row.s.k_start + key));
+    query_rows[e] = static_cast<std::uint32_t>(p.batch_row_q(row.b, row.operand_row()));
+  }
+}
+
+// Where each key row's pairs start in the sorted order (starts[rows_k] = the real pairs' end).
+__global__ void pair_starts_kernel(const std::uint32_t* sorted_keys, std::int64_t total, std::int64_t rows_k,
+                                   std::int64_t* starts) {
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e <= total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t here = e < total ? static_cast<std::int64_t>(sorted_keys[e]) : rows_k;
+    const std::int64_t before = e > 0 ? static_cast<std::int64_t>(sorted_keys[e - 1]) : -1;
+    for (std::int64_t k = before + 1; k <= here && k <= rows_k; ++k) starts[k] = e;
+  }
+}
+
+// One block per (key row, kv head), a warp per query (in sorted order, round robin over the
+// warps); each lane holds features d = lane + 32 j. The warps' sums are added in a fixed order.
+template <class T>
+__global__ void __launch_bounds__(kThreads) sparse_backward_key_kernel(const AttentionParams p, const GradientParams g,
+                                                                     const std::uint32_t* query_rows,
+                                                                     const std::int64_t* starts, const float* delta) {
+  constexpr int J = kMaxDim / 32;
+  __shared__ float partial[kThreads / 32][2 * kMaxDim];
+  const std::int64_t key_row = blockIdx.x, hk = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = kThreads / 32;
+  const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v), group = static_cast<int>(p.group_size());
+  const std::int64_t b = p.cu_seqlens_k != nullptr ? 0 : key_row / p.len_k;
+  const std::int64_t k_operand_row = p.cu_seqlens_k != nullptr ? key_row : key_row % p.len_k;
+  const T* k = p.k.at<const T>(b, k_operand_row, hk);
+  const T* v = p.v.at<const T>(b, k_operand_row, hk);
+  float k_reg[J], v_reg[J], dk_acc[J], dv_acc[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int d = lane + 32 * j;
+    k_reg[j] = d < dk ? widen(k[d * p.k.dim]) : 0.f;
+    v_reg[j] = d < dv ? widen(v[d * p.v.dim]) : 0.f;
+    dk_acc[j] = dv_acc[j] = 0.f;
+  }
+  const float scale = static_cast<float>(p.scale);
+  for (std::int64_t e = starts[key_row] + warp; e < starts[key_row + 1]; e += warps) {
+    const std::int64_t qi = query_rows[e];
+    // Batched query rows are b * len_q + row; packed ones are the operand rows themselves.
+    const std::int64_t q_operand_row = p.cu_seqlens_q != nullptr ? qi : qi - b * p.len_q;
+    for (int h = static_cast<int>(hk) * group; h < (static_cast<int>(hk) + 1) * group; ++h) {
+      const T* q = p.q.at<const T>(b, q_operand_row, h);
+      const T* dout = g.dout.at<const T>(b, q_operand_row, h);
+      float q_reg[J], dout_reg[J], dot = 0.f, dp = 0.f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int d = lane + 32 * j;
+        q_reg[j] = d < dk ? widen(q[d * p.q.dim]) : 0.f;
+        dout_reg[j] = d < dv ? widen(dout[d * g.dout.dim]) : 0.f;
+        dot = fmaf(q_reg[j], k_reg[j], dot);
+        dp = fmaf(dout_reg[j], v_reg[j], dp);
+      }
+      dot = warp_sum(dot);
+      dp = warp_sum(dp);
+      const float lse = *p.stats.at<const float>(b, q_operand_row, h);
+      const float prob = lse == -INFINITY ? 0.f : expf(dot * scale - lse);
+      const float dz = prob * (dp - delta[qi * p.heads_q + h]) * scale;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        dk_acc[j] = fmaf(dz, q_reg[j], dk_acc[j]);
+        dv_acc[j] = fmaf(prob, dout_reg[j], dv_acc[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    partial[warp][lane + 32 * j] = dk_acc[j];
+    partial[warp][kMaxDim + lane + 32 * j] = dv_acc[j];
+  }
+  __syncthreads();
+  T* dk_out = g.dk.at<T>(b, k_operand_row, hk);
+  T* dv_out = g.dv.at<T>(b, k_operand_row, hk);
+  for (int d = tid; d < dk; d += kThreads) {
+    float x = 0.f;
+    for (int w = 0; w < warps; ++w) x += partial[w][d];
+    dk_out[d * g.dk.dim] = narrow_to<T>(x);
+  }
+  for (int d = tid; d < dv; d += kThreads) {
+    float x = 0.f;
+    for (int w = 0; w < warps; ++w) x += partial[w][kMaxDim + d];
+    dv_out[d * g.dv.dim] = narrow_to<T>(x);
+  }
+}
+
+// ---- List checks.
+
+// The first malformed list as (sequence << 32 | row), or all ones when every list is sound.
+__global__ void first_bad_list_kernel(const AttentionParams p, const KeyListConfig c,
+                                      unsigned long long* first_bad) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < p.rows_q;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const QueryRow row = locate_query_row(p, i);
+    const std::int64_t n = *c.counts.at<const std::int32_t>(row.b, row.operand_row(), 0);
+    bool bad = n < 0 || n > c.k_max;
+    const std::int32_t* keys = c.indices.at<const std::int32_t>(row.b, row.operand_row(), 0);
+    std::int64_t previous = -1;
+    for (std::int64_t s = 0; !bad && s < n; ++s) {
+      const std::int64_t key = keys[s * c.indices.head];
+      bad = key <= previous || key > row.position();
+      previous = key;
+    }
+    if (bad) atomicMin(first_bad, (static_cast<unsigned long long>(row.b) << 32) | static_cast<unsigned long long>(row.r));
+  }
+}
+
+// Whether the query-side kernels fit: head dimensions and the group's shared memory.
+void check_sizes(const AttentionParams& p, std::size_t bytes, const char* what) {
+  int device = 0, limit = 0;
+  check(cudaGetDevice(&device), "reading the current device");
+  check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "reading the shared memory limit");
+  if (p.dim_qk > kMaxDim || p.dim_v > kMaxDim || bytes > static_cast<std::size_t>(limit)) {
+    throw Error(ErrorKind::unsupported,
+                std::string("winnow::gsa::") + what + ": the CUDA kernels take head dimensions up to " +
+                    std::to_string(kMaxDim) + " and hold a group of " + std::to_string(p.group_size()) +
+                    " query heads per kv head in shared memory (" + std::to_string(bytes) + " bytes, the device has " +
+                    std::to_string(limit) + "); got D = " + std::to_string(p.dim_qk) + ", Dv = " + std::to_string(p.dim_v));
+  }
+}
+
+template <class Fn>
+void by_dtype(const AttentionParams& p, Fn&& fn) {
+  switch (p.dtype) {
+    case DType::bfloat16: return fn(__nv_bfloat16{});
+    case DType::float16: return fn(__half{});
+    default: return fn(float{});
+  }
+}
+
+template <class Kernel>
+void allow_shared(Kernel kernel, std::size_t bytes) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+        "raising a GSA kernel's shared memory");
+}
+
+unsigned grid_for(std::int64_t items) {
+  const std::int64_t blocks = (items + 255) / 256;
+  return static_cast<unsigned>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
+}
+
+}  // namespace
+
+void gsa_sparse_forward(const AttentionParams& p, const KeyListConfig& c) {
+  if (p.rows_q == 0) return;
+  const QuerySideLayout L(p, /*backward=*/false);
+  check_sizes(p, L.bytes(), "sparse_forward");
+  by_dtype(p, [&](auto tag) {
+    using T = decltype(tag);
+    allow_shared(sparse_forward_kernel<T>, L.bytes());
+    sparse_forward_kernel<T><<<dim3(static_cast<unsigned>(p.rows_q), static_cast<unsigned>(p.heads_kv)), kThreads,
+                               L.bytes(), stream_of(p)>>>(p, c);
+    check_launch("gsa sparse_forward_kernel");
+  });
+}
+
+void gsa_sparse_backward(const AttentionParams& p, const GradientParams& g, const KeyListConfig& c) {
+  const QuerySideLayout L(p, /*backward=*/true);
+  check_sizes(p, L.bytes(), "sparse_backward");
+  const cudaStream_t stream = stream_of(p);
+  const std::size_t key_floats = static_cast<std::size_t>(p.rows_k * p.heads_kv);
+  const std::int64_t total = p.rows_q * c.k_max;
+  if (p.deterministic && (total >= (std::int64_t{1} << 31) || p.rows_k >= (std::int64_t{1} << 31) - 1)) {
+    throw Error(ErrorKind::unsupported,
+                "winnow::gsa::sparse_backward: the deterministic CUDA backward sorts every list slot (rows x k_max = " +
+                    std::to_string(total) + "), at most 2^31 - 1");
+  }
+  by_dtype(p, [&](auto tag) {
+    using T = decltype(tag);
+    allow_shared(sparse_backward_query_kernel<T>, L.bytes());
+    const dim3 grid(static_cast<unsigned>(p.rows_q), static_cast<unsigned>(p.heads_kv));
+    if (!p.deterministic) {
+      DeviceBuffer acc(p, key_floats * (p.dim_qk + p.dim_v) * sizeof(float));
+      float* dk_acc = acc.as<float>();
+      float* dv_acc = dk_acc + key_floats * p.dim_qk;
+      check(cudaMemsetAsync(dk_acc, 0, key_floats * (p.dim_qk + p.dim_v) * sizeof(float), stream),
+            "clearing the key gradient accumulators");
+      if (p.rows_q > 0) {
+        sparse_backward_query_kernel<T><<<grid, kThreads, L.bytes(), stream>>>(p, g, c, nullptr, dk_acc, dv_acc);
+        check_launch("gsa sparse_backward_query_kernel");
+      }
+      store_key_grads(p, g, dk_acc, dv_acc);
+      return;
+    }
+    DeviceBuffer delta(p, static_cast<std::size_t>(p.rows_q * p.heads_q) * sizeof(float));
+    if (p.rows_q > 0) {
+      sparse_backward_query_kernel<T><<<grid, kThreads, L.bytes(), stream>>>(p, g, c, delta.as<float>(), nullptr, nullptr);
+      check_launch("gsa sparse_backward_query_kernel");
+    }
+    // The (key row, query row) pairs sorted by key row, stably: each key's queries in order.
+    const std::size_t n = static_cast<std::size_t>(total);
+    DeviceBuffer pairs(p, 4 * n * sizeof(std::uint32_t));
+    std::uint32_t* keys_in = pairs.as<std::uint32_t>();
+    std::uint32_t *queries_in = keys_in + n, *keys_out = queries_in + n, *queries_out = keys_out + n;
+    DeviceBuffer starts(p, static_cast<std::size_t>(p.rows_k + 1) * sizeof(std::int64_t));
+    if (n > 0) {
+      list_pairs_kernel<<<grid_for(total), 256, 0, stream>>>(p, c, keys_in, queries_in);
+      check_launch("gsa list_pairs_kernel");
+      int end_bit = 1;
+      while ((std::uint64_t{1} << end_bit) <= static_cast<std::uint64_t>(p.rows_k)) ++end_bit;
+      std::size_t temp_bytes = 0;
+      check(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out, queries_in, queries_out,
+                                            static_cast<int>(n), 0, end_bit, stream),
+            "sizing the list sort");
+      DeviceBuffer temp(p, temp_bytes);
+      check(cub::DeviceRadixSort::SortPairs(temp.as<void>(), temp_bytes, keys_in, keys_out, queries_in, queries_out,
+                                            static_cast<int>(n), 0, end_bit, stream),
+            "sorting the lists by key");
+    }
+    pair_starts_kernel<<<grid_for(total + 1), 256, 0, stream>>>(keys_out, static_cast<std::int64_t>(n), p.rows_k,
+                                                               starts.as<std::int64_t>());
+    check_launch("gsa pair_starts_kernel");
+    if (p.rows_k > 0) {
+      sparse_backward_key_kernel<T><<<dim3(static_cast<unsigned>(p.rows_k), static_cast<unsigned>(p.heads_kv)), kThreads,
+                                      0, stream>>>(p, g, queries_out, starts.as<std::int64_t>(), delta.as<float>());
+      check_launch("gsa sparse_backward_key_kernel");
+    }
+  });
+}
+
+std::int64_t gsa_first_bad_list(const AttentionParams& p, const KeyListConfig& c) {
+  if (p.rows_q == 0) return -1;
+  const cudaStream_t stream = stream_of(p);
+  DeviceBuffer flag(p, sizeof(unsigned long long));
+  check(cudaMemsetAsync(flag.as<void>(), 0xff, sizeof(unsigned long long), stream), "clearing the list check");
+  first_bad_list_kernel<<<grid_for(p.rows_q), 256, 0, stream>>>(p, c, flag.as<unsigned long long>());
+  check_launch("gsa first_bad_list_kernel");
+  unsigned long long first = 0;
+  check(cudaMemcpyAsync(&first, flag.as<void>(), sizeof first, cudaMemcpyDeviceToHost, stream), "reading the list check");
+  check(cudaStreamSynchronize(stream), "checking the key lists");
+  return first == ~0ull ? -1 : static_cast<std::int64_t>(first);
+}
+
+}  // namespace winnow::cuda

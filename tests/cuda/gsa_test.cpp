@@ -1,0 +1,232 @@
+// GSA's CUDA kernels. The selection against scores recomputed in float64 from the same
+// (rounded) inputs: every budget rule and both score forms, batched, suffix and packed layouts,
+// rows long enough for the histogram and candidate passes, and a tie group larger than the
+// candidate buffer (ties go to the most recent keys). The sparse attention against the float64
+// reference on the same rounded inputs: GQA, D = 128, Dv != D, packed sequences, permuted
+// strides, float32 / bf16 / fp16, atomic and deterministic backward (the latter bitwise
+// repeatable); empty lists; malformed lists refused by the device check, naming the row.
+// Label `cuda`: runs only on a machine with a GPU (tools/gpu_check.sh).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "cuda_placement.h"
+#include "support/expect_error.h"
+#include "support/gsa_case.h"
+
+namespace winnow::testing {
+namespace {
+
+ExecContext on_cuda(bool deterministic = false) {
+  ExecContext ctx;
+  ctx.deterministic = deterministic;
+  return ctx;
+}
+
+// The same case with its (rounded) values in float64, for the reference.
+template <class Case>
+Case as_float64(const Case& c) {
+  Case d = c;
+  for (HostTensor* t : {&d.q, &d.k}) *t = t->converted(DType::float64);
+  if constexpr (std::is_same_v<Case, SparseCase>) {
+    d.v = c.v.converted(DType::float64);
+    d.dout = c.dout.converted(DType::float64);
+  } else {
+    d.weights = c.weights.converted(DType::float64);
+    d.bias = c.bias.converted(DType::float64);
+  }
+  return d;
+}
+
+gsa::IndexerOptions inverse_variance(std::int64_t k_base, std::int64_t k_min, std::int64_t k_max, double vbar) {
+  gsa::IndexerOptions o;
+  o.k_base = k_base;
+  o.k_min = k_min;
+  o.k_max = k_max;
+  o.mean_variance = vbar;
+  return o;
+}
+
+gsa::IndexerOptions fixed(std::int64_t k, std::int64_t k_max) {
+  gsa::IndexerOptions o;
+  o.budget = gsa::Budget::fixed;
+  o.k = k;
+  o.k_max = k_max;
+  return o;
+}
+
+TEST(CudaGsaSelection, SelectsTheTopKeysOfEveryRow) {
+  const std::vector<IndexerShape> shapes = {
+      {{{37, 37}, {37, 37}}, false, 3, 8},
+      {{{5, 40}}, false, 2, 16},
+      {{{9, 9}, {0, 0}, {30, 33}, {1, 1}}, true, 4, 8},
+      {{{24, 3000}}, false, 4, 64},  // long rows: histogram, candidates
+  };
+  std::vector<std::pair<gsa::IndexerOptions, bool>> options;  // (options, with bias)
+  options.push_back({inverse_variance(4, 2, 6, 0.05), true});
+  options.push_back({fixed(5, 7), true});
+  gsa::IndexerOptions eq8 = inverse_variance(20, 1, 9, 0.08);
+  eq8.budget = gsa::Budget::eq8;
+  options.push_back({eq8, true});
+  gsa::IndexerOptions code = inverse_variance(6, 1, 8, 0.05);
+  code.budget = gsa::Budget::reference;
+  options.push_back({code, true});
+  gsa::IndexerOptions relu = inverse_variance(3, 1, 5, 0.5);
+  relu.form = gsa::ScoreForm::relu;
+  relu.scale = 1.0;
+  options.push_back({relu, false});
+  options.push_back({fixed(300, 512), true});
+  for (const IndexerShape& shape : shapes) {
+    for (const DType dtype : {DType::float32, DType::bfloat16}) {
+      for (const auto& [o, with_bias] : options) {
+        SCOPED_TRACE(::testing::Message() << shape.seqs.size() << " sequences of " << shape.seqs.back().second
+                                          << " keys, " << to_string(dtype) << ", budget " << static_cast<int>(o.budget));
+        const IndexerCase c(shape, dtype, 51);
+        CudaPlacement gpu;
+        const SelectionResult got = run_selection(c, o, on_cuda(), with_bias, &gpu);
+        // scores_of reads the rounded values; the kernel's float32 sums trail them by ~1e-6.
+        expect_valid_selection(c, o, got, 1e-4, 1e-4, with_bias);
+      }
+    }
+  }
+}
+
+// 3000 keys with one vector (one score) among 1000 random ones, 2500 selected: the cut falls
+// inside the tie group, whose 3000 keys overflow the candidate buffer (2048), so the search
+// refines by position and must take the group's most recent keys.
+TEST(CudaGsaSelection, ATieGroupLargerThanTheCandidateBufferGoesToTheMostRecentKeys) {
+  IndexerCase c({{{3, 4000}}, false, 2, 16}, DType::float32, 52);
+  std::vector<double> k = c.k.values();
+  for (std::size_t i = 16; i < 3000 * 16; ++i) k[i] = k[i % 16];
+  c.k.set_values(k);
+  const gsa::IndexerOptions o = fixed(2500, 4096);
+  CudaPlacement gpu;
+  const SelectionResult got = run_selection(c, o, on_cuda(), true, &gpu);
+  const std::vector<std::vector<double>> scores = scores_of(c, o);
+  for (std::size_t row = 0; row < 3; ++row) {
+    ASSERT_EQ(got.counts[row], 2500);
+    std::vector<std::int64_t> chosen;
+    for (std::int64_t s = 0; s < 2500; ++s) chosen.push_back(static_cast<std::int64_t>(got.indices[row * 4096 + s]));
+    const double tie = scores[row][0];
+    std::int64_t above = 0;
+    for (double x : scores[row]) above += x > tie + 1e-6 ? 1 : 0;
+    ASSERT_LT(above, 2500);
+    // The tied keys chosen are the group's last 2500 - above.
+    const std::int64_t tied = 2500 - above;
+    std::int64_t in_group = 0;
+    for (std::int64_t key : chosen) {
+      if (key < 3000) {
+        EXPECT_GE(key, 3000 - tied) << "row " << row;
+        ++in_group;
+      }
+    }
+    EXPECT_EQ(in_group, tied) << "row " << row;
+    EXPECT_TRUE(std::is_sorted(chosen.begin(), chosen.end()));
+  }
+}
+
+TEST(CudaGsaSelection, OversizedRequestsAreRefused) {
+  const IndexerCase c({{{4, 4}}, false, 2, 8}, DType::float32, 53);
+  CudaPlacement gpu;
+  expect_error([&] { run_selection(c, fixed(2, 1 << 20), on_cuda(), true, &gpu); }, "k_max");
+}
+
+struct Tolerances {
+  double out, grad;
+};
+Tolerances tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::bfloat16: return {2e-2, 3e-2};
+    case DType::float16: return {5e-3, 5e-3};
+    default: return {2e-5, 5e-5};
+  }
+}
+
+TEST(CudaGsaSparse, MatchesTheReference) {
+  struct Shape {
+    IndexerShape s;
+    std::int64_t heads_kv, dim_v, per_row;
+    bool permuted;
+  };
+  const std::vector<Shape> shapes = {
+      {{{{23, 23}, {23, 23}}, false, 4, 8}, 2, 6, 5, false},
+      {{{{6, 31}}, false, 4, 8}, 2, 6, 5, true},                            // suffix, permuted strides
+      {{{{7, 7}, {0, 0}, {19, 19}, {1, 1}}, true, 2, 4}, 1, 4, 5, false},   // packed, an empty sequence
+      {{{{200, 200}}, false, 8, 128}, 2, 128, 50, false},                   // GQA 4:1, D = 128
+      {{{{129, 300}}, false, 4, 64}, 1, 96, 77, true},                      // Dv != D, lists of 77
+      {{{{70, 70}}, false, 4, 64}, 2, 64, 0, false},                        // every visible key
+  };
+  for (const Shape& shape : shapes) {
+    for (const DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
+      SCOPED_TRACE(::testing::Message() << shape.s.seqs.back().first << "x" << shape.s.seqs.back().second << " D "
+                                        << shape.s.dim << " Dv " << shape.dim_v << " " << to_string(dtype));
+      const SparseCase c(shape.s, shape.heads_kv, shape.dim_v, dtype, 61, shape.per_row, shape.permuted);
+      const SparseResult want = run_sparse(as_float64(c), reference());
+      const Tolerances tol = tolerance(dtype);
+      for (const bool deterministic : {false, true}) {
+        SCOPED_TRACE(deterministic ? "deterministic" : "atomics");
+        CudaPlacement gpu;
+        const SparseResult got = run_sparse(c, on_cuda(deterministic), &gpu);
+        EXPECT_LT(relative_error(got.out, want.out), tol.out) << "out";
+        EXPECT_LT(relative_error(got.lse, want.lse), 1e-5) << "lse";
+        EXPECT_LT(relative_error(got.dq, want.dq), tol.grad) << "dq";
+        EXPECT_LT(relative_error(got.dk, want.dk), tol.grad) << "dk";
+        EXPECT_LT(relative_error(got.dv, want.dv), tol.grad) << "dv";
+        if (deterministic) {
+          CudaPlacement again;
+          const SparseResult repeat = run_sparse(c, on_cuda(true), &again);
+          EXPECT_EQ(repeat.dk, got.dk);
+          EXPECT_EQ(repeat.dv, got.dv);
+          EXPECT_EQ(repeat.dq, got.dq);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaGsaSparse, AnEmptyListOutputsZero) {
+  SparseCase c({{{3, 3}}, false, 2, 4}, 1, 4, DType::float32, 62, 2);
+  std::vector<double> counts = c.counts.values();
+  counts[1] = 0;
+  c.counts.set_values(counts);
+  CudaPlacement gpu;
+  const SparseResult r = run_sparse(c, on_cuda(), &gpu);
+  for (std::int64_t h = 0; h < 2; ++h) {
+    EXPECT_TRUE(std::isinf(r.lse[static_cast<std::size_t>(2 + h)]) && r.lse[static_cast<std::size_t>(2 + h)] < 0);
+    for (std::int64_t d = 0; d < 4; ++d) {
+      EXPECT_EQ(r.out[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
+      EXPECT_EQ(r.dq[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
+    }
+  }
+}
+
+TEST(CudaGsaSparse, MalformedListsAreRefusedByTheDeviceCheck) {
+  SparseCase c({{{9, 9}, {0, 0}, {6, 6}}, true, 2, 4}, 1, 4, DType::float32, 63, 3);
+  std::vector<double> idx = c.indices.values();
+  // Sequence 2 (rows 9..14), its query row 1 (position 1): a future key.
+  idx[static_cast<std::size_t>((9 + 1) * 3 + 1)] = 5;
+  c.indices.set_values(idx);
+  CudaPlacement gpu;
+  expect_error([&] { run_sparse(c, on_cuda(), &gpu); }, "sequence 2, query row 1");
+  // Trusted lists skip the check; the kernels still read nothing outside the keys.
+  SparseCase t = c;
+  CudaPlacement gpu2;
+  AttentionInputs in = t.inputs();
+  in.q = gpu2.place(t.q);
+  in.k = gpu2.place(t.k);
+  in.v = gpu2.place(t.v);
+  in.cu_seqlens_q = gpu2.place(t.cu);
+  HostTensor out(t.dout.shape(), DType::float32), lse({t.rows_q, 2}, DType::float32);
+  gsa::KeyLists lists{gpu2.place(t.indices), gpu2.place(t.counts)};
+  lists.trusted = true;
+  const TensorView o = gpu2.place(out), l = gpu2.place(lse);
+  gsa::sparse_forward(in, lists, std::nullopt, {o, l}, on_cuda());
+  gpu2.fetch(o, out);
+  for (double x : out.values()) EXPECT_TRUE(std::isfinite(x));
+}
+
+}  // namespace
+}  // namespace winnow::testing
