@@ -29,6 +29,8 @@ __all__ = [
     "sieve_attention",
     "threshold_attention",
     "screening_attention",
+    "gsa_select_keys",
+    "gsa_sparse_attention",
     "rotary_embedding",
     "rms_norm",
     "add_rms_norm",
@@ -256,6 +258,89 @@ def sieve_attention(
     return torch.ops.winnow.sieve_attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
         attend_current=attend_current, alpha=alpha, filter=filter, eps=eps)
+
+
+def gsa_select_keys(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    head_weights: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    k_max: int,
+    budget: str = "inverse_variance",
+    k_base: int = 0,
+    k_min: int = 1,
+    k_fixed: Optional[int] = None,
+    mean_variance: float = 1.0,
+    form: str = "sigmoid",
+    scale: Optional[float] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated Sparse Attention's indexer with exact top-k selection (seed 003, spec/gsa.md).
+
+    Query t scores every key s <= t over the H_I indexer heads j:
+    ``I_ts = sum_j sigmoid(w_tj) * sigmoid(<q_tj, k_s> * scale + b_j)`` (``form="sigmoid"``,
+    GSA's) or ``sum_j w_tj * relu(<q_tj, k_s> * scale)`` (``form="relu"``, DeepSeek-V3.2's; no
+    bias), takes the population variance Var_t of its row, turns it into a budget k_t and
+    keeps the k_t best keys (all of them when t + 1 <= k_t; ties toward the more recent key).
+    Nothing of size L x L is materialized.
+
+    Shapes: q (B, Lq, H_I, d_I) and k (B, Lk, 1, d_I) (one key head shared by the indexer
+    heads; the queries are the last Lq positions), or packed (T, H_I, d_I) / (T, 1, d_I) with
+    ``cu_seqlens_q`` (int32, B + 1 offsets) and optionally ``cu_seqlens_k``; ``head_weights``
+    (B, Lq, H_I) or (Tq, H_I) in q's dtype, the pre-activation w_tj; ``bias`` (H_I) or (1),
+    float32 (float64 for float64 inputs), absent meaning 0. ``scale`` defaults to 1 / sqrt(d_I).
+
+    ``budget``: ``"inverse_variance"`` k_base * mean_variance / Var_t (003's text, the
+    default), ``"eq8"`` k_base * Var_t / mean_variance (003's eq. 8 as printed),
+    ``"reference"`` k_base * (0.5 + 1 / (1 + Var_t / mean_variance)) (003's public code), each
+    floored and clamped to [k_min, k_max]; ``"fixed"``: ``k_fixed`` keys per row (default
+    k_max). ``mean_variance`` is the layer's running mean of the row variance (Vbar).
+
+    Returns ``(indices, counts, variance)``: indices int32 (B, Lq, k_max) or (Tq, k_max), the
+    selected positions of each row in increasing order, -1 padded; counts int32 (B, Lq) or (Tq),
+    min(k_t, t + 1); variance (B, Lq) or (Tq), float32 (float64 for float64 inputs). None of
+    them is differentiable (the indexer learns from its own loss, spec/gsa.md).
+    """
+    return torch.ops.winnow.gsa_select_keys(
+        q, k, head_weights, bias, k_max=k_max, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, form=form, scale=scale, budget=budget, k_fixed=k_fixed,
+        k_base=k_base, k_min=k_min, mean_variance=mean_variance)
+
+
+def gsa_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    trusted: bool = False,
+) -> torch.Tensor:
+    """Softmax attention of every query over its own key list (GSA's sparse SDPA, 003 eq. 6):
+    ``o_t,h = sum_{s in S_t} softmax_{s in S_t}(<q_t,h, k_s> * scale) v_s``.
+
+    ``indices`` and ``counts`` are the lists as :func:`gsa_select_keys` returns them: int32
+    (B, Lq, k_max) or (Tq, k_max) positions in the sequence, strictly increasing and at most the
+    query's own position in the first counts[t] slots, and int32 counts (B, Lq) or (Tq); one list
+    per token, shared by all its heads. An empty list outputs zero. Shapes of q, k, v, the
+    offsets and ``scale`` as in :func:`softmax_attention` (grouped-query heads, Dv may differ
+    from D). Differentiable in q, k and v; keys in no list get zero gradient (with
+    ``torch.use_deterministic_algorithms(True)`` the key gradients are the same bits on every
+    run).
+
+    Every list entry is checked before the forward (on CUDA the host waits for the check);
+    ``trusted=True`` skips that for lists that come unchanged from :func:`gsa_select_keys`
+    (a bad trusted list gives unspecified results, never a read outside the sequence). The
+    backward reuses the forward's lists without checking them again.
+    """
+    return torch.ops.winnow.gsa_sparse_attention(
+        q, k, v, indices, counts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        scale=scale, trusted=trusted)
 
 
 def rotary_embedding(

@@ -728,6 +728,205 @@ at::Tensor screening_attention_no_grad(const at::Tensor& q, const at::Tensor& k,
                                        expand_windows_above, norm_eps, false));
 }
 
+// ------------------------------------------------------------------ GSA (Gated Sparse Attention)
+// Two pieces (winnow/gsa.h): the indexer with exact top-k selection (gsa_select_keys: integer
+// lists and a statistic, no gradient) and softmax attention over those per-token key lists
+// (gsa_sparse_attention, differentiable in q, k and v).
+
+// The indexer's options as the C++ API takes them. The fixed budget is `k_fixed` here (the
+// operator's `k` is the key tensor); None means k_max. k_max is checked before anything is
+// allocated, since the lists' width comes from it.
+gsa::IndexerOptions gsa_indexer_options(const char* op, c10::string_view form, Opt<double> scale,
+                                        c10::string_view budget, Opt<int64_t> k_fixed,
+                                        int64_t k_base, int64_t k_min, int64_t k_max,
+                                        double mean_variance) {
+  const auto fail = [&](const char* name, const std::string& expected, const std::string& got) {
+    throw Error(ErrorKind::invalid_argument,
+                std::string(op) + ": argument '" + name + "': expected " + expected + ", got " + got);
+  };
+  gsa::IndexerOptions o;
+  const std::string form_s(form), budget_s(budget);
+  if (form_s == "sigmoid") {
+    o.form = gsa::ScoreForm::sigmoid;
+  } else if (form_s == "relu") {
+    o.form = gsa::ScoreForm::relu;
+  } else {
+    fail("form", "\"sigmoid\" or \"relu\"", "\"" + form_s + "\"");
+  }
+  if (budget_s == "fixed") {
+    o.budget = gsa::Budget::fixed;
+  } else if (budget_s == "inverse_variance") {
+    o.budget = gsa::Budget::inverse_variance;
+  } else if (budget_s == "eq8") {
+    o.budget = gsa::Budget::eq8;
+  } else if (budget_s == "reference") {
+    o.budget = gsa::Budget::reference;
+  } else {
+    fail("budget", "\"fixed\", \"inverse_variance\", \"eq8\" or \"reference\"", "\"" + budget_s + "\"");
+  }
+  if (k_max < 1) fail("k_max", "an integer >= 1 (the width of the key lists)", std::to_string(k_max));
+  if (o.budget == gsa::Budget::fixed) {
+    o.k = k_fixed.value_or(k_max);
+    if (o.k < 1) fail("k_fixed", "an integer >= 1 (the fixed budget) or None (k_max)", std::to_string(o.k));
+  } else if (k_fixed.has_value()) {
+    fail("k_fixed", "None unless budget is \"fixed\"", std::to_string(*k_fixed));
+  }
+  o.scale = std_opt(scale);
+  o.k_base = k_base;
+  o.k_min = k_min;
+  o.k_max = k_max;
+  o.mean_variance = mean_variance;
+  return o;
+}
+
+// q (B, Lq, H_I, d_I) or (Tq, H_I, d_I) -> (B, Lq) or (Tq): one entry per query row.
+std::vector<int64_t> query_rows_shape(const at::Tensor& q) {
+  std::vector<int64_t> shape = q.sizes().vec();
+  shape.resize(shape.size() >= 2 ? shape.size() - 2 : 0);
+  return shape;
+}
+
+using SelectionTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+SelectionTensors gsa_select_keys_op(const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& head_weights, const Opt<at::Tensor>& bias,
+                                    int64_t k_max, const Opt<at::Tensor>& cu_q,
+                                    const Opt<at::Tensor>& cu_k, c10::string_view form,
+                                    Opt<double> scale, c10::string_view budget,
+                                    Opt<int64_t> k_fixed, int64_t k_base, int64_t k_min,
+                                    double mean_variance, bool reference) {
+  constexpr const char* op = "winnow.gsa_select_keys";
+  return translate_errors([&] {
+    const gsa::IndexerOptions options = gsa_indexer_options(op, form, scale, budget, k_fixed, k_base,
+                                                            k_min, k_max, mean_variance);
+    gsa::IndexerInputs in;
+    in.q = view_of(q, op, "q");
+    in.k = view_of(k, op, "k");
+    in.head_weights = view_of(head_weights, op, "head_weights");
+    in.bias = view_of(bias, op, "bias");
+    in.cu_seqlens_q = view_of(cu_q, op, "cu_seqlens_q");
+    in.cu_seqlens_k = view_of(cu_k, op, "cu_seqlens_k");
+    std::vector<int64_t> rows = query_rows_shape(q), lists = rows;
+    lists.push_back(k_max);
+    at::Tensor indices = at::empty(lists, q.options().dtype(at::kInt));
+    at::Tensor counts = at::empty(rows, q.options().dtype(at::kInt));
+    at::Tensor variance = at::empty(rows, q.options().dtype(stats_dtype(q)));
+    const DeviceScope scope(q);
+    gsa::select_keys(in, options,
+                     {view_of(indices, op, "indices"), view_of(counts, op, "counts"),
+                      view_of(variance, op, "variance")},
+                     scope.context(false, reference));
+    return std::make_tuple(indices, counts, variance);
+  });
+}
+
+constexpr Dispatched<&gsa_select_keys_op> gsa_select_keys_dispatched{"winnow::gsa_select_keys"};
+
+// The selection has no gradient: its autograd kernel runs the operator below autograd, so the
+// outputs never require grad (the variance is a statistic, the lists integers), whatever the
+// inputs do; backpropagating into them is an error rather than a silent zero.
+SelectionTensors gsa_select_keys_autograd(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& head_weights,
+                                          const Opt<at::Tensor>& bias, int64_t k_max,
+                                          const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                                          c10::string_view form, Opt<double> scale,
+                                          c10::string_view budget, Opt<int64_t> k_fixed,
+                                          int64_t k_base, int64_t k_min, double mean_variance,
+                                          bool reference) {
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return gsa_select_keys_dispatched(q, k, head_weights, bias, k_max, cu_q, cu_k, form, scale, budget,
+                                    k_fixed, k_base, k_min, mean_variance, reference);
+}
+
+gsa::KeyLists gsa_key_lists(const char* op, const at::Tensor& indices, const at::Tensor& counts,
+                            bool trusted) {
+  gsa::KeyLists lists;
+  lists.indices = view_of(indices, op, "indices");
+  lists.counts = view_of(counts, op, "counts");
+  lists.trusted = trusted;
+  return lists;
+}
+
+std::tuple<at::Tensor, at::Tensor> gsa_sparse_forward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& indices,
+    const at::Tensor& counts, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+    Opt<double> scale, bool trusted, bool reference) {
+  constexpr const char* op = "winnow.gsa_sparse_attention_forward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    const gsa::KeyLists lists = gsa_key_lists(op, indices, counts, trusted);
+    at::Tensor out = at::empty(out_shape(q, v), q.options());
+    at::Tensor lse = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    const DeviceScope scope(q);
+    gsa::sparse_forward(in, lists, std_opt(scale), {view_of(out, op, "out"), view_of(lse, op, "lse")},
+                        scope.context(false, reference));
+    return std::make_tuple(out, lse);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gsa_sparse_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& indices,
+    const at::Tensor& counts, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout,
+    const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, Opt<double> scale, bool trusted,
+    bool deterministic, bool reference) {
+  constexpr const char* op = "winnow.gsa_sparse_attention_backward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    const gsa::KeyLists lists = gsa_key_lists(op, indices, counts, trusted);
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    const DeviceScope scope(q);
+    gsa::sparse_backward(in, lists, std_opt(scale), {view_of(out, op, "out"), view_of(lse, op, "lse")},
+                         view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
+                         scope.context(deterministic, reference));
+    return std::make_tuple(dq, dk, dv);
+  });
+}
+
+constexpr Dispatched<&gsa_sparse_forward_op> gsa_sparse_forward{"winnow::gsa_sparse_attention_forward"};
+constexpr Dispatched<&gsa_sparse_backward_op> gsa_sparse_backward{"winnow::gsa_sparse_attention_backward"};
+
+struct GsaSparseFunction : public torch::autograd::Function<GsaSparseFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& indices,
+                               const at::Tensor& counts, const Opt<at::Tensor>& cu_q,
+                               const Opt<at::Tensor>& cu_k, Opt<double> scale, bool trusted) {
+    auto [out, lse] = gsa_sparse_forward(q, k, v, indices, counts, cu_q, cu_k, scale, trusted, false);
+    save_call(ctx, {q, k, v, indices, counts, out, lse}, cu_q, cu_k, scale, true);
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const SavedCall c = saved_call(ctx);
+    const variable_list& s = c.tensors;
+    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[5]);
+    // The lists were checked by the forward (or trusted by its caller), and autograd refuses
+    // saved tensors modified in place since: the backward does not read every entry again (on
+    // CUDA that check waits for the device).
+    auto [dq, dk, dv] = gsa_sparse_backward(s[0], s[1], s[2], s[3], s[4], s[5], s[6], dout, c.cu_q,
+                                            c.cu_k, c.scale, true,
+                                            at::globalContext().deterministicAlgorithms(), false);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor gsa_sparse_attention_autograd(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& indices,
+                                         const at::Tensor& counts, const Opt<at::Tensor>& cu_q,
+                                         const Opt<at::Tensor>& cu_k, Opt<double> scale,
+                                         bool trusted) {
+  return GsaSparseFunction::apply(q, k, v, indices, counts, cu_q, cu_k, scale, trusted)[0];
+}
+
+at::Tensor gsa_sparse_attention_no_grad(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& indices,
+                                        const at::Tensor& counts, const Opt<at::Tensor>& cu_q,
+                                        const Opt<at::Tensor>& cu_k, Opt<double> scale,
+                                        bool trusted) {
+  return std::get<0>(gsa_sparse_forward(q, k, v, indices, counts, cu_q, cu_k, scale, trusted, false));
+}
+
 // ------------------------------------------------------------------ rotary embedding
 
 at::Tensor rotary_apply_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -1234,6 +1433,44 @@ ScreeningGrads screening_backward(const at::Tensor& q, const at::Tensor& k, cons
   return std::make_tuple(dq, dk, dv, at::empty_like(s_w), at::empty_like(s_r));
 }
 
+// GSA: the indexer's lists (B, Lq, k_max) or (Tq, k_max) from q without its last two
+// dimensions; the sparse attention's outputs like softmax's.
+SelectionTensors gsa_select_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor&,
+                                 const Opt<at::Tensor>&, int64_t k_max, const Opt<at::Tensor>&,
+                                 const Opt<at::Tensor>&, c10::string_view form, Opt<double> scale,
+                                 c10::string_view budget, Opt<int64_t> k_fixed, int64_t k_base,
+                                 int64_t k_min, double mean_variance, bool) {
+  constexpr const char* op = "winnow.gsa_select_keys";
+  translate_errors([&] {
+    return gsa_indexer_options(op, form, scale, budget, k_fixed, k_base, k_min, k_max, mean_variance);
+  });
+  check_rank(op, "q", q);
+  check_rank(op, "k", k);
+  std::vector<c10::SymInt> rows = q.sym_sizes().vec();
+  rows.resize(rows.size() - 2);
+  std::vector<c10::SymInt> lists = rows;
+  lists.emplace_back(k_max);
+  return std::make_tuple(at::empty_symint(lists, q.options().dtype(at::kInt)),
+                         at::empty_symint(rows, q.options().dtype(at::kInt)),
+                         at::empty_symint(rows, q.options().dtype(stats_dtype(q))));
+}
+
+std::tuple<at::Tensor, at::Tensor> gsa_sparse_forward(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, const at::Tensor&,
+                                                      const at::Tensor&, const Opt<at::Tensor>&,
+                                                      const Opt<at::Tensor>&, Opt<double>, bool,
+                                                      bool) {
+  check_attention("winnow.gsa_sparse_attention_forward", q, k, v);
+  return std::make_tuple(out(q, v), stats(q));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gsa_sparse_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const Opt<at::Tensor>&, const Opt<at::Tensor>&, Opt<double>, bool, bool, bool) {
+  return grads("winnow.gsa_sparse_attention_backward", q, k, v);
+}
+
 }  // namespace meta
 
 }  // namespace
@@ -1328,6 +1565,25 @@ TORCH_LIBRARY(winnow, m) {
       "Tensor? cu_seqlens_k=None, float mipe_threshold=256.0, float expand_windows_above=0.0, "
       "float norm_eps=1e-06, bool reference=False) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor ds_w, Tensor ds_r)");
+  m.def(
+      "gsa_select_keys(Tensor q, Tensor k, Tensor head_weights, Tensor? bias=None, *, "
+      "int k_max, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, str form=\"sigmoid\", "
+      "float? scale=None, str budget=\"inverse_variance\", int? k_fixed=None, int k_base=0, "
+      "int k_min=1, float mean_variance=1.0, bool reference=False) "
+      "-> (Tensor indices, Tensor counts, Tensor variance)");
+  m.def(
+      "gsa_sparse_attention(Tensor q, Tensor k, Tensor v, Tensor indices, Tensor counts, *, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float? scale=None, "
+      "bool trusted=False) -> Tensor");
+  m.def(
+      "gsa_sparse_attention_forward(Tensor q, Tensor k, Tensor v, Tensor indices, Tensor counts, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float? scale=None, "
+      "bool trusted=False, bool reference=False) -> (Tensor out, Tensor lse)");
+  m.def(
+      "gsa_sparse_attention_backward(Tensor q, Tensor k, Tensor v, Tensor indices, "
+      "Tensor counts, Tensor out, Tensor lse, Tensor dout, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool trusted=False, "
+      "bool deterministic=False, bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rotary_embedding_apply(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06, ScalarType? out_dtype=None) -> Tensor");
@@ -1367,6 +1623,9 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("threshold_attention_backward", threshold_backward_op);
   m.impl("screening_attention_forward", screening_forward_op);
   m.impl("screening_attention_backward", screening_backward_op);
+  m.impl("gsa_select_keys", gsa_select_keys_op);
+  m.impl("gsa_sparse_attention_forward", gsa_sparse_forward_op);
+  m.impl("gsa_sparse_attention_backward", gsa_sparse_backward_op);
   m.impl("rotary_embedding_apply", rotary_apply_op);
   m.impl("rms_norm_forward", rms_norm_forward_op);
   m.impl("rms_norm_backward", rms_norm_backward_op);
@@ -1389,6 +1648,9 @@ TORCH_LIBRARY_IMPL(winnow, Meta, m) {
   m.impl("threshold_attention_backward", meta::threshold_backward);
   m.impl("screening_attention_forward", meta::screening_forward);
   m.impl("screening_attention_backward", meta::screening_backward);
+  m.impl("gsa_select_keys", meta::gsa_select_keys);
+  m.impl("gsa_sparse_attention_forward", meta::gsa_sparse_forward);
+  m.impl("gsa_sparse_attention_backward", meta::gsa_sparse_backward);
   m.impl("rotary_embedding_apply", meta::rotary_apply);
   m.impl("rms_norm_forward", meta::rms_norm_forward);
   m.impl("rms_norm_backward", meta::rms_norm_backward);
@@ -1408,6 +1670,7 @@ TORCH_LIBRARY_IMPL(winnow, AutogradMeta, m) {
                            "sieve_attention_forward", "sieve_attention_backward",
                            "threshold_attention_forward", "threshold_attention_backward",
                            "screening_attention_forward", "screening_attention_backward",
+                           "gsa_sparse_attention_forward", "gsa_sparse_attention_backward",
                            "rotary_embedding_apply", "rms_norm_forward", "rms_norm_backward",
                            "add_rms_norm_forward", "add_rms_norm_backward", "swiglu_forward",
                            "swiglu_backward"}) {
@@ -1425,6 +1688,8 @@ TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("sieve_attention", sieve_attention_autograd);
   m.impl("threshold_attention", threshold_attention_autograd);
   m.impl("screening_attention", screening_attention_autograd);
+  m.impl("gsa_select_keys", gsa_select_keys_autograd);
+  m.impl("gsa_sparse_attention", gsa_sparse_attention_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
   m.impl("rms_norm", rms_norm_autograd);
   m.impl("add_rms_norm", add_rms_norm_autograd);
@@ -1438,6 +1703,7 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("sieve_attention", sieve_attention_no_grad);
   m.impl("threshold_attention", threshold_attention_no_grad);
   m.impl("screening_attention", screening_attention_no_grad);
+  m.impl("gsa_sparse_attention", gsa_sparse_attention_no_grad);
   m.impl("rotary_embedding", rotary_embedding_no_grad);
   m.impl("rms_norm", rms_norm_no_grad);
   m.impl("add_rms_norm", add_rms_norm_no_grad);
@@ -1520,6 +1786,36 @@ at::Tensor screening_attention(const at::Tensor& q, const at::Tensor& k, const a
                                          const Opt<at::Tensor>&, double, double, double)>();
   return op.call(q, k, v, s_w, s_r, call.cu_seqlens_q, call.cu_seqlens_k, options.mipe_threshold,
                  options.expand_windows_above, options.norm_eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gsa_select_keys(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& head_weights,
+                                                               const Opt<at::Tensor>& bias,
+                                                               const gsa::IndexerOptions& options,
+                                                               const Opt<at::Tensor>& cu_seqlens_q,
+                                                               const Opt<at::Tensor>& cu_seqlens_k) {
+  static const char* const forms[] = {"sigmoid", "relu"};
+  static const char* const budgets[] = {"fixed", "inverse_variance", "eq8", "reference"};
+  const bool fixed = options.budget == gsa::Budget::fixed;
+  return gsa_select_keys_dispatched(
+      q, k, head_weights, bias, options.k_max, cu_seqlens_q, cu_seqlens_k,
+      c10::string_view(forms[static_cast<int>(options.form)]),
+      options.scale ? Opt<double>(*options.scale) : Opt<double>(),
+      c10::string_view(budgets[static_cast<int>(options.budget)]),
+      fixed ? Opt<int64_t>(options.k) : Opt<int64_t>(), options.k_base, options.k_min,
+      options.mean_variance, false);
+}
+
+at::Tensor gsa_sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& indices, const at::Tensor& counts,
+                                const AttentionCall& call, bool trusted) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::gsa_sparse_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&,
+                                         const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                                         Opt<double>, bool)>();
+  return op.call(q, k, v, indices, counts, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, trusted);
 }
 
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

@@ -15,14 +15,17 @@ import winnow
 # operators those call. Every registered operator must appear here: test_every_operator_has_samples
 # compares this list with torch.ops.winnow.
 DIFFERENTIABLE = ["softmax_attention", "stick_breaking_attention", "entmax_attention",
-                  "sieve_attention", "threshold_attention", "screening_attention", "rotary_embedding", "rms_norm",
-                  "add_rms_norm", "swiglu"]
+                  "sieve_attention", "threshold_attention", "screening_attention",
+                  "gsa_sparse_attention", "rotary_embedding", "rms_norm", "add_rms_norm", "swiglu"]
 KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
            "stick_breaking_attention_forward", "stick_breaking_attention_backward",
            "entmax_attention_forward", "entmax_attention_backward",
            "sieve_attention_forward", "sieve_attention_backward",
            "threshold_attention_forward", "threshold_attention_backward",
-           "screening_attention_forward", "screening_attention_backward", "rotary_embedding_apply",
+           "screening_attention_forward", "screening_attention_backward",
+           # GSA's selection has no gradient: one operator, sampled with the kernels.
+           "gsa_select_keys", "gsa_sparse_attention_forward", "gsa_sparse_attention_backward",
+           "rotary_embedding_apply",
            "rms_norm_forward", "rms_norm_backward", "add_rms_norm_forward",
            "add_rms_norm_backward", "swiglu_forward", "swiglu_backward"]
 # Operators without CUDA kernels yet: their samples exist on the CPU only, and the CUDA tests
@@ -149,6 +152,46 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
         out.append(Sample("screening_attention_backward", (q, k, v, s_w, s_r, o, h_norm, dout), {},
                           "batched"))
 
+    # GSA: the indexer with selection (H_I = 4 indexer heads over one key head, head weights in
+    # q's dtype, the bias in float32, float64 for float64 inputs), batched with an adaptive
+    # budget and packed with a fixed one; then the sparse attention over lists it selected,
+    # selected on the CPU in float64 and moved (valid lists whatever the dtype and device).
+    def indexer(*rows_q, rows_k, requires=requires_grad):
+        def rnd(*shape):
+            t = torch.randn(*shape, generator=gen, dtype=torch.float64)
+            return t.to(device=device, dtype=dtype).requires_grad_(requires)
+        return (rnd(*rows_q, 4, d), rnd(*rows_k, 1, d), rnd(*rows_q, 4),
+                torch.randn(4, generator=gen, dtype=torch.float64).to(device=device, dtype=stat))
+
+    def lists(iq, ik, iw, ib, **options):
+        f64 = [t.detach().to("cpu", torch.float64) for t in (iq, ik, iw, ib)]
+        options = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
+        indices, counts, _ = torch.ops.winnow.gsa_select_keys(*f64, **options)
+        return indices.to(device), counts.to(device)
+
+    adaptive = {"k_max": 6, "k_base": 3, "k_min": 2, "mean_variance": 0.02}
+    iq, ik, iw, ib = indexer(2, 9, rows_k=(2, 13))
+    out.append(Sample("gsa_select_keys", (iq, ik, iw, ib), dict(adaptive), "batched"))
+    batched_lists = lists(iq, ik, iw, ib, **adaptive)
+    cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 8, 11, 20], dtype=torch.int32, device=device)
+    fixed = {"k_max": 4, "budget": "fixed", "k_fixed": 3, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    iq, ik, iw, ib = indexer(12, rows_k=(20,))
+    out.append(Sample("gsa_select_keys", (iq, ik, iw), dict(fixed, form="relu"), "packed relu"))
+    packed_lists = lists(iq, ik, iw, ib, **fixed)
+    q, k, v = _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, requires_grad, gen)
+    out.append(Sample("gsa_sparse_attention", (q, k, v) + batched_lists, {}, "batched"))
+    q, k, v, cu_q, cu_k = _packed(d, dtype, device, requires_grad, gen)
+    out.append(Sample("gsa_sparse_attention", (q, k, v) + packed_lists,
+                      {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, "packed"))
+    with torch.no_grad():
+        q, k, v = (t.detach() for t in _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, False, gen))
+        o, lse = torch.ops.winnow.gsa_sparse_attention_forward(q, k, v, *batched_lists)
+        dout = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+        out.append(Sample("gsa_sparse_attention_forward", (q, k, v) + batched_lists, {}, "batched"))
+        out.append(Sample("gsa_sparse_attention_backward",
+                          (q, k, v) + batched_lists + (o, lse, dout), {}, "batched"))
+
     # Rotary embedding: x (B, L, H, D), tables (L, D/2) in float32 (float64 for float64 x).
     table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     angles = torch.arange(9, dtype=torch.float64)[:, None] * torch.pow(
@@ -216,6 +259,7 @@ FUNCTIONS: Dict[str, Callable] = {
     "sieve_attention": winnow.sieve_attention,
     "threshold_attention": winnow.threshold_attention,
     "screening_attention": winnow.screening_attention,
+    "gsa_sparse_attention": winnow.gsa_sparse_attention,
     "rotary_embedding": winnow.rotary_embedding,
     "rms_norm": winnow.rms_norm,
     "add_rms_norm": winnow.add_rms_norm,

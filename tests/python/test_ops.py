@@ -541,3 +541,273 @@ def test_screening_gradcheck_and_bad_arguments():
         winnow.screening_attention(x, x, x, torch.zeros(3), torch.zeros(2))
     with pytest.raises(ValueError, match="argument 'mipe_threshold'"):
         winnow.screening_attention(x, x, x, torch.zeros(2), torch.zeros(2), mipe_threshold=0.0)
+
+
+# ------------------------------------------------------------------ GSA (spec/gsa.md)
+
+def composed_gsa_scores(q, k, w, bias=None, form="sigmoid", scale=None):
+    """The indexer's scores I_ts on (B, Lq, H_I, d_I) queries and (B, Lk, 1, d_I) keys:
+    (B, Lq, Lk), -inf where the key is not visible (s > t)."""
+    lq, lk = q.shape[1], k.shape[1]
+    s = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dot = torch.einsum("bqjd,bkd->bqjk", q.double(), k[:, :, 0].double()) * s
+    w = w.double()[..., None]
+    if form == "relu":
+        terms = w * torch.relu(dot)
+    else:
+        b = 0.0 if bias is None else bias.double().reshape(1, 1, -1, 1)
+        terms = torch.sigmoid(w) * torch.sigmoid(dot + b)
+    return terms.sum(2).masked_fill(~visible_mask(lq, lk, True, q.device), float("-inf"))
+
+
+def gsa_budget(variance, budget, k_fixed=None, k_base=0, k_min=1, k_max=1, mean_variance=1.0):
+    """k_t as spec/gsa.md states it: the rule, floored, clamped to [k_min, k_max]."""
+    if budget == "fixed":
+        return min(k_max if k_fixed is None else k_fixed, k_max)
+    if budget == "inverse_variance":
+        k = k_base * mean_variance / variance if variance > 0 else math.inf
+    elif budget == "eq8":
+        k = k_base * variance / mean_variance
+    else:
+        k = k_base * (0.5 + 1 / (1 + variance / mean_variance))
+    if not k >= k_min:
+        return k_min
+    return k_max if k >= k_max else math.floor(k)
+
+
+def sort_top_k(scores, counts, k_max):
+    """Each row's counts[t] best keys by a full sort (higher score first, ties toward the more
+    recent key), in increasing order, -1 padded: (B, Lq, k_max) int32."""
+    lk = scores.shape[-1]
+    newest_first = torch.arange(lk - 1, -1, -1)
+    order = torch.sort(scores[..., newest_first], dim=-1, descending=True, stable=True).indices
+    ranked = newest_first[order]
+    out = torch.full(scores.shape[:-1] + (k_max,), -1, dtype=torch.int32)
+    for b in range(scores.shape[0]):
+        for t in range(scores.shape[1]):
+            n = int(counts[b, t])
+            out[b, t, :n] = ranked[b, t, :n].sort().values.to(torch.int32)
+    return out
+
+
+def list_mask(indices, lk):
+    """(B, Lq, k_max) lists, -1 padded -> (B, Lq, Lk): key s is in query t's list."""
+    idx = torch.where(indices >= 0, indices, torch.full_like(indices, lk)).long()
+    mask = torch.zeros(indices.shape[:-1] + (lk + 1,), dtype=torch.bool, device=indices.device)
+    return mask.scatter_(-1, idx, True)[..., :lk]
+
+
+def composed_list_softmax(q, k, v, indices):
+    """Dense softmax attention with every key outside the query's list masked; an empty list
+    outputs zero."""
+    group = q.shape[2] // k.shape[2]
+    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    mask = list_mask(indices, k.shape[1])[:, None]
+    z = scores(q, k).masked_fill(~mask, float("-inf"))
+    p = torch.where(mask, torch.softmax(z, -1), torch.zeros_like(z))  # NaN rows of empty lists
+    return (p @ vh).transpose(1, 2)
+
+
+def gsa_indexer(b, lq, lk, heads=4, d=8, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
+    return (rnd(b, lq, heads, d), rnd(b, lk, 1, d), rnd(b, lq, heads),
+            (0.5 * torch.randn(heads, generator=gen, dtype=torch.float64)).to(stat))
+
+
+@pytest.mark.parametrize("form", ["sigmoid", "relu"])
+@pytest.mark.parametrize("budget", ["fixed", "inverse_variance", "eq8", "reference"])
+def test_gsa_select_keys_matches_sort_based_top_k(form, budget):
+    q, k, w, bias = gsa_indexer(2, 23, 41, seed=30)
+    bias = bias if form == "sigmoid" else None
+    ref_scores = composed_gsa_scores(q, k, w, bias, form)
+    finite = torch.where(torch.isfinite(ref_scores), ref_scores, torch.zeros_like(ref_scores))
+    n = torch.isfinite(ref_scores).sum(-1)
+    mean = finite.sum(-1) / n
+    ref_var = torch.where(torch.isfinite(ref_scores), (finite - mean[..., None]) ** 2,
+                          torch.zeros_like(finite)).sum(-1) / n
+    options = dict(budget=budget, k_max=12, k_base=6, k_min=2,
+                   mean_variance=float(ref_var.mean()), k_fixed=5 if budget == "fixed" else None)
+    indices, counts, variance = winnow.gsa_select_keys(q, k, w, bias, form=form, **options)
+    assert indices.dtype == torch.int32 and counts.dtype == torch.int32
+    assert indices.shape == (2, 23, 12) and counts.shape == (2, 23)
+    assert variance.dtype == torch.float64 and variance.shape == (2, 23)
+    torch.testing.assert_close(variance, ref_var, rtol=1e-12, atol=1e-14)
+    t = torch.arange(41 - 23, 41)
+    want_counts = torch.tensor([[min(gsa_budget(float(variance[b, r]), **options), int(t[r]) + 1)
+                                 for r in range(23)] for b in range(2)], dtype=torch.int32)
+    assert torch.equal(counts, want_counts)
+    if budget != "fixed":
+        assert counts.min() < counts.max() <= 12  # the budget adapts per row
+    assert torch.equal(indices, sort_top_k(ref_scores, counts, 12))
+
+
+def test_gsa_select_keys_ties_go_to_the_most_recent_keys():
+    # Zero queries: every key of a row scores the same, so the most recent ones win.
+    q, k, w, bias = gsa_indexer(1, 10, 10, seed=31)
+    for form, b in (("sigmoid", bias), ("relu", None)):
+        indices, counts, _ = winnow.gsa_select_keys(torch.zeros_like(q), k, w, b, form=form,
+                                                    budget="fixed", k_fixed=3, k_max=4)
+        t = torch.arange(10)
+        assert torch.equal(counts[0], torch.clamp(t + 1, max=3).to(torch.int32))
+        for r in range(10):
+            want = list(range(max(0, r - 2), r + 1)) + [-1] * (4 - min(3, r + 1))
+            assert indices[0, r].tolist() == want
+
+
+def test_gsa_select_keys_packed_equals_each_sequence_alone():
+    q, k, w, bias = gsa_indexer(1, 30, 40, seed=32)
+    lens_q = [7, 0, 23]
+    cu_q = torch.tensor([0, 7, 7, 30], dtype=torch.int32)
+    cu_k = torch.tensor([0, 11, 17, 40], dtype=torch.int32)
+    options = dict(k_max=6, k_base=3, k_min=1, mean_variance=0.02, budget="reference")
+    indices, counts, variance = winnow.gsa_select_keys(q[0], k[0], w[0], bias, cu_seqlens_q=cu_q,
+                                                       cu_seqlens_k=cu_k, **options)
+    assert indices.shape == (30, 6) and counts.shape == (30,) and variance.shape == (30,)
+    for s in range(3):
+        if lens_q[s] == 0:
+            continue
+        rows, keys = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
+        i1, c1, v1 = winnow.gsa_select_keys(q[:, rows], k[:, keys], w[:, rows], bias, **options)
+        assert torch.equal(indices[rows], i1[0]) and torch.equal(counts[rows], c1[0])
+        torch.testing.assert_close(variance[rows], v1[0], rtol=1e-14, atol=1e-15)
+
+
+def test_gsa_select_keys_outputs_are_not_differentiable():
+    q, k, w, bias = (t.requires_grad_() for t in gsa_indexer(1, 9, 9, seed=33))
+    for out in winnow.gsa_select_keys(q, k, w, bias, k_max=4, budget="fixed"):
+        assert not out.requires_grad and out.grad_fn is None
+
+
+@pytest.mark.parametrize("lq,lk", [(37, 37), (23, 40)])
+def test_gsa_sparse_over_every_visible_key_is_softmax_attention(lq, lk):
+    # A fixed budget of at least Lk lists every visible key: causal softmax attention exactly,
+    # with grouped-query heads (4 per kv head) and Dv != D.
+    iq, ik, iw, ib = gsa_indexer(2, lq, lk, seed=34)
+    indices, counts, _ = winnow.gsa_select_keys(iq, ik, iw, ib, budget="fixed", k_max=lk)
+    assert torch.equal(counts.long(), (torch.arange(lk - lq, lk) + 1).expand(2, lq))
+    torch.manual_seed(34)
+    q = torch.randn(2, lq, 8, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, lk, 2, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, lk, 2, 12, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, lq, 8, 12, dtype=torch.float64)
+    out = winnow.gsa_sparse_attention(q, k, v, indices, counts)
+    ref = winnow.softmax_attention(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
+def test_gsa_sparse_matches_masked_softmax_with_gradients(dtype, tol):
+    iq, ik, iw, ib = gsa_indexer(2, 29, 37, seed=35)
+    indices, counts, _ = winnow.gsa_select_keys(iq, ik, iw, ib, k_max=9, k_base=5, k_min=2,
+                                                mean_variance=0.01)
+    assert counts[:, 9:].min() < counts[:, 9:].max()  # lists of several lengths
+    torch.manual_seed(35)
+    q = torch.randn(2, 29, 8, 16, dtype=torch.float64) * 2
+    k = torch.randn(2, 37, 2, 16, dtype=torch.float64)
+    v = torch.randn(2, 37, 2, 12, dtype=torch.float64)
+    w = torch.randn(2, 29, 8, 12, dtype=torch.float64)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    out = winnow.gsa_sparse_attention(*leaves, indices, counts)
+    ref = composed_list_softmax(*ref_leaves, indices)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    grads = torch.autograd.grad((out.double() * w).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * w).sum(), ref_leaves)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, rtol=tol, atol=tol)
+    # Keys in no list get exactly zero gradient.
+    unlisted = ~list_mask(indices, 37).any(1)
+    assert unlisted.any()
+    assert (grads[1].abs().sum((-1, -2))[unlisted] == 0).all()
+    assert (grads[2].abs().sum((-1, -2))[unlisted] == 0).all()
+    # Trusted lists (straight from the selection) give the same bits.
+    trusted = winnow.gsa_sparse_attention(*leaves, indices, counts, trusted=True)
+    assert torch.equal(trusted, out)
+
+
+def test_gsa_sparse_gradcheck_varlen_with_an_empty_list():
+    torch.manual_seed(36)
+    q = torch.randn(12, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(20, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(20, 1, 3, dtype=torch.float64, requires_grad=True)
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 8, 20], dtype=torch.int32)
+    iq, ik, iw, ib = gsa_indexer(1, 12, 20, heads=2, d=4, seed=36)
+    indices, counts, _ = winnow.gsa_select_keys(iq[0], ik[0], iw[0], ib, cu_seqlens_q=cu_q,
+                                                cu_seqlens_k=cu_k, budget="fixed", k_fixed=3,
+                                                k_max=4)
+    counts[2] = 0  # an empty list: zero output, zero gradient
+    out = winnow.gsa_sparse_attention(q, k, v, indices, counts, cu_seqlens_q=cu_q,
+                                      cu_seqlens_k=cu_k)
+    assert torch.equal(out[2].detach(), torch.zeros_like(out[2]))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: winnow.gsa_sparse_attention(q, k, v, indices, counts, cu_seqlens_q=cu_q,
+                                                    cu_seqlens_k=cu_k), (q, k, v))
+
+
+def test_gsa_sparse_packed_equals_each_sequence_alone():
+    torch.manual_seed(37)
+    cu_q = torch.tensor([0, 7, 7, 30], dtype=torch.int32)
+    cu_k = torch.tensor([0, 11, 17, 40], dtype=torch.int32)
+    q = torch.randn(30, 4, 8, dtype=torch.float64)
+    k = torch.randn(40, 2, 8, dtype=torch.float64)
+    v = torch.randn(40, 2, 8, dtype=torch.float64)
+    iq, ik, iw, ib = gsa_indexer(1, 30, 40, seed=37)
+    options = dict(k_max=6, k_base=3, mean_variance=0.02)
+    indices, counts, _ = winnow.gsa_select_keys(iq[0], ik[0], iw[0], ib, cu_seqlens_q=cu_q,
+                                                cu_seqlens_k=cu_k, **options)
+    out = winnow.gsa_sparse_attention(q, k, v, indices, counts, cu_seqlens_q=cu_q,
+                                      cu_seqlens_k=cu_k)
+    for s in (0, 2):
+        rows, keys = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
+        alone = winnow.gsa_sparse_attention(q[None, rows], k[None, keys], v[None, keys],
+                                            indices[None, rows], counts[None, rows])
+        torch.testing.assert_close(out[rows], alone[0], rtol=1e-14, atol=1e-14)
+
+
+def test_gsa_bad_arguments_name_them():
+    q, k, w, bias = gsa_indexer(1, 8, 8, dtype=torch.float32, seed=38)
+    with pytest.raises(ValueError, match="argument 'k_min': expected an integer in \\[1, k_max = 4\\]"):
+        winnow.gsa_select_keys(q, k, w, bias, k_max=4, k_base=4, k_min=5)
+    with pytest.raises(ValueError, match="argument 'k_max'"):
+        winnow.gsa_select_keys(q, k, w, bias, k_max=0, budget="fixed")
+    with pytest.raises(ValueError, match="argument 'k_base'"):
+        winnow.gsa_select_keys(q, k, w, bias, k_max=4)  # an adaptive budget needs k_base
+    with pytest.raises(ValueError, match="argument 'form'"):
+        winnow.gsa_select_keys(q, k, w, bias, k_max=4, form="softmax")
+    with pytest.raises(ValueError, match="argument 'budget'"):
+        winnow.gsa_select_keys(q, k, w, bias, k_max=4, budget="top-k")
+    with pytest.raises(ValueError, match="argument 'k_fixed'"):
+        winnow.gsa_select_keys(q, k, w, bias, k_max=4, k_base=2, k_fixed=3)
+    with pytest.raises(ValueError, match="argument 'bias'"):
+        winnow.gsa_select_keys(q, k, w, bias, k_max=4, budget="fixed", form="relu")
+    with pytest.raises(ValueError, match="argument 'k'"):
+        winnow.gsa_select_keys(q, q, w, bias, k_max=4, budget="fixed")  # 4 key heads
+    with pytest.raises(ValueError, match="argument 'head_weights'"):
+        winnow.gsa_select_keys(q, k, w.double(), bias, k_max=4, budget="fixed")
+
+    indices, counts, _ = winnow.gsa_select_keys(q, k, w, bias, k_max=4, budget="fixed")
+    x, kv = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 1, 16)
+    future = indices.clone()
+    future[0, 2, 2] = 3  # query 2 cannot see key 3
+    with pytest.raises(ValueError, match="argument 'indices': expected strictly increasing "
+                                         "positions in \\[0, 2\\] at sequence 0, query row 2"):
+        winnow.gsa_sparse_attention(x, kv, kv, future, counts)
+    repeated = indices.clone()
+    repeated[0, 5, 1] = repeated[0, 5, 0]
+    with pytest.raises(ValueError, match="argument 'indices': expected strictly increasing"):
+        winnow.gsa_sparse_attention(x, kv, kv, repeated, counts)
+    with pytest.raises(ValueError, match="argument 'indices': expected int32"):
+        winnow.gsa_sparse_attention(x, kv, kv, indices.long(), counts)
+    with pytest.raises(ValueError, match="argument 'counts': expected values in \\[0, k_max = 4\\]"):
+        winnow.gsa_sparse_attention(x, kv, kv, indices, counts + 5)
+    with pytest.raises(ValueError, match="argument 'counts'"):
+        winnow.gsa_sparse_attention(x, kv, kv, indices, counts[:, :7])

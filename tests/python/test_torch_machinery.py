@@ -100,6 +100,10 @@ def call_with_loss(name, tensors, options):
         q, k, v, beta, *cu = tensors
         extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}
         outputs = tensors_of(fn(q, k, v, beta, **extra, **options))
+    elif name == "gsa_sparse_attention":  # (q, k, v, indices, counts[, cu_q, cu_k])
+        q, k, v, indices, counts, *cu = tensors
+        extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}
+        outputs = tensors_of(fn(q, k, v, indices, counts, **extra, **options))
     elif name == "screening_attention":  # (q, k, v, s_w, s_r[, cu_q, cu_k])
         q, k, v, s_w, s_r, *cu = tensors
         extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}
@@ -178,3 +182,40 @@ def compile_check(name, device, dtype, d, backend, rtol, atol):
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
 def test_compile_fullgraph_dynamic_matches_eager(name):
     compile_check(name, "cpu", torch.float64, 16, "aot_eager", 1e-10, 1e-10)
+
+
+@needs_modern_torch
+def test_gsa_selection_and_attention_compile_as_one_graph():
+    """GSA's two operators the way a layer calls them (the selection's lists, trusted, into the
+    sparse attention) compiled with fullgraph and dynamic shapes: outputs and gradients match
+    eager, and a sequence twice as long does not compile again."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def layer(q, k, v, iq, ik, iw, ib):
+        indices, counts, variance = winnow.gsa_select_keys(iq, ik, iw, ib, k_max=6, k_base=3,
+                                                           k_min=2, mean_variance=0.02)
+        return winnow.gsa_sparse_attention(q, k, v, indices, counts, trusted=True), counts, variance
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    gen = torch.Generator().manual_seed(0)
+    for length in (13, 26):
+        def rnd(*shape, grad=False):
+            t = torch.randn(*shape, generator=gen, dtype=torch.float64)
+            return t.requires_grad_(grad)
+        q = rnd(2, length, 4, 8, grad=True)
+        k, v = rnd(2, length, 2, 8, grad=True), rnd(2, length, 2, 8, grad=True)
+        indexer = (rnd(2, length, 3, 8), rnd(2, length, 1, 8), rnd(2, length, 3), rnd(3))
+        eager = layer(q, k, v, *indexer)
+        got = compiled(q, k, v, *indexer)
+        assert torch.equal(got[1], eager[1])
+        for a, b in ((got[0], eager[0]), (got[2], eager[2])):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        w = torch.randn(eager[0].shape, generator=gen, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad((got[0] * w).sum(), (q, k, v)),
+                        torch.autograd.grad((eager[0] * w).sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert counter.frame_count == 1
+

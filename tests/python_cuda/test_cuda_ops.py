@@ -1,5 +1,6 @@
 """The operators on CUDA tensors from Python: autograd against composed float64 expressions,
-SDPA agreement for softmax, deterministic mode, and halting. Label `cuda` (GPU machines)."""
+SDPA agreement for softmax, deterministic mode, halting, and GSA's selection and sparse
+attention against the CPU kernels. Label `cuda` (GPU machines)."""
 
 import math
 import os
@@ -10,8 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import winnow  # noqa: E402
-from test_ops import (composed_entmax, composed_sieve, composed_softmax,  # noqa: E402
-                      composed_stick_breaking)
+from test_ops import (composed_entmax, composed_gsa_scores, composed_sieve,  # noqa: E402
+                      composed_softmax, composed_stick_breaking, list_mask)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -135,3 +136,199 @@ def test_rms_norm_cuda_into_bfloat16_matches_composed():
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     for g, e in zip(got, want):
         torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ GSA
+
+# Awkward lengths: batched, two sequences of 37 queries (a suffix) over 129 keys; packed, 37 over
+# 37, an empty sequence (0 over 5) and 129 over 160.
+GSA_BATCHED = (2, 37, 129)
+GSA_PACKED = [(37, 37), (0, 5), (129, 160)]
+
+
+def gsa_offsets(seqs, device):
+    cu_q, cu_k = [0], [0]
+    for lq, lk in seqs:
+        cu_q.append(cu_q[-1] + lq)
+        cu_k.append(cu_k[-1] + lk)
+    return (torch.tensor(cu_q, dtype=torch.int32, device=device),
+            torch.tensor(cu_k, dtype=torch.int32, device=device))
+
+
+def gsa_indexer_inputs(layout, dtype, gen, heads=4, d=64):
+    """Indexer inputs rounded to dtype (q, k, head weights) and a float32 bias."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+    if layout == "batched":
+        b, lq, lk = GSA_BATCHED
+        rows_q, rows_k = (b, lq), (b, lk)
+    else:
+        rows_q, rows_k = (sum(s[0] for s in GSA_PACKED),), (sum(s[1] for s in GSA_PACKED),)
+    return (rnd(*rows_q, heads, d), rnd(*rows_k, 1, d), rnd(*rows_q, heads),
+            0.5 * torch.randn(heads, generator=gen))
+
+
+def gsa_sequences(layout):
+    """Each sequence's (query rows, key rows) as index pairs into the batch (batched) or into
+    the packed rows: x[qs] is (1, Lq, ...) either way."""
+    if layout == "batched":
+        return [((slice(b, b + 1),), (slice(b, b + 1),)) for b in range(GSA_BATCHED[0])]
+    out, q0, k0 = [], 0, 0
+    for lq, lk in GSA_PACKED:
+        out.append(((None, slice(q0, q0 + lq)), (None, slice(k0, k0 + lk))))
+        q0, k0 = q0 + lq, k0 + lk
+    return out
+
+
+def check_top_k(indices, counts, scores, slack):
+    """Rows of a valid selection: counts[t] strictly increasing visible positions, -1 after
+    them, and no left-out visible key scoring more than `slack` above a selected one."""
+    k_max, lk = indices.shape[-1], scores.shape[-1]
+    slots = torch.arange(k_max)
+    live = slots[None, :] < counts[:, None].long()
+    assert (indices[~live] == -1).all()
+    visible = torch.isfinite(scores)
+    t = visible.sum(-1) - 1
+    assert ((indices <= t[:, None]) | ~live).all() and ((indices >= 0) | ~live).all()
+    steps = indices[:, 1:] - indices[:, :-1]
+    assert ((steps > 0) | ~live[:, 1:]).all()
+    chosen = list_mask(indices[None], lk)[0]
+    assert torch.equal(chosen.sum(-1), counts.long())
+    lowest = torch.where(chosen, scores, torch.full_like(scores, math.inf)).min(-1).values
+    left = torch.where(visible & ~chosen, scores, torch.full_like(scores, -math.inf)).max(-1).values
+    assert (lowest >= left - slack).all(), float((left - lowest).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["batched", "packed"])
+@pytest.mark.parametrize("budget", ["fixed", "inverse_variance"])
+@pytest.mark.parametrize("form", ["sigmoid", "relu"])
+def test_gsa_select_keys_cuda_matches_cpu(dtype, layout, budget, form):
+    """The indexer on CUDA against the CPU kernels run in float32 on the same dtype-rounded
+    values: the variance to float32 rounding, the same list lengths (all of them with a fixed
+    budget; with the adaptive one all but rows whose budget sits on a rounding boundary), the
+    same lists in nearly every row, and on CUDA a valid top-k of the float64 scores."""
+    gen = torch.Generator().manual_seed(40)
+    q, k, w, bias = gsa_indexer_inputs(layout, dtype, gen)
+    bias = bias if form == "sigmoid" else None
+
+    def select(device, **options):
+        extra = {}
+        if layout == "packed":
+            extra = dict(zip(("cu_seqlens_q", "cu_seqlens_k"), gsa_offsets(GSA_PACKED, device)))
+        cast = (lambda t: t.float()) if device == "cpu" else (lambda t: t)
+        out = winnow.gsa_select_keys(cast(q).to(device), cast(k).to(device), cast(w).to(device),
+                                     None if bias is None else bias.to(device), form=form,
+                                     **extra, **options)
+        assert out[0].device.type == device and out[0].dtype == torch.int32
+        assert out[2].dtype == torch.float32
+        return [t.cpu() for t in out]
+
+    options = dict(k_max=24, budget="fixed", k_fixed=16)
+    if budget != "fixed":  # budgets around k_base = 8 at the rows' median variance
+        median = float(select("cpu", **options)[2].median())
+        options = dict(k_max=24, k_base=8, k_min=4, mean_variance=median, budget=budget)
+    (ci, cc, cv), (gi, gc, gv) = select("cpu", **options), select("cuda", **options)
+    assert gi.shape == ci.shape and gc.shape == cc.shape and gv.shape == cv.shape
+    torch.testing.assert_close(gv, cv, rtol=1e-4, atol=1e-7)
+    if budget == "fixed":
+        assert torch.equal(gc, cc)
+    else:
+        assert (gc == cc).float().mean() > 0.99 and (gc - cc).abs().max() <= 1
+        assert cc.min() < cc.max()  # the budget adapts
+    same_rows = (gi == ci).all(-1)
+    assert same_rows.float().mean() > 0.98, f"{int((~same_rows).sum())} rows differ"
+    # The CUDA lists against float64 scores of the same values.
+    flat_i, flat_c = gi.reshape(-1, gi.shape[-1]), gc.reshape(-1)
+    row = 0
+    for qs, ks in gsa_sequences(layout):
+        qq, kk, ww = q[qs].double(), k[ks].double(), w[qs].double()
+        lq, lk = qq.shape[1], kk.shape[1]
+        if lq == 0:
+            continue
+        scores = composed_gsa_scores(qq, kk, ww, bias, form)[0]
+        scores = torch.cat([scores, torch.full((lq, 160 - lk), -math.inf, dtype=scores.dtype)], -1)
+        check_top_k(flat_i[row:row + lq], flat_c[row:row + lq], scores, slack=1e-4)
+        row += lq
+    assert row == flat_c.numel()
+
+
+def gsa_sparse_problem(layout, gen, k_max=24):
+    """q, k, v (8 query heads over 2 kv heads: 4 per kv head) in float64, the offsets (packed),
+    and lists selected on the CPU in float64 with an adaptive budget, one of them emptied."""
+    iq, ik, iw, ib = (t.double() for t in gsa_indexer_inputs(layout, torch.float64, gen, d=16))
+    extra = {}
+    if layout == "batched":
+        b, lq, lk = GSA_BATCHED
+        shape_q, shape_k = (b, lq), (b, lk)
+    else:
+        extra = dict(zip(("cu_seqlens_q", "cu_seqlens_k"), gsa_offsets(GSA_PACKED, "cpu")))
+        shape_q, shape_k = (iq.shape[0],), (ik.shape[0],)
+    median = float(winnow.gsa_select_keys(iq, ik, iw, ib, k_max=k_max, budget="fixed",
+                                          **extra)[2].median())
+    indices, counts, _ = winnow.gsa_select_keys(iq, ik, iw, ib, k_max=k_max, k_base=k_max // 2,
+                                                k_min=4, mean_variance=median, **extra)
+    counts.view(-1)[5] = 0  # an empty list: zero output
+    q = torch.randn(*shape_q, 8, 64, generator=gen, dtype=torch.float64)
+    k = torch.randn(*shape_k, 2, 64, generator=gen, dtype=torch.float64)
+    v = torch.randn(*shape_k, 2, 64, generator=gen, dtype=torch.float64)
+    return q, k, v, indices, counts, extra
+
+
+@pytest.mark.parametrize("dtype,d,tol", [(torch.bfloat16, 64, 3e-2), (torch.float32, 16, 1e-4)])
+@pytest.mark.parametrize("layout", ["batched", "packed"])
+def test_gsa_sparse_attention_cuda_matches_cpu(dtype, d, tol, layout):
+    """Output and every gradient on CUDA against the CPU kernels in float32 on the same
+    dtype-rounded values, with the same lists: grouped-query heads, queries a suffix of their
+    keys (batched) or packed sequences with an empty one, an empty list; head dimension 64 in
+    bf16 and 16 in float32. Trusted lists give the same output."""
+    gen = torch.Generator().manual_seed(41)
+    q, k, v, indices, counts, extra = gsa_sparse_problem(layout, gen)
+    q, k, v = (t[..., :d].to(dtype) for t in (q, k, v))
+    dout = torch.randn(q.shape, generator=gen).to(dtype)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).float().detach().clone().requires_grad_() for t in (q, k, v)]
+        inputs = [t.to(dtype) if device == "cuda" else t for t in leaves]
+        lists = (indices.to(device), counts.to(device))
+        offsets = {name: t.to(device) for name, t in extra.items()}
+        out = winnow.gsa_sparse_attention(*inputs, *lists, **offsets)
+        assert out.dtype == inputs[0].dtype and out.shape == q.shape
+        out.backward(dout.to(device=device, dtype=out.dtype))
+        if device == "cuda":
+            trusted = winnow.gsa_sparse_attention(*(t.detach() for t in inputs), *lists, **offsets,
+                                                  trusted=True)
+            assert torch.equal(trusted, out.detach())
+        results.append([out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves])
+    assert (results[1][0].reshape(-1, *q.shape[-2:])[5] == 0).all()  # the empty list
+    for name, got, want in zip(["out", "dq", "dk", "dv"], results[1], results[0]):
+        scale = want.abs().max().clamp_min(1e-6)
+        error = ((got - want).abs().max() / scale).item()
+        assert error < tol, f"{name}: {error}"
+
+
+def test_gsa_sparse_deterministic_backward_repeats_bitwise():
+    gen = torch.Generator().manual_seed(42)
+    q, k, v, indices, counts, _ = gsa_sparse_problem("batched", gen, k_max=32)
+    q, k, v = (t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
+    indices, counts = indices.cuda(), counts.cuda()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [grads_of(lambda q, k, v: winnow.gsa_sparse_attention(q, k, v, indices, counts),
+                         q, k, v)[1] for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_gsa_sparse_cuda_refuses_bad_lists_naming_the_argument():
+    gen = torch.Generator().manual_seed(43)
+    q, k, v, indices, counts, _ = gsa_sparse_problem("batched", gen)
+    q, k, v = (t.to("cuda", torch.float32) for t in (q, k, v))
+    future = indices.clone()
+    future[1, 3, 0] = 129 - 37 + 4  # query 3 of the second sequence sits at position 95
+    with pytest.raises(ValueError, match="argument 'indices'"):
+        winnow.gsa_sparse_attention(q, k, v, future.cuda(), counts.cuda())
+    with pytest.raises(ValueError, match="argument 'counts'"):
+        winnow.gsa_sparse_attention(q, k, v, indices.cuda(), (counts + 100).cuda())

@@ -5,6 +5,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
+
+#include "winnow/gsa.h"
+#include "winnow/torch/bridge.h"
+#include "winnow/torch/ops.h"
+
 namespace {
 
 using torch::Tensor;
@@ -69,7 +75,9 @@ TEST(TorchOps, AreRegistered) {
         "winnow::stick_breaking_attention_forward", "winnow::stick_breaking_attention_backward",
         "winnow::entmax_attention", "winnow::entmax_attention_forward",
         "winnow::entmax_attention_backward", "winnow::sieve_attention",
-        "winnow::sieve_attention_forward", "winnow::sieve_attention_backward"}) {
+        "winnow::sieve_attention_forward", "winnow::sieve_attention_backward",
+        "winnow::gsa_select_keys", "winnow::gsa_sparse_attention",
+        "winnow::gsa_sparse_attention_forward", "winnow::gsa_sparse_attention_backward"}) {
     EXPECT_NO_THROW(op(name)) << name;
   }
 }
@@ -230,6 +238,261 @@ TEST(TorchOps, BadArgumentsRaiseValueErrorsNamingTheArgument) {
   } catch (const c10::ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("argument 'alpha'"), std::string::npos) << e.what();
   }
+}
+
+// ------------------------------------------------------------------ GSA
+
+// An indexer problem: q (B, Lq, H_I, d_I) as a view of (B, H_I, Lq, d_I) storage, k (B, Lk, 1,
+// d_I), head weights (B, Lq, H_I), bias (H_I) in the statistics' dtype.
+struct Indexer {
+  Tensor q, k, w, bias;
+};
+Indexer make_indexer(int64_t b, int64_t lq, int64_t lk, torch::Dtype dtype) {
+  auto opts = torch::dtype(dtype);
+  const auto stats = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+  return {torch::randn({b, 3, lq, 8}, opts).transpose(1, 2), torch::randn({b, lk, 1, 8}, opts),
+          torch::randn({b, lq, 3}, opts), torch::randn({3}, torch::dtype(stats)) * 0.5};
+}
+
+// winnow.gsa_select_keys with its arguments in schema order.
+std::vector<c10::IValue> select_keys(const Indexer& in, c10::IValue bias, int64_t k_max, const std::string& form,
+                                     const std::string& budget, c10::IValue k_fixed = c10::IValue(),
+                                     int64_t k_base = 0, int64_t k_min = 1, double mean_variance = 1.0,
+                                     c10::IValue cu_q = c10::IValue(), c10::IValue cu_k = c10::IValue(),
+                                     bool reference = false) {
+  return call("winnow::gsa_select_keys", {in.q, in.k, in.w, std::move(bias), k_max, std::move(cu_q), std::move(cu_k),
+                                          form, c10::IValue(), budget, std::move(k_fixed), k_base, k_min,
+                                          mean_variance, reference});
+}
+
+winnow::gsa::Budget budget_of(const std::string& name) {
+  if (name == "fixed") return winnow::gsa::Budget::fixed;
+  if (name == "eq8") return winnow::gsa::Budget::eq8;
+  if (name == "reference") return winnow::gsa::Budget::reference;
+  return winnow::gsa::Budget::inverse_variance;
+}
+
+// (B, Lq, k_max) lists, -1 padded -> (B, Lq, Lk): key s is in query t's list.
+Tensor list_mask(const Tensor& indices, int64_t lk) {
+  Tensor idx = torch::where(indices >= 0, indices, torch::full_like(indices, lk)).to(torch::kLong);
+  Tensor mask = torch::zeros({indices.size(0), indices.size(1), lk + 1}, torch::kBool);
+  mask.scatter_(2, idx, true);
+  return mask.slice(2, 0, lk);
+}
+
+// Dense softmax attention with every key outside the query's list masked out.
+Tensor composed_list_softmax(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask) {
+  const int64_t group = q.size(2) / k.size(2);
+  Tensor qh = q.transpose(1, 2);
+  Tensor kh = k.repeat_interleave(group, 2).transpose(1, 2);
+  Tensor vh = v.repeat_interleave(group, 2).transpose(1, 2);
+  Tensor z = torch::matmul(qh, kh.transpose(-1, -2)) / std::sqrt(static_cast<double>(q.size(3)));
+  z = z.masked_fill(mask.unsqueeze(1).logical_not(), -std::numeric_limits<double>::infinity());
+  return torch::matmul(torch::softmax(z, -1), vh).transpose(1, 2);
+}
+
+// The operator is the C++ API behind a binding: the same bits as winnow::gsa::select_keys on
+// views of the same tensors, for every budget rule and both score forms, batched with strided
+// queries and packed; and the C++ entry point (torch/ops.h) agrees.
+TEST(TorchOps, GsaSelectKeysOperatorIsTheCApi) {
+  torch::manual_seed(11);
+  using winnow::torch_ops::view_of;
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    for (const bool packed : {false, true}) {
+      Indexer in = make_indexer(2, 19, 27, dtype);
+      c10::IValue cu_q, cu_k;
+      Tensor cu_q_t, cu_k_t;
+      if (packed) {  // lengths (4 of 11 keys, 0 of 5, 15 of 27)
+        in = {torch::randn({19, 3, 8}, torch::dtype(dtype)), torch::randn({43, 1, 8}, torch::dtype(dtype)),
+              torch::randn({19, 3}, torch::dtype(dtype)), in.bias};
+        cu_q_t = torch::tensor({0, 4, 4, 19}, torch::kInt);
+        cu_k_t = torch::tensor({0, 11, 16, 43}, torch::kInt);
+        cu_q = cu_q_t;
+        cu_k = cu_k_t;
+      }
+      for (const std::string form : {"sigmoid", "relu"}) {
+        for (const std::string budget : {"fixed", "inverse_variance", "eq8", "reference"}) {
+          const std::string label = form + " " + budget + (packed ? " packed" : " batched");
+          const bool sigmoid = form == "sigmoid";
+          c10::IValue bias = sigmoid ? c10::IValue(in.bias) : c10::IValue();
+          c10::IValue k_fixed = budget == "fixed" ? c10::IValue(int64_t{5}) : c10::IValue();
+          auto got = select_keys(in, bias, 7, form, budget, k_fixed, 4, 2, 0.01, cu_q, cu_k);
+          Tensor indices = got[0].toTensor(), counts = got[1].toTensor(), variance = got[2].toTensor();
+
+          winnow::gsa::IndexerInputs api_in;
+          api_in.q = view_of(in.q, "test", "q");
+          api_in.k = view_of(in.k, "test", "k");
+          api_in.head_weights = view_of(in.w, "test", "head_weights");
+          if (sigmoid) api_in.bias = view_of(in.bias, "test", "bias");
+          if (packed) {
+            api_in.cu_seqlens_q = view_of(cu_q_t, "test", "cu_seqlens_q");
+            api_in.cu_seqlens_k = view_of(cu_k_t, "test", "cu_seqlens_k");
+          }
+          winnow::gsa::IndexerOptions o;
+          o.form = sigmoid ? winnow::gsa::ScoreForm::sigmoid : winnow::gsa::ScoreForm::relu;
+          o.budget = budget_of(budget);
+          o.k = 5;
+          o.k_base = 4;
+          o.k_min = 2;
+          o.k_max = 7;
+          o.mean_variance = 0.01;
+          Tensor want_indices = torch::full_like(indices, -7), want_counts = torch::full_like(counts, -7),
+                 want_variance = torch::full_like(variance, -7);
+          winnow::gsa::select_keys(api_in, o,
+                                   {view_of(want_indices, "test", "indices"), view_of(want_counts, "test", "counts"),
+                                    view_of(want_variance, "test", "variance")});
+          EXPECT_EQ(indices.sizes(), want_indices.sizes()) << label;
+          EXPECT_EQ(indices.scalar_type(), torch::kInt) << label;
+          EXPECT_EQ(variance.scalar_type(), dtype) << label;
+          EXPECT_TRUE(torch::equal(indices, want_indices)) << label;
+          EXPECT_TRUE(torch::equal(counts, want_counts)) << label;
+          EXPECT_TRUE(torch::equal(variance, want_variance)) << label;
+
+          auto [e_indices, e_counts, e_variance] = winnow::torch_ops::gsa_select_keys(
+              in.q, in.k, in.w, sigmoid ? winnow::torch_ops::Opt<Tensor>(in.bias) : winnow::torch_ops::Opt<Tensor>(),
+              o, packed ? winnow::torch_ops::Opt<Tensor>(cu_q_t) : winnow::torch_ops::Opt<Tensor>(),
+              packed ? winnow::torch_ops::Opt<Tensor>(cu_k_t) : winnow::torch_ops::Opt<Tensor>());
+          EXPECT_TRUE(torch::equal(e_indices, indices)) << label;
+          EXPECT_TRUE(torch::equal(e_counts, counts)) << label;
+          EXPECT_TRUE(torch::equal(e_variance, variance)) << label;
+        }
+      }
+    }
+  }
+}
+
+// With lists of every visible key (a fixed budget of at least Lk) the sparse attention is
+// causal softmax attention: output and every gradient, GQA (4 query heads per kv head), Dv != D,
+// queries a suffix of the keys, strided inputs.
+TEST(TorchOps, GsaSparseAttentionOverEveryVisibleKeyIsSoftmaxAttention) {
+  torch::manual_seed(12);
+  auto opts = torch::dtype(torch::kDouble);
+  const int64_t lq = 29, lk = 40;
+  Indexer in = make_indexer(2, lq, lk, torch::kDouble);
+  auto sel = select_keys(in, in.bias, lk, "sigmoid", "fixed", int64_t{lk});
+  Tensor indices = sel[0].toTensor(), counts = sel[1].toTensor();
+  Tensor t = torch::arange(lk - lq, lk, torch::kInt);
+  EXPECT_TRUE(torch::equal(counts, (t + 1).expand({2, lq})));
+  Tensor slots = torch::arange(lk, torch::kInt);
+  EXPECT_TRUE(torch::equal(indices, torch::where(slots.view({1, lk}) <= t.view({lq, 1}), slots.view({1, lk}),
+                                                 torch::full({lq, lk}, -1, torch::kInt))
+                                        .expand({2, lq, lk})));
+
+  Tensor q = torch::randn({2, 8, lq, 16}, opts).transpose(1, 2).requires_grad_();
+  Tensor k = torch::randn({2, lk, 2, 16}, opts).requires_grad_();
+  Tensor v = torch::randn({2, 2, lk, 24}, opts).transpose(1, 2).requires_grad_();
+  Tensor w = torch::randn({2, lq, 8, 24}, opts);
+  Tensor out = call("winnow::gsa_sparse_attention", {q, k, v, indices, counts})[0].toTensor();
+  auto grads = torch::autograd::grad({(out * w).sum()}, {q, k, v});
+  Tensor ref = call("winnow::softmax_attention", {q, k, v})[0].toTensor();
+  auto ref_grads = torch::autograd::grad({(ref * w).sum()}, {q, k, v});
+  EXPECT_LT(rel(out, ref), 1e-12);
+  for (int i = 0; i < 3; ++i) EXPECT_LT(rel(grads[i], ref_grads[i]), 1e-11) << "grad " << i;
+}
+
+// Lists from the adaptive budget: autograd through the operator against dense softmax with every
+// unlisted key masked, in float64; keys in no list get exactly zero gradient; the C++ entry
+// point and trusted lists give the same result.
+TEST(TorchOps, GsaSparseAutogradMatchesAMaskedSoftmax) {
+  torch::manual_seed(13);
+  auto opts = torch::dtype(torch::kDouble);
+  const int64_t lq = 37, lk = 37;
+  Indexer in = make_indexer(2, lq, lk, torch::kDouble);
+  auto sel = select_keys(in, in.bias, 9, "sigmoid", "inverse_variance", c10::IValue(), 6, 2, 0.01);
+  Tensor indices = sel[0].toTensor(), counts = sel[1].toTensor();
+  // A real adaptive budget: rows that see more than k_max keys keep lists of several lengths.
+  Tensor long_rows = counts.slice(1, 9);
+  EXPECT_GT(long_rows.max().item<int>(), long_rows.min().item<int>());
+
+  Tensor q = torch::randn({2, lq, 8, 16}, opts).requires_grad_();
+  Tensor k = torch::randn({2, lk, 2, 16}, opts).requires_grad_();
+  Tensor v = torch::randn({2, lk, 2, 12}, opts).requires_grad_();
+  Tensor w = torch::randn({2, lq, 8, 12}, opts);
+  Tensor out = call("winnow::gsa_sparse_attention", {q, k, v, indices, counts})[0].toTensor();
+  auto grads = torch::autograd::grad({(out * w).sum()}, {q, k, v});
+  Tensor mask = list_mask(indices, lk);
+  Tensor ref = composed_list_softmax(q, k, v, mask);
+  auto ref_grads = torch::autograd::grad({(ref * w).sum()}, {q, k, v});
+  EXPECT_LT(rel(out, ref), 1e-12);
+  for (int i = 0; i < 3; ++i) EXPECT_LT(rel(grads[i], ref_grads[i]), 1e-11) << "grad " << i;
+  Tensor unlisted = mask.any(1).logical_not();  // (B, Lk)
+  ASSERT_GT(unlisted.sum().item<int64_t>(), 0);
+  EXPECT_EQ(grads[1].abs().sum(-1).sum(-1).masked_select(unlisted).max().item<double>(), 0.0);
+  EXPECT_EQ(grads[2].abs().sum(-1).sum(-1).masked_select(unlisted).max().item<double>(), 0.0);
+
+  winnow::torch_ops::AttentionCall c;
+  Tensor entry = winnow::torch_ops::gsa_sparse_attention(q, k, v, indices, counts, c, /*trusted=*/true);
+  auto entry_grads = torch::autograd::grad({(entry * w).sum()}, {q, k, v});
+  EXPECT_TRUE(torch::equal(entry, out));
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(entry_grads[i], grads[i])) << "grad " << i;
+}
+
+// The float32 CPU kernels against the float64 reference through the forward and backward
+// operators, on packed sequences with an empty one and queries that are a suffix of their keys.
+TEST(TorchOps, GsaSparseOpsAgreeWithTheReferenceBackend) {
+  torch::manual_seed(14);
+  Tensor q = torch::randn({21, 4, 32}), k = torch::randn({30, 2, 32}), v = torch::randn({30, 2, 16});
+  Tensor cu_q = torch::tensor({0, 6, 6, 21}, torch::kInt), cu_k = torch::tensor({0, 9, 15, 30}, torch::kInt);
+  Indexer in{torch::randn({21, 3, 8}), torch::randn({30, 1, 8}), torch::randn({21, 3}), torch::randn({3})};
+  auto sel = select_keys(in, in.bias, 5, "sigmoid", "reference", c10::IValue(), 4, 1, 0.01, cu_q, cu_k);
+  Tensor indices = sel[0].toTensor(), counts = sel[1].toTensor();
+  Tensor dout = torch::randn({21, 4, 16});
+  auto d = [](const Tensor& t) { return t.to(torch::kDouble); };
+  auto fast = call("winnow::gsa_sparse_attention_forward", {q, k, v, indices, counts, cu_q, cu_k});
+  auto fast_grads = call("winnow::gsa_sparse_attention_backward",
+                         {q, k, v, indices, counts, fast[0], fast[1], dout, cu_q, cu_k});
+  auto ref = call("winnow::gsa_sparse_attention_forward",
+                  {d(q), d(k), d(v), indices, counts, cu_q, cu_k, c10::IValue(), false, true});
+  auto ref_grads = call("winnow::gsa_sparse_attention_backward",
+                        {d(q), d(k), d(v), indices, counts, ref[0], ref[1], d(dout), cu_q, cu_k, c10::IValue(),
+                         false, false, true});
+  EXPECT_EQ(fast[1].toTensor().sizes(), (std::vector<int64_t>{21, 4}));
+  EXPECT_LT(rel(fast[0].toTensor(), ref[0].toTensor()), 1e-5);
+  EXPECT_LT(rel(fast[1].toTensor(), ref[1].toTensor()), 1e-5);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_LT(rel(fast_grads[i].toTensor(), ref_grads[i].toTensor()), 1e-5) << "grad " << i;
+  }
+}
+
+// The selection is not differentiable: its outputs never require grad.
+TEST(TorchOps, GsaSelectKeysOutputsRequireNoGradient) {
+  torch::manual_seed(15);
+  Indexer in = make_indexer(1, 9, 9, torch::kFloat);
+  in.q.requires_grad_();
+  in.w.requires_grad_();
+  auto sel = select_keys(in, in.bias, 4, "sigmoid", "fixed");
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(sel[i].toTensor().requires_grad()) << "output " << i;
+}
+
+void expect_value_error(const std::function<void()>& fn, const std::string& argument) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error (expected one naming " << argument << ")";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("argument '" + argument + "'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TorchOps, GsaBadArgumentsRaiseValueErrorsNamingTheArgument) {
+  torch::manual_seed(16);
+  Indexer in = make_indexer(1, 8, 8, torch::kFloat);
+  expect_value_error([&] { select_keys(in, in.bias, 4, "sigmoid", "inverse_variance", c10::IValue(), 4, 5); },
+                     "k_min");
+  expect_value_error([&] { select_keys(in, in.bias, 0, "sigmoid", "fixed"); }, "k_max");
+  expect_value_error([&] { select_keys(in, in.bias, 4, "softmax", "fixed"); }, "form");
+  expect_value_error([&] { select_keys(in, in.bias, 4, "sigmoid", "top-k"); }, "budget");
+  expect_value_error([&] { select_keys(in, in.bias, 4, "sigmoid", "eq8", int64_t{3}, 4); }, "k_fixed");
+  expect_value_error([&] { select_keys(in, in.bias, 4, "relu", "fixed"); }, "bias");
+
+  Tensor q = torch::randn({1, 8, 2, 16}), k = torch::randn({1, 8, 1, 16}), v = torch::randn({1, 8, 1, 16});
+  auto sel = select_keys(in, in.bias, 4, "sigmoid", "fixed");
+  Tensor indices = sel[0].toTensor(), counts = sel[1].toTensor();
+  Tensor future = indices.clone();
+  future[0][2][2] = 3;  // query 2 cannot see key 3
+  expect_value_error([&] { call("winnow::gsa_sparse_attention", {q, k, v, future, counts}); }, "indices");
+  expect_value_error([&] { call("winnow::gsa_sparse_attention", {q, k, v, indices.to(torch::kLong), counts}); },
+                     "indices");
+  expect_value_error([&] { call("winnow::gsa_sparse_attention", {q, k, v, indices, counts + 5}); }, "counts");
 }
 
 }  // namespace

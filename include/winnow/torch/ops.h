@@ -7,6 +7,7 @@
 #include <string>
 #include <tuple>
 
+#include "winnow/gsa.h"
 #include "winnow/torch/bridge.h"
 
 namespace winnow::torch_ops {
@@ -67,6 +68,27 @@ struct ScreeningOptions {
 at::Tensor screening_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& s_w, const at::Tensor& s_r, const AttentionCall& call,
                                const ScreeningOptions& options = {});
+
+// Gated Sparse Attention (winnow/gsa.h). The indexer with exact top-k selection: q (B, Lq, H_I,
+// d_I) or packed (Tq, H_I, d_I), k with one head, head_weights (B, Lq, H_I) or (Tq, H_I), bias
+// (H_I) or (1) (sigmoid form only). Returns (indices, counts, variance): int32 (B, Lq, k_max)
+// positions in increasing order, -1 padded; int32 (B, Lq) list lengths min(k_t, t + 1); the
+// row variance of the scores (float32, float64 for float64 inputs). No gradient: every output
+// is non-differentiable. options.k is the fixed budget (the operator's k_fixed).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gsa_select_keys(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& head_weights,
+    const Opt<at::Tensor>& bias, const gsa::IndexerOptions& options,
+    const Opt<at::Tensor>& cu_seqlens_q = Opt<at::Tensor>(),
+    const Opt<at::Tensor>& cu_seqlens_k = Opt<at::Tensor>());
+
+// Softmax attention of each query over its token's key list (indices, counts as gsa_select_keys
+// returns them; one list per token shared by its heads): (B, Lq, Hq, Dv), differentiable in q,
+// k and v (keys in no list get zero gradient). The lists are checked before the forward unless
+// `trusted` (lists straight from gsa_select_keys); the backward reuses the forward's lists
+// without checking them again. call.attend_current is ignored (lists decide what is seen).
+at::Tensor gsa_sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& indices, const at::Tensor& counts,
+                                const AttentionCall& call, bool trusted = false);
 
 // Rotary position embedding of x (B, L, H, D) by tables cos and sin (L, D/2) (winnow/rotary.h):
 // one kernel forward and one backward (the transposed rotation); gradients reach x only.
