@@ -13,6 +13,7 @@ const std::vector<Mechanism>& mechanisms() {
       entmax_mechanism(),
       sieve_mechanism(),
       threshold_mechanism(),
+      gsa_mechanism(),
   };
   return all;
 }

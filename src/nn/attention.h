@@ -1,7 +1,7 @@
 // The attention layers: what every one of them shares, and the factory that builds the one a
 // config names. Each mechanism's layer lives in its own file (softmax_attention.cpp,
 // differential_attention.cpp, stick_breaking_attention.cpp, entmax_attention.cpp,
-// sieve_attention.cpp, threshold_attention.cpp) with its registry entry; the table of entries is in attention.cpp.
+// sieve_attention.cpp, threshold_attention.cpp, gsa_attention.cpp) with its registry entry; the table of entries is in attention.cpp.
 //
 // Every layer maps x (B, L, d_model) to (B, L, d_model) and owns its projections, positional
 // encoding and gates. With a cache, x's tokens continue the cached sequence: they sit at
@@ -107,6 +107,7 @@ const Mechanism& stick_breaking_mechanism();
 const Mechanism& entmax_mechanism();
 const Mechanism& sieve_mechanism();
 const Mechanism& threshold_mechanism();
+const Mechanism& gsa_mechanism();
 
 // Mechanism options: a struct with a field list, checked and completed through it.
 template <class Options>

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "winnow/error.h"
 
@@ -330,6 +331,46 @@ torch::Tensor screening(const torch::Tensor& q, const torch::Tensor& k, const to
   const torch::Tensor n = h.norm(2, -1, true);
   const torch::Tensor factor = torch::where(n > 1e-4, torch::tanh(n) / n.clamp_min(1e-4), 1 - n * n / 3);
   return (h * factor).transpose(1, 2).to(q.scalar_type());
+}
+
+torch::Tensor list_mask(const torch::Tensor& indices, const torch::Tensor& counts, std::int64_t keys) {
+  const std::int64_t k_max = indices.size(-1);
+  const torch::Tensor slot = torch::arange(k_max, indices.options().dtype(torch::kInt64));
+  const torch::Tensor used = slot.lt(counts.to(torch::kInt64).unsqueeze(-1));
+  // Unused slots scatter into an extra column that is dropped.
+  const torch::Tensor target = torch::where(used, indices.to(torch::kInt64), torch::full_like(slot, keys));
+  std::vector<std::int64_t> shape = indices.sizes().vec();
+  shape.back() = keys + 1;
+  return torch::zeros(shape, indices.options().dtype(torch::kBool))
+      .scatter(-1, target, true)
+      .narrow(-1, 0, keys);
+}
+
+torch::Tensor masked_softmax_weights(const torch::Tensor& q, const torch::Tensor& k, double scale,
+                                     const torch::Tensor& allowed) {
+  const torch::Tensor qh = q.transpose(1, 2), kh = keys_per_query_head(k, q.size(2));
+  const torch::Tensor z = torch::matmul(qh, kh.transpose(-1, -2)).to(work_type(q)) * scale;
+  const torch::Tensor mask = allowed.unsqueeze(1);  // shared by the heads
+  const torch::Tensor any = mask.any(-1, /*keepdim=*/true);
+  return torch::softmax(z.masked_fill(mask.logical_not(), -INFINITY).masked_fill(any.logical_not(), 0), -1) * any;
+}
+
+torch::Tensor gsa_sparse_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const torch::Tensor& indices, const torch::Tensor& counts, double scale) {
+  const torch::Tensor p = masked_softmax_weights(q, k, scale, list_mask(indices, counts, k.size(1)));
+  const torch::Tensor vh = keys_per_query_head(v, q.size(2));
+  return torch::matmul(p.to(vh.scalar_type()), vh).transpose(1, 2).to(q.scalar_type());
+}
+
+torch::Tensor gsa_indexer_scores(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& head_weights,
+                                 const torch::Tensor& bias, bool relu, double scale) {
+  const torch::ScalarType wt = work_type(q);
+  // (B, H_I, Lq, Lk) dot products of each indexer head with the one key head.
+  const torch::Tensor dot = torch::matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)).to(wt) * scale;
+  const torch::Tensor w = head_weights.to(wt).transpose(1, 2).unsqueeze(-1);  // (B, H_I, Lq, 1)
+  if (relu) return (w * torch::relu(dot)).sum(1);
+  const torch::Tensor b = bias.defined() ? bias.to(wt).view({1, -1, 1, 1}) : torch::zeros({1}, dot.options());
+  return (torch::sigmoid(w) * torch::sigmoid(dot + b)).sum(1);
 }
 
 }  // namespace winnow::nn::composed

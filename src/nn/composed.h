@@ -86,4 +86,20 @@ torch::Tensor screening(const torch::Tensor& q, const torch::Tensor& k, const to
                         const torch::Tensor& s_w, const torch::Tensor& s_r, double mipe_threshold,
                         double expand_above, double norm_eps = 1e-6);
 
+// GSA (spec/gsa.md). The key lists as a mask: indices (B, Lq, k_max) int32 with counts (B, Lq),
+// as winnow::gsa::select_keys writes them, to (B, Lq, Lk) bool.
+torch::Tensor list_mask(const torch::Tensor& indices, const torch::Tensor& counts, std::int64_t keys);
+// Softmax weights over each row's allowed keys, allowed (B, Lq, Lk) shared by the heads;
+// (B, Hq, Lq, Lk) like softmax_weights. A row with no allowed key gets zero weights.
+torch::Tensor masked_softmax_weights(const torch::Tensor& q, const torch::Tensor& k, double scale,
+                                     const torch::Tensor& allowed);
+// Sparse softmax attention over the lists (gsa_sparse_attention's expression).
+torch::Tensor gsa_sparse_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const torch::Tensor& indices, const torch::Tensor& counts, double scale);
+// The indexer's scores I_ts (B, Lq, Lk) in float32 (float64 for float64 inputs), every key (no
+// mask): q (B, Lq, H_I, d_I), k (B, Lk, 1, d_I), head_weights (B, Lq, H_I) pre-activation, bias
+// (H_I) (sigmoid form; undefined: 0). relu: sum_j w_tj relu(<q_tj, k_s> scale).
+torch::Tensor gsa_indexer_scores(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& head_weights,
+                                 const torch::Tensor& bias, bool relu, double scale);
+
 }  // namespace winnow::nn::composed

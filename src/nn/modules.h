@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -121,10 +122,17 @@ class LayerCache {
   // O(keep) and a decoding step copies O(1) entries amortized. Order is kept; length() then
   // counts the kept entries, so positions seen through the cache become relative.
   void keep_last(std::int64_t keep);
+  // A second stream for layers that cache more than keys and values (GSA's indexer keys, held
+  // as its keys with empty values), created on first use and owned by this cache.
+  LayerCache& side() {
+    if (!side_) side_ = std::make_unique<LayerCache>();
+    return *side_;
+  }
 
  private:
   torch::Tensor k_, v_;
   std::int64_t length_ = 0;
+  std::unique_ptr<LayerCache> side_;
 };
 
 }  // namespace winnow::nn

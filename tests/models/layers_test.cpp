@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "math/gsa.h"
 #include "nn/attention.h"
 #include "nn/composed.h"
 #include "nn/modules.h"
@@ -193,6 +194,108 @@ Tensor head_norm(const Tensor& o, const Params& p, const std::string& name, bool
   return centered ? y + p.at(name + ".bias") : y;
 }
 
+// GSA (spec/gsa.md): the indexer's scores (B, L, L) over every key from the layer input, and
+// the selection they make (B, L, L) bool: each row's min(k_t, t + 1) best visible keys, ties
+// toward the more recent, k_t from the budget with Vbar the batch's mean row variance (what a
+// layer's first training batch uses).
+Tensor reference_indexer_scores(const AttentionConfig& a, const Params& p, const Tensor& x) {
+  const std::int64_t B = x.size(0), L = x.size(1);
+  const std::int64_t hi = a.options.value("indexer_heads", 4), di = a.options.value("indexer_dim", 64);
+  const bool relu = a.options.value("indexer", std::string("sigmoid")) == "relu";
+  const Tensor iq = linear(x, p, "indexer_q").view({B, L, hi, di});
+  const Tensor ik = linear(x, p, "indexer_k");                      // (B, L, d_I)
+  const Tensor w = linear(x, p, "indexer_weights", !relu);          // (B, L, H_I)
+  Tensor scores = torch::zeros({B, L, L}, torch::kFloat64);
+  for (std::int64_t j = 0; j < hi; ++j) {
+    const Tensor dot = torch::matmul(iq.select(2, j), ik.transpose(1, 2)) / std::sqrt(double(di));
+    const Tensor wj = w.select(2, j).unsqueeze(-1);
+    scores = scores + (relu ? wj * torch::relu(dot) : torch::sigmoid(wj) * torch::sigmoid(dot + p.at("indexer_bias")[j]));
+  }
+  return scores;
+}
+
+Tensor reference_selection(const AttentionConfig& a, const Tensor& scores) {
+  const std::int64_t B = scores.size(0), L = scores.size(1);
+  math::gsa::BudgetParams budget;
+  const std::string rule = a.options.value("budget", std::string("inverse_variance"));
+  budget.rule = rule == "fixed" ? math::gsa::Budget::fixed
+                : rule == "eq8" ? math::gsa::Budget::eq8
+                : rule == "reference" ? math::gsa::Budget::reference
+                                      : math::gsa::Budget::inverse_variance;
+  budget.k_max = a.options.value("k_max", 512);
+  budget.k = a.options.value("k", 0) > 0 ? a.options.value("k", 0) : budget.k_max;
+  budget.k_base = a.options.value("k_base", 256);
+  budget.k_min = a.options.value("k_min", 64);
+  const Tensor s = scores.detach();
+  std::vector<double> variance;
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t t = 0; t < L; ++t) {
+      const Tensor row = s[b][t].narrow(0, 0, t + 1);
+      variance.push_back(((row - row.mean()).pow(2)).mean().item<double>());
+    }
+  }
+  double mean = 0;
+  for (double v : variance) mean += v / double(variance.size());
+  budget.mean_variance = mean;
+  Tensor allowed = torch::zeros({B, L, L}, torch::kBool);
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t t = 0; t < L; ++t) {
+      const std::int64_t n = std::min(math::gsa::budget(budget, variance[b * L + t]), t + 1);
+      std::vector<std::int64_t> keys(static_cast<std::size_t>(t + 1));
+      for (std::int64_t i = 0; i <= t; ++i) keys[i] = i;
+      std::sort(keys.begin(), keys.end(), [&](std::int64_t x, std::int64_t y) {
+        return math::gsa::ranks_before(s[b][t][x].item<double>(), x, s[b][t][y].item<double>(), y);
+      });
+      for (std::int64_t i = 0; i < n; ++i) allowed[b][t][keys[i]] = true;
+    }
+  }
+  return allowed;
+}
+
+// Softmax over each row's allowed keys (B, L, L), per head.
+Tensor reference_masked_softmax(const Tensor& q, const Tensor& k, const Tensor& allowed) {
+  const std::int64_t H = q.size(2), group = H / k.size(2);
+  std::vector<Tensor> heads;
+  for (std::int64_t h = 0; h < H; ++h) {
+    const Tensor z = torch::matmul(q.select(2, h), k.select(2, h / group).transpose(1, 2)) / std::sqrt(double(q.size(3)));
+    heads.push_back(torch::softmax(z.masked_fill(allowed.logical_not(), -INFINITY), -1));
+  }
+  return torch::stack(heads, 1);  // (B, H, L, L)
+}
+
+// The layer's q and k after positions, for the GSA branch and its loss.
+std::pair<Tensor, Tensor> reference_qk(const ModelConfig& model, const Params& p, const Tensor& x) {
+  const AttentionConfig& a = model.attention;
+  const std::int64_t B = x.size(0), L = x.size(1);
+  Tensor q = linear(x, p, "q").view({B, L, a.heads, a.head_dim});
+  Tensor k = linear(x, p, "k").view({B, L, a.kv_heads, a.head_dim});
+  if (a.position == "rope") {
+    q = reference_rope(q, a.rope, 0, L, model.context_len);
+    k = reference_rope(k, a.rope, 0, L, model.context_len);
+  }
+  return {q, k};
+}
+
+// GSA's indexer loss (003 section 6, sparse phase): KL(p_t || softmax(I_t)) over the selection,
+// p_t the heads' mean attention, per token on average; q, k and the indexer's input detached.
+// Zero for every other layer.
+// dense: the warm-up phase's form, over every visible key.
+Tensor reference_aux(const ModelConfig& model, const Params& p, const Tensor& x, bool dense = false) {
+  const AttentionConfig& a = model.attention;
+  if (a.kind != "gsa" || a.options.value("indexer", std::string("sigmoid")) == "none") {
+    return torch::zeros({}, torch::kFloat64);
+  }
+  const auto [q, k] = reference_qk(model, p, x.detach());
+  const Tensor scores = reference_indexer_scores(a, p, x.detach());
+  const std::int64_t L = x.size(1);
+  const Tensor allowed = dense ? torch::ones({L, L}, torch::kBool).tril().expand({x.size(0), L, L})
+                               : reference_selection(a, scores);
+  const Tensor target = reference_masked_softmax(q.detach(), k.detach(), allowed).mean(1);
+  const Tensor log_q = torch::log_softmax(scores.masked_fill(allowed.logical_not(), -INFINITY), -1);
+  const Tensor terms = torch::xlogy(target, target) - target * log_q.masked_fill(allowed.logical_not(), 0);
+  return terms.masked_fill(allowed.logical_not(), 0).sum() / double(x.size(0) * x.size(1));
+}
+
 // One attention layer (layer_index 1, i.e. layer 2) of `model` from its parameters.
 Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& x) {
   const AttentionConfig& a = model.attention;
@@ -261,6 +364,18 @@ Tensor reference_layer(const ModelConfig& model, const Params& p, const Tensor& 
       o = o - lam.view({1, 1, -1, 1}) * tra(q.narrow(2, H, H), k.narrow(2, Hkv, Hkv));
     }
     if (a.options.value("head_norm", true)) o = head_norm(o, p, "head_norm", false);
+  } else if (a.kind == "gsa") {
+    const bool gates = a.options.value("gates", true);
+    Tensor vg = linear(x, p, "v").view({B, L, Hkv, D});
+    if (gates) vg = vg * torch::sigmoid(linear(x, p, "value_gate", true)).view({B, L, Hkv, D});
+    if (a.options.value("indexer", std::string("sigmoid")) == "none") {
+      o = reference_attention(q, k, vg, "softmax", true).first;
+    } else {
+      const Tensor allowed = reference_selection(a, reference_indexer_scores(a, p, x));
+      const Tensor w = reference_masked_softmax(q, k, allowed);  // (B, H, L, L)
+      o = torch::einsum("bhji,bihd->bjhd", {w, vg.repeat_interleave(H / Hkv, 2)});
+    }
+    if (gates) o = o * torch::sigmoid(linear(x, p, "output_gate", true)).view({B, L, H, D});
   } else if (a.kind == "entmax") {
     SparseOptions sparse;
     sparse.alpha = a.options.value("alpha", 1.5);
@@ -331,6 +446,18 @@ const std::vector<Variant>& variants() {
          a.options["alpha"] = 2.0;
        }},
       {"entmax_previous_keys", [](AttentionConfig& a) { a.kind = "entmax"; a.options["attend_current"] = false; }},
+      // GSA: 13 tokens against budgets of 2-7 keys, so most rows select.
+      {"gsa_rope_fixed", [](AttentionConfig& a) {
+         a.kind = "gsa"; a.options["budget"] = "fixed"; a.options["k"] = 5; a.options["k_max"] = 6;
+         a.options["indexer_heads"] = 2; a.options["indexer_dim"] = 4; }},
+      {"gsa_nope_variance_budget_gqa", [](AttentionConfig& a) {
+         a.kind = "gsa"; a.position = "nope"; a.kv_heads = 1; a.options["k_base"] = 3; a.options["k_min"] = 2;
+         a.options["k_max"] = 7; a.options["indexer_heads"] = 3; a.options["indexer_dim"] = 4;
+         a.options["variance_momentum"] = 1.0; }},
+      {"gsa_sparse_only_relu", [](AttentionConfig& a) {
+         a.kind = "gsa"; a.options["gates"] = false; a.options["indexer"] = "relu"; a.options["budget"] = "fixed";
+         a.options["k"] = 4; a.options["k_max"] = 4; a.options["indexer_heads"] = 2; a.options["indexer_dim"] = 4; }},
+      {"gsa_gated_only", [](AttentionConfig& a) { a.kind = "gsa"; a.options["indexer"] = "none"; }},
       {"sieve", [](AttentionConfig& a) { a.kind = "sieve"; }},
       {"sieve_alpha2_gqa",
        [](AttentionConfig& a) {
@@ -431,8 +558,15 @@ TEST_P(Layer, ForwardAndGradientsMatchTheReference) {
   const Tensor w = torch::randn({2, 13, 32}, torch::kFloat64);
   const Tensor y = layer->forward(x, nullptr);
   const Tensor y_ref = reference_layer(c, p, x_ref);
-  (y * w).sum().backward();
-  (y_ref * w).sum().backward();
+  // Auxiliary losses (GSA's indexer KL) train parameters the output does not reach.
+  Tensor loss = (y * w).sum();
+  for (const auto& [name, value] : layer->aux_losses()) loss = loss + value;
+  const Tensor aux_ref = reference_aux(c, p, x_ref);
+  if (!layer->aux_losses().empty()) {
+    EXPECT_LT(rel(layer->aux_losses()[0].second.to(torch::kFloat64), aux_ref), 1e-10) << "auxiliary loss";
+  }
+  loss.backward();
+  ((y_ref * w).sum() + aux_ref).backward();
   EXPECT_LT(rel(y, y_ref), 1e-10);
   EXPECT_LT(rel(x.grad(), x_ref.grad()), 1e-9);
   for (const auto& item : layer->named_parameters()) {
@@ -486,6 +620,37 @@ TEST_P(Layer, KvCacheDecodingReproducesFullForwardLogits) {
   // exact at every length (here); two layers are exact within the context (the next test).
   if (c.attention.rope.scaling == "dynamic") c.layers = 1;
   expect_cache_matches(c, false);
+}
+
+// GSA's warm-up phase: attention is dense (the gated-only layer on the same parameters) and
+// the indexer's loss spans every visible key; the probe sees the selection afterwards.
+TEST(GsaLayer, WarmupPhaseIsDenseAndTheProbeReportsTheSelection) {
+  const ModelConfig c = tiny(variant("gsa_rope_fixed"), "kernel");
+  ModelConfig dense = c;
+  dense.attention.options["indexer"] = "none";
+  torch::manual_seed(8);
+  auto layer = make_attention(c, 1);
+  layer->to(torch::kFloat64);
+  Params p;
+  for (auto& item : layer->named_parameters()) p[item.key()] = item.value().detach().clone();
+  const Tensor x = torch::randn({2, 13, 32}, torch::kFloat64);
+  layer->set_phase("indexer_warmup");
+  const Tensor y = layer->forward(x, nullptr);
+  EXPECT_LT(rel(y, reference_layer(dense, p, x)), 1e-10);
+  ASSERT_EQ(layer->aux_losses().size(), 1u);
+  EXPECT_LT(rel(layer->aux_losses()[0].second, reference_aux(c, p, x, /*dense=*/true)), 1e-10);
+  // The sparse phase differs: 13 tokens, 5 keys each from the sixth on.
+  layer->set_phase("sparse");
+  layer->clear_aux_losses();
+  EXPECT_GT(rel(layer->forward(x, nullptr), y), 1e-3);
+  AttentionProbe probe(4);
+  layer->attach_probe(&probe, 0);
+  torch::NoGradGuard no_grad;
+  layer->forward(x, nullptr);
+  const nlohmann::json s = probe.summary();
+  ASSERT_EQ(s["layers"].size(), 1u);
+  for (double selected : s["layers"][0]["selected_keys"]) EXPECT_EQ(selected, 5.0);
+  for (double support : s["layers"][0]["support"]) EXPECT_LE(support, 5.0);
 }
 
 TEST(KvCache, DynamicRopeModelIsExactWithinTheTrainingContext) {

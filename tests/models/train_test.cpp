@@ -226,6 +226,47 @@ TEST(Trainer, PhasesChooseWhatTrains) {
   winnow::train::remove_tree(c.train.out_dir);
 }
 
+// GSA's recipe (003 section 6): a warm-up phase in which only the indexer trains, on its KL
+// loss against the dense attention, then the sparse phase where everything trains and the
+// indexer keeps its 10x learning rate.
+TEST(SmallRuns, GsaWarmsItsIndexerUpThenTrainsSparse) {
+  nlohmann::json j = {
+      {"seed", 7},
+      {"device", "cpu"},
+      {"model",
+       {{"d_model", 32},
+        {"layers", 2},
+        {"attention",
+         {{"kind", "gsa"}, {"heads", 2}, {"k_base", 4}, {"k_min", 2}, {"k_max", 8}, {"indexer_heads", 2},
+          {"indexer_dim", 8}}}}},
+      {"train",
+       {{"steps", 5}, {"batch_size", 8}, {"seq_len", 16}, {"lr", 3e-3}, {"warmup", 1}, {"clip", 1.0},
+        {"log_every", 5}, {"eval_batches", 1}, {"out_dir", scratch("gsa")}, {"lr_multipliers", {{"indexer", 10.0}}},
+        {"phases", {{{"name", "indexer_warmup"}, {"steps", 2}, {"train_only", {"indexer"}}}, {{"name", "sparse"}}}}}},
+      {"task", {{"name", "progression"}, {"vocab_size", 12}}},
+  };
+  const ExperimentConfig c = parse_experiment(j);
+  Trainer t = quiet_trainer(c);
+  auto params = t.model()->named_parameters();
+  auto snapshot = [&](const char* name) { return params[name].detach().clone(); };
+  const Tensor q = snapshot("block1.attention.q.weight");
+  const Tensor indexer = snapshot("block1.attention.indexer_q.weight");
+  const StepStats first = t.step();
+  EXPECT_EQ(first.phase, "indexer_warmup");
+  ASSERT_EQ(first.aux.count("indexer_kl"), 1u);
+  EXPECT_GT(first.aux.at("indexer_kl"), 0);
+  t.step();
+  EXPECT_TRUE(torch::equal(params["block1.attention.q.weight"], q));
+  EXPECT_FALSE(torch::equal(params["block1.attention.indexer_q.weight"], indexer));
+  const Tensor vbar = t.model()->named_buffers()["block1.attention.indexer_variance_mean"].detach().clone();
+  EXPECT_GT(vbar.item<double>(), 0);  // set by the first batch
+  const StepStats sparse = t.step();
+  EXPECT_EQ(sparse.phase, "sparse");
+  EXPECT_TRUE(std::isfinite(sparse.loss));
+  EXPECT_FALSE(torch::equal(params["block1.attention.q.weight"], q));
+  winnow::train::remove_tree(c.train.out_dir);
+}
+
 TEST(Trainer, PhaseWithZeroLearningRateLeavesParametersUnchanged) {
   ExperimentConfig c = small(scratch("lr_scale"));
   Phase still;

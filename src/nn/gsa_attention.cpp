@@ -1,0 +1,285 @@
+// Gated Sparse Attention (seed 003; spec/gsa.md) as a layer: the value gate G2, a cheap indexer
+// that scores every visible key, each token's top-k_t keys under the adaptive budget, softmax
+// attention over that selection (winnow::gsa_sparse_attention), and the output gate G1. 003's
+// baselines are the same layer with switches: dense (no gates, no indexer), gated only (gates,
+// dense attention), sparse only (DeepSeek-V3.2's ReLU indexer and a fixed k, no gates).
+//
+// The indexer trains on its own loss and on inputs detached from the main graph (selection is
+// not differentiable): KL(p_t || softmax_s(I_ts)), p_t the layer's attention distribution
+// averaged over its heads, over every visible key during the warm-up phase (train.phases entry
+// named options.warmup_phase, where attention is dense) and over the selection afterwards. The
+// loss is formed in chunks of query rows (O(chunk x L) memory) and reported as the auxiliary
+// loss "indexer_kl" (train.aux_loss_weights), one value per token on average.
+#include <cmath>
+
+#include "nn/attention.h"
+#include "nn/composed.h"
+#include "winnow/torch/ops.h"
+
+namespace winnow::nn {
+namespace {
+
+struct GsaOptions {
+  bool gates = true;  // G1 (per head, D_v gates) and G2 (per kv head, D_v gates); biases start at 0
+  // sigmoid: GSA's gated indexer, sum_j sigmoid(w_tj) sigmoid(<q_tj, k_s> / sqrt(d_I) + b_j);
+  // relu: DeepSeek-V3.2's, sum_j w_tj relu(<q_tj, k_s> / sqrt(d_I)); none: dense attention.
+  std::string indexer = "sigmoid";
+  std::int64_t indexer_heads = 4, indexer_dim = 64;
+  // The budget k_t: fixed (k keys, 0 meaning k_max) or one of the variance rules of spec/gsa.md.
+  std::string budget = "inverse_variance";
+  std::int64_t k = 0;
+  // 003 uses 2048 / 256 / 4096 at 4K-32K contexts; these suit contexts of about 1K.
+  std::int64_t k_base = 256, k_min = 64, k_max = 512;
+  // Of Vbar, the running mean of the rows' score variance: Vbar <- m Vbar + (1 - m) batch mean
+  // (1: kept at the first batch's).
+  double variance_momentum = 0.99;
+  std::string warmup_phase = "indexer_warmup";
+  bool indexer_loss = true;
+  std::int64_t loss_chunk = 256;  // query rows per chunk of the indexer's loss
+
+  template <class V>
+  void fields(V& v) {
+    v("gates", gates);
+    v("indexer", indexer, config::one_of({"sigmoid", "relu", "none"}));
+    v("indexer_heads", indexer_heads, config::at_least(1));
+    v("indexer_dim", indexer_dim, config::at_least(1));
+    v("budget", budget, config::one_of({"fixed", "inverse_variance", "eq8", "reference"}));
+    v("k", k, config::at_least(0));
+    v("k_base", k_base, config::at_least(1));
+    v("k_min", k_min, config::at_least(1));
+    v("k_max", k_max, config::at_least(1));
+    v("variance_momentum", variance_momentum, config::in_range(0, 1, true));
+    v("warmup_phase", warmup_phase);
+    v("indexer_loss", indexer_loss);
+    v("loss_chunk", loss_chunk, config::at_least(1));
+  }
+};
+
+gsa::Budget budget_rule(const std::string& name) {
+  if (name == "fixed") return gsa::Budget::fixed;
+  if (name == "eq8") return gsa::Budget::eq8;
+  if (name == "reference") return gsa::Budget::reference;
+  return gsa::Budget::inverse_variance;
+}
+
+class GsaAttention final : public AttentionLayer {
+ public:
+  GsaAttention(const ModelConfig& model, std::int64_t /*layer_index*/)
+      : options_(options_of<GsaOptions>(model.attention)),
+        h_(head_layout(model)),
+        position_(model, h_.head_dim),
+        kernel_(uses_kernel(model.attention)) {
+    const std::int64_t d = model.d_model;
+    const double init_std = model.init_std;
+    q_ = make_linear(*this, "q", d, h_.heads * h_.head_dim, init_std);
+    k_ = make_linear(*this, "k", d, h_.kv_heads * h_.head_dim, init_std);
+    v_ = make_linear(*this, "v", d, h_.kv_heads * h_.value_dim, init_std);
+    o_ = make_linear(*this, "o", h_.heads * h_.value_dim, d, residual_output_std(model));
+    if (options_.gates) {
+      output_gate_ = make_linear(*this, "output_gate", d, h_.heads * h_.value_dim, init_std, true);
+      value_gate_ = make_linear(*this, "value_gate", d, h_.kv_heads * h_.value_dim, init_std, true);
+    }
+    if (indexed()) {
+      const std::int64_t hi = options_.indexer_heads, di = options_.indexer_dim;
+      indexer_q_ = make_linear(*this, "indexer_q", d, hi * di, init_std);
+      indexer_k_ = make_linear(*this, "indexer_k", d, di, init_std);
+      // 003's head weights sigmoid(h_t W_Iw_j + c_j): the bias is c. DeepSeek's w_tj has none.
+      const bool sigmoid = options_.indexer == "sigmoid";
+      indexer_weights_ = make_linear(*this, "indexer_weights", d, hi, init_std, sigmoid);
+      if (sigmoid) indexer_bias_ = register_parameter("indexer_bias", torch::zeros({hi}));
+      // Vbar; 0 until the first batch in training mode sets it.
+      variance_mean_ = register_buffer("indexer_variance_mean", torch::zeros({1}, torch::kFloat64));
+    }
+  }
+
+  void set_phase(const std::string& phase) override { warmup_ = phase == options_.warmup_phase; }
+
+  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
+    const std::int64_t B = x.size(0), L = x.size(1);
+    const torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
+    const torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
+    torch::Tensor v = v_(x).view({B, L, h_.kv_heads, h_.value_dim});
+    if (value_gate_) v = v * torch::sigmoid(value_gate_(x)).view({B, L, h_.kv_heads, h_.value_dim});
+    const auto in = position_.prepare(q, k, v, cache);
+    const torch::Tensor qv = in.q.to(in.v.scalar_type()), kv = in.k.to(in.v.scalar_type());
+
+    const bool sparse = indexed() && !warmup_;
+    const bool learn = indexed() && options_.indexer_loss && is_training();
+    Indexer ix;
+    if (sparse || learn) ix = index(x, cache, /*select=*/sparse);
+
+    torch::Tensor o;
+    torch_ops::AttentionCall call;
+    call.scale = h_.scale;
+    if (sparse) {
+      o = kernel_ ? torch_ops::gsa_sparse_attention(qv, kv, in.v, ix.indices, ix.counts, call, /*trusted=*/true)
+                  : composed::gsa_sparse_attention(qv, kv, in.v, ix.indices, ix.counts, h_.scale);
+    } else {
+      o = kernel_ ? torch_ops::softmax_attention(qv, kv, in.v, call)
+                  : composed::softmax_attention(qv, kv, in.v, h_.scale, /*attend_current=*/true);
+    }
+    if (learn) add_aux_loss("indexer_kl", indexer_kl(qv.detach(), kv.detach(), ix, sparse));
+    if (probe()) record_probe(qv, kv, ix, sparse);
+    if (output_gate_) o = o * torch::sigmoid(output_gate_(x)).view({B, L, h_.heads, h_.value_dim});
+    return o_(o.reshape({B, L, h_.heads * h_.value_dim}));
+  }
+
+ private:
+  bool indexed() const { return options_.indexer != "none"; }
+
+  // The indexer's operands for this chunk (its keys for every cached position too) and the
+  // selection they make.
+  struct Indexer {
+    torch::Tensor q, k, weights, bias;  // (B, Lq, H_I, d_I), (B, Lk, 1, d_I), (B, Lq, H_I), (H_I)
+    torch::Tensor indices, counts;
+  };
+
+  Indexer index(const torch::Tensor& x, LayerCache* cache, bool select) {
+    const std::int64_t B = x.size(0), L = x.size(1), hi = options_.indexer_heads, di = options_.indexer_dim;
+    const torch::Tensor xd = x.detach();
+    Indexer ix;
+    ix.q = indexer_q_(xd).view({B, L, hi, di});
+    torch::Tensor k = indexer_k_(xd).view({B, L, 1, di});
+    ix.weights = indexer_weights_(xd);
+    if (cache != nullptr) k = cache->side().append(k, k.narrow(3, 0, 0)).first;
+    ix.k = k;
+    if (indexer_bias_.defined()) ix.bias = indexer_bias_;
+    const bool adaptive = options_.budget != "fixed";
+    // The warm-up phase selects nothing but keeps Vbar current for the sparse phase.
+    if (!select && !(adaptive && is_training())) return ix;
+
+    // The selection reads one dtype: the activations' on CUDA, float32 or float64 on the CPU.
+    const torch::ScalarType dt =
+        x.is_cuda() || ix.q.scalar_type() == torch::kFloat64 ? ix.q.scalar_type() : torch::kFloat32;
+    const torch::Tensor sq = ix.q.detach().to(dt), sk = ix.k.detach().to(dt), sw = ix.weights.detach().to(dt);
+    const torch::ScalarType stats = dt == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    const torch_ops::Opt<at::Tensor> sb = ix.bias.defined()
+                                            ? torch_ops::Opt<at::Tensor>(ix.bias.detach().to(stats))
+                                            : torch_ops::Opt<at::Tensor>();
+    gsa::IndexerOptions o;
+    o.form = options_.indexer == "relu" ? gsa::ScoreForm::relu : gsa::ScoreForm::sigmoid;
+    o.budget = budget_rule(options_.budget);
+    o.k = options_.k > 0 ? std::min(options_.k, options_.k_max) : options_.k_max;
+    o.k_base = options_.k_base;
+    o.k_min = std::min(options_.k_min, options_.k_max);
+    o.k_max = options_.k_max;
+    // A selection of one key per row measures the rows' variance alone.
+    auto measured_variance = [&] {
+      gsa::IndexerOptions measure = o;
+      measure.budget = gsa::Budget::fixed;
+      measure.k = 1;
+      return std::get<2>(torch_ops::gsa_select_keys(sq, sk, sw, sb, measure));
+    };
+    auto update_mean = [&](const torch::Tensor& variance) {
+      torch::NoGradGuard no_grad;
+      const double m = options_.variance_momentum;
+      variance_mean_.mul_(m).add_(variance.to(torch::kFloat64).mean(), 1.0 - m);
+    };
+    double vbar = variance_mean_.item<double>();
+    // No running mean yet: the first training batch sets it; outside training an unset mean
+    // reads as 1 (so that results do not depend on how a sequence is split into chunks).
+    if (!(vbar > 0) && !is_training()) vbar = 1.0;
+    if (adaptive && !(vbar > 0)) {
+      vbar = measured_variance().to(torch::kFloat64).mean().item<double>();
+      if (!(vbar > 0)) vbar = 1.0;  // every row flat: any positive Vbar gives k_max
+      variance_mean_.fill_(vbar);
+    }
+    if (!select) {
+      update_mean(measured_variance());
+      return ix;
+    }
+    o.mean_variance = vbar;
+    auto [indices, counts, variance] = torch_ops::gsa_select_keys(sq, sk, sw, sb, o);
+    if (is_training() && adaptive) update_mean(variance);
+    ix.indices = indices;
+    ix.counts = counts;
+    return ix;
+  }
+
+  // 003 section 6: sum_t KL(p_t || softmax_s(I_ts)) over the visible keys (dense) or the
+  // selection (sparse), p_t the heads' mean attention distribution, per token on average.
+  torch::Tensor indexer_kl(const torch::Tensor& q, const torch::Tensor& k, const Indexer& ix, bool sparse) const {
+    const std::int64_t B = q.size(0), Lq = q.size(1), Lk = k.size(1), chunk = options_.loss_chunk;
+    const double index_scale = 1.0 / std::sqrt(static_cast<double>(options_.indexer_dim));
+    const bool relu = options_.indexer == "relu";
+    const torch::ScalarType wt = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    torch::Tensor total = torch::zeros({}, q.options().dtype(wt));
+    for (std::int64_t r0 = 0; r0 < Lq; r0 += chunk) {
+      const std::int64_t c = std::min(chunk, Lq - r0);
+      torch::Tensor allowed;
+      if (sparse) {
+        allowed = composed::list_mask(ix.indices.narrow(1, r0, c), ix.counts.narrow(1, r0, c), Lk);
+      } else {
+        const auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
+        const torch::Tensor pos = torch::arange(Lk - Lq + r0, Lk - Lq + r0 + c, opts).unsqueeze(1);
+        allowed = torch::arange(Lk, opts).unsqueeze(0).le(pos).unsqueeze(0).expand({B, c, Lk});
+      }
+      const torch::Tensor p =
+          composed::masked_softmax_weights(q.narrow(1, r0, c), k, h_.scale, allowed).mean(1).to(wt);
+      const torch::Tensor scores =
+          composed::gsa_indexer_scores(ix.q.narrow(1, r0, c), ix.k, ix.weights.narrow(1, r0, c), ix.bias, relu,
+                                       index_scale)
+              .to(wt);
+      const torch::Tensor log_q = torch::log_softmax(scores.masked_fill(allowed.logical_not(), -INFINITY), -1);
+      // p log p - p log q on the allowed keys (p = 0 there contributes nothing).
+      const torch::Tensor terms = torch::xlogy(p, p) - p * log_q.masked_fill(allowed.logical_not(), 0);
+      total = total + terms.masked_fill(allowed.logical_not(), 0).sum();
+    }
+    return total / static_cast<double>(B * Lq);
+  }
+
+  void record_probe(const torch::Tensor& q, const torch::Tensor& k, const Indexer& ix, bool sparse) {
+    const torch::Tensor pq = probed_queries(q);
+    const std::int64_t R = pq.size(1), Lq = q.size(1);
+    if (!sparse) {
+      probe()->record(probe_layer(), composed::softmax_weights(pq, k, h_.scale, true), /*attend_current=*/true);
+      return;
+    }
+    const torch::Tensor idx = ix.indices.narrow(1, Lq - R, R), cnt = ix.counts.narrow(1, Lq - R, R);
+    const torch::Tensor w = composed::masked_softmax_weights(pq, k, h_.scale, composed::list_mask(idx, cnt, k.size(1)));
+    const torch::Tensor selected = cnt.to(torch::kFloat32).unsqueeze(1).expand({pq.size(0), h_.heads, R});
+    probe()->record(probe_layer(), w, /*attend_current=*/true, {{"selected_keys", selected}});
+  }
+
+  GsaOptions options_;
+  HeadLayout h_;
+  PositionalEncoding position_;
+  bool kernel_;
+  bool warmup_ = false;
+  torch::nn::Linear q_{nullptr}, k_{nullptr}, v_{nullptr}, o_{nullptr};
+  torch::nn::Linear output_gate_{nullptr}, value_gate_{nullptr};
+  torch::nn::Linear indexer_q_{nullptr}, indexer_k_{nullptr}, indexer_weights_{nullptr};
+  torch::Tensor indexer_bias_, variance_mean_;
+};
+
+}  // namespace
+
+const Mechanism& gsa_mechanism() {
+  static const Mechanism m = [] {
+    Mechanism m;
+    m.name = "gsa";
+    m.summary = "Gated Sparse Attention: value and output gates, an indexer (sigmoid | relu) with exact "
+                "top-k selection under an adaptive budget, softmax over the selection; RoPE | NoPE";
+    m.fused_operator = "winnow::gsa_sparse_attention";
+    // The budget reads its running mean on the host every step.
+    m.graph_capturable = false;
+    m.positions = {"rope", "nope"};
+    m.option_keys = option_keys_of<GsaOptions>();
+    m.resolve_options = resolve_options_as<GsaOptions>;
+    m.kernel_gap = [](const AttentionConfig&) -> std::string { return ""; };
+    m.check = [](const AttentionConfig& a, const std::string& path) {
+      const GsaOptions o = options_of<GsaOptions>(a);
+      if (o.budget != "fixed" && o.k_min > o.k_max) {
+        config::fail(path + ".k_min", "at most k_max = " + std::to_string(o.k_max), std::to_string(o.k_min));
+      }
+      if (o.k > o.k_max) config::fail(path + ".k", "at most k_max = " + std::to_string(o.k_max), std::to_string(o.k));
+    };
+    m.make = [](const ModelConfig& model, std::int64_t layer) -> std::shared_ptr<AttentionLayer> {
+      return std::make_shared<GsaAttention>(model, layer);
+    };
+    return m;
+  }();
+  return m;
+}
+
+}  // namespace winnow::nn
