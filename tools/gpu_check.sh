@@ -17,6 +17,8 @@
 #              wheel, winnow)
 #   tbench     bench/gpu_threshold_bench.py (threshold attention beside SDPA, and 004's Triton
 #              kernels when $BASELINES has snap-research/TDA's triton_threshold_attention.py)
+#   gbench     bench/gpu_gsa_bench.py (GSA's selection and sparse attention beside SDPA flash and
+#              cuDNN at 16K-128K, issue 16; $GBENCH_ARGS, e.g. --lengths 16384 --full-lists)
 #   sbench     bench/gpu_screening_bench.py (Multiscreen's screening beside SDPA flash and cuDNN
 #              at head dimension 64, issue 15; $SBENCH_ARGS, e.g. --lengths 4096)
 #   trainbench winnow train-bench (the build's tool) on the compared kinds, then
@@ -112,7 +114,7 @@ for stage in "${stages[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 \
-          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaRotary.*:CudaRMSNorm.*:CudaSwiGLU.*:*ScreeningCuda.*single_token*:*ScreeningCuda.*dk32_suffix*:*ScreeningCuda.*dk16_gqa*:ScreeningCudaSpec.*' > "$OUT/sanitize_$tool.log" 2>&1
+          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaRotary.*:CudaRMSNorm.*:CudaSwiGLU.*:*ScreeningCuda.*single_token*:*ScreeningCuda.*dk32_suffix*:*ScreeningCuda.*dk16_gqa*:ScreeningCudaSpec.*:CudaGsa*' > "$OUT/sanitize_$tool.log" 2>&1
         rc=$?
         note "sanitize $tool: rc $rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done
@@ -144,6 +146,13 @@ for stage in "${stages[@]}"; do
       python3 bench/gpu_threshold_bench.py --json "$OUT/threshold_bench.json" ${TBENCH_ARGS:-} 2>&1 \
         | tee "$OUT/threshold_bench.txt"
       note "tbench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
+      ;;
+    gbench)
+      # GSA's selection and sparse attention against SDPA's dense back ends (issue 16).
+      export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      # shellcheck disable=SC2086
+      python3 bench/gpu_gsa_bench.py --json "$OUT/gsa_bench.json" ${GBENCH_ARGS:-} 2>&1 | tee "$OUT/gsa_bench.txt"
+      note "gbench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
       ;;
     sbench)
       export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"

@@ -9,17 +9,25 @@
 // lists are stably sorted by key, and a block per (key row, kv head) walks its queries in
 // order. The kernels use CUDA cores and fp32 arithmetic throughout (every dtype, head
 // dimensions up to kMaxDim); entries outside a row's visible keys are ignored, never read.
+//
+// A list that holds every visible key (count t + 1: early rows, or short sequences under a
+// large budget) is plain causal softmax. Where the fused kernels apply, the forward runs each
+// block of kCompleteBlockRows query rows whose lists are all complete through the dense softmax
+// kernel instead (CompleteListRows), and the gather kernel skips those rows.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/attention/row_blocks.cuh"
+#include "cuda/attention/softmax_rows.cuh"
 #include "cuda/cuda.h"
 #include "cuda/element_types.cuh"
 #include "cuda/launch.h"
+#include "cuda/launch_attention.cuh"
 
 namespace winnow::cuda {
 namespace {
@@ -32,6 +40,39 @@ constexpr int kThreads = 128;
 constexpr int kChunk = 32;  // keys gathered at a time: one per lane for the softmax steps
 constexpr int kMaxDim = 256;
 static_assert(kChunk == 32, "the softmax steps give each key of a chunk a lane");
+
+// The query blocks of the dense forward kernels (both hold 128 rows, from row 0 of a sequence).
+constexpr int kCompleteBlockRows = kForwardBQ;
+static_assert(Sm90ForwardShape::kBQ == kCompleteBlockRows, "both dense kernels take the same blocks");
+
+__device__ __forceinline__ bool list_is_complete(const KeyListConfig& c, std::int64_t b, std::int64_t operand_row,
+                                                 std::int64_t t) {
+  return *c.counts.at<const std::int32_t>(b, operand_row, 0) == t + 1;
+}
+
+// Softmax over every visible key, for blocks whose rows' lists are all complete.
+struct CompleteListRows : SoftmaxRows {
+  static constexpr bool kNeedsEveryRow = true;
+  template <class Tile>
+  __device__ __forceinline__ CompleteListRows(const AttentionParams& p, const KeyListConfig&, const Tile& qt,
+                                              std::int64_t row0)
+      : SoftmaxRows(p, SoftmaxConfig{}, qt, row0) {}
+  template <class Tile>
+  __device__ __forceinline__ static bool takes_part(const AttentionParams&, const KeyListConfig& c, const Tile& qt,
+                                                    std::int64_t row) {
+    return list_is_complete(c, qt.b, qt.s.q_start + row, row + qt.s.q_offset());
+  }
+  __device__ __forceinline__ void store_extra(const AttentionParams&, const KeyListConfig&, std::int64_t, std::int64_t,
+                                              std::int64_t, std::int64_t, int) const {}
+};
+
+// Whether the dense kernel took this row's block (every thread of the block must call this).
+__device__ __forceinline__ bool taken_by_dense_kernel(const KeyListConfig& c, const QueryRow& row) {
+  const std::int64_t r = (row.r / kCompleteBlockRows) * kCompleteBlockRows + threadIdx.x;
+  const bool complete =
+      threadIdx.x >= kCompleteBlockRows || r >= row.s.q_len || list_is_complete(c, row.b, row.s.q_start + r, r + row.s.q_offset());
+  return __syncthreads_and(complete) != 0;
+}
 
 // A row's list entry i as a key position, or -1 where the entry is outside [0, t].
 __device__ __forceinline__ std::int64_t listed_key(const KeyListConfig& c, const QueryRow& row, std::int64_t i) {
@@ -106,13 +147,16 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) sparse_forward_kernel(const AttentionParams p, const KeyListConfig c) {
+__global__ void __launch_bounds__(kThreads) sparse_forward_kernel(const AttentionParams p, const KeyListConfig c,
+                                                                  bool dense_took_complete_blocks) {
+  static_assert(kThreads >= kCompleteBlockRows, "a thread per row of a dense block");
   extern __shared__ __align__(16) float smem[];
   const QuerySideLayout L(p, /*backward=*/false);
   float *q = smem + L.q, *o = smem + L.acc, *k_tile = smem + L.k, *v_tile = smem + L.v, *w = smem + L.w;
   float *m = smem + L.stat, *l = m + L.group, *rescale = l + L.group;
   int* keys = reinterpret_cast<int*>(rescale + L.group);
   const QueryRow row = locate_query_row(p, blockIdx.x);
+  if (dense_took_complete_blocks && taken_by_dense_kernel(c, row)) return;
   const std::int64_t hk = blockIdx.y, h0 = hk * L.group, q_row = row.operand_row();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = kThreads / 32;
 
@@ -410,17 +454,28 @@ unsigned grid_for(std::int64_t items) {
   return static_cast<unsigned>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
 }
 
+struct DenseCompleteBlocks {
+  const AttentionParams& p;
+  const KeyListConfig& c;
+  template <class T, int D>
+  void operator()() const {
+    launch_fused_forward<T, D, CompleteListRows>(p, c);
+  }
+};
+
 }  // namespace
 
 void gsa_sparse_forward(const AttentionParams& p, const KeyListConfig& c) {
   if (p.rows_q == 0) return;
   const QuerySideLayout L(p, /*backward=*/false);
   check_sizes(p, L.bytes(), "sparse_forward");
+  const bool dense = fused_path_applies(p, nullptr) && std::getenv("WINNOW_GSA_GATHER_ONLY") == nullptr;
+  if (dense) dispatch_fused(p, DenseCompleteBlocks{p, c});
   by_dtype(p, [&](auto tag) {
     using T = decltype(tag);
     allow_shared(sparse_forward_kernel<T>, L.bytes());
     sparse_forward_kernel<T><<<dim3(static_cast<unsigned>(p.rows_q), static_cast<unsigned>(p.heads_kv)), kThreads,
-                               L.bytes(), stream_of(p)>>>(p, c);
+                               L.bytes(), stream_of(p)>>>(p, c, dense);
     check_launch("gsa sparse_forward_kernel");
   });
 }

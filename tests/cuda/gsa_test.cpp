@@ -158,6 +158,7 @@ TEST(CudaGsaSparse, MatchesTheReference) {
       {{{{200, 200}}, false, 8, 128}, 2, 128, 50, false},                   // GQA 4:1, D = 128
       {{{{129, 300}}, false, 4, 64}, 1, 96, 77, true},                      // Dv != D, lists of 77
       {{{{70, 70}}, false, 4, 64}, 2, 64, 0, false},                        // every visible key
+      {{{{300, 300}}, false, 4, 64}, 2, 64, 150, false},  // rows 0-127 complete: the dense kernel's block
   };
   for (const Shape& shape : shapes) {
     for (const DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {

@@ -251,6 +251,54 @@ TEST(CudaMultiscreen, ModelMatchesTheComposedModelOnTheCpu) {
   }
 }
 
+// The GSA model on CUDA (selection and sparse attention kernels, float32) against the same
+// model on the CPU in float64 with the composed sparse attention: logits and the gradients the
+// logits reach. The indexer's weights are scaled up so that its scores are well apart: near
+// ties would let float32 and float64 select different keys. Under bf16 autocast the selection
+// may differ from float64's, so only finiteness is checked there.
+TEST(CudaGsa, ModelMatchesTheComposedModelOnTheCpu) {
+  nn::ModelConfig c;
+  c.vocab_size = 29;
+  c.d_model = 64;
+  c.layers = 2;
+  c.context_len = 96;
+  c.attention.kind = "gsa";
+  c.attention.heads = 4;
+  c.attention.kv_heads = 2;
+  c.attention.options = {{"budget", "fixed"}, {"k", 16}, {"k_max", 16}, {"indexer_heads", 2}, {"indexer_dim", 16}};
+  c.attention.implementation = "kernel";
+  nn::resolve(c);
+  torch::manual_seed(12);
+  const nn::LanguageModel gpu = nn::make_language_model(c);
+  c.attention.implementation = "composed";
+  const nn::LanguageModel cpu = nn::make_language_model(c);
+  {
+    torch::NoGradGuard no_grad;
+    auto from = gpu->named_parameters();
+    for (auto& item : cpu->named_parameters()) {
+      if (item.key().find("indexer") != std::string::npos) from[item.key()].mul_(3.0);
+      item.value().copy_(from[item.key()]);
+    }
+  }
+  cpu->to(torch::kFloat64);
+  gpu->to(kCuda);
+  const Tensor tokens = torch::randint(29, {2, 96}, torch::kInt64);
+  const Tensor w = torch::randn({2, 96, 29}, torch::kFloat64);
+  const Tensor want = cpu->forward(tokens);
+  (want * w).sum().backward();
+  const Tensor got = gpu->forward(tokens.to(kCuda));
+  (got.to(torch::kFloat64) * w.to(kCuda)).sum().backward();
+  EXPECT_LT(rel(got, want), 1e-4);
+  auto cpu_params = cpu->named_parameters();
+  for (const auto& item : gpu->named_parameters()) {
+    const Tensor& expected = cpu_params[item.key()].grad();
+    ASSERT_EQ(item.value().grad().defined(), expected.defined()) << item.key();
+    if (expected.defined()) EXPECT_LT(rel(item.value().grad(), expected), 1e-3) << item.key();
+  }
+  Autocast autocast(true);
+  EXPECT_TRUE(torch::isfinite(gpu->forward(tokens.to(kCuda))).all().item<bool>());
+}
+
 TEST(CudaTrainer, EnqueuedStepsEqualSynchronousSteps) {
   for (const char* kind : {"softmax", "stick_breaking"}) {
     const std::string dir_a = scratch("sync"), dir_b = scratch("async");

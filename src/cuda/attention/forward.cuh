@@ -24,6 +24,10 @@
 //   kLimitsFirstKey,           optional: keys left of first_visible_key(p, cfg, qt, row) (a
 //   first_visible_key(...)     static member) carry no weight for that row, and the sweep stops
 //                              at the block's smallest (Multiscreen's windows)
+//   kNeedsEveryRow,            optional: a block runs only when takes_part(p, cfg, qt, row) (a
+//   takes_part(...)            static member) holds for every one of its rows, and returns at
+//                              once otherwise (GSA's lists that hold every visible key run as
+//                              dense softmax, whole blocks at a time)
 //   kScratchBytes,             optional, sweeps without values only: shared memory the policy
 //   borrow_scratch(slot,       keeps per-thread lists in (entmax's candidate keys). It lies
 //     stride, capacity)        where V would; thread (local row r, tig) owns floats
@@ -130,12 +134,20 @@ template <class Rows>
 inline constexpr bool kSkipsSettledBlocks<Rows, std::void_t<decltype(Rows::kSkipsSettledBlocks)>> =
     Rows::kSkipsSettledBlocks;
 
+template <class Rows, class = void>
+inline constexpr bool kNeedsEveryRow = false;
+template <class Rows>
+inline constexpr bool kNeedsEveryRow<Rows, std::void_t<decltype(Rows::kNeedsEveryRow)>> = Rows::kNeedsEveryRow;
+
 // Whether the whole block may return: every thread of it must call this.
 template <class Rows, int BQ, class Config, class Tile>
 __device__ __forceinline__ bool block_settled(const AttentionParams& p, const Config& cfg, const Tile& qt) {
+  const int tid = threadIdx.x;
   if constexpr (kSkipsSettledBlocks<Rows>) {
-    const int tid = threadIdx.x;
     return !__syncthreads_or(tid < BQ && !Rows::settled(p, cfg, qt, qt.r0 + tid));
+  } else if constexpr (kNeedsEveryRow<Rows>) {
+    const std::int64_t row = qt.r0 + tid;
+    return __syncthreads_or(tid < BQ && row < qt.s.q_len && !Rows::takes_part(p, cfg, qt, row)) != 0;
   } else {
     return false;
   }
