@@ -29,15 +29,21 @@ void check_phases(const TrainConfig& t) {
       config::fail(key + ".name", "a name no other phase has", "\"" + p.name + "\"");
     }
     const bool last = i + 1 == t.phases.size();
-    if (last && p.steps != 0) {
-      config::fail(key + ".steps", "0 or absent (the last phase runs to train.steps)",
-                   std::to_string(p.steps));
+    if (last && (p.steps != 0 || p.fraction != 0)) {
+      config::fail(key + (p.steps != 0 ? ".steps" : ".fraction"), "0 or absent (the last phase runs to train.steps)",
+                   p.steps != 0 ? std::to_string(p.steps) : json(p.fraction).dump());
     }
-    if (!last && p.steps < 1) config::fail(key + ".steps", ">= 1", std::to_string(p.steps));
+    if (!last && p.steps > 0 && p.fraction > 0) {
+      config::fail(key + ".fraction", "absent when steps is given", json(p.fraction).dump());
+    }
+    if (!last && p.length(t.steps) < 1) {
+      config::fail(key + ".steps", ">= 1 (or a fraction of train.steps that is at least one step)",
+                   std::to_string(p.length(t.steps)));
+    }
     if (!p.train_only.empty() && !p.freeze.empty()) {
       config::fail(key + ".freeze", "empty when train_only is given", json(p.freeze).dump());
     }
-    fixed += p.steps;
+    fixed += p.length(t.steps);
   }
   if (fixed > t.steps) {
     config::fail("train.phases", "phases whose steps fit in train.steps (" +

@@ -19,7 +19,8 @@ namespace winnow::train {
 
 // A stretch of training with its own trainable parameters and loss weights (GSA trains its
 // indexer alone, on its own loss, before everything trains together). Phases run in order;
-// every phase but the last lasts `steps` steps, the last one runs to train.steps.
+// every phase but the last lasts `steps` steps, or `fraction` of train.steps (rounded; so that
+// one study file serves short and long runs), the last one runs to train.steps.
 struct Phase {
   std::string name;
   std::int64_t steps = 0;
@@ -29,11 +30,18 @@ struct Phase {
   double lr_scale = 1.0;  // multiplies the scheduled learning rate during the phase
   // Weights of auxiliary losses by name, over train.aux_loss_weights.
   std::map<std::string, double> aux_loss_weights;
+  double fraction = 0;  // of train.steps, instead of steps
+
+  // The phase's length in a run of `total` steps.
+  std::int64_t length(std::int64_t total) const {
+    return steps > 0 ? steps : static_cast<std::int64_t>(fraction * static_cast<double>(total) + 0.5);
+  }
 
   template <class V>
   void fields(V& v) {
     v("name", name);
     v("steps", steps, config::at_least(0));
+    v("fraction", fraction, config::in_range(0, 1, false));
     v("train_only", train_only);
     v("freeze", freeze);
     v("lr_scale", lr_scale, config::at_least(0));

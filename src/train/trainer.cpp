@@ -345,7 +345,7 @@ std::size_t Trainer::phase_index(std::int64_t step) const {
   const auto& phases = config_.train.phases;
   std::int64_t end = 0;
   for (std::size_t i = 0; i + 1 < phases.size(); ++i) {
-    end += phases[i].steps;
+    end += phases[i].length(config_.train.steps);
     if (step < end) return i;
   }
   return phases.empty() ? 0 : phases.size() - 1;

@@ -242,7 +242,8 @@ TEST(SmallRuns, GsaWarmsItsIndexerUpThenTrainsSparse) {
       {"train",
        {{"steps", 5}, {"batch_size", 8}, {"seq_len", 16}, {"lr", 3e-3}, {"warmup", 1}, {"clip", 1.0},
         {"log_every", 5}, {"eval_batches", 1}, {"out_dir", scratch("gsa")}, {"lr_multipliers", {{"indexer", 10.0}}},
-        {"phases", {{{"name", "indexer_warmup"}, {"steps", 2}, {"train_only", {"indexer"}}}, {{"name", "sparse"}}}}}},
+        // 0.4 of 5 steps: the warm-up lasts two.
+        {"phases", {{{"name", "indexer_warmup"}, {"fraction", 0.4}, {"train_only", {"indexer"}}}, {{"name", "sparse"}}}}}},
       {"task", {{"name", "progression"}, {"vocab_size", 12}}},
   };
   const ExperimentConfig c = parse_experiment(j);
@@ -603,6 +604,9 @@ TEST(Config, UnknownKeysAndBadValuesNameTheKey) {
   expect("train.phases=[{\"name\":\"a\",\"steps\":2},{\"name\":\"a\"}]", "'train.phases[1].name'");
   expect("train.phases=[{\"name\":\"a\"},{\"name\":\"b\"}]", "'train.phases[0].steps'");
   expect("train.phases=[{\"name\":\"a\",\"steps\":99},{\"name\":\"b\"}]", "'train.phases'");
+  expect("train.phases=[{\"name\":\"a\",\"steps\":2,\"fraction\":0.5},{\"name\":\"b\"}]", "'train.phases[0].fraction'");
+  expect("train.phases=[{\"name\":\"a\",\"fraction\":0.001},{\"name\":\"b\"}]", "'train.phases[0].steps'");
+  expect("train.phases=[{\"name\":\"a\",\"fraction\":0.5},{\"name\":\"b\",\"fraction\":0.5}]", "'train.phases[1].fraction'");
   expect("train.phases=[{\"name\":\"a\",\"stepz\":1}]", "unknown key 'train.phases[0].stepz'");
   expect("train.lr_multipliers={\"indexer\":0}", "'train.lr_multipliers.indexer'");
   expect("model.attention.kind=magic", "'model.attention.kind'");
