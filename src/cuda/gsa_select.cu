@@ -58,15 +58,26 @@ struct SelectLayout {
 
 // The score of key `key` for the row whose scaled queries, head weights and biases are in
 // shared memory. Not inlined, so that every pass computes it with the same instructions and
-// gets the same bits.
+// gets the same bits. `packed`: the key row is contiguous and 16-byte aligned with dim a
+// multiple of the pack, so it is read 16 bytes at a time (the same products in the same order).
 template <class T>
 __device__ __noinline__ float indexer_score(const float* q, const float* weight, const float* bias, int heads,
-                                            int dim, math::gsa::ScoreForm form, const T* k, std::int64_t k_dim) {
+                                            int dim, math::gsa::ScoreForm form, const T* k, std::int64_t k_dim,
+                                            bool packed) {
+  constexpr int N = kPack16<T>;
   float score = 0.f;
   for (int j = 0; j < heads; ++j) {
     const float* qj = q + j * dim;
     float dot = 0.f;
-    for (int d = 0; d < dim; ++d) dot = fmaf(qj[d], widen(k[d * k_dim]), dot);
+    if (packed) {
+      for (int d0 = 0; d0 < dim; d0 += N) {
+        const Pack<T, N> kp = load_pack<T, N>(k + d0);
+#pragma unroll
+        for (int e = 0; e < N; ++e) dot = fmaf(qj[d0 + e], widen(kp.v[e]), dot);
+      }
+    } else {
+      for (int d = 0; d < dim; ++d) dot = fmaf(qj[d], widen(k[d * k_dim]), dot);
+    }
     score += math::gsa::head_term(form, weight[j], dot, bias[j]);
   }
   return score;
@@ -95,7 +106,7 @@ __device__ void block_bitonic_sort(K* a, int n, bool descending) {
 
 template <class T>
 __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detail::AttentionParams p,
-                                                                      const detail::IndexerConfig c) {
+                                                                      const detail::IndexerConfig c, bool packed) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const SelectLayout layout(p, c);
   auto* candidates = reinterpret_cast<std::uint64_t*>(smem_raw);
@@ -137,7 +148,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
 
   auto score_of = [&](std::int64_t key) {
     return indexer_score<T>(q, weight, bias, heads, dim, form, p.k.at<const T>(row.b, row.s.k_start + key, 0),
-                            p.k.dim);
+                            p.k.dim, packed);
   };
 
   // 1. Statistics. Sums of (x - x_0), x_0 the first key's score: close rows (small variance
@@ -277,10 +288,12 @@ void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConf
                     std::to_string(c.budget.k_max) + " selected slots in shared memory: " + std::to_string(bytes) +
                     " bytes, more than the device's " + std::to_string(limit - static_cast<int>(fixed_bytes)));
   }
+  const int pack = static_cast<int>(16 / element_size(p.dtype));
+  const bool packed = aligned_rows(p.k, p.dtype) && p.dim_qk % pack == 0;
   auto launch = [&](auto kernel) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
           "raising the selection kernel's shared memory");
-    kernel<<<static_cast<unsigned>(p.rows_q), kSelectThreads, bytes, stream_of(p)>>>(p, c);
+    kernel<<<static_cast<unsigned>(p.rows_q), kSelectThreads, bytes, stream_of(p)>>>(p, c, packed);
     check_launch("gsa select_keys_kernel");
   };
   switch (p.dtype) {

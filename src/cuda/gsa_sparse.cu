@@ -109,11 +109,38 @@ struct QuerySideLayout {
   std::size_t bytes() const { return static_cast<std::size_t>(floats) * sizeof(float); }
 };
 
+// One operand's listed rows into a float tile, 16 bytes at a time (rows contiguous, aligned, and
+// `dim` a multiple of the pack).
+template <class T>
+__device__ void gather_packed(const detail::Operand& op, const QueryRow& row, std::int64_t hk, const int* keys,
+                              int dim, float* tile, int stride) {
+  constexpr int N = kPack16<T>;
+  const int packs = dim / N;
+  for (int e = threadIdx.x; e < kChunk * packs; e += blockDim.x) {
+    const int i = e / packs, d0 = (e - i * packs) * N;
+    float* dst = tile + i * stride + d0;
+    const int key = keys[i];
+    if (key < 0) {
+#pragma unroll
+      for (int x = 0; x < N; ++x) dst[x] = 0.f;
+      continue;
+    }
+    const Pack<T, N> pk = load_pack<T, N>(op.at<const T>(row.b, row.s.k_start + key, hk) + d0);
+#pragma unroll
+    for (int x = 0; x < N; ++x) dst[x] = widen(pk.v[x]);
+  }
+}
+
 // Gathers the chunk's listed keys (positions in `keys`, -1 for none) into K and V tiles.
 template <class T>
 __device__ void gather_chunk(const AttentionParams& p, const QueryRow& row, std::int64_t hk, const int* keys,
-                             float* k_tile, int k_stride, float* v_tile) {
+                             float* k_tile, int k_stride, float* v_tile, bool packed) {
   const int dk = static_cast<int>(p.dim_qk), dv = static_cast<int>(p.dim_v);
+  if (packed) {
+    gather_packed<T>(p.k, row, hk, keys, dk, k_tile, k_stride);
+    gather_packed<T>(p.v, row, hk, keys, dv, v_tile, dv);
+    return;
+  }
   for (int e = threadIdx.x; e < kChunk * dk; e += blockDim.x) {
     const int i = e / dk, d = e % dk;
     const int key = keys[i];
@@ -148,7 +175,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <class T>
 __global__ void __launch_bounds__(kThreads) sparse_forward_kernel(const AttentionParams p, const KeyListConfig c,
-                                                                  bool dense_took_complete_blocks) {
+                                                                  bool dense_took_complete_blocks, bool packed) {
   static_assert(kThreads >= kCompleteBlockRows, "a thread per row of a dense block");
   extern __shared__ __align__(16) float smem[];
   const QuerySideLayout L(p, /*backward=*/false);
@@ -173,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) sparse_forward_kernel(const Attentio
   for (std::int64_t i0 = 0; i0 < n; i0 += kChunk) {
     if (tid < kChunk) keys[tid] = i0 + tid < n ? static_cast<int>(listed_key(c, row, i0 + tid)) : -1;
     __syncthreads();
-    gather_chunk<T>(p, row, hk, keys, k_tile, L.k_stride, v_tile);
+    gather_chunk<T>(p, row, hk, keys, k_tile, L.k_stride, v_tile, packed);
     __syncthreads();
     chunk_scores(q, k_tile, L.k_stride, keys, L.group, L.dk, static_cast<float>(p.scale), w);
     __syncthreads();
@@ -215,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) sparse_forward_kernel(const Attentio
 template <class T>
 __global__ void __launch_bounds__(kThreads) sparse_backward_query_kernel(const AttentionParams p, const GradientParams g,
                                                                        const KeyListConfig c, float* delta_out,
-                                                                       float* dk_acc, float* dv_acc) {
+                                                                       float* dk_acc, float* dv_acc, bool packed) {
   extern __shared__ __align__(16) float smem[];
   const QuerySideLayout L(p, /*backward=*/true);
   float *q = smem + L.q, *dq = smem + L.acc, *dout = smem + L.dout, *k_tile = smem + L.k, *v_tile = smem + L.v;
@@ -249,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) sparse_backward_query_kernel(const A
   for (std::int64_t i0 = 0; i0 < n; i0 += kChunk) {
     if (tid < kChunk) keys[tid] = i0 + tid < n ? static_cast<int>(listed_key(c, row, i0 + tid)) : -1;
     __syncthreads();
-    gather_chunk<T>(p, row, hk, keys, k_tile, L.k_stride, v_tile);
+    gather_chunk<T>(p, row, hk, keys, k_tile, L.k_stride, v_tile, packed);
     __syncthreads();
     chunk_scores(q, k_tile, L.k_stride, keys, L.group, L.dk, scale, w);
     // dp = <dout, v> per (head, key).
@@ -449,6 +476,12 @@ void allow_shared(Kernel kernel, std::size_t bytes) {
         "raising a GSA kernel's shared memory");
 }
 
+// Whether K and V rows can be gathered 16 bytes at a time.
+bool packed_rows(const AttentionParams& p) {
+  const std::int64_t pack = static_cast<std::int64_t>(16 / element_size(p.dtype));
+  return aligned_rows(p.k, p.dtype) && aligned_rows(p.v, p.dtype) && p.dim_qk % pack == 0 && p.dim_v % pack == 0;
+}
+
 unsigned grid_for(std::int64_t items) {
   const std::int64_t blocks = (items + 255) / 256;
   return static_cast<unsigned>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
@@ -475,7 +508,7 @@ void gsa_sparse_forward(const AttentionParams& p, const KeyListConfig& c) {
     using T = decltype(tag);
     allow_shared(sparse_forward_kernel<T>, L.bytes());
     sparse_forward_kernel<T><<<dim3(static_cast<unsigned>(p.rows_q), static_cast<unsigned>(p.heads_kv)), kThreads,
-                               L.bytes(), stream_of(p)>>>(p, c, dense);
+                               L.bytes(), stream_of(p)>>>(p, c, dense, packed_rows(p));
     check_launch("gsa sparse_forward_kernel");
   });
 }
@@ -502,7 +535,8 @@ void gsa_sparse_backward(const AttentionParams& p, const GradientParams& g, cons
       check(cudaMemsetAsync(dk_acc, 0, key_floats * (p.dim_qk + p.dim_v) * sizeof(float), stream),
             "clearing the key gradient accumulators");
       if (p.rows_q > 0) {
-        sparse_backward_query_kernel<T><<<grid, kThreads, L.bytes(), stream>>>(p, g, c, nullptr, dk_acc, dv_acc);
+        sparse_backward_query_kernel<T><<<grid, kThreads, L.bytes(), stream>>>(p, g, c, nullptr, dk_acc, dv_acc,
+                                                                              packed_rows(p));
         check_launch("gsa sparse_backward_query_kernel");
       }
       store_key_grads(p, g, dk_acc, dv_acc);
@@ -510,7 +544,8 @@ void gsa_sparse_backward(const AttentionParams& p, const GradientParams& g, cons
     }
     DeviceBuffer delta(p, static_cast<std::size_t>(p.rows_q * p.heads_q) * sizeof(float));
     if (p.rows_q > 0) {
-      sparse_backward_query_kernel<T><<<grid, kThreads, L.bytes(), stream>>>(p, g, c, delta.as<float>(), nullptr, nullptr);
+      sparse_backward_query_kernel<T><<<grid, kThreads, L.bytes(), stream>>>(p, g, c, delta.as<float>(), nullptr, nullptr,
+                                                                              packed_rows(p));
       check_launch("gsa sparse_backward_query_kernel");
     }
     // The (key row, query row) pairs sorted by key row, stably: each key's queries in order.

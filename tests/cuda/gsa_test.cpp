@@ -64,6 +64,7 @@ TEST(CudaGsaSelection, SelectsTheTopKeysOfEveryRow) {
       {{{5, 40}}, false, 2, 16},
       {{{9, 9}, {0, 0}, {30, 33}, {1, 1}}, true, 4, 8},
       {{{24, 3000}}, false, 4, 64},  // long rows: histogram, candidates
+      {{{20, 20}}, false, 2, 6},     // d_I not a multiple of the 16-byte pack: scalar loads
   };
   std::vector<std::pair<gsa::IndexerOptions, bool>> options;  // (options, with bias)
   options.push_back({inverse_variance(4, 2, 6, 0.05), true});
