@@ -8,8 +8,14 @@
 // No L x L matrix is materialized. The selected positions are written in increasing order.
 //
 // Layout (winnow/attention.h): q (B, Lq, H_I, d_I) or (Tq, H_I, d_I) with cu_seqlens; k
-// (B, Lk, 1, d_I) or (Tk, 1, d_I); queries are a suffix of the keys. head_weights (B, Lq, H_I)
-// or (Tq, H_I) in q's dtype; bias (H_I) or (1), float32 (float64 for float64 inputs).
+// (B, Lk, 1, d_I) or (Tk, 1, d_I); queries are a suffix of the keys (decoding: one query over
+// the cached keys). head_weights (B, Lq, H_I) or (Tq, H_I) in q's dtype; bias (H_I) or (1),
+// float32 (float64 for float64 inputs).
+//
+// On CUDA (float32, float16, bfloat16) a block per query row keeps the row's queries and up to
+// k_max selected positions in shared memory: at most 32 indexer heads, and k_max up to about
+// 16K slots on an H100 (a larger request is refused naming k_max). The sparse attention's CUDA
+// kernels take head dimensions up to 256.
 #pragma once
 
 #include <cstdint>
