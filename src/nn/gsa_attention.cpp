@@ -10,6 +10,8 @@
 // named options.warmup_phase, where attention is dense) and over the selection afterwards. The
 // loss is formed in chunks of query rows (O(chunk x L) memory) and reported as the auxiliary
 // loss "indexer_kl" (train.aux_loss_weights), one value per token on average.
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <cmath>
 
 #include "nn/attention.h"
@@ -61,6 +63,111 @@ gsa::Budget budget_rule(const std::string& name) {
   if (name == "reference") return gsa::Budget::reference;
   return gsa::Budget::inverse_variance;
 }
+
+// 003 section 6's indexer loss, sum_t KL(p_t || softmax_s(I_ts)) over the visible keys (dense)
+// or the selection (sparse), p_t the heads' mean attention distribution (from q and k, which
+// carry no gradient), per token on average. Memory stays O(chunk x L): the forward keeps only
+// its inputs, and the backward forms each chunk of query rows again and differentiates it
+// alone. Autocast is off inside, so that both passes compute the same function (float32, or
+// float64 for float64 inputs).
+struct KlSpec {
+  bool sparse = true, relu = false;
+  std::int64_t chunk = 256;
+  double scale = 1, index_scale = 1;
+  // As a tensor, so that it travels through autograd::Function::apply's arguments.
+  torch::Tensor pack() const {
+    return torch::tensor({sparse ? 1.0 : 0.0, relu ? 1.0 : 0.0, static_cast<double>(chunk), scale, index_scale},
+                         torch::kFloat64);
+  }
+  static KlSpec unpack(const torch::Tensor& t) {
+    const auto* v = t.data_ptr<double>();
+    KlSpec s;
+    s.sparse = v[0] != 0;
+    s.relu = v[1] != 0;
+    s.chunk = static_cast<std::int64_t>(v[2]);
+    s.scale = v[3];
+    s.index_scale = v[4];
+    return s;
+  }
+};
+
+// One chunk's summed KL terms, rows [r0, r0 + c) of the queries (iq and iw hold just those rows).
+torch::Tensor indexer_kl_chunk(const torch::Tensor& iq, const torch::Tensor& ik, const torch::Tensor& iw,
+                               const torch::Tensor& ib, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& indices, const torch::Tensor& counts, const KlSpec& spec,
+                               std::int64_t r0, std::int64_t c) {
+  const std::int64_t B = q.size(0), Lq = q.size(1), Lk = k.size(1);
+  const torch::ScalarType wt = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  torch::Tensor allowed;
+  if (spec.sparse) {
+    allowed = composed::list_mask(indices.narrow(1, r0, c), counts.narrow(1, r0, c), Lk);
+  } else {
+    const auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
+    const torch::Tensor pos = torch::arange(Lk - Lq + r0, Lk - Lq + r0 + c, opts).unsqueeze(1);
+    allowed = torch::arange(Lk, opts).unsqueeze(0).le(pos).unsqueeze(0).expand({B, c, Lk});
+  }
+  const torch::Tensor p =
+      composed::masked_softmax_weights(q.narrow(1, r0, c).to(wt), k.to(wt), spec.scale, allowed).mean(1);
+  const torch::Tensor scores = composed::gsa_indexer_scores(iq.to(wt), ik.to(wt), iw.to(wt),
+                                                            ib.defined() ? ib.to(wt) : ib, spec.relu, spec.index_scale);
+  const torch::Tensor log_q = torch::log_softmax(scores.masked_fill(allowed.logical_not(), -INFINITY), -1);
+  // p log p - p log q on the allowed keys (p = 0 there contributes nothing).
+  const torch::Tensor terms = torch::xlogy(p, p) - p * log_q.masked_fill(allowed.logical_not(), 0);
+  return terms.masked_fill(allowed.logical_not(), 0).sum();
+}
+
+class ChunkedIndexerKl : public torch::autograd::Function<ChunkedIndexerKl> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& iq, const torch::Tensor& ik,
+                               const torch::Tensor& iw, const torch::Tensor& ib_or_empty, const torch::Tensor& q,
+                               const torch::Tensor& k, const torch::Tensor& indices, const torch::Tensor& counts,
+                               const torch::Tensor& spec_tensor) {
+    ctx->save_for_backward({iq, ik, iw, ib_or_empty, q, k, indices, counts, spec_tensor});
+    const KlSpec spec = KlSpec::unpack(spec_tensor);
+    const torch::Tensor ib = ib_or_empty.numel() > 0 ? ib_or_empty : torch::Tensor();
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    torch::NoGradGuard no_grad;
+    const std::int64_t Lq = q.size(1);
+    torch::Tensor total;
+    for (std::int64_t r0 = 0; r0 < Lq; r0 += spec.chunk) {
+      const std::int64_t c = std::min(spec.chunk, Lq - r0);
+      const torch::Tensor part =
+          indexer_kl_chunk(iq.narrow(1, r0, c), ik, iw.narrow(1, r0, c), ib, q, k, indices, counts, spec, r0, c);
+      total = total.defined() ? total + part : part;
+    }
+    return total / static_cast<double>(q.size(0) * Lq);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &iq = saved[0], &ik = saved[1], &iw = saved[2], &q = saved[4], &k = saved[5];
+    const torch::Tensor ib = saved[3].numel() > 0 ? saved[3] : torch::Tensor();
+    const KlSpec spec = KlSpec::unpack(saved[8]);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const std::int64_t Lq = q.size(1);
+    const torch::Tensor scale = grad_out[0] / static_cast<double>(q.size(0) * Lq);
+    torch::Tensor giq = torch::zeros_like(iq), gik = torch::zeros_like(ik), giw = torch::zeros_like(iw);
+    torch::Tensor gib = ib.defined() ? torch::zeros_like(ib) : torch::Tensor();
+    for (std::int64_t r0 = 0; r0 < Lq; r0 += spec.chunk) {
+      const std::int64_t c = std::min(spec.chunk, Lq - r0);
+      torch::AutoGradMode grad_mode(true);
+      const torch::Tensor iqc = iq.narrow(1, r0, c).detach().requires_grad_();
+      const torch::Tensor iwc = iw.narrow(1, r0, c).detach().requires_grad_();
+      const torch::Tensor ikd = ik.detach().requires_grad_();
+      const torch::Tensor ibd = ib.defined() ? ib.detach().requires_grad_() : torch::Tensor();
+      const torch::Tensor part = indexer_kl_chunk(iqc, ikd, iwc, ibd, q, k, saved[6], saved[7], spec, r0, c);
+      torch::autograd::variable_list inputs = {iqc, ikd, iwc};
+      if (ibd.defined()) inputs.push_back(ibd);
+      const auto grads = torch::autograd::grad({part}, inputs, {scale.to(part.scalar_type())});
+      giq.narrow(1, r0, c).add_(grads[0].to(giq.scalar_type()));
+      gik.add_(grads[1].to(gik.scalar_type()));
+      giw.narrow(1, r0, c).add_(grads[2].to(giw.scalar_type()));
+      if (ibd.defined()) gib.add_(grads[3].to(gib.scalar_type()));
+    }
+    return {giq, gik, giw, gib, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
 
 class GsaAttention final : public AttentionLayer {
  public:
@@ -199,33 +306,17 @@ class GsaAttention final : public AttentionLayer {
   // 003 section 6: sum_t KL(p_t || softmax_s(I_ts)) over the visible keys (dense) or the
   // selection (sparse), p_t the heads' mean attention distribution, per token on average.
   torch::Tensor indexer_kl(const torch::Tensor& q, const torch::Tensor& k, const Indexer& ix, bool sparse) const {
-    const std::int64_t B = q.size(0), Lq = q.size(1), Lk = k.size(1), chunk = options_.loss_chunk;
-    const double index_scale = 1.0 / std::sqrt(static_cast<double>(options_.indexer_dim));
-    const bool relu = options_.indexer == "relu";
-    const torch::ScalarType wt = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-    torch::Tensor total = torch::zeros({}, q.options().dtype(wt));
-    for (std::int64_t r0 = 0; r0 < Lq; r0 += chunk) {
-      const std::int64_t c = std::min(chunk, Lq - r0);
-      torch::Tensor allowed;
-      if (sparse) {
-        allowed = composed::list_mask(ix.indices.narrow(1, r0, c), ix.counts.narrow(1, r0, c), Lk);
-      } else {
-        const auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
-        const torch::Tensor pos = torch::arange(Lk - Lq + r0, Lk - Lq + r0 + c, opts).unsqueeze(1);
-        allowed = torch::arange(Lk, opts).unsqueeze(0).le(pos).unsqueeze(0).expand({B, c, Lk});
-      }
-      const torch::Tensor p =
-          composed::masked_softmax_weights(q.narrow(1, r0, c), k, h_.scale, allowed).mean(1).to(wt);
-      const torch::Tensor scores =
-          composed::gsa_indexer_scores(ix.q.narrow(1, r0, c), ix.k, ix.weights.narrow(1, r0, c), ix.bias, relu,
-                                       index_scale)
-              .to(wt);
-      const torch::Tensor log_q = torch::log_softmax(scores.masked_fill(allowed.logical_not(), -INFINITY), -1);
-      // p log p - p log q on the allowed keys (p = 0 there contributes nothing).
-      const torch::Tensor terms = torch::xlogy(p, p) - p * log_q.masked_fill(allowed.logical_not(), 0);
-      total = total + terms.masked_fill(allowed.logical_not(), 0).sum();
-    }
-    return total / static_cast<double>(B * Lq);
+    KlSpec spec;
+    spec.sparse = sparse;
+    spec.relu = options_.indexer == "relu";
+    spec.chunk = options_.loss_chunk;
+    spec.scale = h_.scale;
+    spec.index_scale = 1.0 / std::sqrt(static_cast<double>(options_.indexer_dim));
+    // autograd::Function takes no undefined tensors: empty ones stand for the missing bias and,
+    // in the dense phase, the missing lists.
+    auto or_empty = [&](const torch::Tensor& t) { return t.defined() ? t : torch::empty({0}, q.options()); };
+    return ChunkedIndexerKl::apply(ix.q, ix.k, ix.weights, or_empty(ix.bias), q, k, or_empty(ix.indices),
+                                   or_empty(ix.counts), spec.pack());
   }
 
   void record_probe(const torch::Tensor& q, const torch::Tensor& k, const Indexer& ix, bool sparse) {

@@ -438,7 +438,7 @@ TEST(Cli, LanguageModelingStudyRunsEndToEnd) {
   Outcome r = run(args, dir);
   ASSERT_EQ(r.status, 0) << r.output;
   const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/result.json"));
-  ASSERT_EQ(result["mechanisms"].size(), 8u);
+  ASSERT_EQ(result["mechanisms"].size(), 11u);
   for (const auto& m : result["mechanisms"]) {
     // Multiscreen has no softmax-like attention layers for the probe to read.
     const bool probed = m["config"]["model"]["architecture"] == "transformer";

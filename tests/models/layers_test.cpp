@@ -453,7 +453,7 @@ const std::vector<Variant>& variants() {
       {"gsa_nope_variance_budget_gqa", [](AttentionConfig& a) {
          a.kind = "gsa"; a.position = "nope"; a.kv_heads = 1; a.options["k_base"] = 3; a.options["k_min"] = 2;
          a.options["k_max"] = 7; a.options["indexer_heads"] = 3; a.options["indexer_dim"] = 4;
-         a.options["variance_momentum"] = 1.0; }},
+         a.options["variance_momentum"] = 1.0; a.options["loss_chunk"] = 4; }},  // four chunks of the loss
       {"gsa_sparse_only_relu", [](AttentionConfig& a) {
          a.kind = "gsa"; a.options["gates"] = false; a.options["indexer"] = "relu"; a.options["budget"] = "fixed";
          a.options["k"] = 4; a.options["k_max"] = 4; a.options["indexer_heads"] = 2; a.options["indexer_dim"] = 4; }},
