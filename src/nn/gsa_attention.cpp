@@ -282,19 +282,23 @@ class GsaAttention final : public AttentionLayer {
       const double m = options_.variance_momentum;
       variance_mean_.mul_(m).add_(variance.to(torch::kFloat64).mean(), 1.0 - m);
     };
-    double vbar = variance_mean_.item<double>();
-    // No running mean yet: the first training batch sets it; outside training an unset mean
-    // reads as 1 (so that results do not depend on how a sequence is split into chunks).
+    // Only the variance rules read Vbar (a host read of a device buffer on CUDA). No running
+    // mean yet: the first training batch sets it; outside training an unset mean reads as 1
+    // (so that results do not depend on how a sequence is split into chunks).
+    double vbar = adaptive ? variance_mean_.item<double>() : 1.0;
     if (!(vbar > 0) && !is_training()) vbar = 1.0;
-    if (adaptive && !(vbar > 0)) {
-      vbar = measured_variance().to(torch::kFloat64).mean().item<double>();
+    const bool unset = !(vbar > 0);
+    auto set_mean = [&](const torch::Tensor& variance) {
+      vbar = variance.to(torch::kFloat64).mean().item<double>();
       if (!(vbar > 0)) vbar = 1.0;  // every row flat: any positive Vbar gives k_max
       variance_mean_.fill_(vbar);
-    }
+    };
     if (!select) {
-      update_mean(measured_variance());
+      const torch::Tensor variance = measured_variance();
+      unset ? set_mean(variance) : update_mean(variance);
       return ix;
     }
+    if (unset) set_mean(measured_variance());
     o.mean_variance = vbar;
     auto [indices, counts, variance] = torch_ops::gsa_select_keys(sq, sk, sw, sb, o);
     if (is_training() && adaptive) update_mean(variance);

@@ -26,15 +26,6 @@
 namespace winnow::testing {
 namespace {
 
-gsa::IndexerOptions inverse_variance(std::int64_t k_base, std::int64_t k_min, std::int64_t k_max, double vbar) {
-  gsa::IndexerOptions o;
-  o.k_base = k_base;
-  o.k_min = k_min;
-  o.k_max = k_max;
-  o.mean_variance = vbar;
-  return o;
-}
-
 const std::vector<IndexerShape>& shapes() {
   static const std::vector<IndexerShape> all = {
       {{{37, 37}, {37, 37}}, false, 3, 8},
@@ -47,11 +38,7 @@ const std::vector<IndexerShape>& shapes() {
 TEST(GsaIndexer, ReferenceSelectsTheTopKeysOfEveryRowUnderEachBudget) {
   std::vector<gsa::IndexerOptions> options;
   options.push_back(inverse_variance(4, 2, 6, 0.05));
-  gsa::IndexerOptions fixed;
-  fixed.budget = gsa::Budget::fixed;
-  fixed.k = 5;
-  fixed.k_max = 7;
-  options.push_back(fixed);
+  options.push_back(fixed(5, 7));
   gsa::IndexerOptions eq8 = inverse_variance(20, 1, 9, 0.08);
   eq8.budget = gsa::Budget::eq8;
   options.push_back(eq8);
@@ -89,10 +76,7 @@ TEST(GsaIndexer, TiesGoToTheMostRecentKeysAndShortRowsTakeEveryKey) {
   std::vector<double> k = c.k.values();
   for (std::size_t i = 4; i < k.size(); ++i) k[i] = k[i % 4];
   c.k.set_values(k);
-  gsa::IndexerOptions o;
-  o.budget = gsa::Budget::fixed;
-  o.k = 3;
-  o.k_max = 4;
+  const gsa::IndexerOptions o = fixed(3, 4);
   const SelectionResult r = run_selection(c, o, reference());
   for (std::int64_t t = 0; t < 12; ++t) {
     const std::int64_t n = std::min<std::int64_t>(3, t + 1);
@@ -257,16 +241,7 @@ TEST(GsaSparse, AnEmptyListOutputsZero) {
   std::vector<double> counts = c.counts.values();
   counts[1] = 0;
   c.counts.set_values(counts);
-  for (const ExecContext& ctx : {reference(), cpu_kernels()}) {
-    const SparseResult r = run_sparse(c, ctx);
-    for (std::int64_t h = 0; h < 2; ++h) {
-      EXPECT_TRUE(std::isinf(r.lse[static_cast<std::size_t>(2 + h)]) && r.lse[static_cast<std::size_t>(2 + h)] < 0);
-      for (std::int64_t d = 0; d < 4; ++d) {
-        EXPECT_EQ(r.out[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
-        EXPECT_EQ(r.dq[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
-      }
-    }
-  }
+  for (const ExecContext& ctx : {reference(), cpu_kernels()}) expect_second_row_empty(run_sparse(c, ctx));
 }
 
 TEST(GsaSparse, CpuKernelsMatchTheReference) {

@@ -19,6 +19,24 @@
 
 namespace winnow::testing {
 
+// Budget options: 003's inverse-variance rule, and a fixed k.
+inline gsa::IndexerOptions inverse_variance(std::int64_t k_base, std::int64_t k_min, std::int64_t k_max, double vbar) {
+  gsa::IndexerOptions o;
+  o.k_base = k_base;
+  o.k_min = k_min;
+  o.k_max = k_max;
+  o.mean_variance = vbar;
+  return o;
+}
+
+inline gsa::IndexerOptions fixed(std::int64_t k, std::int64_t k_max) {
+  gsa::IndexerOptions o;
+  o.budget = gsa::Budget::fixed;
+  o.k = k;
+  o.k_max = k_max;
+  return o;
+}
+
 // Sequences as (q_len, k_len); packed when `varlen`.
 struct IndexerShape {
   std::vector<std::pair<std::int64_t, std::int64_t>> seqs;
@@ -319,6 +337,18 @@ inline SparseResult run_sparse(const SparseCase& c, const ExecContext& ctx, Plac
     placement->fetch(gv, dv);
   }
   return {out.values(), lse.values(), dq.values(), dk.values(), dv.values()};
+}
+
+// The empty-list case: one sequence of 3 queries with 2 query heads of 4 features whose second
+// row's list is empty; that row outputs zero, gets zero dq and lse -inf.
+inline void expect_second_row_empty(const SparseResult& r) {
+  for (std::int64_t h = 0; h < 2; ++h) {
+    EXPECT_TRUE(std::isinf(r.lse[static_cast<std::size_t>(2 + h)]) && r.lse[static_cast<std::size_t>(2 + h)] < 0);
+    for (std::int64_t d = 0; d < 4; ++d) {
+      EXPECT_EQ(r.out[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
+      EXPECT_EQ(r.dq[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
+    }
+  }
 }
 
 }  // namespace winnow::testing
