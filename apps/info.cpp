@@ -28,7 +28,12 @@ void add_info_command(CLI::App& app) {
               << "CUDA devices: " << cuda_device_count() << "\n"
               << "operators:    softmax_attention, stick_breaking_attention, entmax_attention "
                  "(any alpha > 1), sieve_attention (exact | bound filter), threshold_attention "
-                 "(TRA, TDA), screening_attention (Multiscreen); forward and backward\n"
+                 "(TRA, TDA), screening_attention (Multiscreen), gsa_select_keys and "
+                 "gsa_sparse_attention (GSA); forward and backward\n"
+              << "decoding:     split-KV kernels for softmax and stick-breaking (CUDA: fp16 / bf16 / "
+                 "fp32, D and Dv multiples of 8 up to 256) behind the forward calls with <= 8 "
+                 "queries per sequence, and paged caches (winnow::decode, torch.ops.winnow."
+                 "paged_decode)\n"
               << "fused CUDA:   softmax, stick-breaking, entmax, Sieve, TRA / TDA (bf16 / fp16, "
                  "D = Dv = 64 or 128), screening (bf16 / fp16, d_K 16 / 32 / 64, d_V 64 / 128); "
                  "everything else on the simple path\n";
@@ -45,8 +50,8 @@ void add_info_command(CLI::App& app) {
                 << (m.option_keys.empty() ? std::string("none") : config::join(m.option_keys))
                 << "\n      fused path: " << m.fused_operator << "\n";
     }
-    std::cout << "  not yet: screening, GSA (their operators arrive with "
-                 "their issues)\n"
+    std::cout << "  Multiscreen's screening is an architecture of its own (model.architecture "
+                 "multiscreen)\n"
               << "\ntraining: winnow train --config FILE [--set key=value ...] (configs/ has "
                  "examples; --print-config shows every key)\n";
 #else

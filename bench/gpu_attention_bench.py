@@ -232,6 +232,8 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=None,
+                    help="query (= kv) heads; default 12 at D = 128 and 16 at D = 64")
     ap.add_argument("--json", default=None)
     ap.add_argument("--methods", nargs="+", default=None, help="only these methods (sdpa_flash always)")
     ap.add_argument("--forward-only", action="store_true", help="time the forward pass alone")
@@ -244,7 +246,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     for dim in args.dims:
-        heads = 12 if dim == 128 else 16
+        heads = args.heads or (12 if dim == 128 else 16)
         for L in args.lengths:
             B = max(1, args.tokens // L)
             q, k, v = make_inputs(args.inputs, B, L, heads, dim)

@@ -19,6 +19,9 @@
 #              kernels when $BASELINES has snap-research/TDA's triton_threshold_attention.py)
 #   gbench     bench/gpu_gsa_bench.py (GSA's selection and sparse attention beside SDPA flash and
 #              cuDNN at 16K-128K, issue 16; $GBENCH_ARGS, e.g. --lengths 16384 --full-lists)
+#   dbench     bench/gpu_decode_bench.py (split-KV decoding, contiguous and paged, beside SDPA
+#              flash and cuDNN, the fused kernels it replaced, and the copy bandwidth; issue 17;
+#              $DBENCH_ARGS, e.g. --lengths 4096 32768)
 #   sbench     bench/gpu_screening_bench.py (Multiscreen's screening beside SDPA flash and cuDNN
 #              at head dimension 64, issue 15; $SBENCH_ARGS, e.g. --lengths 4096)
 #   trainbench winnow train-bench (the build's tool) on the compared kinds, then
@@ -114,7 +117,7 @@ for stage in "${stages[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 \
-          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaRotary.*:CudaRMSNorm.*:CudaSwiGLU.*:*ScreeningCuda.*single_token*:*ScreeningCuda.*dk32_suffix*:*ScreeningCuda.*dk16_gqa*:ScreeningCudaSpec.*:CudaGsa*' > "$OUT/sanitize_$tool.log" 2>&1
+          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaRotary.*:CudaRMSNorm.*:CudaSwiGLU.*:*ScreeningCuda.*single_token*:*ScreeningCuda.*dk32_suffix*:*ScreeningCuda.*dk16_gqa*:ScreeningCudaSpec.*:CudaGsa*:CudaSmallDecode.*:*CudaPagedDecode.*d40*:*CudaPagedDecode.*d256*' > "$OUT/sanitize_$tool.log" 2>&1
         rc=$?
         note "sanitize $tool: rc $rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done
@@ -153,6 +156,12 @@ for stage in "${stages[@]}"; do
       # shellcheck disable=SC2086
       python3 bench/gpu_gsa_bench.py --json "$OUT/gsa_bench.json" ${GBENCH_ARGS:-} 2>&1 | tee "$OUT/gsa_bench.txt"
       note "gbench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
+      ;;
+    dbench)
+      export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+      # shellcheck disable=SC2086
+      python3 bench/gpu_decode_bench.py --json "$OUT/decode_bench.json" ${DBENCH_ARGS:-} 2>&1 | tee "$OUT/decode_bench.txt"
+      note "dbench: rc ${PIPESTATUS[0]} ($(( $(date +%s) - start )) s)"
       ;;
     sbench)
       export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"

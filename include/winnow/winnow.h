@@ -2,6 +2,7 @@
 #pragma once
 
 #include "winnow/attention.h"
+#include "winnow/decode.h"
 #include "winnow/entmax.h"
 #include "winnow/error.h"
 #include "winnow/rms_norm.h"

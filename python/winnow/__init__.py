@@ -31,6 +31,7 @@ __all__ = [
     "screening_attention",
     "gsa_select_keys",
     "gsa_sparse_attention",
+    "paged_decode",
     "rotary_embedding",
     "rms_norm",
     "add_rms_norm",
@@ -341,6 +342,40 @@ def gsa_sparse_attention(
     return torch.ops.winnow.gsa_sparse_attention(
         q, k, v, indices, counts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         scale=scale, trusted=trusted)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    mechanism: str = "softmax",
+    scale: Optional[float] = None,
+    attend_current: Optional[bool] = None,
+    trusted: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step against a paged key/value cache (vLLM's and FlashInfer's layout).
+
+    ``k_cache`` (num_pages, page_size, Hkv, D) and ``v_cache`` (num_pages, page_size, Hkv, Dv)
+    hold pages of key and value rows; ``block_table`` int32 (B, max_pages) lists each
+    sequence's pages in order, so key i of sequence b is row ``i % page_size`` of page
+    ``block_table[b, i // page_size]``; ``seq_lens`` int32 (B) counts the keys each sequence
+    holds, its newest tokens included. ``q`` (B, Lq, Hq, D) holds those newest Lq tokens' queries:
+    query r of sequence b sits at position ``seq_lens[b] - Lq + r``. ``mechanism`` is
+    ``"softmax"`` (returns out and the log-sum-exp) or ``"stick_breaking"`` (out and log_rem);
+    ``attend_current`` defaults to each mechanism's own (True for softmax, False for
+    stick-breaking). On CUDA the keys are split across thread blocks and merged exactly
+    (float16, bfloat16 and float32; D and Dv multiples of 8 up to 256).
+
+    The lengths and the pages in use are checked first (on CUDA the host waits for the check);
+    ``trusted=True`` skips that for tables the caller maintains itself (a bad trusted table reads
+    out of bounds). Not differentiable: decoding is inference.
+    """
+    return torch.ops.winnow.paged_decode(
+        q, k_cache, v_cache, block_table, seq_lens, mechanism=mechanism, scale=scale,
+        attend_current=attend_current, trusted=trusted)
 
 
 def rotary_embedding(

@@ -25,6 +25,12 @@ namespace {
 }
 }  // namespace
 void softmax_forward(const detail::AttentionParams&) { no_cuda(); }
+bool decode_kernels_take(const detail::DecodeParams&) { return false; }
+void softmax_decode(const detail::DecodeParams&) { no_cuda(); }
+void stick_breaking_decode(const detail::DecodeParams&) { no_cuda(); }
+bool decode_path_applies(const detail::AttentionParams&) { return false; }
+detail::DecodeParams decode_params_of(const detail::AttentionParams&) { no_cuda(); }
+std::int64_t first_bad_paged_sequence(const detail::DecodeParams&, std::int64_t) { no_cuda(); }
 void softmax_backward(const detail::AttentionParams&, const detail::GradientParams&) { no_cuda(); }
 void stick_breaking_forward(const detail::AttentionParams&, const detail::StickBreakingConfig&) { no_cuda(); }
 void stick_breaking_backward(const detail::AttentionParams&, const detail::GradientParams&,

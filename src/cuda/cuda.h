@@ -3,6 +3,7 @@
 // other head dimensions, unaligned strides).
 #pragma once
 
+#include "core/decode_params.h"
 #include "core/params.h"
 #include "core/layer_params.h"
 #include "core/rotary_params.h"
@@ -54,6 +55,21 @@ void gsa_sparse_backward(const detail::AttentionParams& p, const detail::Gradien
 // The first malformed list (count outside [0, k_max], entries not strictly increasing within
 // [0, t]) as (sequence << 32 | query row), or -1; waits for the device.
 std::int64_t gsa_first_bad_list(const detail::AttentionParams& p, const detail::KeyListConfig& c);
+
+// Split-KV decoding (attention/decode.cuh): softmax and stick-breaking for a few queries per
+// sequence against a contiguous or paged cache, 16-bit and float32, head dimensions that are
+// multiples of 8 up to 256 with 16-byte aligned cache rows (decode_kernels_take).
+bool decode_kernels_take(const detail::DecodeParams& p);
+void softmax_decode(const detail::DecodeParams& p);
+void stick_breaking_decode(const detail::DecodeParams& p);
+// Forward calls with a short suffix of queries (batched, at most 8 per sequence) that the
+// decoding kernels take in place of the fused ones (WINNOW_NO_DECODE_KERNELS turns this off).
+bool decode_path_applies(const detail::AttentionParams& p);
+detail::DecodeParams decode_params_of(const detail::AttentionParams& p);
+// The first sequence of a paged cache whose length or pages are out of range, as
+// b * 4 + reason (1: fewer keys than queries, 2: more keys than its block table holds, 3: a
+// page index outside [0, num_pages)), or -1; waits for the device.
+std::int64_t first_bad_paged_sequence(const detail::DecodeParams& p, std::int64_t num_pages);
 
 // Rotary position embedding (winnow/rotary.h), one element-wise pass.
 void rotary(const detail::RotaryParams& p);

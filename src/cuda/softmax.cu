@@ -40,6 +40,7 @@ struct SimpleBackward {
 }  // namespace
 
 void softmax_forward(const detail::AttentionParams& p) {
+  if (decode_path_applies(p)) return softmax_decode(decode_params_of(p));
   if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedForward{p});
   dispatch_simple(p, SimpleForward{p});
 }

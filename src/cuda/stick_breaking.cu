@@ -59,6 +59,12 @@ struct SimpleBackward {
 }  // namespace
 
 void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig& cfg) {
+  // Halting drops keys per tile of the fused kernels, so a halting call keeps their result.
+  if (cfg.halt_cutoff == 0.0 && decode_path_applies(p)) {
+    detail::DecodeParams d = decode_params_of(p);
+    d.kept_from = cfg.kept_from;
+    return stick_breaking_decode(d);
+  }
   if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedForward{p, device_config(cfg)});
   dispatch_simple(p, SimpleForward{p, device_config(cfg)});
 }

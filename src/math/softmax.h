@@ -26,4 +26,13 @@ WINNOW_HD auto grad_logit(const P& p, const DP& dp, const R& delta) {
   return p * (dp - delta);
 }
 
+// Split-KV decoding: a chunk of a row's keys is summarized by its largest logit m, its sum
+// l = sum_i exp(z_i - m) and o = sum_i exp(z_i - m) v_i. Chunks merge in any order: m is the
+// larger of the two, and each side's l and o are rescaled by this factor. A chunk without keys
+// (m = -inf, l = 0) rescales by 0, and two such chunks by 1, never NaN.
+template <class X, class Exp>
+WINNOW_HD X merge_factor(X m_side, X m_merged, Exp exp) {
+  return m_side == m_merged ? X(1) : exp(m_side - m_merged);
+}
+
 }  // namespace winnow::math::softmax

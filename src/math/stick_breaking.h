@@ -55,4 +55,13 @@ WINNOW_HD auto grad_logit(const G& g, const X& z, const P& prefix_g_plus_dlog_re
   return grad_logit_given_sigmoid(g, sigmoid(z), prefix_g_plus_dlog_rem);
 }
 
+// Split-KV decoding (spec "Decode and split-KV"): a chunk c of a row's keys is summarized by
+// its cost S_c (the sum of its keys' stick costs) and its output o_c over its own keys. Chunks
+// combine right to left, o = o_right + exp(-S_right) o_left and S = S_left + S_right: the left
+// chunk's weights lose what the right chunk broke off first. This is the left side's factor.
+template <class X, class Exp>
+WINNOW_HD X left_chunk_factor(X right_cost, Exp exp) {
+  return exp(-right_cost);
+}
+
 }  // namespace winnow::math::stick_breaking

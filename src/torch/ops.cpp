@@ -1221,6 +1221,54 @@ at::Tensor swiglu_no_grad(const at::Tensor& gate, const at::Tensor& up) {
 // shapes, dtypes and strides as the kernels above allocate, from symbolic sizes, so that the
 // meta device, fake tensors and torch.compile's tracing (dynamic shapes included) never
 // reach a kernel. The full argument checks run with the kernel, on real tensors.
+// ------------------------------------------------------------------ decoding (paged caches)
+
+// One decode step against a paged cache (winnow/decode.h); inference only, no autograd.
+std::tuple<at::Tensor, at::Tensor> paged_decode_op(const at::Tensor& q, const at::Tensor& k_cache,
+                                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                                   const at::Tensor& seq_lens, c10::string_view mechanism,
+                                                   Opt<double> scale, Opt<bool> attend_current, bool trusted,
+                                                   bool reference) {
+  constexpr const char* op = "winnow.paged_decode";
+  return translate_errors([&] {
+    const bool stick_breaking = mechanism == "stick_breaking";
+    check_value(stick_breaking || mechanism == "softmax", [&] {
+      return std::string(op) + ": argument 'mechanism': expected \"softmax\" or \"stick_breaking\", got \"" +
+             std::string(mechanism) + "\"";
+    });
+    at::Tensor out = at::empty(out_shape(q, v_cache), q.options());
+    at::Tensor stat = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    decode::PagedCache cache{view_of(k_cache, op, "k_cache"), view_of(v_cache, op, "v_cache"),
+                             view_of(block_table, op, "block_table"), view_of(seq_lens, op, "seq_lens"), trusted};
+    const DeviceScope scope(q);
+    const ExecContext ctx = scope.context(false, reference);
+    if (stick_breaking) {
+      stick_breaking::Options o;
+      o.scale = std_opt(scale);
+      o.attend_current = attend_current.value_or(false);
+      decode::stick_breaking(view_of(q, op, "q"), cache, o,
+                             {view_of(out, op, "out"), view_of(stat, op, "log_rem"), std::nullopt}, ctx);
+    } else {
+      softmax::Options o{std_opt(scale), attend_current.value_or(true)};
+      decode::softmax(view_of(q, op, "q"), cache, o, {view_of(out, op, "out"), view_of(stat, op, "lse")}, ctx);
+    }
+    return std::make_tuple(out, stat);
+  });
+}
+
+constexpr Dispatched<&paged_decode_op> paged_decode_dispatched{"winnow::paged_decode"};
+
+// Decoding has no gradient: the outputs never require grad, as for the selection above.
+std::tuple<at::Tensor, at::Tensor> paged_decode_autograd(const at::Tensor& q, const at::Tensor& k_cache,
+                                                         const at::Tensor& v_cache, const at::Tensor& block_table,
+                                                         const at::Tensor& seq_lens, c10::string_view mechanism,
+                                                         Opt<double> scale, Opt<bool> attend_current, bool trusted,
+                                                         bool reference) {
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return paged_decode_dispatched(q, k_cache, v_cache, block_table, seq_lens, mechanism, scale, attend_current,
+                                 trusted, reference);
+}
+
 namespace meta {
 
 // Ranks only: enough to build the output shapes safely. q, k, v are (B, L, H, D) or packed
@@ -1471,6 +1519,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gsa_sparse_backward(
   return grads("winnow.gsa_sparse_attention_backward", q, k, v);
 }
 
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor&, const at::Tensor& v_cache,
+                                                const at::Tensor&, const at::Tensor&, c10::string_view,
+                                                Opt<double>, Opt<bool>, bool, bool) {
+  check_rank("winnow.paged_decode", "q", q);
+  check_rank("winnow.paged_decode", "v_cache", v_cache);
+  return std::make_tuple(out(q, v_cache), stats(q));
+}
+
 }  // namespace meta
 
 }  // namespace
@@ -1584,6 +1640,10 @@ TORCH_LIBRARY(winnow, m) {
       "Tensor counts, Tensor out, Tensor lse, Tensor dout, Tensor? cu_seqlens_q=None, "
       "Tensor? cu_seqlens_k=None, float? scale=None, bool trusted=False, "
       "bool deterministic=False, bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, *, "
+      "str mechanism=\"softmax\", float? scale=None, bool? attend_current=None, bool trusted=False, "
+      "bool reference=False) -> (Tensor out, Tensor stat)");
   m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rotary_embedding_apply(Tensor x, Tensor cos, Tensor sin, bool transpose=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06, ScalarType? out_dtype=None) -> Tensor");
@@ -1626,6 +1686,7 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("gsa_select_keys", gsa_select_keys_op);
   m.impl("gsa_sparse_attention_forward", gsa_sparse_forward_op);
   m.impl("gsa_sparse_attention_backward", gsa_sparse_backward_op);
+  m.impl("paged_decode", paged_decode_op);
   m.impl("rotary_embedding_apply", rotary_apply_op);
   m.impl("rms_norm_forward", rms_norm_forward_op);
   m.impl("rms_norm_backward", rms_norm_backward_op);
@@ -1651,6 +1712,7 @@ TORCH_LIBRARY_IMPL(winnow, Meta, m) {
   m.impl("gsa_select_keys", meta::gsa_select_keys);
   m.impl("gsa_sparse_attention_forward", meta::gsa_sparse_forward);
   m.impl("gsa_sparse_attention_backward", meta::gsa_sparse_backward);
+  m.impl("paged_decode", meta::paged_decode);
   m.impl("rotary_embedding_apply", meta::rotary_apply);
   m.impl("rms_norm_forward", meta::rms_norm_forward);
   m.impl("rms_norm_backward", meta::rms_norm_backward);
@@ -1689,6 +1751,7 @@ TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("threshold_attention", threshold_attention_autograd);
   m.impl("screening_attention", screening_attention_autograd);
   m.impl("gsa_select_keys", gsa_select_keys_autograd);
+  m.impl("paged_decode", paged_decode_autograd);
   m.impl("gsa_sparse_attention", gsa_sparse_attention_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
   m.impl("rms_norm", rms_norm_autograd);

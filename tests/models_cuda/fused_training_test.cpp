@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "models/trainer_test_support.h"
 #include "nn/language_model.h"
@@ -297,6 +298,45 @@ TEST(CudaGsa, ModelMatchesTheComposedModelOnTheCpu) {
   }
   Autocast autocast(true);
   EXPECT_TRUE(torch::isfinite(gpu->forward(tokens.to(kCuda))).all().item<bool>());
+}
+
+// Incremental decoding through the KV cache on CUDA: single tokens (and short chunks) take the
+// split-KV decoding kernels (cuda/attention/decode.cuh), full passes the fused forward kernels;
+// both must give the same logits. 600 tokens, so the one-token steps split their keys.
+TEST(CudaDecode, CachedDecodingMatchesFullPasses) {
+  for (const char* kind : {"softmax", "stick_breaking"}) {
+    for (torch::Dtype dtype : {torch::kFloat32, torch::kBFloat16}) {
+      SCOPED_TRACE(std::string(kind) + (dtype == torch::kFloat32 ? " float32" : " bfloat16"));
+      nn::ModelConfig c;
+      c.vocab_size = 29;
+      c.d_model = 128;
+      c.layers = 2;
+      c.context_len = 1024;
+      c.attention.kind = kind;
+      c.attention.heads = 4;
+      c.attention.kv_heads = 1;  // one row group of four query heads per kv head
+      c.attention.implementation = "kernel";
+      nn::resolve(c);
+      torch::manual_seed(5);
+      const nn::LanguageModel model = nn::make_language_model(c);
+      model->to(kCuda, dtype);
+      torch::NoGradGuard no_grad;
+      const Tensor tokens = torch::randint(29, {2, 600}, torch::kInt64).to(kCuda);
+      nn::KVCache cache = model->new_cache();
+      std::vector<Tensor> pieces;
+      std::int64_t seen = 0;
+      for (std::int64_t chunk : {512, 3, 1, 8, 1, 1, 2}) {
+        pieces.push_back(model->forward(tokens.narrow(1, seen, chunk), &cache));
+        seen += chunk;
+      }
+      while (seen < 600) pieces.push_back(model->forward(tokens.narrow(1, seen++, 1), &cache));
+      const Tensor cached = torch::cat(pieces, 1);
+      const Tensor full = model->forward(tokens);
+      const double tol = dtype == torch::kFloat32 ? 1e-4 : 3e-2;
+      EXPECT_LT(rel(cached.narrow(1, 512, 88), full.narrow(1, 512, 88)), tol);
+      EXPECT_LT(rel(cached, full), tol);
+    }
+  }
 }
 
 TEST(CudaTrainer, EnqueuedStepsEqualSynchronousSteps) {

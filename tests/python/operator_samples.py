@@ -25,6 +25,8 @@ KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
            "screening_attention_forward", "screening_attention_backward",
            # GSA's selection has no gradient: one operator, sampled with the kernels.
            "gsa_select_keys", "gsa_sparse_attention_forward", "gsa_sparse_attention_backward",
+           # Decoding against a paged cache: inference only, no gradient.
+           "paged_decode",
            "rotary_embedding_apply",
            "rms_norm_forward", "rms_norm_backward", "add_rms_norm_forward",
            "add_rms_norm_backward", "swiglu_forward", "swiglu_backward"]
@@ -191,6 +193,18 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
         out.append(Sample("gsa_sparse_attention_forward", (q, k, v) + batched_lists, {}, "batched"))
         out.append(Sample("gsa_sparse_attention_backward",
                           (q, k, v) + batched_lists + (o, lse, dout), {}, "batched"))
+
+    # Paged decoding: 2 queries per sequence, GQA 4:2, pages of 4 rows handed out out of order,
+    # sequences of 5 and 11 keys, unused table entries -1.
+    def cache(dim):
+        t = torch.randn(7, 4, 2, dim, generator=gen, dtype=torch.float64)
+        return t.to(device=device, dtype=dtype)
+    q = torch.randn(2, 2, 4, d, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+    table = torch.tensor([[5, 2, -1, -1], [0, 6, 3, -1]], dtype=torch.int32, device=device)
+    lens = torch.tensor([5, 11], dtype=torch.int32, device=device)
+    for mechanism in ("softmax", "stick_breaking"):
+        out.append(Sample("paged_decode", (q, cache(d), cache(d // 2), table, lens),
+                          {"mechanism": mechanism}, mechanism))
 
     # Rotary embedding: x (B, L, H, D), tables (L, D/2) in float32 (float64 for float64 x).
     table_dtype = torch.float64 if dtype == torch.float64 else torch.float32

@@ -811,3 +811,48 @@ def test_gsa_bad_arguments_name_them():
         winnow.gsa_sparse_attention(x, kv, kv, indices, counts + 5)
     with pytest.raises(ValueError, match="argument 'counts'"):
         winnow.gsa_sparse_attention(x, kv, kv, indices, counts[:, :7])
+
+
+def paged_problem(seq_lens, lq, hq, hkv, d, page_size, dtype=torch.float64, seed=0):
+    """Random pages handed out in shuffled order, and each sequence's keys gathered by hand."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(seq_lens)
+    used = [(n + page_size - 1) // page_size for n in seq_lens]
+    pages = 2 * sum(used) + 1
+    k_cache = torch.randn(pages, page_size, hkv, d, generator=g, dtype=dtype)
+    v_cache = torch.randn(pages, page_size, hkv, d, generator=g, dtype=dtype)
+    order = torch.randperm(pages, generator=g)
+    table = torch.full((b, max(used) + 1), -1, dtype=torch.int32)
+    nxt = 0
+    for i, u in enumerate(used):
+        table[i, :u] = order[nxt:nxt + u].to(torch.int32)
+        nxt += u
+    q = torch.randn(b, lq, hq, d, generator=g, dtype=dtype)
+    gathered = []
+    for i, n in enumerate(seq_lens):
+        idx = torch.arange(n)
+        rows = table[i, idx // page_size].long() * page_size + idx % page_size
+        gathered.append((k_cache.flatten(0, 1)[rows][None], v_cache.flatten(0, 1)[rows][None]))
+    return q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32), gathered
+
+
+@pytest.mark.parametrize("mechanism", ["softmax", "stick_breaking"])
+def test_paged_decode_matches_composed_on_gathered_keys(mechanism):
+    q, kc, vc, table, lens, gathered = paged_problem([3, 40, 77], lq=3, hq=4, hkv=2, d=16, page_size=5)
+    out, stat = winnow.paged_decode(q, kc, vc, table, lens, mechanism=mechanism)
+    for i, (k, v) in enumerate(gathered):
+        if mechanism == "softmax":
+            want = composed_softmax(q[i:i + 1], k, v)
+        else:
+            want, rem = composed_stick_breaking(q[i:i + 1], k, v)
+            torch.testing.assert_close(stat[i:i + 1].exp(), rem)
+        torch.testing.assert_close(out[i:i + 1], want)
+
+
+def test_paged_decode_refuses_a_page_outside_the_cache():
+    q, kc, vc, table, lens, _ = paged_problem([4, 9], lq=1, hq=2, hkv=1, d=8, page_size=4)
+    table[1, 0] = kc.shape[0]
+    with pytest.raises(ValueError, match="sequence 1's pages"):
+        winnow.paged_decode(q, kc, vc, table, lens)
+    with pytest.raises(ValueError, match="mechanism"):
+        winnow.paged_decode(q, kc, vc, table, lens, mechanism="entmax")

@@ -332,3 +332,19 @@ def test_gsa_sparse_cuda_refuses_bad_lists_naming_the_argument():
         winnow.gsa_sparse_attention(q, k, v, future.cuda(), counts.cuda())
     with pytest.raises(ValueError, match="argument 'counts'"):
         winnow.gsa_sparse_attention(q, k, v, indices.cuda(), (counts + 100).cuda())
+
+
+@pytest.mark.parametrize("mechanism", ["softmax", "stick_breaking"])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_paged_decode_cuda_matches_cpu(mechanism, dtype, tol):
+    from test_ops import paged_problem
+    q, kc, vc, table, lens, _ = paged_problem([1, 700, 3000], lq=1, hq=8, hkv=2, d=128, page_size=16,
+                                              dtype=torch.float32)
+    q, kc, vc = (t.to(dtype) for t in (q, kc, vc))
+    want, want_stat = winnow.paged_decode(q.double(), kc.double(), vc.double(), table, lens, mechanism=mechanism)
+    out, stat = winnow.paged_decode(q.cuda(), kc.cuda(), vc.cuda(), table.cuda(), lens.cuda(), mechanism=mechanism)
+    assert (out.double().cpu() - want).norm() / want.norm() < tol
+    assert (stat.double().cpu() - want_stat).norm() / want_stat.norm() < tol
+    compiled = torch.compile(lambda *a: winnow.paged_decode(*a, mechanism=mechanism, trusted=True), fullgraph=True)
+    again, _ = compiled(q.cuda(), kc.cuda(), vc.cuda(), table.cuda(), lens.cuda())
+    assert torch.equal(again, out)

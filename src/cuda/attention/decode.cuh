@@ -1,0 +1,407 @@
+// Split-KV decoding (flash-decoding): a few queries per sequence against a long key/value
+// cache, where the work is reading the cache once at memory speed.
+//
+// Block (split s, kv head h, sequence b) reads keys [s * split_len, (s + 1) * split_len) of head
+// h once, for every query head of h's group and every query of the sequence (up to ROWS rows;
+// more come as further row groups). Inside the block the keys go to STREAMS streams of LANES
+// threads; a stream owns a contiguous run of keys, visits it from the right (the order
+// stick-breaking breaks its stick in), one key row at a time with kLaneElems features per lane,
+// and keeps each row's running state in registers. Streams merge in shared memory; splits merge
+// in the combine kernel (or the block writes the result when there is one split). A merge is
+// exact for both mechanisms (math::softmax::merge_factor, math::stick_breaking::left_chunk_factor),
+// so the result does not depend on how the keys were split beyond float32 rounding.
+//
+// Scores are kept in log2 units (x = z log2 e) for the hardware's exp2 and log2.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/decode_params.h"
+#include "cuda/element_types.cuh"
+#include "cuda/tile/ptx.cuh"
+#include "math/softmax.h"
+#include "math/stick_breaking.h"
+
+namespace winnow::cuda::decode {
+
+constexpr int kThreads = 128;
+constexpr int kLaneElems = 8;  // features per lane: one 16-byte load of 16-bit values, two of float32
+// Keys a stream has in flight while it computes on the previous ones (float32 rows take twice
+// the registers).
+constexpr int kAhead16 = 4;
+constexpr int kAhead32 = 2;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// A row's summary of a chunk of keys, two floats so partial results share one layout.
+struct ChunkState {
+  float a, b;
+};
+
+// A row's state lives in the lanes that own the row's score (see reduce_scatter); per key they
+// turn the score into the weight p of its value row and the factor c that rescales the row's
+// output so far (1 when unchanged), which every lane then applies to its features.
+
+// Softmax: a = the chunk's largest logit m, b = l = sum exp2(x - m); o = sum exp2(x - m) v.
+// The output is rescaled only when the maximum grows, which after the first keys is rare.
+struct SoftmaxDecode {
+  static constexpr bool kRescales = true;
+  __device__ static ChunkState empty() { return {-INFINITY, 0.f}; }
+  __device__ static void step(ChunkState& s, float x, float& p, float& c) {
+    c = 1.f;
+    if (x > s.a) {
+      c = math::softmax::merge_factor(s.a, x, tile::exp2_fast);
+      s.b *= c;
+      s.a = x;
+    }
+    p = tile::exp2_fast(x - s.a);
+    s.b += p;
+  }
+  // The factors of the left (accumulated) and right chunks' outputs, and the merged state.
+  __device__ static void merge(ChunkState& left, const ChunkState& right, float& f_left, float& f_right) {
+    const float m = fmaxf(left.a, right.a);
+    f_left = math::softmax::merge_factor(left.a, m, tile::exp2_fast);
+    f_right = math::softmax::merge_factor(right.a, m, tile::exp2_fast);
+    left.b = left.b * f_left + right.b * f_right;
+    left.a = m;
+  }
+  __device__ static float output(const ChunkState& s, float o) { return s.b > 0.f ? o / s.b : 0.f; }
+  // lse in natural units; -inf for a row without keys.
+  __device__ static float statistic(const ChunkState& s) {
+    return s.b > 0.f ? (s.a + tile::log2_fast(s.b)) * kLn2 : -INFINITY;
+  }
+};
+
+// Stick-breaking: a = the chunk's cost (sum of stick costs, log2 units), b unused; o over the
+// chunk's own keys. Keys are visited right to left, so a key's weight is its own share times
+// what the keys to its right (already visited) left of the stick; nothing is ever rescaled.
+struct StickBreakingDecode {
+  static constexpr bool kRescales = false;
+  __device__ static ChunkState empty() { return {0.f, 0.f}; }
+  __device__ static void step(ChunkState& s, float x, float& p, float& c) {
+    const float cost = math::stick_breaking::stick_cost_log2(x, tile::exp2_fast, tile::log2_fast);
+    p = tile::exp2_fast(x - cost - s.a);
+    c = 1.f;
+    s.a += cost;
+  }
+  __device__ static void merge(ChunkState& left, const ChunkState& right, float& f_left, float& f_right) {
+    f_left = math::stick_breaking::left_chunk_factor(right.a, tile::exp2_fast);
+    f_right = 1.f;
+    left.a += right.a;
+  }
+  __device__ static float output(const ChunkState&, float o) { return o; }
+  // log_rem in natural units.
+  __device__ static float statistic(const ChunkState& s) { return -s.a * kLn2; }
+};
+
+// Sums each of ROWS per-lane partial dot products over the LANES lanes of a stream, leaving row
+// r's total in the lanes r * (LANES / ROWS) .. (r + 1) * (LANES / ROWS) - 1: every halving step
+// sends half of the rows still held to the partner lane and keeps the other half, so the
+// stream spends log2(LANES) + ROWS - 1 shuffles instead of ROWS log2(LANES). Returns that sum.
+template <int LANES, int ROWS>
+__device__ __forceinline__ float reduce_scatter(float (&v)[ROWS], int lane) {
+  static_assert(ROWS <= LANES, "a row per lane group");
+  int held = ROWS;
+#pragma unroll
+  for (int offset = LANES / 2; offset >= 1; offset /= 2) {
+    if (held > 1) {
+      const int half = held / 2;
+      const bool upper = (lane & offset) != 0;
+#pragma unroll
+      for (int j = 0; j < ROWS / 2; ++j) {
+        if (j < half) {
+          const float send = upper ? v[j] : v[j + half];
+          const float keep = upper ? v[j + half] : v[j];
+          v[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+        }
+      }
+      held = half;
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], offset);
+    }
+  }
+  return v[0];
+}
+
+// kLaneElems consecutive features of a row as raw 16-byte words.
+template <class T>
+struct LaneFeatures {
+  static constexpr int kWords = kLaneElems * static_cast<int>(sizeof(T)) / 16;
+  uint4 w[kWords];
+
+  __device__ void load(const T* at) {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(at) + i);
+  }
+  __device__ void clear() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ void widen(float (&out)[kLaneElems]) const {
+    const T* e = reinterpret_cast<const T*>(w);
+#pragma unroll
+    for (int i = 0; i < kLaneElems; ++i) out[i] = cuda::widen(e[i]);
+  }
+};
+
+// Walks one stream's keys from the right, one at a time, giving each key row's element offset
+// in a cache operand (head hk). Paged caches look a page up only when the walk crosses into it;
+// contiguous ones are the page b with slot = key index.
+struct KeyCursor {
+  std::int64_t page;
+  int page_index, slot;
+
+  __device__ KeyCursor(const detail::DecodeParams& p, std::int64_t b, int first) {
+    if (p.block_table == nullptr) {
+      page = b;
+      page_index = 0;
+      slot = first;
+    } else {
+      const int page_size = static_cast<int>(p.page_size);
+      page_index = first / page_size;
+      slot = first % page_size;
+      page = first >= 0 ? p.block_table[b * p.table_stride + page_index] : 0;
+    }
+  }
+  __device__ std::int64_t offset(const detail::CacheOperand& c, std::int64_t hk) const {
+    return page * c.page + slot * c.slot + hk * c.head;
+  }
+  // To the key on the left; call only while that key is in the stream's run.
+  __device__ void advance(const detail::DecodeParams& p, std::int64_t b) {
+    if (--slot >= 0 || p.block_table == nullptr) return;
+    slot = static_cast<int>(p.page_size) - 1;
+    --page_index;
+    page = p.block_table[b * p.table_stride + page_index];
+  }
+};
+
+// The sequence's query and head of row r of kv head hk's group (rows run query-major).
+struct GroupRow {
+  std::int64_t query, head;
+};
+__device__ __forceinline__ GroupRow group_row(const detail::DecodeParams& p, std::int64_t hk, std::int64_t r) {
+  const std::int64_t g = p.group_size();
+  return {r / g, hk * g + r % g};
+}
+
+// Key counts and indices fit 32 bits (the launcher checks the capacity).
+__device__ __forceinline__ int sequence_keys(const detail::DecodeParams& p, std::int64_t b) {
+  return p.seq_lens != nullptr ? p.seq_lens[b] : static_cast<int>(p.len_k);
+}
+
+// Keys visible to a query: the sequence's queries are its last len_q positions.
+__device__ __forceinline__ int visible_keys(const detail::DecodeParams& p, int n, std::int64_t query) {
+  const int limit = n - static_cast<int>(p.len_q - query) + (p.attend_current ? 1 : 0);
+  return limit < 0 ? 0 : (limit > n ? n : limit);
+}
+
+template <class T, class Policy>
+__device__ __forceinline__ void store_result(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
+                                             std::int64_t d, const ChunkState& s, float o) {
+  p.out.at<T>(b, row.query, row.head)[d * p.out.dim] = narrow_to<T>(Policy::output(s, o));
+  if (d == 0) {
+    *p.stats.at<float>(b, row.query, row.head) = Policy::statistic(s);
+    if (p.kept_from.data != nullptr) *p.kept_from.at<std::int32_t>(b, row.query, row.head) = 0;
+  }
+}
+
+template <class T, int LANES, int ROWS, class Policy>
+__global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::DecodeParams p) {
+  constexpr int E = kLaneElems;
+  constexpr int kStreams = kThreads / LANES;
+  constexpr int kWidth = LANES * E;           // features a stream's lanes cover, >= dim_qk and dim_v
+  constexpr int kRowLanes = LANES / ROWS;     // lanes that own each row's score and state
+  constexpr int kAhead = sizeof(T) == 2 ? kAhead16 : kAhead32;
+  static_assert(kThreads % LANES == 0 && LANES <= 32, "a stream lies inside one warp");
+  __shared__ float s_out[kStreams][ROWS][kWidth];
+  __shared__ ChunkState s_state[kStreams][ROWS];
+
+  const int lane = threadIdx.x % LANES, stream = threadIdx.x / LANES;
+  const int stream_lane0 = (threadIdx.x % 32) - lane;  // the stream's first lane within its warp
+  const std::int64_t b = blockIdx.z;
+  const std::int64_t hk = blockIdx.y / p.row_groups;
+  const int row0 = static_cast<int>(blockIdx.y % p.row_groups) * ROWS;
+  const int split = blockIdx.x;
+  const int group_rows = static_cast<int>(p.group_rows());
+  const int rows = min(ROWS, group_rows - row0);
+  const int n = sequence_keys(p, b);
+  const int d0 = lane * E;
+  const bool lane_has_k = d0 < p.dim_qk, lane_has_v = d0 < p.dim_v;
+  const int my_row = lane / kRowLanes;  // the row whose score and state this lane keeps
+
+  // Queries, pre-scaled into log2 units (rows past `rows` stay zero and see no key); the visible
+  // keys [0, limit) of this lane's own row; the block's keys end at the last row's limit.
+  const float x_scale = static_cast<float>(p.scale) * kLog2e;
+  float q[ROWS][E];
+  int my_limit = 0, block_limit = 0;
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) q[j][e] = 0.f;
+    if (j < rows) {
+      const GroupRow row = group_row(p, hk, row0 + j);
+      const int limit = visible_keys(p, n, row.query);
+      block_limit = max(block_limit, limit);
+      if (j == my_row) my_limit = limit;
+      if (lane_has_k) {
+        const T* qr = p.q.at<const T>(b, row.query, row.head) + d0 * p.q.dim;
+#pragma unroll
+        for (int e = 0; e < E; ++e) q[j][e] = widen(qr[e * p.q.dim]) * x_scale;
+      }
+    }
+  }
+
+  // This split's keys, cut into one contiguous run per stream. Every stream steps `per` times,
+  // so the lanes of a warp always shuffle together.
+  const int lo = split * static_cast<int>(p.split_len);
+  const int hi = min(block_limit, lo + static_cast<int>(p.split_len));
+  const int len = hi > lo ? hi - lo : 0;
+  const int per = (len + kStreams - 1) / kStreams;
+  const int s_lo = lo + stream * per;
+  const int s_hi = min(hi, s_lo + per);
+
+  ChunkState state = Policy::empty();
+  float o[ROWS][E];
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[j][e] = 0.f;
+  }
+
+  const T* k_base = static_cast<const T*>(p.k.data) + d0;
+  const T* v_base = static_cast<const T*>(p.v.data) + d0;
+  KeyCursor cursor(p, b, s_hi - 1);
+  LaneFeatures<T> k_next[kAhead], v_next[kAhead];
+  auto load = [&](int step) {
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int i = s_hi - 1 - step - u;
+      k_next[u].clear();
+      v_next[u].clear();
+      if (i >= s_lo) {
+        if (i < s_hi - 1) cursor.advance(p, b);
+        if (lane_has_k) k_next[u].load(k_base + cursor.offset(p.k, hk));
+        if (lane_has_v) v_next[u].load(v_base + cursor.offset(p.v, hk));
+      }
+    }
+  };
+  if (per > 0) load(0);
+  for (int step = 0; step < per; step += kAhead) {
+    LaneFeatures<T> k_now[kAhead], v_now[kAhead];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      k_now[u] = k_next[u];
+      v_now[u] = v_next[u];
+    }
+    if (step + kAhead < per) load(step + kAhead);
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int i = s_hi - 1 - step - u;
+      float kf[E];
+      k_now[u].widen(kf);
+      float dots[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        float x = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) x = fmaf(q[j][e], kf[e], x);
+        dots[j] = x;
+      }
+      const float x = reduce_scatter<LANES, ROWS>(dots, lane);
+      float weight = 0.f, factor = 1.f;
+      if (i >= s_lo && i < my_limit) Policy::step(state, x, weight, factor);
+      float vf[E];
+      v_now[u].widen(vf);
+      if constexpr (Policy::kRescales) {
+        if (__any_sync(0xffffffffu, factor != 1.f)) {
+#pragma unroll
+          for (int j = 0; j < ROWS; ++j) {
+            const float c = __shfl_sync(0xffffffffu, factor, stream_lane0 + j * kRowLanes);
+#pragma unroll
+            for (int e = 0; e < E; ++e) o[j][e] *= c;
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        const float w = __shfl_sync(0xffffffffu, weight, stream_lane0 + j * kRowLanes);
+#pragma unroll
+        for (int e = 0; e < E; ++e) o[j][e] = fmaf(w, vf[e], o[j][e]);
+      }
+    }
+  }
+
+  // Streams hold runs left to right in stream order; merge them in that order.
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) s_out[stream][j][d0 + e] = o[j][e];
+  }
+  if (lane % kRowLanes == 0) s_state[stream][my_row] = state;
+  __syncthreads();
+
+  const int splits = p.splits;
+  for (int idx = threadIdx.x; idx < rows * kWidth; idx += kThreads) {
+    const int j = idx / kWidth, d = idx % kWidth;
+    if (d >= p.dim_v) continue;
+    ChunkState acc = s_state[0][j];
+    float acc_o = s_out[0][j][d];
+    for (int t = 1; t < kStreams; ++t) {
+      float f_left, f_right;
+      Policy::merge(acc, s_state[t][j], f_left, f_right);
+      acc_o = acc_o * f_left + s_out[t][j][d] * f_right;
+    }
+    if (splits == 1) {
+      store_result<T, Policy>(p, b, group_row(p, hk, row0 + j), d, acc, acc_o);
+    } else {
+      const std::int64_t slot = ((b * p.heads_kv + hk) * group_rows + row0 + j) * splits + split;
+      p.partial_out[slot * p.dim_v + d] = acc_o;
+      if (d == 0) reinterpret_cast<ChunkState*>(p.partial_stats)[slot] = acc;
+    }
+  }
+}
+
+// Merges the splits of one row: block (row of the group, kv head, sequence), a thread per feature.
+template <class T, class Policy>
+__global__ void __launch_bounds__(kThreads) decode_combine_kernel(const detail::DecodeParams p) {
+  const std::int64_t r = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int splits = p.splits;
+  const std::int64_t first = ((b * p.heads_kv + hk) * p.group_rows() + r) * splits;
+  const ChunkState* stats = reinterpret_cast<const ChunkState*>(p.partial_stats) + first;
+  const GroupRow row = group_row(p, hk, r);
+  for (std::int64_t d = threadIdx.x; d < p.dim_v; d += blockDim.x) {
+    ChunkState acc = stats[0];
+    float acc_o = p.partial_out[first * p.dim_v + d];
+    for (int s = 1; s < splits; ++s) {
+      float f_left, f_right;
+      Policy::merge(acc, stats[s], f_left, f_right);
+      acc_o = acc_o * f_left + p.partial_out[(first + s) * p.dim_v + d] * f_right;
+    }
+    store_result<T, Policy>(p, b, row, d, acc, acc_o);
+  }
+}
+
+// Paged caches from outside: the first sequence whose length or pages are out of range, as
+// b * 4 + reason (1: seq_len < len_q, 2: seq_len > capacity, 3: a page index outside
+// [0, num_pages)), kept as the minimum in *first_bad (which starts at INT64_MAX).
+__global__ void check_paged_cache_kernel(const detail::DecodeParams p, std::int64_t num_pages,
+                                         unsigned long long* first_bad) {
+  const std::int64_t b = blockIdx.x;
+  const std::int64_t n = p.seq_lens[b];
+  unsigned long long reason = 0;
+  if (n < p.len_q) {
+    reason = 1;
+  } else if (n > p.capacity) {
+    reason = 2;
+  } else {
+    const std::int64_t pages = (n + p.page_size - 1) / p.page_size;
+    for (std::int64_t i = threadIdx.x; i < pages; i += blockDim.x) {
+      const std::int32_t page = p.block_table[b * p.table_stride + i];
+      if (page < 0 || page >= num_pages) reason = 3;
+    }
+  }
+  if (reason != 0) atomicMin(first_bad, static_cast<unsigned long long>(b) * 4 + reason);
+}
+
+}  // namespace winnow::cuda::decode

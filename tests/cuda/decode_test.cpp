@@ -1,0 +1,142 @@
+// The split-KV decoding kernels (cuda/attention/decode.cuh) against the float64 reference:
+// paged caches with shuffled pages and odd page sizes, GQA groups up to 16 rows (two row
+// groups), several queries per sequence, D from 40 to 256 with Dv != D, every dtype, both
+// mechanisms and causal rules; contiguous caches through the forward calls, whose short query
+// suffixes now take these kernels (their gradients too); the device-side check of the block
+// table; repeatability. Label `cuda`.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "cuda_placement.h"
+#include "support/expect_error.h"
+#include "support/expect_results.h"
+#include "support/paged_case.h"
+
+namespace winnow::testing {
+namespace {
+
+double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::bfloat16: return 2e-2;
+    case DType::float16: return 5e-3;
+    default: return 1e-5;
+  }
+}
+
+const std::vector<PagedShape>& paged_shapes() {
+  static const std::vector<PagedShape> all = {
+      {"d128_gqa4", {1, 700, 2500}, 1, 8, 2, 128, 128, 16},
+      {"d64_mha_three_queries_page7", {3, 64, 1000}, 3, 4, 4, 64, 64, 7},
+      {"d256_group16", {300, 33}, 1, 16, 1, 256, 256, 32},
+      {"d40_dv24_two_queries_page1", {2, 90}, 2, 2, 1, 40, 24, 1},
+      {"d128_long_two_queries", {9000}, 2, 8, 1, 128, 128, 64},
+  };
+  return all;
+}
+
+using PagedParam = std::tuple<int, Mechanism, DType, bool>;
+class CudaPagedDecode : public ::testing::TestWithParam<PagedParam> {};
+
+TEST_P(CudaPagedDecode, MatchesTheReferenceOnTheGatheredKeys) {
+  const auto [index, mechanism, dtype, current] = GetParam();
+  const PagedShape& shape = paged_shapes()[static_cast<std::size_t>(index)];
+  const PagedProblem p = PagedProblem::random(shape, 70 + static_cast<std::uint64_t>(index));
+  CudaPlacement gpu;
+  const PagedResults got = run_paged(p, mechanism, dtype, current, &gpu);
+  const PagedResults want = reference_paged(p, mechanism, dtype, current);
+  EXPECT_LT(relative_error(got.out, want.out), tolerance(dtype)) << "out";
+  EXPECT_LT(relative_error(got.stat, want.stat), tolerance(dtype)) << "statistic";
+  const PagedResults again = run_paged(p, mechanism, dtype, current, &gpu);
+  EXPECT_EQ(std::memcmp(got.out.data(), again.out.data(), got.out.size() * sizeof(double)), 0)
+      << "a second call gives the same bits";
+}
+
+std::string paged_name(const ::testing::TestParamInfo<PagedParam>& info) {
+  const auto [index, mechanism, dtype, current] = info.param;
+  return paged_shapes()[static_cast<std::size_t>(index)].name + "_" + name_of(mechanism) + "_" + to_string(dtype) +
+         (current ? "_current" : "_strict");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaPagedDecode,
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(paged_shapes().size())),
+                                            ::testing::Values(Mechanism::softmax, Mechanism::stick_breaking),
+                                            ::testing::Values(DType::bfloat16, DType::float16, DType::float32),
+                                            ::testing::Bool()),
+                         paged_name);
+
+// Contiguous caches: forward calls with up to 8 queries per sequence decode (batched inputs);
+// the backward then runs from the decode path's statistics.
+TEST(CudaContiguousDecode, ShortQuerySuffixesMatchTheReferenceWithGradients) {
+  const std::vector<ProblemShape> shapes = {
+      {"one_query_6000_keys", {{1, 6000}, {1, 6000}}, false, 8, 2, 128, 128},
+      {"three_queries_d64", {{3, 2100}}, false, 4, 4, 64, 64},
+      {"eight_queries_group4", {{8, 1500}, {8, 1500}}, false, 4, 1, 128, 128},
+  };
+  for (const ProblemShape& shape : shapes) {
+    const Problem problem = Problem::random(shape, 11);
+    for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+      for (DType dtype : {DType::bfloat16, DType::float32}) {
+        SCOPED_TRACE(describe(shape) + " " + name_of(m) + " " + to_string(dtype));
+        CudaPlacement gpu;
+        RunConfig cfg;
+        cfg.mechanism = m;
+        cfg.dtype = dtype;
+        cfg.placement = &gpu;
+        cfg.permuted = shape.seqs[0].first == 3;  // (B, H, L, D) views: strided queries and outputs
+        const Results got = run(problem, cfg);
+        RunConfig ref;
+        ref.mechanism = m;
+        ref.backend = Backend::reference;
+        Problem rounded = problem;
+        for (HostTensor* t : {&rounded.q, &rounded.k, &rounded.v, &rounded.dout}) {
+          *t = t->converted(dtype).converted(DType::float64);
+        }
+        rounded.dstat = rounded.dstat.converted(DType::float32).converted(DType::float64);
+        expect_results_close(got, run(rounded, ref), tolerance(dtype));
+      }
+    }
+  }
+}
+
+TEST(CudaSmallDecode, DeviceCheckNamesTheBadSequence) {
+  const PagedProblem good = PagedProblem::random({"check", {5, 40}, 1, 4, 2, 64, 64, 8}, 5);
+  CudaPlacement gpu;
+  {
+    PagedProblem p = good;
+    std::vector<double> table = p.block_table.values();
+    table[static_cast<std::size_t>(p.block_table.shape()[1])] = -3;  // sequence 1's first page
+    p.block_table.set_values(table);
+    expect_error([&] { run_paged(p, Mechanism::softmax, DType::bfloat16, true, &gpu); }, "sequence 1's pages in [0, ");
+  }
+  {
+    PagedProblem p = good;
+    p.seq_lens.set_values({5, static_cast<double>(p.block_table.shape()[1] * 8 + 1)});
+    expect_error([&] { run_paged(p, Mechanism::stick_breaking, DType::bfloat16, true, &gpu); },
+                 "sequence 1 holding at most");
+  }
+  const PagedResults ok = run_paged(good, Mechanism::stick_breaking, DType::float32, false, &gpu);
+  const PagedResults want = reference_paged(good, Mechanism::stick_breaking, DType::float32, false);
+  EXPECT_LT(relative_error(ok.out, want.out), 1e-5);
+}
+
+// Logits of about 1e4 (inputs with std 100): finite outputs and statistics, weights that sum
+// to at most one (stick-breaking's log_rem <= 0).
+TEST(CudaSmallDecode, ExtremeLogitsStayFinite) {
+  const PagedProblem p = PagedProblem::random({"extreme", {40, 700}, 1, 4, 2, 64, 64, 16}, 8, 100.0);
+  CudaPlacement gpu;
+  for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+    for (DType dtype : {DType::bfloat16, DType::float32}) {
+      const PagedResults r = run_paged(p, m, dtype, false, &gpu);
+      for (double x : r.out) ASSERT_TRUE(std::isfinite(x)) << name_of(m) << " " << to_string(dtype);
+      for (double x : r.stat) {
+        ASSERT_TRUE(std::isfinite(x)) << name_of(m) << " " << to_string(dtype);
+        if (m == Mechanism::stick_breaking) EXPECT_LE(x, 0.0);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace winnow::testing
