@@ -59,7 +59,9 @@ void add_train(CLI::App& app) {
       return;
     }
     train::Trainer trainer(config);
-    std::printf("model: %s, %lld layers, d_model %lld, %lld parameters; "
+    // One voice for a data-parallel run: rank 0's.
+    const bool speaks = trainer.world().rank == 0;
+    if (speaks) std::printf("model: %s, %lld layers, d_model %lld, %lld parameters; "
                 "device %s\n",
                 nn::describe(trainer.model()->config()).c_str(),
                 static_cast<long long>(config.model.layers),
@@ -76,7 +78,7 @@ void add_train(CLI::App& app) {
       trainer.resume();
     }
     trainer.train();
-    std::printf("checkpoint and metrics in %s\n", config.train.out_dir.c_str());
+    if (speaks) std::printf("checkpoint and metrics in %s\n", config.train.out_dir.c_str());
   });
 }
 

@@ -11,9 +11,10 @@ set -euo pipefail
 # libopenblas0-pthread: Debian's LibTorch links the reference BLAS unless an optimized one is
 # installed (it then takes over libblas.so.3 through Debian's alternatives); the model tests
 # train small transformers and run about 20x slower on the reference BLAS.
+# libgloo-dev: the headers c10d's gloo process group needs (data-parallel training, its tests).
 packages=(cmake g++ make libeigen3-dev libgtest-dev libcli11-dev nlohmann-json3-dev
           libtorch-dev python3-torch python3-pytest libopenblas0-pthread pkg-config
-          libplplot-dev python3-venv)
+          libplplot-dev python3-venv libgloo-dev)
 if [[ "${1:-}" == "corpus" ]]; then
   packages=(linux-doc python3)
 fi

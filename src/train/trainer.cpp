@@ -271,10 +271,37 @@ ExperimentConfig resolved(ExperimentConfig c) {
 }
 }  // namespace
 
+namespace {
+// A data-parallel rank's GPU is its local rank's.
+torch::Device rank_device(torch::Device device, const WorldInfo& world) {
+  if (!device.is_cuda() || !world.distributed()) return device;
+  const auto count = static_cast<int>(torch::cuda::device_count());
+  if (world.local_rank >= count) {
+    throw Error(ErrorKind::unsupported, "winnow: LOCAL_RANK " + std::to_string(world.local_rank) +
+                                            " asks for GPU " + std::to_string(world.local_rank) + ", but " +
+                                            std::to_string(count) + " are visible");
+  }
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank));
+}
+}  // namespace
+
 Trainer::Trainer(const ExperimentConfig& config)
     : config_(resolved(config)),
-      device_(pick_device(config_.device, nn::uses_kernel(config_.model))) {
+      world_(world_from_environment()),
+      device_(rank_device(pick_device(config_.device, nn::uses_kernel(config_.model)), world_)) {
   const TrainConfig& t = config_.train;
+  if (world_.distributed()) {
+    const std::int64_t shard = t.batch_size / world_.world;
+    if (t.batch_size % world_.world != 0 || shard % t.grad_accum != 0) {
+      config::fail("train.batch_size",
+                   "a multiple of WORLD_SIZE x train.grad_accum (" + std::to_string(world_.world) + " x " +
+                       std::to_string(t.grad_accum) + ") for data-parallel training",
+                   std::to_string(t.batch_size));
+    }
+    if (device_.is_cuda()) c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).setDevice(device_);
+    collective_ = std::make_unique<Collective>(world_);
+    quiet = world_.rank != 0;
+  }
   if (config_.threads > 0) at::set_num_threads(static_cast<int>(config_.threads));
   if (t.dtype == "bfloat16" && !device_.is_cuda()) {
     config::fail("train.dtype", "auto or float32 on the CPU (winnow's CPU kernels run float32)",
@@ -401,8 +428,13 @@ void Trainer::check_aux_names(const std::map<std::string, torch::Tensor>& produc
 
 tasks::Batch Trainer::training_batch(std::int64_t step) const {
   const TrainConfig& t = config_.train;
-  return task_->sample_training(t.batch_size, t.seq_len,
-                                tasks::batch_seed(config_.seed, kTrainStream, step));
+  tasks::Batch batch = task_->sample_training(t.batch_size, t.seq_len,
+                                              tasks::batch_seed(config_.seed, kTrainStream, step));
+  if (!world_.distributed()) return batch;
+  // Every rank draws the step's whole batch (a pure function of seed and step) and keeps its
+  // slice: the ranks together see exactly the batch one process would.
+  const std::int64_t shard = t.batch_size / world_.world;
+  return rows(batch, world_.rank * shard, shard);
 }
 
 Trainer::PinnedSlot& Trainer::stage_pinned(const tasks::Batch& batch) {
@@ -522,6 +554,7 @@ std::string Trainer::graph_blocker() const {
   if (!device_.is_cuda()) return "not on CUDA";
   if (!fused_adamw_available(device_)) return "no fused AdamW";
   if (profile != nullptr) return "a profile is attached";
+  if (world_.distributed()) return "data-parallel steps sum their gradients through the host (gloo)";
   if (!step_hooks.empty() || !aux_loss_fns.empty()) return "host code runs inside the step";
   const nn::AttentionConfig& a = config_.model.attention;
   if (!nn::find_mechanism(a.kind, "model.attention.kind").graph_capturable) {
@@ -539,7 +572,7 @@ std::string Trainer::graph_blocker() const {
 torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor& counted,
                                  std::vector<std::string>& aux_names) {
   const TrainConfig& t = config_.train;
-  const std::int64_t micro = t.batch_size / t.grad_accum;
+  const std::int64_t micro = t.batch_size / world_.world / t.grad_accum;
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(device_));
   std::map<std::string, torch::Tensor> aux_sums;
   for (std::int64_t m = 0; m < t.grad_accum; ++m) {
@@ -565,7 +598,8 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
       check_aux_names(aux);
       total = loss;
       for (auto& [name, value] : aux) {
-        const torch::Tensor v = value.to(torch::kFloat32) / static_cast<double>(t.grad_accum);
+        // A mean over all micro-batches of all ranks (the ranks' sums are added below).
+        const torch::Tensor v = value.to(torch::kFloat32) / static_cast<double>(t.grad_accum * world_.world);
         const double w = aux_weight(name);
         if (w != 0) total = total + w * v;
         auto it = aux_sums.find(name);
@@ -585,6 +619,14 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
   std::vector<torch::Tensor> grads;
   for (auto& p : model_->parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  if (collective_) {
+    // The losses are already divided by the whole batch's counted positions: summing the ranks'
+    // gradients gives the whole batch's gradient. Every rank has the same parameters frozen.
+    std::vector<torch::Tensor> summed = grads;
+    summed.push_back(loss_sum);
+    for (auto& [name, value] : aux_sums) summed.push_back(value);
+    collective_->sum(summed);
   }
   torch::Tensor norm = torch::zeros({}, torch::TensorOptions().device(device_));
   if (!grads.empty()) {
@@ -644,7 +686,13 @@ void Trainer::enqueue_step() {
   next_batch_step_ = -1;
   // The loss is the mean over every counted position of the whole batch, however it is split
   // into micro-batches: accumulation then computes the same gradient as one big batch.
-  const double counted = std::max(1.0, batch.loss_mask.sum().item<double>());
+  double counted = batch.loss_mask.sum().item<double>();
+  if (collective_) {
+    torch::Tensor total = torch::full({1}, counted, torch::kFloat64);
+    collective_->sum({total});
+    counted = total.item<double>();
+  }
+  counted = std::max(1.0, counted);
   sample.close();
 
   PendingReport pending;
@@ -941,6 +989,7 @@ nlohmann::json Trainer::evaluate() {
 }
 
 void Trainer::log(const nlohmann::json& record) {
+  if (world_.rank != 0) return;
   std::ofstream f(metrics_path_, std::ios::app);
   f << record.dump() << '\n';
   if (!f) throw Error(ErrorKind::runtime, "cannot append to '" + metrics_path_ + "'");
@@ -949,6 +998,12 @@ void Trainer::log(const nlohmann::json& record) {
 std::string Trainer::save() {
   wait_for_steps();
   sync_optimizer_steps(*optimizer_, device_steps_);
+  // One copy of the replicated state, written by rank 0; the others wait for it, so that a rank
+  // never reads a checkpoint half written.
+  if (world_.rank != 0) {
+    collective_->barrier();
+    return latest_checkpoint((fs::path(config_.train.out_dir) / "checkpoints").string());
+  }
   std::error_code ec;
   const auto bytes = fs::exists(metrics_path_) ? fs::file_size(metrics_path_, ec) : 0;
   CheckpointMeta meta;
@@ -958,9 +1013,12 @@ std::string Trainer::save() {
                   {"lr_factor", lr_factor(config_.train, std::max<std::int64_t>(step_ - 1, 0))},
                   {"phase", config_.train.phases.empty() ? "" : config_.train.phases[phase_index(step_)].name},
                   {"health", health_.to_json()}};
-  return save_checkpoint((fs::path(config_.train.out_dir) / "checkpoints").string(), *model_,
-                         *optimizer_, meta, config_.train.keep_checkpoints,
-                         device_.is_cuda() ? std::optional<torch::Device>(device_) : std::nullopt);
+  const std::string folder =
+      save_checkpoint((fs::path(config_.train.out_dir) / "checkpoints").string(), *model_, *optimizer_, meta,
+                      config_.train.keep_checkpoints,
+                      device_.is_cuda() ? std::optional<torch::Device>(device_) : std::nullopt);
+  if (collective_) collective_->barrier();
+  return folder;
 }
 
 bool Trainer::resume() {
@@ -997,7 +1055,7 @@ bool Trainer::resume() {
   health_ = TrainingHealth::from_json(meta.trainer.value("health", nlohmann::json::object()));
   phase_ = static_cast<std::size_t>(-1);
   // Metrics logged after the checkpoint belong to steps that will run again.
-  if (meta.trainer.contains("metrics_bytes") && fs::exists(metrics_path_)) {
+  if (world_.rank == 0 && meta.trainer.contains("metrics_bytes") && fs::exists(metrics_path_)) {
     const auto bytes = meta.trainer["metrics_bytes"].get<std::uintmax_t>();
     if (fs::file_size(metrics_path_) > bytes) fs::resize_file(metrics_path_, bytes);
   }
@@ -1006,9 +1064,12 @@ bool Trainer::resume() {
 }
 
 void Trainer::clear_outputs() {
-  std::error_code ec;
-  remove_tree(fs::path(config_.train.out_dir) / "checkpoints");
-  fs::remove(metrics_path_, ec);
+  if (world_.rank == 0) {
+    std::error_code ec;
+    remove_tree(fs::path(config_.train.out_dir) / "checkpoints");
+    fs::remove(metrics_path_, ec);
+  }
+  if (collective_) collective_->barrier();
 }
 
 nlohmann::json Trainer::train(std::int64_t until_step) {

@@ -24,6 +24,7 @@
 #include "nn/language_model.h"
 #include "tasks/task.h"
 #include "train/config.h"
+#include "train/distributed.h"
 #include "winnow/error.h"
 
 namespace winnow::train {
@@ -155,6 +156,11 @@ class Trainer {
   const ExperimentConfig& config() const { return config_; }
   torch::Device device() const { return device_; }
   std::int64_t tokens_per_step() const { return config_.train.batch_size * config_.train.seq_len; }
+  // Data parallelism (torchrun's environment): this process's rank among world() processes.
+  // Each takes a contiguous slice of every step's batch; gradients and the step's report are
+  // summed over the ranks before clipping, so every rank takes the same update. Only rank 0
+  // writes checkpoints and metrics and prints progress.
+  const WorldInfo& world() const { return world_; }
 
   // Extension points.
   // Named auxiliary losses computed from a micro-batch and its logits, added to the model's
@@ -209,6 +215,8 @@ class Trainer {
   std::optional<c10::Stream> capture_stream_;
 
   ExperimentConfig config_;
+  WorldInfo world_;
+  std::unique_ptr<Collective> collective_;
   torch::Device device_;
   bool autocast_ = false;
   nn::LanguageModel model_;

@@ -26,6 +26,7 @@
 #include "train/files.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/distributed.h"
 
 extern char** environ;
 
@@ -52,8 +53,9 @@ std::string slurp(const fs::path& path) {
   return s.str();
 }
 
-// Starts the tool with stdout and stderr going to `log`; returns its pid.
-pid_t start(const std::vector<std::string>& args, const fs::path& log) {
+// Starts the tool with stdout and stderr going to `log` and `env` ("NAME=value") added to this
+// process's environment; returns its pid.
+pid_t start(const std::vector<std::string>& args, const fs::path& log, const std::vector<std::string>& env = {}) {
   std::vector<std::string> argv_storage = {WINNOW_CLI};
   argv_storage.insert(argv_storage.end(), args.begin(), args.end());
   std::vector<char*> argv;
@@ -63,8 +65,13 @@ pid_t start(const std::vector<std::string>& args, const fs::path& log) {
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  std::vector<std::string> env_storage(env.begin(), env.end());
+  for (char** e = environ; *e != nullptr; ++e) env_storage.emplace_back(*e);
+  std::vector<char*> envp;
+  for (auto& e : env_storage) envp.push_back(e.data());
+  envp.push_back(nullptr);
   pid_t pid = -1;
-  const int rc = posix_spawn(&pid, WINNOW_CLI, &actions, nullptr, argv.data(), environ);
+  const int rc = posix_spawn(&pid, WINNOW_CLI, &actions, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) throw std::runtime_error("cannot start " + std::string(WINNOW_CLI));
   return pid;
@@ -219,6 +226,93 @@ TEST(Cli, KilledRunResumesBitIdentically) {
   auto pa = a->named_parameters(), pb = b->named_parameters();
   ASSERT_EQ(pa.size(), pb.size());
   for (const auto& item : pa) EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << item.key();
+  winnow::train::remove_tree(dir);
+}
+
+// Data-parallel training (two processes over c10d's gloo group, as torchrun starts them) takes
+// the same steps as one process up to the order of the gradient sums; only rank 0 writes; and a
+// checkpoint written by two ranks resumes in one.
+TEST(Cli, DataParallelTrainingMatchesOneProcessAndResumesOnAnotherWorldSize) {
+  if (!train::gloo_available()) GTEST_SKIP() << "this LibTorch has no gloo process group";
+  const std::string dir = scratch("ddp");
+  auto args = [&](const std::string& out, int steps) {
+    std::vector<std::string> a = small_run("stick_breaking", out);
+    a.insert(a.end(), {"--set", "train.batch_size=8", "--set", "train.grad_accum=2", "--set",
+                       "train.schedule=constant", "--set", "train.warmup=2", "--set", "train.eval_every=0",
+                       "--set", "train.log_every=2", "--set", "threads=1", "--set",
+                       "train.steps=" + std::to_string(steps)});
+    return a;
+  };
+  auto run_ranks = [&](const std::string& out, int steps, const std::string& name) {
+    std::vector<pid_t> pids;
+    for (int rank = 0; rank < 2; ++rank) {
+      pids.push_back(start(args(out, steps), fs::path(dir) / (name + std::to_string(rank) + ".log"),
+                           {"WORLD_SIZE=2", "RANK=" + std::to_string(rank), "LOCAL_RANK=" + std::to_string(rank),
+                            "WINNOW_STORE_FILE=" + dir + "/" + name + ".store"}));
+    }
+    std::vector<Outcome> outcomes;
+    for (int rank = 0; rank < 2; ++rank) {
+      outcomes.push_back(wait_for(pids[static_cast<std::size_t>(rank)],
+                                  fs::path(dir) / (name + std::to_string(rank) + ".log")));
+    }
+    return outcomes;
+  };
+  const Outcome one = run(args(dir + "/one", 8), dir);
+  ASSERT_EQ(one.status, 0) << one.output;
+  const std::vector<Outcome> two = run_ranks(dir + "/two", 8, "two");
+  ASSERT_EQ(two[0].status, 0) << two[0].output;
+  ASSERT_EQ(two[1].status, 0) << two[1].output;
+  EXPECT_NE(two[0].output.find("step 8/8"), std::string::npos) << two[0].output;
+  EXPECT_EQ(two[1].output.find("step"), std::string::npos) << "rank 1 prints nothing:\n" << two[1].output;
+
+  auto load = [&](const std::string& out) {
+    const std::string folder = train::latest_checkpoint(out + "/checkpoints");
+    const train::CheckpointMeta meta = train::read_checkpoint(folder);
+    EXPECT_EQ(meta.step, 8);
+    nn::TransformerLM model(nn::read_model(meta.config["model"]));
+    torch::serialize::InputArchive archive;
+    archive.load_from(folder + "/model.pt");
+    model->load(archive);
+    return model;
+  };
+  auto expect_close = [&](nn::TransformerLM a, nn::TransformerLM b) {
+    auto pb = b->named_parameters();
+    for (const auto& item : a->named_parameters()) {
+      const torch::Tensor x = item.value(), y = pb[item.key()];
+      EXPECT_LT(((x - y).norm() / y.norm().clamp_min(1e-12)).item<double>(), 1e-4) << item.key();
+    }
+  };
+  expect_close(load(dir + "/two"), load(dir + "/one"));
+  // One metrics log with one record per logged step.
+  std::ifstream metrics(dir + "/two/metrics.jsonl");
+  int train_records = 0;
+  for (std::string line; std::getline(metrics, line);) train_records += line.find("\"train\"") != std::string::npos;
+  EXPECT_EQ(train_records, 4);
+
+  // Two ranks for 4 steps, then one process from their checkpoint to step 8.
+  const std::vector<Outcome> half = run_ranks(dir + "/switch", 4, "half");
+  ASSERT_EQ(half[0].status, 0) << half[0].output;
+  ASSERT_EQ(half[1].status, 0) << half[1].output;
+  const Outcome rest = run(args(dir + "/switch", 8), dir);
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  EXPECT_NE(rest.output.find("at step 4"), std::string::npos) << rest.output;
+  expect_close(load(dir + "/switch"), load(dir + "/one"));
+  winnow::train::remove_tree(dir);
+}
+
+// Data-parallel settings that cannot work fail at once, naming the variable or key, before any
+// rank waits for another.
+TEST(Cli, DataParallelErrorsNameTheVariableOrKey) {
+  const std::string dir = scratch("ddp_errors");
+  const auto args = small_run("stick_breaking", dir + "/out");
+  const fs::path log = fs::path(dir) / "err.log";
+  Outcome r = wait_for(start(args, log, {"WORLD_SIZE=2", "RANK=5"}), log);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("environment variable RANK: expected a rank below WORLD_SIZE = 2, got 5"),
+            std::string::npos) << r.output;
+  r = wait_for(start(args, log, {"WORLD_SIZE=3", "RANK=0"}), log);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("train.batch_size"), std::string::npos) << r.output;
   winnow::train::remove_tree(dir);
 }
 
