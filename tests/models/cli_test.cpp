@@ -297,6 +297,14 @@ TEST(Cli, DataParallelTrainingMatchesOneProcessAndResumesOnAnotherWorldSize) {
   ASSERT_EQ(rest.status, 0) << rest.output;
   EXPECT_NE(rest.output.find("at step 4"), std::string::npos) << rest.output;
   expect_close(load(dir + "/switch"), load(dir + "/one"));
+
+  // The same two ranks started by the tool itself.
+  std::vector<std::string> launched = args(dir + "/launched", 8);
+  launched.insert(launched.end(), {"--processes", "2"});
+  const Outcome self = run(launched, dir);
+  ASSERT_EQ(self.status, 0) << self.output;
+  EXPECT_NE(self.output.find("step 8/8"), std::string::npos) << self.output;
+  expect_close(load(dir + "/launched"), load(dir + "/one"));
   winnow::train::remove_tree(dir);
 }
 
@@ -313,6 +321,18 @@ TEST(Cli, DataParallelErrorsNameTheVariableOrKey) {
   r = wait_for(start(args, log, {"WORLD_SIZE=3", "RANK=0"}), log);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("train.batch_size"), std::string::npos) << r.output;
+  // More GPUs than the machine has (this one: none visible to a CPU LibTorch, or fewer than 64).
+  std::vector<std::string> gpus = args;
+  gpus.insert(gpus.end(), {"--gpus", "64"});
+  r = run(gpus, dir);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("argument '--gpus': expected at most"), std::string::npos) << r.output;
+  // A rank that fails stops the run, and the launcher says which.
+  std::vector<std::string> odd = args;
+  odd.insert(odd.end(), {"--processes", "3"});
+  r = run(odd, dir);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("exited with status"), std::string::npos) << r.output;
   winnow::train::remove_tree(dir);
 }
 
