@@ -10,6 +10,7 @@
 
 #ifdef WINNOW_WITH_MODELS
 #include "nn/mechanisms.h"
+#include "train/distributed.h"
 #include "train/runtime.h"
 #endif
 
@@ -42,6 +43,10 @@ void add_info_command(CLI::App& app) {
       std::cout << label << ":" << std::string(label.size() < 13 ? 13 - label.size() : 1, ' ')
                 << value << "\n";
     }
+    std::cout << "data-parallel: "
+              << (train::gloo_available() ? "c10d gloo (winnow train --gpus N / --processes N, or torchrun's variables)"
+                                          : "not in this build (its LibTorch has no gloo process group)")
+              << "\n";
     std::cout << "\nattention layers (model.attention.kind):\n";
     for (const nn::Mechanism& m : nn::mechanisms()) {
       std::cout << "  " << m.name << ": " << m.summary << "\n"

@@ -5,8 +5,9 @@
 // h once, for every query head of h's group and every query of the sequence (up to ROWS rows;
 // more come as further row groups). Inside the block the keys go to STREAMS streams of LANES
 // threads; a stream owns a contiguous run of keys, visits it from the right (the order
-// stick-breaking breaks its stick in), one key row at a time with kLaneElems features per lane,
-// and keeps each row's running state in registers. Streams merge in shared memory; splits merge
+// stick-breaking breaks its stick in), one key row at a time with kLaneElems features per lane:
+// every lane keeps its features of every row's output, and the lanes that own a row's score
+// (reduce_scatter) keep that row's running state. Streams merge in shared memory; splits merge
 // in the combine kernel (or the block writes the result when there is one split). A merge is
 // exact for both mechanisms (math::softmax::merge_factor, math::stick_breaking::left_chunk_factor),
 // so the result does not depend on how the keys were split beyond float32 rounding.
