@@ -27,25 +27,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import winnow  # noqa: E402
+import gpu_attention_bench as attention_bench  # noqa: E402
 
 INNER = 20
 
 
 def median_ms(fn, repeat=11):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(INNER):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / INNER)
-    times.sort()
-    return times[len(times) // 2]
+    return attention_bench.median_ms(fn, repeat=repeat, inner=INNER)
 
 
 def copy_gbps():

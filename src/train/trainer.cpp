@@ -428,13 +428,8 @@ void Trainer::check_aux_names(const std::map<std::string, torch::Tensor>& produc
 
 tasks::Batch Trainer::training_batch(std::int64_t step) const {
   const TrainConfig& t = config_.train;
-  tasks::Batch batch = task_->sample_training(t.batch_size, t.seq_len,
-                                              tasks::batch_seed(config_.seed, kTrainStream, step));
-  if (!world_.distributed()) return batch;
-  // Every rank draws the step's whole batch (a pure function of seed and step) and keeps its
-  // slice: the ranks together see exactly the batch one process would.
-  const std::int64_t shard = t.batch_size / world_.world;
-  return rows(batch, world_.rank * shard, shard);
+  return task_->sample_training(t.batch_size, t.seq_len,
+                                tasks::batch_seed(config_.seed, kTrainStream, step));
 }
 
 Trainer::PinnedSlot& Trainer::stage_pinned(const tasks::Batch& batch) {
@@ -686,13 +681,14 @@ void Trainer::enqueue_step() {
   next_batch_step_ = -1;
   // The loss is the mean over every counted position of the whole batch, however it is split
   // into micro-batches: accumulation then computes the same gradient as one big batch.
-  double counted = batch.loss_mask.sum().item<double>();
-  if (collective_) {
-    torch::Tensor total = torch::full({1}, counted, torch::kFloat64);
-    collective_->sum({total});
-    counted = total.item<double>();
+  const double counted = std::max(1.0, batch.loss_mask.sum().item<double>());
+  if (world_.distributed()) {
+    // Every rank draws the step's whole batch (a pure function of seed and step), counts its
+    // positions above, and keeps its slice: the ranks together see exactly the batch one
+    // process would, and need no collective to agree on the count.
+    const std::int64_t shard = t.batch_size / world_.world;
+    batch = rows(batch, world_.rank * shard, shard);
   }
-  counted = std::max(1.0, counted);
   sample.close();
 
   PendingReport pending;

@@ -10,20 +10,13 @@
 #include <cstring>
 
 #include "cuda_placement.h"
+#include "reference_check.h"
 #include "support/expect_error.h"
 #include "support/expect_results.h"
 #include "support/paged_case.h"
 
 namespace winnow::testing {
 namespace {
-
-double tolerance(DType dtype) {
-  switch (dtype) {
-    case DType::bfloat16: return 2e-2;
-    case DType::float16: return 5e-3;
-    default: return 1e-5;
-  }
-}
 
 const std::vector<PagedShape>& paged_shapes() {
   static const std::vector<PagedShape> all = {
@@ -89,12 +82,7 @@ TEST(CudaContiguousDecode, ShortQuerySuffixesMatchTheReferenceWithGradients) {
         RunConfig ref;
         ref.mechanism = m;
         ref.backend = Backend::reference;
-        Problem rounded = problem;
-        for (HostTensor* t : {&rounded.q, &rounded.k, &rounded.v, &rounded.dout}) {
-          *t = t->converted(dtype).converted(DType::float64);
-        }
-        rounded.dstat = rounded.dstat.converted(DType::float32).converted(DType::float64);
-        expect_results_close(got, run(rounded, ref), tolerance(dtype));
+        expect_results_close(got, run(rounded(problem, dtype), ref), tolerance(dtype));
       }
     }
   }

@@ -16,6 +16,7 @@
 
 #include "cpu/tile_sizes.h"
 #include "cuda_placement.h"
+#include "reference_check.h"
 #include "cuda/cuda.h"
 #include "math/elementwise.h"
 #include "math/entmax.h"
@@ -29,22 +30,6 @@
 
 namespace winnow::testing {
 namespace {
-
-// The problem's inputs rounded to dtype: the reference then sees what the kernel sees.
-Problem rounded(const Problem& p, DType dtype) {
-  Problem r = p;
-  for (HostTensor* t : {&r.q, &r.k, &r.v, &r.dout}) *t = t->converted(dtype).converted(DType::float64);
-  r.dstat = r.dstat.converted(DType::float32).converted(DType::float64);
-  return r;
-}
-
-double tolerance(DType dtype) {
-  switch (dtype) {
-    case DType::bfloat16: return 2e-2;
-    case DType::float16: return 5e-3;
-    default: return 1e-5;
-  }
-}
 
 const std::vector<ProblemShape>& shapes() {
   static const std::vector<ProblemShape> all = {
