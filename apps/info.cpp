@@ -44,8 +44,10 @@ void add_info_command(CLI::App& app) {
                 << value << "\n";
     }
     std::cout << "data-parallel: "
-              << (train::gloo_available() ? "c10d gloo (winnow train --gpus N / --processes N, or torchrun's variables)"
-                                          : "not in this build (its LibTorch has no gloo process group)")
+              << (train::collective_backends() != "none"
+                      ? "c10d " + train::collective_backends() +
+                            " (winnow train/study --gpus N / --processes N, or torchrun's variables)"
+                      : std::string("not in this build (its LibTorch has neither the NCCL nor the gloo process group)"))
               << "\n";
     std::cout << "\nattention layers (model.attention.kind):\n";
     for (const nn::Mechanism& m : nn::mechanisms()) {

@@ -6,6 +6,7 @@
 #include "study/study.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -36,6 +37,7 @@ void add_study(CLI::App& app) {
     std::vector<std::string> overrides, only;
     std::string sweep;
     bool fresh = false, quiet = false, print = false;
+    int gpus = 0, processes = 0;
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
@@ -58,6 +60,7 @@ void add_study(CLI::App& app) {
   cmd->add_flag("--quiet", args->quiet, "no training progress lines");
   cmd->add_flag("--print", args->print,
                 "print the resolved study (profile and overrides applied) and exit");
+  add_rank_options(*cmd, args->gpus, args->processes);
   cmd->callback([args] {
     std::vector<std::string> overrides = args->overrides;
     if (!args->sweep.empty()) {
@@ -87,6 +90,27 @@ void add_study(CLI::App& app) {
         throw Error(ErrorKind::invalid_argument,
                     "argument '--only': expected one of " + labels + ", got \"" + label + "\"");
       }
+    }
+    const std::string device = s.base.contains("device") && s.base["device"].is_string()
+                                   ? s.base["device"].get<std::string>()
+                                   : std::string("auto");
+    if (const int ranks = rank_count("winnow study", args->gpus, args->processes, device); ranks > 0) {
+      std::vector<std::string> rest = {args->file};
+      for (const auto& o : args->overrides) rest.insert(rest.end(), {"--set", o});
+      if (!args->only.empty()) {
+        rest.push_back("--only");
+        rest.insert(rest.end(), args->only.begin(), args->only.end());
+      }
+      if (!args->sweep.empty()) rest.insert(rest.end(), {"--sweep", args->sweep});
+      if (args->fresh) rest.push_back("--fresh");
+      if (args->quiet) rest.push_back("--quiet");
+      if (args->gpus > 0) rest.insert(rest.end(), {"--set", "base.device=cuda"});
+      return launch_ranks("study", ranks, rest);
+    }
+    // One voice for a data-parallel study: rank 0's (errors still reach stderr).
+    if (const char* rank = std::getenv("RANK"); rank != nullptr && std::string(rank) != "0" &&
+                                                std::getenv("WORLD_SIZE") != nullptr) {
+      if (std::freopen("/dev/null", "w", stdout) == nullptr) std::fclose(stdout);
     }
     std::printf("study %s (%s profile): %zu mechanisms, output in %s\n", s.name.c_str(),
                 s.profile.c_str(), s.mechanisms.size(), s.out_dir.c_str());

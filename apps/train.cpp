@@ -13,15 +13,8 @@
 #include <string>
 #include <vector>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-extern char** environ;
 
 #include <torch/version.h>
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
@@ -39,75 +32,6 @@ extern char** environ;
 namespace winnow::apps {
 namespace {
 namespace fs = std::filesystem;
-
-// A TCP port that was free a moment ago, for the ranks' store.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    if (fd >= 0) ::close(fd);
-    throw Error(ErrorKind::runtime, "winnow train: cannot find a free port for the ranks to meet on");
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// Starts `count` copies of this `winnow train` call as ranks 0 .. count - 1 of one data-parallel
-// run, with torchrun's variables (rank 0 serves the store on a free local port) and NVLink
-// multicast off; waits for them, and stops the others when one fails.
-void launch_ranks(int count, const std::vector<std::string>& train_args) {
-  std::vector<std::string> argv_storage = {"/proc/self/exe", "train"};
-  argv_storage.insert(argv_storage.end(), train_args.begin(), train_args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_storage) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const std::string port = std::to_string(free_port());
-  std::vector<pid_t> pids;
-  for (int rank = 0; rank < count; ++rank) {
-    std::vector<std::string> env = {"WORLD_SIZE=" + std::to_string(count), "RANK=" + std::to_string(rank),
-                                    "LOCAL_RANK=" + std::to_string(rank), "MASTER_ADDR=127.0.0.1",
-                                    "MASTER_PORT=" + port, "NCCL_NVLS_ENABLE=0"};
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string var(*e);
-      const std::string name = var.substr(0, var.find('='));
-      if (name != "WORLD_SIZE" && name != "RANK" && name != "LOCAL_RANK" && name != "MASTER_ADDR" &&
-          name != "MASTER_PORT" && name != "NCCL_NVLS_ENABLE") {
-        env.push_back(var);
-      }
-    }
-    std::vector<char*> envp;
-    for (auto& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    pid_t pid = -1;
-    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()) != 0) {
-      for (pid_t p : pids) ::kill(p, SIGTERM);
-      throw Error(ErrorKind::runtime, "winnow train: cannot start rank " + std::to_string(rank));
-    }
-    pids.push_back(pid);
-  }
-  std::string failure;
-  for (std::size_t left = pids.size(); left > 0; --left) {
-    int status = 0;
-    const pid_t done = ::waitpid(-1, &status, 0);
-    const auto it = std::find(pids.begin(), pids.end(), done);
-    if (it == pids.end()) continue;
-    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (!ok && failure.empty()) {
-      failure = "rank " + std::to_string(it - pids.begin()) +
-                (WIFEXITED(status) ? " exited with status " + std::to_string(WEXITSTATUS(status))
-                                   : " was killed by signal " + std::to_string(WTERMSIG(status)));
-      for (pid_t p : pids) {
-        if (p != done) ::kill(p, SIGTERM);
-      }
-    }
-    *it = -1;
-  }
-  if (!failure.empty()) throw Error(ErrorKind::runtime, "winnow train: " + failure + "; the others were stopped");
-}
 
 void add_train(CLI::App& app) {
   struct Args {
@@ -130,48 +54,19 @@ void add_train(CLI::App& app) {
                 "delete the checkpoints and metrics in train.out_dir and start over");
   cmd->add_flag("--print-config", args->print_config,
                 "print the resolved configuration (every default filled in) and exit");
-  cmd->add_option("--gpus", args->gpus,
-                  "data-parallel over this many GPUs of this machine: starts one process per GPU "
-                  "itself (as torchrun would)")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--processes", args->processes,
-                  "data-parallel over this many processes on the device the config names (on the "
-                  "CPU: to try data parallelism without GPUs)")
-      ->check(CLI::PositiveNumber);
+  add_rank_options(*cmd, args->gpus, args->processes);
   cmd->callback([args] {
     const train::ExperimentConfig config = train::load_experiment(args->config, args->overrides);
     if (args->print_config) {
       std::printf("%s\n", train::to_json(config).dump(2).c_str());
       return;
     }
-    if (args->gpus > 0 || args->processes > 0) {
-      if (args->gpus > 0 && args->processes > 0) {
-        throw Error(ErrorKind::invalid_argument, "winnow train: arguments '--gpus' and '--processes': expected one of them, got both");
-      }
-      if (std::getenv("WORLD_SIZE") != nullptr) {
-        throw Error(ErrorKind::invalid_argument,
-                    "winnow train: argument '--gpus' / '--processes': expected no WORLD_SIZE in the environment "
-                    "(a launcher such as torchrun already started the ranks), got WORLD_SIZE=" +
-                        std::string(std::getenv("WORLD_SIZE")));
-      }
+    if (const int ranks = rank_count("winnow train", args->gpus, args->processes, config.device); ranks > 0) {
       std::vector<std::string> rest = {"--config", args->config};
       for (const auto& o : args->overrides) rest.insert(rest.end(), {"--set", o});
       if (args->fresh) rest.push_back("--fresh");
-      if (args->gpus > 0) {
-        const auto visible = static_cast<int>(torch::cuda::device_count());
-        if (args->gpus > visible) {
-          throw Error(ErrorKind::unsupported, "winnow train: argument '--gpus': expected at most " +
-                                                  std::to_string(visible) + " (the GPUs visible), got " +
-                                                  std::to_string(args->gpus));
-        }
-        if (config.device != "auto" && config.device.rfind("cuda", 0) != 0) {
-          throw Error(ErrorKind::invalid_argument,
-                      "winnow train: argument '--gpus': expected device auto or cuda in the config, got device " +
-                          config.device);
-        }
-        rest.insert(rest.end(), {"--set", "device=cuda"});
-      }
-      return launch_ranks(std::max(args->gpus, args->processes), rest);
+      if (args->gpus > 0) rest.insert(rest.end(), {"--set", "device=cuda"});
+      return launch_ranks("train", ranks, rest);
     }
     train::Trainer trainer(config);
     // One voice for a data-parallel run: rank 0's.

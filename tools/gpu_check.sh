@@ -37,6 +37,12 @@
 #              winnow.nn attention against the composed expression ($GPT_ARGS; default
 #              stick-breaking, L 1024, 50 steps); JSON in $OUT/gpt.json. Uses the build's
 #              library, or without a build the package pipinstall left in /tmp
+#   ddp        issue 18 on a host with 2+ GPUs (kind nvidia-h100-x2): the MQRAR study's rows
+#              ($DDP_ONLY, default Stick-breaking) on one GPU and on $DDP_GPUS (default 2) through
+#              NCCL, accuracies and tokens/s side by side (tools/ddp_compare.py; JSON and logs in
+#              $OUT/ddp-*); then the PyTorch DDP example (examples/python_ddp) on one process and
+#              on $DDP_GPUS under torchrun; $DDP_ARGS go to both studies. A third, shorter run on
+#              one GPU with a rank's share of the batch gives the bound on the speed-up
 #   study      winnow study $STUDY (default studies/mqrar.json, its cuda profile) with
 #              $STUDY_ARGS (e.g. --sweep train.lr=1e-3,3e-3); runs under runs/ (kept while the
 #              machine stays warm, so a later call continues), its result files (result.json,
@@ -218,6 +224,36 @@ for stage in "${stages[@]}"; do
         [[ -f "$m" ]] && cp "$m" "$OUT/study-$name/$(basename "$(dirname "$m")")-metrics.jsonl"
       done
       note "study $name: rc $rc ($(( $(date +%s) - start )) s)"
+      ;;
+    ddp)
+      gpus=${DDP_GPUS:-2}
+      grep -h "data-parallel training" "$OUT/configure.log" 2>/dev/null | tail -1
+      rc=0
+      for n in 1 "$gpus"; do
+        ranks=(); [[ $n -gt 1 ]] && ranks=(--gpus "$n")
+        # shellcheck disable=SC2086
+        "$BUILD/apps/winnow" study studies/mqrar.json --only "${DDP_ONLY:-Stick-breaking}" --fresh "${ranks[@]}" \
+          --set out_dir="runs/ddp-$n" ${DDP_ARGS:-} 2>&1 | tee "$OUT/ddp-study-$n.log" | grep -vE "^step [0-9]+/"
+        (( rc |= PIPESTATUS[0] ))
+        cp "runs/ddp-$n/result.json" "$OUT/ddp-study-$n.json" 2>/dev/null
+        for m in runs/ddp-"$n"/*/metrics.jsonl; do
+          [[ -f "$m" ]] && cp "$m" "$OUT/ddp-study-$n-$(basename "$(dirname "$m")")-metrics.jsonl"
+        done
+      done
+      # One GPU with a rank's share of the batch: the speed-up that free communication would give.
+      batch=$("$BUILD/apps/winnow" study studies/mqrar.json --print | python3 -c "import json,sys; print(json.load(sys.stdin)['base']['train']['batch_size'])")
+      "$BUILD/apps/winnow" study studies/mqrar.json --only "${DDP_ONLY:-Stick-breaking}" --fresh --quiet \
+        --set base.train.batch_size=$(( batch / gpus )) --set base.train.steps=1000 --set eval.multiples=[1] \
+        --set eval.instances=100 --set out_dir=runs/ddp-share > "$OUT/ddp-share.log" 2>&1 || rc=1
+      python3 tools/ddp_compare.py runs/ddp-1 "runs/ddp-$gpus" --share runs/ddp-share --json "$OUT/ddp-compare.json" \
+        | tee "$OUT/ddp-compare.md"
+      export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so" PYTHONPATH="$PWD/python" NCCL_NVLS_ENABLE=0
+      python3 examples/python_ddp/train_ddp.py --device cuda --json "$OUT/ddp-example-1.json" \
+        > "$OUT/ddp-example-1.log" 2>&1 || rc=1
+      torchrun --standalone --nproc-per-node "$gpus" examples/python_ddp/train_ddp.py --device cuda \
+        --json "$OUT/ddp-example-$gpus.json" > "$OUT/ddp-example-$gpus.log" 2>&1 || rc=1
+      tail -n 2 "$OUT/ddp-example-1.log" "$OUT/ddp-example-$gpus.log"
+      note "ddp: rc $rc ($(( $(date +%s) - start )) s)"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -236,6 +236,9 @@ json run_study(const Study& s, const RunOptions& options) {
                  {"multiples", s.eval.multiples},
                  {"instances", s.eval.instances},
                  {"mechanisms", json::array()}};
+  // Data-parallel studies: every rank trains and evaluates; rank 0 alone writes.
+  const train::WorldInfo world = train::world_from_environment();
+  result["data_parallel_ranks"] = world.world;
   fs::create_directories(s.out_dir);
   std::size_t index = 0;
   for (const MechanismEntry& m : s.mechanisms) {
@@ -243,7 +246,7 @@ json run_study(const Study& s, const RunOptions& options) {
     if (!selected(options, m)) continue;
     const train::ExperimentConfig config = train::parse_experiment(mechanism_config(s, m));
     train::Trainer trainer(config);
-    trainer.quiet = options.quiet;
+    trainer.quiet = options.quiet || world.rank != 0;
     if (options.fresh) {
       trainer.clear_outputs();
     } else {
@@ -364,6 +367,7 @@ json run_study(const Study& s, const RunOptions& options) {
     result["mechanisms"].push_back(entry);
   }
 
+  if (world.rank != 0) return result;
   write_outputs(fs::path(s.out_dir), "result.json", "table.md", result, markdown_report(result));
   if (can_plot()) {
     for (const std::string& path : plot_study(result, s.out_dir)) std::printf("plot: %s\n", path.c_str());
@@ -385,6 +389,8 @@ json run_sweep(const Study& s, const RunOptions& options) {
                  {"libtorch", TORCH_VERSION},
                  {"sweep", {{"key", s.sweep.key}, {"values", s.sweep.values}}},
                  {"mechanisms", json::array()}};
+  const train::WorldInfo world = train::world_from_environment();
+  result["data_parallel_ranks"] = world.world;
   fs::create_directories(s.out_dir);
   std::size_t index = 0;
   for (const MechanismEntry& m : s.mechanisms) {
@@ -404,11 +410,11 @@ json run_sweep(const Study& s, const RunOptions& options) {
       using Clock = std::chrono::steady_clock;
       const auto start = Clock::now();
       train::Trainer trainer(config);
-      trainer.quiet = options.quiet;
+      trainer.quiet = options.quiet || world.rank != 0;
       if (options.fresh) {
         trainer.clear_outputs();
         std::error_code ec;
-        fs::remove(marker, ec);
+        if (world.rank == 0) fs::remove(marker, ec);
       }
       if (!options.fresh && fs::exists(marker)) {
         // A run that diverged diverges again the same way: its record stands.
@@ -432,8 +438,10 @@ json run_sweep(const Study& s, const RunOptions& options) {
           run["diverged"] = true;
           run["diverged_at_step"] = e.step();
           run["why"] = e.what();
-          std::ofstream f(marker);
-          f << run.dump(2) << '\n';
+          if (world.rank == 0) {
+            std::ofstream f(marker);
+            f << run.dump(2) << '\n';
+          }
           std::printf("   diverged: %s\n", e.what());
         }
         run["train_seconds"] = std::chrono::duration<double>(Clock::now() - start).count();
@@ -450,6 +458,7 @@ json run_sweep(const Study& s, const RunOptions& options) {
     }
     result["mechanisms"].push_back(entry);
   }
+  if (world.rank != 0) return result;
   write_outputs(fs::path(s.out_dir), name + ".json", name + ".md", result, sweep_report(result));
   if (can_plot()) {
     const std::string path = (fs::path(s.out_dir) / (name + ".svg")).string();

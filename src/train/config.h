@@ -73,6 +73,10 @@ struct TrainConfig {
   // Trainer::graph_blocker) and nothing on the host (step hooks, auxiliary loss functions, a
   // profile) needs to run inside the step. Same results as without it.
   bool cuda_graph = true;
+  // Data-parallel training: the largest bucket of gradients summed over the ranks in one
+  // all-reduce, in MiB (DistributedDataParallel's bucket_cap_mb; the first bucket holds at
+  // most 1 MiB so that communication starts early in the backward pass).
+  double bucket_mb = 25;
   std::map<std::string, double> aux_loss_weights;  // by name; an unlisted aux loss weighs 1
   std::vector<Phase> phases;
   std::int64_t log_every = 10;
@@ -105,6 +109,7 @@ struct TrainConfig {
     v("dtype", dtype, config::one_of({"auto", "float32", "bfloat16"}));
     v("deterministic", deterministic);
     v("cuda_graph", cuda_graph);
+    v("bucket_mb", bucket_mb, config::greater_than(0));
     v("aux_loss_weights", aux_loss_weights, config::at_least(0));
     v("phases", phases);
     v("log_every", log_every, config::at_least(1));

@@ -1,14 +1,29 @@
 #include "train/distributed.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
 #include "winnow/error.h"
 
-#if WINNOW_HAVE_C10D_GLOO
+#ifndef WINNOW_HAVE_C10D_GLOO
+#define WINNOW_HAVE_C10D_GLOO 0
+#endif
+#ifndef WINNOW_HAVE_C10D_NCCL
+#define WINNOW_HAVE_C10D_NCCL 0
+#endif
+
+#if WINNOW_HAVE_C10D_GLOO || WINNOW_HAVE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#endif
+#if WINNOW_HAVE_C10D_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#if WINNOW_HAVE_C10D_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
 namespace winnow::train {
@@ -43,15 +58,68 @@ WorldInfo world_from_environment() {
   return w;
 }
 
-#if WINNOW_HAVE_C10D_GLOO
+bool gloo_available() { return WINNOW_HAVE_C10D_GLOO != 0; }
+bool nccl_available() { return WINNOW_HAVE_C10D_NCCL != 0; }
 
-bool gloo_available() { return true; }
+std::string collective_backends() {
+  std::string s;
+  if (nccl_available()) s += "nccl";
+  if (gloo_available()) s += s.empty() ? "gloo" : ", gloo";
+  return s.empty() ? "none" : s;
+}
+
+Collective& Collective::of_process(const WorldInfo& info, torch::Device device) {
+  // Never destroyed: tearing NCCL down in static destruction can hang, and the process is
+  // ending anyway.
+  static Collective* group = nullptr;
+  if (group == nullptr) {
+    group = new Collective(info, device);
+  } else if (group->info_.rank != info.rank || group->info_.world != info.world || group->device_ != device) {
+    throw Error(ErrorKind::invalid_argument,
+                "winnow: a training asks for rank " + std::to_string(info.rank) + " of " + std::to_string(info.world) +
+                    " on " + device.str() + ", but this process already trains as rank " +
+                    std::to_string(group->info_.rank) + " of " + std::to_string(group->info_.world) + " on " +
+                    group->device_.str() + " (set device the same way for every training of a study)");
+  }
+  return *group;
+}
+
+void Collective::Pending::wait() {
+  if (wait_) wait_();
+  wait_ = nullptr;
+}
+
+#if WINNOW_HAVE_C10D_GLOO || WINNOW_HAVE_C10D_NCCL
 
 struct Collective::Group {
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+#if WINNOW_HAVE_C10D_GLOO
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+#endif
+#if WINNOW_HAVE_C10D_NCCL
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl;
+#endif
+  c10::intrusive_ptr<c10d::Work> allreduce(torch::Tensor t) {
+    std::vector<torch::Tensor> one = {std::move(t)};
+#if WINNOW_HAVE_C10D_NCCL
+    if (nccl) return nccl->allreduce(one);
+#endif
+#if WINNOW_HAVE_C10D_GLOO
+    if (gloo) return gloo->allreduce(one);
+#endif
+    throw Error(ErrorKind::runtime, "winnow: no process group");
+  }
 };
 
-Collective::Collective(const WorldInfo& info) : info_(info), group_(std::make_unique<Group>()) {
+Collective::Collective(const WorldInfo& info, torch::Device device)
+    : info_(info), device_(device), group_(std::make_unique<Group>()) {
+  backend_ = device.is_cuda() && nccl_available() ? "nccl" : gloo_available() ? "gloo" : "";
+  if (backend_.empty()) {
+    throw Error(ErrorKind::unsupported,
+                "winnow: WORLD_SIZE = " + std::to_string(info.world) + " asks for data-parallel training on " +
+                    device.str() + ", but this build's LibTorch has " +
+                    (nccl_available() ? "only NCCL, which needs CUDA devices" : "no c10d process group for it") +
+                    "; train with one process");
+  }
   c10::intrusive_ptr<c10d::Store> store;
   if (const char* file = std::getenv("WINNOW_STORE_FILE"); file != nullptr && *file != '\0') {
     store = c10::make_intrusive<c10d::FileStore>(file, info.world);
@@ -64,23 +132,45 @@ Collective::Collective(const WorldInfo& info) : info_(info), group_(std::make_un
     options.numWorkers = info.world;
     store = c10::make_intrusive<c10d::TCPStore>(addr, options);
   }
-  auto options = c10d::ProcessGroupGloo::Options::create();
-  options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  group_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, info.rank, info.world, options);
+#if WINNOW_HAVE_C10D_NCCL
+  if (backend_ == "nccl") {
+    c10::cuda::set_device(device.index());
+    group_->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, info.rank, info.world,
+                                                                c10d::ProcessGroupNCCL::Options::create());
+    group_->nccl->setBoundDeviceId(device);
+  }
+#endif
+#if WINNOW_HAVE_C10D_GLOO
+  if (backend_ == "gloo") {
+    auto options = c10d::ProcessGroupGloo::Options::create();
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    group_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, info.rank, info.world, options);
+  }
+#endif
+  // NCCL creates its communicator at the first collective, which must not be inside a capture.
+  torch::Tensor probe = torch::ones({1}, torch::TensorOptions().device(device));
+  group_->allreduce(probe)->wait();
+  if (probe.item<float>() != static_cast<float>(info.world)) {
+    throw Error(ErrorKind::runtime, "winnow: the first all-reduce over " + std::to_string(info.world) +
+                                        " ranks (" + backend_ + ") summed to " + std::to_string(probe.item<float>()));
+  }
+}
+
+Collective::Pending Collective::start_sum(torch::Tensor t) {
+  Pending p;
+  c10::intrusive_ptr<c10d::Work> work = group_->allreduce(std::move(t));
+  p.wait_ = [work] { work->wait(); };
+  return p;
 }
 
 void Collective::sum(const std::vector<torch::Tensor>& tensors) {
   std::vector<torch::Tensor> flat32, others;
   for (const auto& t : tensors) (t.scalar_type() == torch::kFloat32 ? flat32 : others).push_back(t);
-  auto reduce = [&](torch::Tensor t) {
-    std::vector<torch::Tensor> one = {t};
-    group_->pg->allreduce(one)->wait();
-  };
   if (!flat32.empty()) {
     std::vector<torch::Tensor> pieces;
     for (const auto& t : flat32) pieces.push_back(t.reshape(-1));
     torch::Tensor buffer = torch::cat(pieces);
-    reduce(buffer);
+    start_sum(buffer).wait();
     std::int64_t at = 0;
     for (const auto& t : flat32) {
       t.copy_(buffer.narrow(0, at, t.numel()).view_as(t));
@@ -89,30 +179,143 @@ void Collective::sum(const std::vector<torch::Tensor>& tensors) {
   }
   for (const auto& t : others) {
     torch::Tensor c = t.contiguous();
-    reduce(c);
+    start_sum(c).wait();
     if (!c.is_same(t)) t.copy_(c);
   }
 }
 
-void Collective::barrier() { group_->pg->barrier()->wait(); }
+void Collective::barrier() {
+  c10d::BarrierOptions options;
+  if (device_.is_cuda()) options.device_ids = {device_.index()};
+#if WINNOW_HAVE_C10D_NCCL
+  if (group_->nccl) {
+    group_->nccl->barrier(options)->wait();
+    return;
+  }
+#endif
+#if WINNOW_HAVE_C10D_GLOO
+  group_->gloo->barrier(options)->wait();
+#endif
+}
 
 #else
 
-bool gloo_available() { return false; }
-
 struct Collective::Group {};
 
-Collective::Collective(const WorldInfo& info) : info_(info) {
+Collective::Collective(const WorldInfo& info, torch::Device device) : info_(info), device_(device) {
   throw Error(ErrorKind::unsupported,
               "winnow: WORLD_SIZE = " + std::to_string(info.world) +
-                  " asks for data-parallel training, but this build's LibTorch has no gloo process group "
-                  "(c10d); train with one process");
+                  " asks for data-parallel training, but this build's LibTorch has no c10d process group "
+                  "(neither NCCL nor gloo); train with one process");
 }
+Collective::Pending Collective::start_sum(torch::Tensor) { return {}; }
 void Collective::sum(const std::vector<torch::Tensor>&) {}
 void Collective::barrier() {}
 
 #endif
 
 Collective::~Collective() = default;
+
+// ------------------------------------------------------------------ gradient buckets
+
+GradientBuckets::GradientBuckets(Collective& collective, const std::vector<torch::Tensor>& params,
+                                 std::int64_t bucket_bytes)
+    : collective_(collective) {
+  // DistributedDataParallel's first bucket is small too: the last layers' gradients, ready
+  // first, start travelling while the rest of the backward pass runs.
+  const std::int64_t first_cap = std::min<std::int64_t>(bucket_bytes, std::int64_t{1} << 20);
+  std::vector<std::int64_t> sizes;  // elements per bucket
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    const torch::Tensor& p = *it;
+    if (!p.requires_grad()) continue;
+    const std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
+    bool open_new = buckets_.empty();
+    if (!open_new) {
+      const Bucket& b = buckets_.back();
+      const Slot& last = slots_[b.slots.back()];
+      const std::int64_t cap = buckets_.size() == 1 ? first_cap : bucket_bytes;
+      const std::int64_t used = sizes.back() * static_cast<std::int64_t>(last.param.element_size());
+      open_new = last.param.scalar_type() != p.scalar_type() || last.param.device() != p.device() ||
+                 used + bytes > cap;
+    }
+    if (open_new) {
+      buckets_.emplace_back();
+      sizes.push_back(0);
+    }
+    Slot s;
+    s.param = p;
+    s.bucket = buckets_.size() - 1;
+    s.offset = sizes.back();
+    sizes.back() += p.numel();
+    buckets_.back().slots.push_back(slots_.size());
+    slots_.push_back(s);
+  }
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    const torch::Tensor& first = slots_[buckets_[b].slots.front()].param;
+    buckets_[b].flat = torch::zeros({sizes[b]}, first.options().requires_grad(false));
+    buckets_[b].waiting = buckets_[b].slots.size();
+  }
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    torch::Tensor p = slots_[i].param;
+    hooks_.push_back(p.register_hook([this, i](const torch::Tensor& grad) { on_gradient(i, grad); }));
+  }
+}
+
+GradientBuckets::~GradientBuckets() {
+  for (std::size_t i = 0; i < slots_.size(); ++i) slots_[i].param.remove_hook(hooks_[i]);
+}
+
+torch::Tensor GradientBuckets::slice(const Slot& s) const {
+  return buckets_[s.bucket].flat.narrow(0, s.offset, s.param.numel()).view(s.param.sizes());
+}
+
+void GradientBuckets::arm() { armed_ = true; }
+
+void GradientBuckets::on_gradient(std::size_t i, const torch::Tensor& grad) {
+  if (!armed_ || !grad.defined()) return;
+  Slot& s = slots_[i];
+  if (s.filled) {
+    throw Error(ErrorKind::runtime, "winnow: a parameter's gradient arrived twice in one backward pass");
+  }
+  torch::Tensor dst = slice(s);
+  dst.copy_(grad);
+  // The micro-batches before this one accumulated into .grad; this one's gradient joins them
+  // here rather than after the bucket has left.
+  if (s.param.grad().defined()) dst.add_(s.param.grad());
+  s.filled = true;
+  if (--buckets_[s.bucket].waiting == 0) start_ready();
+}
+
+void GradientBuckets::start_ready() {
+  while (next_to_start_ < buckets_.size() && buckets_[next_to_start_].waiting == 0) {
+    Bucket& b = buckets_[next_to_start_++];
+    b.pending = collective_.start_sum(b.flat);
+  }
+}
+
+void GradientBuckets::finish() {
+  armed_ = false;
+  for (std::size_t b = next_to_start_; b < buckets_.size(); ++b) {
+    for (std::size_t i : buckets_[b].slots) {
+      Slot& s = slots_[i];
+      if (s.filled) continue;
+      torch::Tensor dst = slice(s);
+      if (s.param.grad().defined()) {
+        dst.copy_(s.param.grad());
+      } else {
+        dst.zero_();
+      }
+    }
+    buckets_[b].waiting = 0;
+  }
+  start_ready();
+  for (Bucket& b : buckets_) b.pending.wait();
+  for (Slot& s : slots_) {
+    if (s.filled || s.param.grad().defined()) s.param.mutable_grad() = slice(s);
+    s.filled = false;
+  }
+  for (Bucket& b : buckets_) b.waiting = b.slots.size();
+  next_to_start_ = 0;
+}
 
 }  // namespace winnow::train

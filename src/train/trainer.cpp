@@ -112,7 +112,7 @@ void flatten(const nlohmann::json& j, const std::string& prefix,
 // run computes: its length, reporting cadence, output folder, and where it runs.
 bool may_differ_on_resume(const std::string& key) {
   static const std::set<std::string> free = {
-      "device", "threads", "train.cuda_graph", "train.steps", "train.log_every", "train.eval_every",
+      "device", "threads", "train.cuda_graph", "train.bucket_mb", "train.steps", "train.log_every", "train.eval_every",
       "train.eval_batches", "train.checkpoint_every", "train.spike_threshold", "train.keep_checkpoints", "train.out_dir"};
   return free.count(key) > 0;
 }
@@ -299,7 +299,7 @@ Trainer::Trainer(const ExperimentConfig& config)
                    std::to_string(t.batch_size));
     }
     if (device_.is_cuda()) c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).setDevice(device_);
-    collective_ = std::make_unique<Collective>(world_);
+    collective_ = &Collective::of_process(world_, device_);
     quiet = world_.rank != 0;
   }
   if (config_.threads > 0) at::set_num_threads(static_cast<int>(config_.threads));
@@ -383,15 +383,22 @@ void Trainer::enter_phase(std::size_t index) {
   phase_ = index;
   eager_steps_in_phase_ = 0;
   const auto& phases = config_.train.phases;
-  if (phases.empty()) return;
-  const Phase& p = phases[index];
-  for (auto& item : model_->named_parameters()) {
-    const bool trains = (p.train_only.empty() || contains(item.key(), p.train_only)) &&
-                        !contains(item.key(), p.freeze);
-    item.value().requires_grad_(trains);
+  if (!phases.empty()) {
+    const Phase& p = phases[index];
+    for (auto& item : model_->named_parameters()) {
+      const bool trains = (p.train_only.empty() || contains(item.key(), p.train_only)) &&
+                          !contains(item.key(), p.freeze);
+      item.value().requires_grad_(trains);
+    }
+    model_->set_phase(p.name);
+    if (!quiet) std::printf("phase %s from step %lld\n", p.name.c_str(), static_cast<long long>(step_));
   }
-  model_->set_phase(p.name);
-  if (!quiet) std::printf("phase %s from step %lld\n", p.name.c_str(), static_cast<long long>(step_));
+  // The buckets hold the parameters that train in this phase.
+  if (collective_) {
+    gradient_buckets_.reset();
+    gradient_buckets_ = std::make_unique<GradientBuckets>(
+        *collective_, model_->parameters(), static_cast<std::int64_t>(config_.train.bucket_mb * (1 << 20)));
+  }
 }
 
 double Trainer::aux_weight(const std::string& name) const {
@@ -549,7 +556,9 @@ std::string Trainer::graph_blocker() const {
   if (!device_.is_cuda()) return "not on CUDA";
   if (!fused_adamw_available(device_)) return "no fused AdamW";
   if (profile != nullptr) return "a profile is attached";
-  if (world_.distributed()) return "data-parallel steps sum their gradients through the host (gloo)";
+  if (collective_ && !collective_->stream_ordered()) {
+    return "data-parallel steps sum their gradients through the host (gloo)";
+  }
   if (!step_hooks.empty() || !aux_loss_fns.empty()) return "host code runs inside the step";
   const nn::AttentionConfig& a = config_.model.attention;
   if (!nn::find_mechanism(a.kind, "model.attention.kind").graph_capturable) {
@@ -607,21 +616,23 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
       loss_sum = loss_sum + loss.detach();
     }
     PhaseScope backward(profile, "winnow.step.backward", device_);
+    if (gradient_buckets_ && m + 1 == t.grad_accum) gradient_buckets_->arm();
     if (total.requires_grad()) total.backward();
+  }
+  if (gradient_buckets_) {
+    // The losses are already divided by the whole batch's counted positions: summing the ranks'
+    // gradients gives the whole batch's gradient.
+    PhaseScope reduce(profile, "winnow.step.all_reduce", device_);
+    gradient_buckets_->finish();
+    std::vector<torch::Tensor> reported = {loss_sum};
+    for (auto& [name, value] : aux_sums) reported.push_back(value);
+    collective_->sum(reported);
   }
 
   PhaseScope clip(profile, "winnow.step.clip", device_);
   std::vector<torch::Tensor> grads;
   for (auto& p : model_->parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  if (collective_) {
-    // The losses are already divided by the whole batch's counted positions: summing the ranks'
-    // gradients gives the whole batch's gradient. Every rank has the same parameters frozen.
-    std::vector<torch::Tensor> summed = grads;
-    summed.push_back(loss_sum);
-    for (auto& [name, value] : aux_sums) summed.push_back(value);
-    collective_->sum(summed);
   }
   torch::Tensor norm = torch::zeros({}, torch::TensorOptions().device(device_));
   if (!grads.empty()) {

@@ -157,9 +157,11 @@ class Trainer {
   torch::Device device() const { return device_; }
   std::int64_t tokens_per_step() const { return config_.train.batch_size * config_.train.seq_len; }
   // Data parallelism (torchrun's environment): this process's rank among world() processes.
-  // Each takes a contiguous slice of every step's batch; gradients and the step's report are
-  // summed over the ranks before clipping, so every rank takes the same update. Only rank 0
-  // writes checkpoints and metrics and prints progress.
+  // Each takes a contiguous slice of every step's batch; gradients are summed over the ranks in
+  // buckets started from the backward pass (GradientBuckets), the step's report after it, all
+  // before clipping, so every rank takes the same update. Over NCCL the sums run on the device
+  // and the whole step, all-reduces included, is captured as one CUDA graph. Only rank 0 writes
+  // checkpoints and metrics and prints progress.
   const WorldInfo& world() const { return world_; }
 
   // Extension points.
@@ -216,10 +218,12 @@ class Trainer {
 
   ExperimentConfig config_;
   WorldInfo world_;
-  std::unique_ptr<Collective> collective_;
+  Collective* collective_ = nullptr;  // the process's group (Collective::of_process)
   torch::Device device_;
   bool autocast_ = false;
   nn::LanguageModel model_;
+  // Data-parallel runs: the current phase's gradient buckets (after model_: its hooks go first).
+  std::unique_ptr<GradientBuckets> gradient_buckets_;
   std::unique_ptr<tasks::Task> task_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::vector<double> group_multipliers_;

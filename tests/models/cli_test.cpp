@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -241,6 +242,8 @@ TEST(Cli, DataParallelTrainingMatchesOneProcessAndResumesOnAnotherWorldSize) {
                        "train.schedule=constant", "--set", "train.warmup=2", "--set", "train.eval_every=0",
                        "--set", "train.log_every=2", "--set", "threads=1", "--set",
                        "train.steps=" + std::to_string(steps)});
+    // Small buckets: several all-reduces per step, started from the backward pass's hooks.
+    a.insert(a.end(), {"--set", "train.bucket_mb=0.02"});
     return a;
   };
   auto run_ranks = [&](const std::string& out, int steps, const std::string& name) {
@@ -422,6 +425,44 @@ TEST(Cli, MqrarStudyRunsEndToEndThenEvalAndPlot) {
     r = run({"plot", dir + "/out/result.json", "--out", dir + "/again.svg"}, dir);
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(slurp(dir + "/again.svg").find("<svg"), std::string::npos);
+  }
+  winnow::train::remove_tree(dir);
+}
+
+// `winnow study --processes 2`: both ranks train every selected mechanism together, rank 0 alone
+// prints and writes, and the trained models match one process's up to the order of the sums.
+TEST(Cli, DataParallelStudyMatchesOneProcess) {
+  if (!train::gloo_available()) GTEST_SKIP() << "this LibTorch has no gloo process group";
+  const std::string dir = scratch("study_ddp");
+  auto args = [&](const std::string& out) {
+    std::vector<std::string> a = tiny_study("mqrar", dir + "/" + out);
+    a.erase(std::find(a.begin(), a.end(), "--quiet"));  // the progress lines are checked below
+    a.insert(a.end(), {"--set", "base.train.log_every=1", "--set", "eval.multiples=[1,2]", "--set",
+                       "base.threads=1", "--only", "Stick-breaking", "Softmax+RoPE"});
+    return a;
+  };
+  const Outcome one = run(args("one"), dir);
+  ASSERT_EQ(one.status, 0) << one.output;
+  std::vector<std::string> two_args = args("two");
+  two_args.insert(two_args.begin() + 1, {"--processes", "2"});
+  const Outcome two = run(two_args, dir);
+  ASSERT_EQ(two.status, 0) << two.output;
+  auto count = [](const std::string& text, const std::string& what) {
+    std::size_t n = 0;
+    for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count(two.output, "\n== ["), 2u) << "one voice:\n" << two.output;
+  EXPECT_EQ(count(two.output, "step 3/3"), 2u) << two.output;
+  const nlohmann::json a = nlohmann::json::parse(slurp(dir + "/one/result.json"));
+  const nlohmann::json b = nlohmann::json::parse(slurp(dir + "/two/result.json"));
+  EXPECT_EQ(a["data_parallel_ranks"], 1);
+  EXPECT_EQ(b["data_parallel_ranks"], 2);
+  ASSERT_EQ(b["mechanisms"].size(), 2u);
+  for (std::size_t m = 0; m < 2; ++m) {
+    const double la = a["mechanisms"][m]["final_eval"]["eval_loss"].get<double>();
+    const double lb = b["mechanisms"][m]["final_eval"]["eval_loss"].get<double>();
+    EXPECT_NEAR(lb, la, 1e-4 * std::abs(la)) << b["mechanisms"][m]["label"];
   }
   winnow::train::remove_tree(dir);
 }

@@ -1,0 +1,72 @@
+// The gradient buckets of data-parallel training (train/distributed.h), in one process: a world
+// of one over gloo sums nothing, so what comes back must be exactly the gradients an ordinary
+// backward pass accumulates, whatever the bucketing. Two ranks against one process:
+// Cli.DataParallelTrainingMatchesOneProcessAndResumesOnAnotherWorldSize.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "train/distributed.h"
+
+namespace {
+namespace fs = std::filesystem;
+using winnow::train::Collective;
+using winnow::train::GradientBuckets;
+using winnow::train::WorldInfo;
+
+torch::Tensor loss_of(const std::vector<torch::Tensor>& p, const torch::Tensor& x) {
+  // p[2] takes no part (an unused parameter); p[3] is frozen; p[0] is used twice.
+  const torch::Tensor h = torch::tanh(x.matmul(p[0]) + p[1]);
+  return (h.matmul(p[4]).sin().sum() + (h * p[3]).sum() + (x.matmul(p[0])).pow(2).mean());
+}
+
+TEST(GradientBuckets, WorldOfOneGivesTheOrdinaryGradientsWithAccumulationAndUnusedParameters) {
+  if (!winnow::train::gloo_available()) GTEST_SKIP() << "this LibTorch has no gloo process group";
+  const fs::path store = fs::temp_directory_path() / ("winnow_buckets_" + std::to_string(::getpid()));
+  fs::remove(store);
+  ::setenv("WINNOW_STORE_FILE", store.c_str(), 1);
+  torch::manual_seed(3);
+  auto make = [] {
+    std::vector<torch::Tensor> p = {torch::randn({5, 9}), torch::randn({9}), torch::randn({4}),
+                                    torch::randn({9}), torch::randn({9, 700})};
+    for (std::size_t i = 0; i < p.size(); ++i) p[i].set_requires_grad(i != 3);
+    return p;
+  };
+  std::vector<torch::Tensor> bucketed = make();
+  std::vector<torch::Tensor> plain;
+  for (const auto& t : bucketed) plain.push_back(t.detach().clone().set_requires_grad(t.requires_grad()));
+
+  WorldInfo one;
+  Collective collective(one, torch::Device(torch::kCPU));
+  EXPECT_EQ(collective.backend(), "gloo");
+  // 8 KiB buckets: p[4] (25 KiB) alone, the small ones together.
+  GradientBuckets buckets(collective, bucketed, 8 << 10);
+  EXPECT_EQ(buckets.buckets(), 2u);
+  for (int step = 0; step < 2; ++step) {
+    for (auto* set : {&bucketed, &plain}) {
+      for (auto& t : *set) t.mutable_grad() = torch::Tensor();
+    }
+    for (int micro = 0; micro < 3; ++micro) {
+      const torch::Tensor x = torch::randn({6, 5});
+      loss_of(plain, x).backward();
+      if (micro == 2) buckets.arm();
+      loss_of(bucketed, x).backward();
+    }
+    buckets.finish();
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+      ASSERT_EQ(bucketed[i].grad().defined(), plain[i].grad().defined()) << "parameter " << i;
+      if (plain[i].grad().defined()) {
+        EXPECT_TRUE(torch::allclose(bucketed[i].grad(), plain[i].grad(), 1e-6, 1e-6)) << "parameter " << i;
+      }
+    }
+    EXPECT_FALSE(bucketed[2].grad().defined()) << "unused: no gradient";
+    EXPECT_FALSE(bucketed[3].grad().defined()) << "frozen: no gradient";
+  }
+  ::unsetenv("WINNOW_STORE_FILE");
+  fs::remove(store);
+}
+
+}  // namespace
