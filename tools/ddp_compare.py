@@ -37,6 +37,7 @@ def load(study_dir: Path):
             "train_seconds": m["train_seconds"],
             "measure": measure,
             "by_length": {str(p["length"]): p[measure] for p in m["results"]},
+            "exact_match_by_length": {str(p["length"]): p.get("exact_match") for p in m["results"]},
             "final_eval_loss": m["final_eval"].get("eval_loss"),
         }
     return result.get("data_parallel_ranks", 1), result.get("device"), rows

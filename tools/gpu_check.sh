@@ -240,6 +240,23 @@ for stage in "${stages[@]}"; do
           [[ -f "$m" ]] && cp "$m" "$OUT/ddp-study-$n-$(basename "$(dirname "$m")")-metrics.jsonl"
         done
       done
+      # The same steps on one GPU and on N (float32, CUDA graphs on, small buckets so that
+      # several all-reduces start from the backward pass): losses at every step side by side.
+      for n in 1 "$gpus"; do
+        ranks=(); [[ $n -gt 1 ]] && ranks=(--gpus "$n")
+        "$BUILD/apps/winnow" train --config configs/toy/stick_breaking.json --fresh "${ranks[@]}" \
+          --set train.dtype=float32 --set train.steps=60 --set train.log_every=1 --set train.eval_every=0 \
+          --set train.bucket_mb=0.25 --set train.out_dir="runs/ddp-steps-$n" > "$OUT/ddp-steps-$n.log" 2>&1 || rc=1
+      done
+      python3 - "$gpus" <<'PY' | tee "$OUT/ddp-steps.txt"
+import json, sys
+def losses(n):
+    return [json.loads(l)["loss"] for l in open(f"runs/ddp-steps-{n}/metrics.jsonl") if '"loss"' in l and '"train"' in l]
+a, b = losses(1), losses(sys.argv[1])
+worst = max(abs(x - y) / abs(x) for x, y in zip(a, b)) if a and len(a) == len(b) else float("nan")
+print(f"toy stick-breaking, float32, 60 steps: one GPU vs {sys.argv[1]}: {len(a)} / {len(b)} logged losses, "
+      f"largest relative difference {worst:.2e} (first {a[0]:.6f} / {b[0]:.6f}, last {a[-1]:.6f} / {b[-1]:.6f})")
+PY
       # One GPU with a rank's share of the batch: the speed-up that free communication would give.
       batch=$("$BUILD/apps/winnow" study studies/mqrar.json --print | python3 -c "import json,sys; print(json.load(sys.stdin)['base']['train']['batch_size'])")
       "$BUILD/apps/winnow" study studies/mqrar.json --only "${DDP_ONLY:-Stick-breaking}" --fresh --quiet \
@@ -253,6 +270,9 @@ for stage in "${stages[@]}"; do
       torchrun --standalone --nproc-per-node "$gpus" examples/python_ddp/train_ddp.py --device cuda \
         --json "$OUT/ddp-example-$gpus.json" > "$OUT/ddp-example-$gpus.log" 2>&1 || rc=1
       tail -n 2 "$OUT/ddp-example-1.log" "$OUT/ddp-example-$gpus.log"
+      # A call brings back only a few files: the logs and the studies' own results travel as one.
+      (cd "$OUT" && tar czf ddp-logs.tar.gz ddp-study-* ddp-steps* ddp-share.log ddp-example-*.log 2>/dev/null \
+        && rm -f ddp-study-* ddp-steps* ddp-share.log ddp-example-*.log)
       note "ddp: rc $rc ($(( $(date +%s) - start )) s)"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
