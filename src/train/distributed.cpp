@@ -220,102 +220,147 @@ Collective::~Collective() = default;
 
 GradientBuckets::GradientBuckets(Collective& collective, const std::vector<torch::Tensor>& params,
                                  std::int64_t bucket_bytes)
-    : collective_(collective) {
-  // DistributedDataParallel's first bucket is small too: the last layers' gradients, ready
-  // first, start travelling while the rest of the backward pass runs.
-  const std::int64_t first_cap = std::min<std::int64_t>(bucket_bytes, std::int64_t{1} << 20);
+    : collective_(collective), bucket_bytes_(bucket_bytes) {
+  for (const auto& p : params) {
+    if (p.requires_grad()) params_.push_back(p);
+  }
+  std::vector<std::size_t> reversed;
+  for (std::size_t i = params_.size(); i-- > 0;) reversed.push_back(i);
+  build(reversed);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    hooks_.push_back(params_[i].register_hook([this, i](const torch::Tensor& grad) { on_gradient(i, grad); }));
+  }
+}
+
+GradientBuckets::~GradientBuckets() {
+  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].remove_hook(hooks_[i]);
+}
+
+void GradientBuckets::build(const std::vector<std::size_t>& order) {
+  // DistributedDataParallel's first bucket is small too: the gradients that are ready first
+  // start travelling while the rest of the backward pass runs.
+  const std::int64_t first_cap = std::min<std::int64_t>(bucket_bytes_, std::int64_t{1} << 20);
+  slots_.clear();
+  buckets_.clear();
+  slot_of_.assign(params_.size(), 0);
   std::vector<std::int64_t> sizes;  // elements per bucket
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    const torch::Tensor& p = *it;
-    if (!p.requires_grad()) continue;
+  for (std::size_t i : order) {
+    const torch::Tensor& p = params_[i];
     const std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
     bool open_new = buckets_.empty();
     if (!open_new) {
-      const Bucket& b = buckets_.back();
-      const Slot& last = slots_[b.slots.back()];
-      const std::int64_t cap = buckets_.size() == 1 ? first_cap : bucket_bytes;
-      const std::int64_t used = sizes.back() * static_cast<std::int64_t>(last.param.element_size());
-      open_new = last.param.scalar_type() != p.scalar_type() || last.param.device() != p.device() ||
-                 used + bytes > cap;
+      const torch::Tensor& last = params_[slots_[buckets_.back().slots.back()].param];
+      const std::int64_t cap = buckets_.size() == 1 ? first_cap : bucket_bytes_;
+      const std::int64_t used = sizes.back() * static_cast<std::int64_t>(last.element_size());
+      open_new = last.scalar_type() != p.scalar_type() || last.device() != p.device() || used + bytes > cap;
     }
     if (open_new) {
       buckets_.emplace_back();
       sizes.push_back(0);
     }
     Slot s;
-    s.param = p;
+    s.param = i;
     s.bucket = buckets_.size() - 1;
     s.offset = sizes.back();
     sizes.back() += p.numel();
+    slot_of_[i] = slots_.size();
     buckets_.back().slots.push_back(slots_.size());
     slots_.push_back(s);
   }
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    const torch::Tensor& first = slots_[buckets_[b].slots.front()].param;
+    const torch::Tensor& first = params_[slots_[buckets_[b].slots.front()].param];
     buckets_[b].flat = torch::zeros({sizes[b]}, first.options().requires_grad(false));
     buckets_[b].waiting = buckets_[b].slots.size();
   }
-  for (std::size_t i = 0; i < slots_.size(); ++i) {
-    torch::Tensor p = slots_[i].param;
-    hooks_.push_back(p.register_hook([this, i](const torch::Tensor& grad) { on_gradient(i, grad); }));
-  }
+  next_to_start_ = 0;
 }
 
-GradientBuckets::~GradientBuckets() {
-  for (std::size_t i = 0; i < slots_.size(); ++i) slots_[i].param.remove_hook(hooks_[i]);
+std::vector<std::size_t> GradientBuckets::order() const {
+  std::vector<std::size_t> o;
+  for (const Slot& s : slots_) o.push_back(s.param);
+  return o;
 }
 
 torch::Tensor GradientBuckets::slice(const Slot& s) const {
-  return buckets_[s.bucket].flat.narrow(0, s.offset, s.param.numel()).view(s.param.sizes());
+  const torch::Tensor& p = params_[s.param];
+  return buckets_[s.bucket].flat.narrow(0, s.offset, p.numel()).view(p.sizes());
 }
 
 void GradientBuckets::arm() { armed_ = true; }
 
-void GradientBuckets::on_gradient(std::size_t i, const torch::Tensor& grad) {
+void GradientBuckets::on_gradient(std::size_t param, const torch::Tensor& grad) {
   if (!armed_ || !grad.defined()) return;
-  Slot& s = slots_[i];
+  Slot& s = slots_[slot_of_[param]];
   if (s.filled) {
     throw Error(ErrorKind::runtime, "winnow: a parameter's gradient arrived twice in one backward pass");
   }
-  torch::Tensor dst = slice(s);
-  dst.copy_(grad);
-  // The micro-batches before this one accumulated into .grad; this one's gradient joins them
-  // here rather than after the bucket has left.
-  if (s.param.grad().defined()) dst.add_(s.param.grad());
+  if (!rebuilt_) arrivals_.push_back(param);
   s.filled = true;
-  if (--buckets_[s.bucket].waiting == 0) start_ready();
+  if (--buckets_[s.bucket].waiting == 0) start_ready(param, grad);
 }
 
-void GradientBuckets::start_ready() {
+void GradientBuckets::start_ready(std::size_t param, const torch::Tensor& arriving) {
   while (next_to_start_ < buckets_.size() && buckets_[next_to_start_].waiting == 0) {
     Bucket& b = buckets_[next_to_start_++];
+    // One concatenation into the buffer rather than a copy kernel per parameter. Autograd has
+    // already added each earlier gradient into .grad (with the earlier micro-batches'); the one
+    // arriving now joins its .grad here.
+    std::vector<torch::Tensor> pieces;
+    for (std::size_t i : b.slots) {
+      const Slot& s = slots_[i];
+      const torch::Tensor& p = params_[s.param];
+      torch::Tensor g;
+      if (arriving.defined() && s.param == param) {
+        g = p.grad().defined() ? arriving + p.grad() : arriving;
+      } else if (p.grad().defined()) {
+        g = p.grad();
+      } else {
+        g = torch::zeros_like(p);  // no gradient on this pass (finish)
+      }
+      pieces.push_back(g.to(b.flat.scalar_type()).reshape(-1));
+    }
+    at::cat_out(b.flat, pieces, 0);
     b.pending = collective_.start_sum(b.flat);
   }
 }
 
 void GradientBuckets::finish() {
   armed_ = false;
-  for (std::size_t b = next_to_start_; b < buckets_.size(); ++b) {
-    for (std::size_t i : buckets_[b].slots) {
-      Slot& s = slots_[i];
-      if (s.filled) continue;
-      torch::Tensor dst = slice(s);
-      if (s.param.grad().defined()) {
-        dst.copy_(s.param.grad());
-      } else {
-        dst.zero_();
-      }
-    }
-    buckets_[b].waiting = 0;
-  }
+  std::vector<bool> computed(params_.size(), false);
+  for (const Slot& s : slots_) computed[s.param] = s.filled || params_[s.param].grad().defined();
+  for (std::size_t b = next_to_start_; b < buckets_.size(); ++b) buckets_[b].waiting = 0;
   start_ready();
   for (Bucket& b : buckets_) b.pending.wait();
   for (Slot& s : slots_) {
-    if (s.filled || s.param.grad().defined()) s.param.mutable_grad() = slice(s);
+    torch::Tensor p = params_[s.param];
+    if (computed[s.param]) p.mutable_grad() = slice(s);
     s.filled = false;
   }
   for (Bucket& b : buckets_) b.waiting = b.slots.size();
   next_to_start_ = 0;
+  if (rebuilt_) return;
+  // Rebuild in the order the gradients arrived (those that never did last), as rank 0 saw it:
+  // the order travels as a sum to which the other ranks add zeros.
+  rebuilt_ = true;
+  std::vector<std::size_t> order = arrivals_;
+  std::vector<bool> seen(params_.size(), false);
+  for (std::size_t i : order) seen[i] = true;
+  for (std::size_t i = params_.size(); i-- > 0;) {
+    if (!seen[i]) order.push_back(i);
+  }
+  torch::Tensor shared = torch::zeros({static_cast<std::int64_t>(order.size())},
+                                      torch::TensorOptions().dtype(torch::kInt64));
+  if (collective_.rank() == 0) {
+    for (std::size_t k = 0; k < order.size(); ++k) shared[static_cast<std::int64_t>(k)] = static_cast<std::int64_t>(order[k]);
+  }
+  if (collective_.world() > 1) {
+    torch::Tensor on_device = shared.to(params_.empty() ? torch::Device(torch::kCPU) : params_[0].device());
+    collective_.sum({on_device});
+    shared = on_device.cpu();
+  }
+  for (std::size_t k = 0; k < order.size(); ++k) order[k] = static_cast<std::size_t>(shared[static_cast<std::int64_t>(k)].item<std::int64_t>());
+  if (order != this->order()) build(order);
+  arrivals_.clear();
 }
 
 }  // namespace winnow::train

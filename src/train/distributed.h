@@ -82,13 +82,17 @@ class Collective {
 };
 
 // Sums a model's gradients over the ranks in buckets, started while the backward pass is still
-// computing the gradients of earlier layers (DistributedDataParallel's scheme): the parameters
-// are packed in reverse order of registration (roughly the order backward reaches them) into
-// flat buffers of at most `bucket_bytes` (the first one smaller, so communication starts
-// early); a hook on each parameter copies its gradient into its bucket, and a bucket whose
-// gradients are all in starts its all-reduce, buckets always in the same order on every rank.
-// The buffers live as long as this object, so a captured CUDA graph replays into the same
-// memory. Parameters that do not train are left out.
+// computing the gradients of earlier layers (DistributedDataParallel's scheme). The parameters
+// are packed into flat buffers of at most `bucket_bytes` (the first one smaller, so that
+// communication starts early): at first in reverse order of registration, and from the second
+// step on in the order their gradients arrived in the first (rank 0's order, so that every
+// rank has the same buckets). A hook on each parameter notes its gradient's arrival; when a
+// bucket's gradients are all in, one concatenation writes them into its buffer (from .grad,
+// where autograd has put them, and the arriving one from the hook) and its all-reduce starts,
+// buckets always in the same order on every rank. The hooks keep no reference to a gradient:
+// autograd would then copy it into .grad instead of taking it. The buffers live until the next
+// rebuild, so a CUDA graph captured after it replays into the same memory. Parameters that
+// do not train are left out.
 class GradientBuckets {
  public:
   GradientBuckets(Collective& collective, const std::vector<torch::Tensor>& params, std::int64_t bucket_bytes);
@@ -101,16 +105,19 @@ class GradientBuckets {
   void arm();
   // After that backward pass: starts the buckets still waiting (parameters that got no
   // gradient add zeros), waits for all of them, and points every gradient that was computed at
-  // its summed slice. A parameter no rank computed a gradient for keeps none.
+  // its summed slice. A parameter that got no gradient keeps none (every rank runs the same
+  // model, so none got one). After the first call the buckets are rebuilt in arrival order.
   void finish();
   std::size_t buckets() const { return buckets_.size(); }
+  // The trainable parameters in bucket order, as indices among them (in the order given).
+  std::vector<std::size_t> order() const;
 
  private:
   struct Slot {
-    torch::Tensor param;
+    std::size_t param = 0;  // index into params_
     std::size_t bucket = 0;
     std::int64_t offset = 0;
-    bool filled = false;
+    bool filled = false;  // its gradient arrived in this pass
   };
   struct Bucket {
     torch::Tensor flat;
@@ -118,14 +125,22 @@ class GradientBuckets {
     std::size_t waiting = 0;
     Collective::Pending pending;
   };
-  void on_gradient(std::size_t slot, const torch::Tensor& grad);
-  void start_ready();
+  void build(const std::vector<std::size_t>& order);
+  void on_gradient(std::size_t param, const torch::Tensor& grad);
+  // Starts the buckets that are complete, in order; `arriving` is the gradient of `param` that
+  // a hook holds right now (not in .grad yet), or undefined.
+  void start_ready(std::size_t param = 0, const torch::Tensor& arriving = {});
   torch::Tensor slice(const Slot& s) const;
 
   Collective& collective_;
+  std::int64_t bucket_bytes_;
+  std::vector<torch::Tensor> params_;  // the trainable ones
+  std::vector<unsigned> hooks_;        // by param
+  std::vector<std::size_t> slot_of_;   // by param
   std::vector<Slot> slots_;
   std::vector<Bucket> buckets_;
-  std::vector<unsigned> hooks_;
+  std::vector<std::size_t> arrivals_;  // params in the order the first armed pass gave them
+  bool rebuilt_ = false;
   std::size_t next_to_start_ = 0;
   bool armed_ = false;
 };

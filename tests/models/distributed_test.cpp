@@ -42,9 +42,19 @@ TEST(GradientBuckets, WorldOfOneGivesTheOrdinaryGradientsWithAccumulationAndUnus
   WorldInfo one;
   Collective collective(one, torch::Device(torch::kCPU));
   EXPECT_EQ(collective.backend(), "gloo");
-  // 8 KiB buckets: p[4] (25 KiB) alone, the small ones together.
+  // 8 KiB buckets: p[4] (25 KiB) alone, the small ones together. Trainable: p[0], p[1], p[2],
+  // p[4], numbered 0 to 3 in the buckets' order; first in reverse.
   GradientBuckets buckets(collective, bucketed, 8 << 10);
   EXPECT_EQ(buckets.buckets(), 2u);
+  EXPECT_EQ(buckets.order(), (std::vector<std::size_t>{3, 2, 1, 0}));
+  // The order in which autograd delivers the gradients, seen on the plain copies.
+  std::vector<std::size_t> arrivals;
+  const std::size_t trainable_index[] = {0, 1, 2, 0, 3};
+  for (std::size_t i : {0, 1, 2, 4}) {
+    plain[i].register_hook([&arrivals, &trainable_index, i](const torch::Tensor&) {
+      if (arrivals.size() < 3) arrivals.push_back(trainable_index[i]);
+    });
+  }
   for (int step = 0; step < 2; ++step) {
     for (auto* set : {&bucketed, &plain}) {
       for (auto& t : *set) t.mutable_grad() = torch::Tensor();
@@ -64,6 +74,12 @@ TEST(GradientBuckets, WorldOfOneGivesTheOrdinaryGradientsWithAccumulationAndUnus
     }
     EXPECT_FALSE(bucketed[2].grad().defined()) << "unused: no gradient";
     EXPECT_FALSE(bucketed[3].grad().defined()) << "frozen: no gradient";
+    if (step == 0) {
+      // Rebuilt after the first step: arrival order, the unused parameter last.
+      ASSERT_EQ(arrivals.size(), 3u);
+      const std::vector<std::size_t> expected = {arrivals[0], arrivals[1], arrivals[2], 2};
+      EXPECT_EQ(buckets.order(), expected);
+    }
   }
   ::unsetenv("WINNOW_STORE_FILE");
   fs::remove(store);
