@@ -267,6 +267,8 @@ void GradientBuckets::build(const std::vector<std::size_t>& order) {
     buckets_.back().slots.push_back(slots_.size());
     slots_.push_back(s);
   }
+  report_offset_ = sizes.empty() ? 0 : sizes.back();
+  if (!sizes.empty()) sizes.back() += report_room_;  // the report's room survives a rebuild
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     const torch::Tensor& first = params_[slots_[buckets_[b].slots.front()].param];
     buckets_[b].flat = torch::zeros({sizes[b]}, first.options().requires_grad(false));
@@ -286,7 +288,23 @@ torch::Tensor GradientBuckets::slice(const Slot& s) const {
   return buckets_[s.bucket].flat.narrow(0, s.offset, p.numel()).view(p.sizes());
 }
 
-void GradientBuckets::arm() { armed_ = true; }
+bool GradientBuckets::arm(const std::vector<torch::Tensor>& report) {
+  armed_ = true;
+  report_.clear();
+  if (buckets_.empty()) return report.empty();
+  Bucket& last = buckets_.back();
+  for (const auto& r : report) {
+    if (r.scalar_type() != last.flat.scalar_type() || r.numel() != 1 || r.device() != last.flat.device()) return false;
+  }
+  report_ = report;
+  // Room for the report after the gradients; resized only when the count changes (the first
+  // armed step of a phase), never inside a captured step.
+  report_room_ = static_cast<std::int64_t>(report_.size());
+  if (last.flat.numel() != report_offset_ + report_room_) {
+    last.flat = torch::zeros({report_offset_ + report_room_}, last.flat.options());
+  }
+  return true;
+}
 
 void GradientBuckets::on_gradient(std::size_t param, const torch::Tensor& grad) {
   if (!armed_ || !grad.defined()) return;
@@ -319,6 +337,9 @@ void GradientBuckets::start_ready(std::size_t param, const torch::Tensor& arrivi
       }
       pieces.push_back(g.to(b.flat.scalar_type()).reshape(-1));
     }
+    if (&b == &buckets_.back()) {
+      for (const auto& r : report_) pieces.push_back(r.reshape(-1));
+    }
     at::cat_out(b.flat, pieces, 0);
     b.pending = collective_.start_sum(b.flat);
   }
@@ -331,6 +352,10 @@ void GradientBuckets::finish() {
   for (std::size_t b = next_to_start_; b < buckets_.size(); ++b) buckets_[b].waiting = 0;
   start_ready();
   for (Bucket& b : buckets_) b.pending.wait();
+  for (std::size_t k = 0; k < report_.size(); ++k) {
+    report_[k].copy_(buckets_.back().flat.narrow(0, report_offset_ + static_cast<std::int64_t>(k), 1).view_as(report_[k]));
+  }
+  report_.clear();
   for (Slot& s : slots_) {
     torch::Tensor p = params_[s.param];
     if (computed[s.param]) p.mutable_grad() = slice(s);

@@ -101,8 +101,11 @@ class GradientBuckets {
   GradientBuckets& operator=(const GradientBuckets&) = delete;
 
   // The next backward pass (a step's last micro-batch; earlier ones accumulate as usual) feeds
-  // the buckets.
-  void arm();
+  // the buckets. `report`: scalars (the step's loss and auxiliary losses) to travel in the last
+  // bucket, after the gradients, rather than in an all-reduce of their own; finish() writes
+  // their sums back into them. Returns false when they cannot (a dtype other than the last
+  // bucket's, or no bucket): the caller sums them itself.
+  bool arm(const std::vector<torch::Tensor>& report = {});
   // After that backward pass: starts the buckets still waiting (parameters that got no
   // gradient add zeros), waits for all of them, and points every gradient that was computed at
   // its summed slice. A parameter that got no gradient keeps none (every rank runs the same
@@ -134,6 +137,9 @@ class GradientBuckets {
 
   Collective& collective_;
   std::int64_t bucket_bytes_;
+  std::vector<torch::Tensor> report_;  // armed with the last bucket
+  std::int64_t report_offset_ = 0;     // where they sit in its buffer, after the gradients
+  std::int64_t report_room_ = 0;       // how many the last bucket has room for
   std::vector<torch::Tensor> params_;  // the trainable ones
   std::vector<unsigned> hooks_;        // by param
   std::vector<std::size_t> slot_of_;   // by param

@@ -579,6 +579,7 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
   const std::int64_t micro = t.batch_size / world_.world / t.grad_accum;
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(device_));
   std::map<std::string, torch::Tensor> aux_sums;
+  std::vector<torch::Tensor> reported;  // summed over the ranks apart from the gradients
   for (std::int64_t m = 0; m < t.grad_accum; ++m) {
     PhaseScope copy(profile, "winnow.step.copy", device_);
     const tasks::Batch mb = to_device(rows(batch, m * micro, micro), device_);
@@ -616,7 +617,12 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
       loss_sum = loss_sum + loss.detach();
     }
     PhaseScope backward(profile, "winnow.step.backward", device_);
-    if (gradient_buckets_ && m + 1 == t.grad_accum) gradient_buckets_->arm();
+    if (gradient_buckets_ && m + 1 == t.grad_accum) {
+      // The step's report rides in the last bucket when it can.
+      reported = {loss_sum};
+      for (auto& [name, value] : aux_sums) reported.push_back(value);
+      if (gradient_buckets_->arm(reported)) reported.clear();
+    }
     if (total.requires_grad()) total.backward();
   }
   if (gradient_buckets_) {
@@ -624,9 +630,7 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
     // gradients gives the whole batch's gradient.
     PhaseScope reduce(profile, "winnow.step.all_reduce", device_);
     gradient_buckets_->finish();
-    std::vector<torch::Tensor> reported = {loss_sum};
-    for (auto& [name, value] : aux_sums) reported.push_back(value);
-    collective_->sum(reported);
+    if (!reported.empty()) collective_->sum(reported);
   }
 
   PhaseScope clip(profile, "winnow.step.clip", device_);

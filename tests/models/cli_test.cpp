@@ -286,11 +286,21 @@ TEST(Cli, DataParallelTrainingMatchesOneProcessAndResumesOnAnotherWorldSize) {
     }
   };
   expect_close(load(dir + "/two"), load(dir + "/one"));
-  // One metrics log with one record per logged step.
-  std::ifstream metrics(dir + "/two/metrics.jsonl");
-  int train_records = 0;
-  for (std::string line; std::getline(metrics, line);) train_records += line.find("\"train\"") != std::string::npos;
-  EXPECT_EQ(train_records, 4);
+  // One metrics log with one record per logged step, and the losses one process logged: the
+  // ranks' report is summed too.
+  auto logged_losses = [&](const std::string& out) {
+    std::ifstream metrics(out + "/metrics.jsonl");
+    std::vector<double> losses;
+    for (std::string line; std::getline(metrics, line);) {
+      const nlohmann::json record = nlohmann::json::parse(line);
+      if (record.value("event", "") == "train") losses.push_back(record["loss"].get<double>());
+    }
+    return losses;
+  };
+  const std::vector<double> one_losses = logged_losses(dir + "/one"), two_losses = logged_losses(dir + "/two");
+  ASSERT_EQ(two_losses.size(), 4u);
+  ASSERT_EQ(one_losses.size(), 4u);
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_NEAR(two_losses[i], one_losses[i], 1e-4 * one_losses[i]) << "log " << i;
 
   // Two ranks for 4 steps, then one process from their checkpoint to step 8.
   const std::vector<Outcome> half = run_ranks(dir + "/switch", 4, "half");

@@ -59,13 +59,20 @@ TEST(GradientBuckets, WorldOfOneGivesTheOrdinaryGradientsWithAccumulationAndUnus
     for (auto* set : {&bucketed, &plain}) {
       for (auto& t : *set) t.mutable_grad() = torch::Tensor();
     }
+    const torch::Tensor reported = torch::full({}, 2.5 + step), other = torch::full({}, -7.0);
     for (int micro = 0; micro < 3; ++micro) {
       const torch::Tensor x = torch::randn({6, 5});
       loss_of(plain, x).backward();
-      if (micro == 2) buckets.arm();
+      if (micro == 2) {
+        // Report values ride in the last bucket (not a float64 one: the buckets hold float32).
+        EXPECT_FALSE(buckets.arm({reported, torch::zeros({}, torch::kFloat64)}));
+        EXPECT_TRUE(buckets.arm({reported, other}));
+      }
       loss_of(bucketed, x).backward();
     }
     buckets.finish();
+    EXPECT_EQ(reported.item<float>(), 2.5f + static_cast<float>(step)) << "summed over a world of one";
+    EXPECT_EQ(other.item<float>(), -7.0f);
     for (std::size_t i = 0; i < plain.size(); ++i) {
       ASSERT_EQ(bucketed[i].grad().defined(), plain[i].grad().defined()) << "parameter " << i;
       if (plain[i].grad().defined()) {
