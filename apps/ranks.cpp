@@ -100,7 +100,6 @@ void launch_ranks(const std::string& command, int count, const std::vector<std::
   }
 }
 
-
 void add_rank_options(CLI::App& cmd, int& gpus, int& processes) {
   cmd.add_option("--gpus", gpus,
                  "data-parallel over this many GPUs of this machine: starts one process per GPU "

@@ -6,7 +6,6 @@
 #include "study/study.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -108,8 +107,7 @@ void add_study(CLI::App& app) {
       return launch_ranks("study", ranks, rest);
     }
     // One voice for a data-parallel study: rank 0's (errors still reach stderr).
-    if (const char* rank = std::getenv("RANK"); rank != nullptr && std::string(rank) != "0" &&
-                                                std::getenv("WORLD_SIZE") != nullptr) {
+    if (train::world_from_environment().rank != 0) {
       if (std::freopen("/dev/null", "w", stdout) == nullptr) std::fclose(stdout);
     }
     std::printf("study %s (%s profile): %zu mechanisms, output in %s\n", s.name.c_str(),

@@ -15,7 +15,6 @@
 
 #include <unistd.h>
 
-
 #include <torch/version.h>
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
 // LibTorch's profiler (Kineto) as it is from 2.4 on: kernel times per phase of a step.

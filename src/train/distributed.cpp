@@ -150,9 +150,9 @@ Collective::Collective(const WorldInfo& info, torch::Device device)
   // NCCL creates its communicator at the first collective, which must not be inside a capture.
   torch::Tensor probe = torch::ones({1}, torch::TensorOptions().device(device));
   group_->allreduce(probe)->wait();
-  if (probe.item<float>() != static_cast<float>(info.world)) {
+  if (const float summed = probe.item<float>(); summed != static_cast<float>(info.world)) {
     throw Error(ErrorKind::runtime, "winnow: the first all-reduce over " + std::to_string(info.world) +
-                                        " ranks (" + backend_ + ") summed to " + std::to_string(probe.item<float>()));
+                                        " ranks (" + backend_ + ") summed to " + std::to_string(summed));
   }
 }
 
@@ -373,17 +373,15 @@ void GradientBuckets::finish() {
   for (std::size_t i = params_.size(); i-- > 0;) {
     if (!seen[i]) order.push_back(i);
   }
-  torch::Tensor shared = torch::zeros({static_cast<std::int64_t>(order.size())},
-                                      torch::TensorOptions().dtype(torch::kInt64));
-  if (collective_.rank() == 0) {
-    for (std::size_t k = 0; k < order.size(); ++k) shared[static_cast<std::int64_t>(k)] = static_cast<std::int64_t>(order[k]);
+  if (collective_.world() > 1 && !params_.empty()) {
+    std::vector<std::int64_t> mine(order.size(), 0);
+    if (collective_.rank() == 0) std::copy(order.begin(), order.end(), mine.begin());
+    torch::Tensor shared = torch::tensor(mine, torch::TensorOptions().dtype(torch::kInt64)).to(params_[0].device());
+    collective_.sum({shared});
+    shared = shared.cpu();
+    const std::int64_t* summed = shared.data_ptr<std::int64_t>();
+    for (std::size_t k = 0; k < order.size(); ++k) order[k] = static_cast<std::size_t>(summed[k]);
   }
-  if (collective_.world() > 1) {
-    torch::Tensor on_device = shared.to(params_.empty() ? torch::Device(torch::kCPU) : params_[0].device());
-    collective_.sum({on_device});
-    shared = on_device.cpu();
-  }
-  for (std::size_t k = 0; k < order.size(); ++k) order[k] = static_cast<std::size_t>(shared[static_cast<std::int64_t>(k)].item<std::int64_t>());
   if (order != this->order()) build(order);
   arrivals_.clear();
 }

@@ -269,9 +269,7 @@ ExperimentConfig resolved(ExperimentConfig c) {
   resolve(c);
   return c;
 }
-}  // namespace
 
-namespace {
 // A data-parallel rank's GPU is its local rank's.
 torch::Device rank_device(torch::Device device, const WorldInfo& world) {
   if (!device.is_cuda() || !world.distributed()) return device;
