@@ -3,6 +3,7 @@
 // layer kind at a few sequence lengths, fused operators beside the composed LibTorch
 // expressions; the measurement the models issue asks for on an H100.
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -134,7 +135,7 @@ std::vector<std::string> split(const std::string& text) {
 // in (the waits at phase ends make that exact). Prints a table; returns it as JSON.
 nlohmann::json profile_steps(train::Trainer& trainer, std::int64_t steps, double free_ms_per_step) {
   train::StepProfile profile;
-  std::map<std::string, std::pair<double, std::int64_t>> kernel_ns_by_phase, kernel_ns_by_name;
+  std::map<std::string, std::pair<double, std::int64_t>> kernel_ns_by_phase, kernel_ns_by_name, kernel_ns_by_caller;
   bool kernel_times = false;
 #ifdef WINNOW_KERNEL_PROFILE
   namespace prof = torch::profiler::impl;
@@ -169,9 +170,41 @@ nlohmann::json profile_steps(train::Trainer& trainer, std::int64_t steps, double
         spans.push_back({name.substr(prefix.size()), e.startNs(), e.endNs()});
       }
     }
+    // Which operation launched each kernel: the kernel's linked correlation id is that of the
+    // innermost CPU operation around its launch; the outermost operation around that one (a
+    // module's aten::linear, an autograd node) says what it was for.
+    struct CpuOp {
+      std::string name;
+      std::uint64_t start, end, thread;
+    };
+    std::map<std::uint64_t, CpuOp> cpu_ops;
+    std::vector<CpuOp> callers;
+    for (const auto& e : result->events()) {
+      if (e.deviceType() != c10::DeviceType::CPU || e.name().rfind(prefix, 0) == 0) continue;
+      CpuOp op{e.name(), e.startNs(), e.endNs(), e.startThreadId()};
+      if (e.correlationId() != 0) cpu_ops[e.correlationId()] = op;
+      callers.push_back(op);
+    }
+    const auto caller_of = [&](const CpuOp& inner) {
+      const CpuOp* outer = &inner;
+      for (const CpuOp& c : callers) {
+        if (c.thread == inner.thread && c.start <= inner.start && c.end >= inner.end &&
+            c.end - c.start > outer->end - outer->start) {
+          outer = &c;
+        }
+      }
+      return outer->name == inner.name ? inner.name : outer->name + " > " + inner.name;
+    };
     for (const auto& e : result->events()) {
       // The phases' own scopes come back as GPU-side ranges too; they are not work.
       if (e.deviceType() != c10::DeviceType::CUDA || e.name().rfind(prefix, 0) == 0) continue;
+      if (const auto it = cpu_ops.find(e.linkedCorrelationId()); it != cpu_ops.end()) {
+        std::string kernel = e.name();
+        if (kernel.size() > 60) kernel = kernel.substr(0, 60);
+        auto& c = kernel_ns_by_caller[caller_of(it->second) + " : " + kernel];
+        c.first += static_cast<double>(e.durationNs());
+        c.second += 1;
+      }
       std::string phase = "outside the phases";
       for (const Span& s : spans) {
         if (e.startNs() >= s.start && e.startNs() < s.end) phase = s.phase;
@@ -244,6 +277,15 @@ nlohmann::json profile_steps(train::Trainer& trainer, std::int64_t steps, double
                   static_cast<double>(k.second) / n);
     }
     out["top_gpu_ops"] = kernels;
+    std::vector<std::pair<std::string, std::pair<double, std::int64_t>>> by_caller(kernel_ns_by_caller.begin(),
+                                                                                   kernel_ns_by_caller.end());
+    std::sort(by_caller.begin(), by_caller.end(),
+              [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+    nlohmann::json callers_json = nlohmann::json::array();
+    for (const auto& [name, k] : by_caller) {
+      callers_json.push_back({{"caller", name}, {"ms", 1e-6 * k.first / n}, {"count", static_cast<double>(k.second) / n}});
+    }
+    out["gpu_ops_by_caller"] = callers_json;
   }
   return out;
 }

@@ -38,7 +38,26 @@ inline bool overlaps(const TensorView& a, const TensorView& b) {
   };
   const char* pa = static_cast<const char*>(a.data);
   const char* pb = static_cast<const char*>(b.data);
-  return pa < pb + extent(b) && pb < pa + extent(a);
+  if (!(pa < pb + extent(b) && pb < pa + extent(a))) return false;
+  // Interleaved rows: two views of the same layout whose rows are side by side in one buffer
+  // (the halves of a packed gate-and-up gradient) share a range but no byte. With unit column
+  // strides and every outer stride a multiple of the row stride S, a view's elements lie at
+  // residues [start, start + C) modulo S, so two views are apart when their residue intervals
+  // are.
+  const int n = a.ndim;
+  if (n < 2 || b.ndim != n || a.dtype != b.dtype || a.stride[n - 1] != 1 || b.stride[n - 1] != 1) return true;
+  const std::int64_t row = a.stride[n - 2], cols = a.shape[n - 1];
+  if (row <= 0 || b.shape[n - 1] != cols || cols > row) return true;
+  for (int d = 0; d < n - 1; ++d) {
+    if (a.stride[d] != b.stride[d] || (a.shape[d] > 1 && a.stride[d] % row != 0) ||
+        (b.shape[d] > 1 && b.stride[d] % row != 0)) {
+      return true;
+    }
+  }
+  const std::int64_t bytes = static_cast<std::int64_t>(pb - pa), size = element_size(a.dtype);
+  if (bytes % size != 0) return true;
+  const std::int64_t apart = ((bytes / size) % row + row) % row;
+  return apart < cols || row - apart < cols;
 }
 
 // The device kinds and dtypes the element-wise kernels have: float32 / float64 on the CPU, every

@@ -45,9 +45,10 @@ class DifferentialAttention final : public AttentionLayer {
 
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1), H = h_.heads, Hkv = h_.kv_heads;
-    const torch::Tensor q = q_(x).view({B, L, 2 * H, h_.head_dim});
-    const torch::Tensor k = k_(x).view({B, L, 2 * Hkv, h_.head_dim});
-    const torch::Tensor v = v_(x).view({B, L, Hkv, h_.value_dim});
+        const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
+const torch::Tensor q = qkv[0].view({B, L, 2 * H, h_.head_dim});
+    const torch::Tensor k = qkv[1].view({B, L, 2 * Hkv, h_.head_dim});
+    const torch::Tensor v = qkv[2].view({B, L, Hkv, h_.value_dim});
     const auto in = position_.prepare(q, k, v, cache);
     const torch::Tensor qv = in.q.to(in.v.scalar_type()), kv = in.k.to(in.v.scalar_type());
     auto attend = [&](const torch::Tensor& qq, const torch::Tensor& kk) {
@@ -68,7 +69,7 @@ class DifferentialAttention final : public AttentionLayer {
       probe()->record(probe_layer(), w1 - lambda.to(w1.scalar_type()) * w2, true);
     }
     const torch::Tensor o = head_norm_(o1 - lambda * o2) * (1.0 - lambda_init_);
-    return o_(o.reshape({B, L, H * h_.value_dim}));
+    return project(o.reshape({B, L, H * h_.value_dim}), {o_->weight})[0];
   }
 
  private:

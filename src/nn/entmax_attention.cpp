@@ -40,9 +40,10 @@ class EntmaxAttention final : public AttentionLayer {
 
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1);
-    const torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
-    const torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
-    const torch::Tensor v = v_(x).view({B, L, h_.kv_heads, h_.value_dim});
+        const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
+const torch::Tensor q = qkv[0].view({B, L, h_.heads, h_.head_dim});
+    const torch::Tensor k = qkv[1].view({B, L, h_.kv_heads, h_.head_dim});
+    const torch::Tensor v = qkv[2].view({B, L, h_.kv_heads, h_.value_dim});
     const auto in = position_.prepare(q, k, v, cache);
     // RoPE's scalings promote bf16 projections to float32 under autocast; the operators take
     // q, k and v in one dtype.
@@ -63,7 +64,7 @@ class EntmaxAttention final : public AttentionLayer {
                                                options_.attend_current, options_.alpha),
                       options_.attend_current);
     }
-    return o_(o.reshape({B, L, h_.heads * h_.value_dim}));
+    return project(o.reshape({B, L, h_.heads * h_.value_dim}), {o_->weight})[0];
   }
 
  private:

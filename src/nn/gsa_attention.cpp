@@ -203,9 +203,10 @@ class GsaAttention final : public AttentionLayer {
 
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1);
-    const torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
-    const torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
-    torch::Tensor v = v_(x).view({B, L, h_.kv_heads, h_.value_dim});
+        const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
+const torch::Tensor q = qkv[0].view({B, L, h_.heads, h_.head_dim});
+    const torch::Tensor k = qkv[1].view({B, L, h_.kv_heads, h_.head_dim});
+    torch::Tensor v = qkv[2].view({B, L, h_.kv_heads, h_.value_dim});
     if (value_gate_) v = v * torch::sigmoid(value_gate_(x)).view({B, L, h_.kv_heads, h_.value_dim});
     const auto in = position_.prepare(q, k, v, cache);
     const torch::Tensor qv = in.q.to(in.v.scalar_type()), kv = in.k.to(in.v.scalar_type());
@@ -228,7 +229,7 @@ class GsaAttention final : public AttentionLayer {
     if (learn) add_aux_loss("indexer_kl", indexer_kl(qv.detach(), kv.detach(), ix, sparse));
     if (probe()) record_probe(qv, kv, ix, sparse);
     if (output_gate_) o = o * torch::sigmoid(output_gate_(x)).view({B, L, h_.heads, h_.value_dim});
-    return o_(o.reshape({B, L, h_.heads * h_.value_dim}));
+    return project(o.reshape({B, L, h_.heads * h_.value_dim}), {o_->weight})[0];
   }
 
  private:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "winnow/torch/ops.h"
 
@@ -20,6 +21,162 @@ torch::nn::Linear make_linear(torch::nn::Module& owner, const std::string& name,
   linear->weight.normal_(0.0, std);
   if (bias) linear->bias.zero_();
   return linear;
+}
+
+// ------------------------------------------------------------------ projections
+
+namespace {
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+// at::mm with out_dtype: bf16 / fp16 operands, a float32 product straight from the GEMM.
+#define WINNOW_MM_OUT_DTYPE 1
+#endif
+
+// The dtype CUDA autocast would run a matrix product of x in, or nothing when it is off.
+std::optional<torch::ScalarType> autocast_dtype(const torch::Tensor& x) {
+  if (!x.is_cuda()) return std::nullopt;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  if (at::autocast::is_autocast_enabled(at::kCUDA)) return at::autocast::get_autocast_dtype(at::kCUDA);
+#else
+  if (at::autocast::is_enabled()) return at::autocast::get_autocast_gpu_dtype();
+#endif
+  return std::nullopt;
+}
+
+// The outputs' gradients as one (..., sum N_i) tensor without a copy when they already lie side
+// by side in one buffer, as SwiGLU's backward writes them for its gate and up halves; else
+// undefined.
+torch::Tensor adjacent(const torch::autograd::variable_list& grads, const std::vector<std::int64_t>& rows,
+                       torch::ScalarType dtype) {
+  if (rows.size() == 1) return grads[0].defined() && grads[0].scalar_type() == dtype ? grads[0] : torch::Tensor();
+  const torch::Tensor& first = grads[0];
+  if (!first.defined() || first.scalar_type() != dtype || first.dim() < 1 || first.stride(-1) != 1) {
+    return torch::Tensor();
+  }
+  std::int64_t offset = 0;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const torch::Tensor& g = grads[i];
+    if (!g.defined() || g.scalar_type() != dtype || g.dim() != first.dim() || g.strides() != first.strides() ||
+        !g.storage().is_alias_of(first.storage()) ||
+        g.storage_offset() != first.storage_offset() + offset || g.size(-1) != rows[i] ||
+        g.sizes().slice(0, g.dim() - 1) != first.sizes().slice(0, first.dim() - 1)) {
+      return torch::Tensor();
+    }
+    offset += rows[i];
+  }
+  std::vector<std::int64_t> shape(first.sizes().begin(), first.sizes().end());
+  shape.back() = offset;
+  // A row stride below the whole width would make rows overlap: not a layout a kernel writes.
+  if (first.dim() >= 2 && first.size(-2) > 1 && first.stride(-2) < offset) return torch::Tensor();
+  return first.as_strided(shape, first.strides(), first.storage_offset());
+}
+
+struct Projections : public torch::autograd::Function<Projections> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                                at::TensorList weights, torch::ScalarType compute) {
+    std::vector<std::int64_t> rows;
+    for (const torch::Tensor& w : weights) rows.push_back(w.size(0));
+    const torch::Tensor w = (weights.size() == 1 ? weights[0] : torch::cat(weights, 0)).to(compute);
+    const torch::Tensor xc = x.to(compute);
+    const torch::Tensor y = torch::matmul(xc, w.t());
+    ctx->save_for_backward({xc, w});
+    ctx->saved_data["rows"] = rows;
+    ctx->saved_data["weight_dtype"] = weights[0].scalar_type();
+    return y.split_with_sizes(rows, -1);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& xc = saved[0];
+    const torch::Tensor& w = saved[1];
+    const std::vector<std::int64_t> rows = ctx->saved_data["rows"].toIntVector();
+    const auto weight_dtype = static_cast<torch::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    torch::Tensor dy = adjacent(grads, rows, xc.scalar_type());
+    if (!dy.defined()) {
+      std::vector<torch::Tensor> parts;
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        if (grads[i].defined()) {
+          parts.push_back(grads[i].to(xc.scalar_type()));
+        } else {
+          std::vector<std::int64_t> shape(xc.sizes().begin(), xc.sizes().end());
+          shape.back() = rows[i];
+          parts.push_back(torch::zeros(shape, xc.options()));
+        }
+      }
+      dy = parts.size() == 1 ? parts[0] : torch::cat(parts, -1);
+    }
+    torch::autograd::variable_list out(1 + rows.size() + 1);
+    if (ctx->needs_input_grad(0)) out[0] = torch::matmul(dy, w);
+    const std::int64_t n = dy.size(-1), k = xc.size(-1);
+    const torch::Tensor dy2 = dy.reshape({-1, n}).t(), x2 = xc.reshape({-1, k});
+    torch::Tensor dw;
+#ifdef WINNOW_MM_OUT_DTYPE
+    if (xc.is_cuda() && weight_dtype == torch::kFloat32 && xc.scalar_type() != weight_dtype) {
+      dw = at::mm(dy2, x2, weight_dtype);
+    }
+#endif
+    if (!dw.defined()) dw = torch::mm(dy2, x2).to(weight_dtype);
+    std::int64_t start = 0;
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      if (ctx->needs_input_grad(1 + i)) out[1 + i] = dw.narrow(0, start, rows[i]);
+      start += rows[i];
+    }
+    return out;
+  }
+};
+
+struct ProductEmbedding : public torch::autograd::Function<ProductEmbedding> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& weight,
+                                                const torch::Tensor& tokens) {
+    ctx->save_for_backward({tokens});
+    ctx->saved_data["vocab"] = weight.size(0);
+    ctx->saved_data["weight_dtype"] = weight.scalar_type();
+    const auto autocast = autocast_dtype(weight);
+    ctx->saved_data["compute"] = autocast && weight.scalar_type() == torch::kFloat32 ? *autocast : weight.scalar_type();
+    return {torch::embedding(weight, tokens)};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const torch::Tensor tokens = ctx->get_saved_variables()[0].reshape({-1});
+    const std::int64_t vocab = ctx->saved_data["vocab"].toInt();
+    const auto weight_dtype = static_cast<torch::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    const auto compute = static_cast<torch::ScalarType>(ctx->saved_data["compute"].toInt());
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    const torch::Tensor dy = grads[0].reshape({tokens.size(0), -1}).to(compute);
+    const torch::Tensor one_hot = torch::zeros({tokens.size(0), vocab}, dy.options()).scatter_(1, tokens.unsqueeze(1), 1.0);
+    torch::Tensor dw;
+#ifdef WINNOW_MM_OUT_DTYPE
+    if (dy.is_cuda() && compute != weight_dtype && weight_dtype == torch::kFloat32) dw = at::mm(one_hot.t(), dy, weight_dtype);
+#endif
+    if (!dw.defined()) dw = torch::mm(one_hot.t(), dy).to(weight_dtype);
+    return {dw, torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor embed(const torch::Tensor& weight, const torch::Tensor& tokens, std::optional<bool> as_product) {
+  const bool product = as_product.value_or(weight.is_cuda() && weight.dim() == 2 && weight.size(0) <= 2 * weight.size(1));
+  if (!product || !weight.requires_grad() || !torch::GradMode::is_enabled()) return torch::embedding(weight, tokens);
+  return ProductEmbedding::apply(weight, tokens)[0];
+}
+
+std::vector<torch::Tensor> project(const torch::Tensor& x, const std::vector<torch::Tensor>& weights) {
+  const auto autocast = autocast_dtype(x);
+  bool same_dtype = true;
+  for (const torch::Tensor& w : weights) same_dtype &= w.scalar_type() == x.scalar_type();
+  bool floating = true;
+  for (const torch::Tensor& w : weights) floating &= w.scalar_type() == torch::kFloat32;
+  if (!weights.empty() && ((autocast && floating) || (weights.size() > 1 && same_dtype))) {
+    // As a TensorList: a std::vector would not count as variables (autograd would not see the
+    // weights as inputs).
+    return Projections::apply(x, at::TensorList(weights), autocast && floating ? *autocast : x.scalar_type());
+  }
+  std::vector<torch::Tensor> out;
+  for (const torch::Tensor& w : weights) out.push_back(torch::nn::functional::linear(x, w));
+  return out;
 }
 
 // ------------------------------------------------------------------ norms
@@ -114,13 +271,15 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   // winnow's gate kernel (one pass each way) where it runs: CUDA, and float32 / float64 on the
   // CPU; otherwise LibTorch's silu and product.
   if (swiglu_) {
-    const torch::Tensor gate = gate_(x), up = up_(x);
+    const auto gate_up = project(x, {gate_->weight, up_->weight});
+    const torch::Tensor &gate = gate_up[0], &up = gate_up[1];
     const bool kernel = gate.is_cuda() || gate.scalar_type() == torch::kFloat32 ||
                         gate.scalar_type() == torch::kFloat64;
-    if (kernel && gate.scalar_type() == up.scalar_type()) return down_(torch_ops::swiglu(gate, up));
-    return down_(torch::silu(gate) * up);
+    const torch::Tensor hidden =
+        kernel && gate.scalar_type() == up.scalar_type() ? torch_ops::swiglu(gate, up) : torch::silu(gate) * up;
+    return project(hidden, {down_->weight})[0];
   }
-  return down_(torch::gelu(up_(x)));
+  return project(torch::gelu(project(x, {up_->weight})[0]), {down_->weight})[0];
 }
 
 // ------------------------------------------------------------------ RoPE

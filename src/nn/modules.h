@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,24 @@ double residual_output_std(const ModelConfig& model);
 
 torch::nn::Linear make_linear(torch::nn::Module& owner, const std::string& name, std::int64_t in,
                               std::int64_t out, double std, bool bias = false);
+
+// x (..., K) through bias-free linears with weights (N_i, K): x W_i^T for each i, as linear()
+// computes them, but where it pays as one matrix product each way. Under CUDA autocast the
+// weights are concatenated and cast once, and their gradient comes out of its product in
+// float32 (the weights' dtype) rather than in bf16 to be cast per weight by autograd; with two
+// or more weights the backward is one product for the input's gradient (no bf16 additions of
+// per-projection gradients) and one for the weights'. The outputs are views of one (..., sum
+// N_i) tensor. Elsewhere, and for a single weight outside autocast, linear() per weight.
+std::vector<torch::Tensor> project(const torch::Tensor& x, const std::vector<torch::Tensor>& weights);
+
+// weight[tokens]: embedding(), with a backward that sums the gradient's rows per token as one
+// matrix product, one_hot(tokens)^T dy (in the autocast dtype under CUDA autocast, the weight's
+// otherwise, with a float32 result), instead of LibTorch's sort of the token ids, whose eight
+// small kernels cost about 50 us whatever the batch. Taken when as_product says so, by default
+// on CUDA when the one-hot matrix is no larger than the gradient it multiplies (vocab <= 2 d);
+// otherwise embedding()'s own backward.
+torch::Tensor embed(const torch::Tensor& weight, const torch::Tensor& tokens,
+                    std::optional<bool> as_product = std::nullopt);
 
 // RMSNorm over the last dimension with a learned scale.
 class RMSNormImpl : public torch::nn::Module {

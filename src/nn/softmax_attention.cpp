@@ -67,13 +67,14 @@ class SoftmaxAttention final : public AttentionLayer {
 
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1);
-    torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
-    torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
+        const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
+torch::Tensor q = qkv[0].view({B, L, h_.heads, h_.head_dim});
+    torch::Tensor k = qkv[1].view({B, L, h_.kv_heads, h_.head_dim});
     if (q_norm_) {
       q = q_norm_(q);
       k = k_norm_(k);
     }
-    torch::Tensor v = v_(x).view({B, L, h_.kv_heads, h_.value_dim});
+    torch::Tensor v = qkv[2].view({B, L, h_.kv_heads, h_.value_dim});
     if (value_gate_) v = v * torch::sigmoid(value_gate_(x)).view({B, L, h_.kv_heads, h_.value_dim});
     auto in = position_.prepare(q, k, v, cache);
     if (options_.ssmax) {
@@ -99,7 +100,7 @@ class SoftmaxAttention final : public AttentionLayer {
                       /*attend_current=*/true);
     }
     if (output_gate_) o = o * torch::sigmoid(output_gate_(x)).view({B, L, h_.heads, h_.value_dim});
-    return o_(o.reshape({B, L, h_.heads * h_.value_dim}));
+    return project(o.reshape({B, L, h_.heads * h_.value_dim}), {o_->weight})[0];
   }
 
  private:

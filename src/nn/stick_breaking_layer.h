@@ -40,9 +40,10 @@ class StickBreakingLayer final : public AttentionLayer {
 
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1);
-    const torch::Tensor q = q_(x).view({B, L, h_.heads, h_.head_dim});
-    const torch::Tensor k = k_(x).view({B, L, h_.kv_heads, h_.head_dim});
-    const torch::Tensor v = v_(x).view({B, L, h_.kv_heads, h_.value_dim});
+        const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
+const torch::Tensor q = qkv[0].view({B, L, h_.heads, h_.head_dim});
+    const torch::Tensor k = qkv[1].view({B, L, h_.kv_heads, h_.head_dim});
+    const torch::Tensor v = qkv[2].view({B, L, h_.kv_heads, h_.value_dim});
     const auto in = position_.prepare(q, k, v, cache);
     const torch::Tensor qv = in.q.to(in.v.scalar_type()), kv = in.k.to(in.v.scalar_type());
     auto [o, rem] = options_.attend(qv, kv, in.v, h_.scale, kernel_);
@@ -52,7 +53,7 @@ class StickBreakingLayer final : public AttentionLayer {
     }
     if (remainder_bias_.defined()) o = o + rem.unsqueeze(-1) * remainder_bias_;
     if (head_norm_) o = head_norm_(o);
-    return o_(o.reshape({B, L, h_.heads * h_.value_dim}));
+    return project(o.reshape({B, L, h_.heads * h_.value_dim}), {o_->weight})[0];
   }
 
  private:

@@ -87,9 +87,10 @@ class ThresholdAttention final : public AttentionLayer {
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1), H = h_.heads, Hkv = h_.kv_heads;
     const std::int64_t views = options_.differential() ? 2 : 1;
-    const torch::Tensor q = q_(x).view({B, L, views * H, h_.head_dim});
-    const torch::Tensor k = k_(x).view({B, L, views * Hkv, h_.head_dim});
-    const torch::Tensor v = v_(x).view({B, L, Hkv, h_.value_dim});
+        const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
+const torch::Tensor q = qkv[0].view({B, L, views * H, h_.head_dim});
+    const torch::Tensor k = qkv[1].view({B, L, views * Hkv, h_.head_dim});
+    const torch::Tensor v = qkv[2].view({B, L, Hkv, h_.value_dim});
     const auto in = position_.prepare(q, k, v, cache);
     const torch::Tensor qv = in.q.to(in.v.scalar_type()), kv = in.k.to(in.v.scalar_type());
     composed::ThresholdSpec spec;
@@ -129,7 +130,7 @@ class ThresholdAttention final : public AttentionLayer {
                       /*attend_current=*/true);
     }
     if (head_norm_) o = head_norm_(o);
-    return o_(o.reshape({B, L, H * h_.value_dim}));
+    return project(o.reshape({B, L, H * h_.value_dim}), {o_->weight})[0];
   }
 
  private:

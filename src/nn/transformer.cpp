@@ -49,13 +49,13 @@ torch::Tensor TransformerLMImpl::run(const torch::Tensor& tokens, KVCache* cache
                     std::to_string(cache->layers.size()));
   }
   // Each residual add happens inside the norm after it (RMSNormImpl::add_forward).
-  torch::Tensor x = embedding_(tokens), pending;
+  torch::Tensor x = embed(embedding_->weight, tokens), pending;
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     std::tie(x, pending) = blocks_[i]->forward(x, pending, cache ? &cache->layers[i] : nullptr);
     if (maxima != nullptr) maxima->push_back((x + pending).abs().amax().to(torch::kFloat32));
   }
   const torch::Tensor normed = final_norm_->add_forward(x, pending).second;
-  return torch::nn::functional::linear(normed, head_ ? head_->weight : embedding_->weight);
+  return project(normed, {head_ ? head_->weight : embedding_->weight})[0];
 }
 
 std::map<std::string, torch::Tensor> TransformerLMImpl::aux_losses() const {

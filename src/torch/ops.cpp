@@ -1170,25 +1170,41 @@ at::Tensor swiglu_forward_op(const at::Tensor& gate, const at::Tensor& up) {
   });
 }
 
+// The backward into dgate and dup given (gate's shape, any row strides).
+void swiglu_backward_into(const char* op, const at::Tensor& dy, const at::Tensor& gate, const at::Tensor& up,
+                          const at::Tensor& dgate, const at::Tensor& dup) {
+  const at::Tensor g = as_rows(op, "gate", gate);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"dy", dy}, {"up", up}}) {
+    check_value(t.defined() && t.sizes() == gate.sizes(), [&] {
+      return std::string(op) + ": argument '" + name + "': expected gate's shape " + shape_text(gate) +
+          ", got " + shape_text(t);
+    });
+  }
+  const DeviceScope scope(gate);
+  swiglu::backward(view_of(dy.reshape(g.sizes()), op, "dy"), view_of(g, op, "gate"),
+                   view_of(up.reshape(g.sizes()), op, "up"), view_of(dgate.view(g.sizes()), op, "dgate"),
+                   view_of(dup.view(g.sizes()), op, "dup"), scope.context(false, false));
+}
+
 std::tuple<at::Tensor, at::Tensor> swiglu_backward_op(const at::Tensor& dy, const at::Tensor& gate,
                                                       const at::Tensor& up) {
   constexpr const char* op = "winnow.swiglu_backward";
   return translate_errors([&] {
-    const at::Tensor g = as_rows(op, "gate", gate);
-    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"dy", dy}, {"up", up}}) {
-      check_value(t.defined() && t.sizes() == gate.sizes(), [&] {
-        return std::string(op) + ": argument '" + name + "': expected gate's shape " + shape_text(gate) +
-            ", got " + shape_text(t);
-      });
-    }
     at::Tensor dgate = at::empty(gate.sizes(), gate.options());
     at::Tensor dup = at::empty(gate.sizes(), gate.options());
-    const DeviceScope scope(gate);
-    swiglu::backward(view_of(dy.reshape(g.sizes()), op, "dy"), view_of(g, op, "gate"),
-                     view_of(up.reshape(g.sizes()), op, "up"), view_of(dgate.view(g.sizes()), op, "dgate"),
-                     view_of(dup.view(g.sizes()), op, "dup"), scope.context(false, false));
+    swiglu_backward_into(op, dy, gate, up, dgate, dup);
     return std::make_tuple(dgate, dup);
   });
+}
+
+// Whether up is the half of one (..., 2C) buffer right after gate, as a packed gate-and-up
+// projection (nn::project) makes them.
+bool halves_of_one_buffer(const at::Tensor& gate, const at::Tensor& up) {
+  return gate.dim() >= 1 && gate.sizes() == up.sizes() && gate.strides() == up.strides() &&
+         gate.scalar_type() == up.scalar_type() && gate.stride(-1) == 1 && gate.size(-1) > 0 &&
+         gate.storage().is_alias_of(up.storage()) &&
+         up.storage_offset() == gate.storage_offset() + gate.size(-1) &&
+         (gate.dim() < 2 || gate.stride(-2) == 2 * gate.size(-1));
 }
 
 constexpr Dispatched<&swiglu_forward_op> swiglu_forward{"winnow::swiglu_forward"};
@@ -1203,7 +1219,20 @@ struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     at::Tensor dgate, dup;
-    if (grads[0].defined()) std::tie(dgate, dup) = swiglu_backward(grads[0], saved[0], saved[1]);
+    if (!grads[0].defined()) return {dgate, dup};
+    if (halves_of_one_buffer(saved[0], saved[1])) {
+      // The gradients side by side too, so the packed projection's backward reads them as one
+      // tensor instead of concatenating them (nn::project).
+      std::vector<int64_t> shape(saved[0].sizes().begin(), saved[0].sizes().end());
+      const int64_t c = shape.back();
+      shape.back() = 2 * c;
+      const at::Tensor both = at::empty(shape, saved[0].options());
+      dgate = both.narrow(-1, 0, c);
+      dup = both.narrow(-1, c, c);
+      translate_errors([&] { swiglu_backward_into("winnow.swiglu_backward", grads[0], saved[0], saved[1], dgate, dup); });
+      return {dgate, dup};
+    }
+    std::tie(dgate, dup) = swiglu_backward(grads[0], saved[0], saved[1]);
     return {dgate, dup};
   }
 };

@@ -37,6 +37,38 @@ TEST(SwiGLU, ForwardAndGradientsMatchFloat64InEveryLayout) {
   }
 }
 
+// The gradients written into the two halves of one (N, 2H) buffer, as the packed gate-and-up
+// projection takes them (nn::project): the halves share a range of memory but no byte, so the
+// views are accepted and the results are those of separate outputs; halves that would share
+// bytes (the second starting inside the first's columns) are still refused.
+TEST(SwiGLU, BackwardWritesIntoTheHalvesOfOneBuffer) {
+  std::mt19937_64 rng(5);
+  HostTensor gate({5, 8}, DType::float32), up({5, 8}, DType::float32), dy({5, 8}, DType::float32);
+  HostTensor dgate({5, 8}, DType::float32), dup({5, 8}, DType::float32), both({5, 16}, DType::float32);
+  gate.set_values(random_normal(gate.numel(), rng));
+  up.set_values(random_normal(up.numel(), rng));
+  dy.set_values(random_normal(dy.numel(), rng));
+  swiglu::backward(dy.view(), gate.view(), up.view(), dgate.view(), dup.view());
+  const auto half = [&](std::int64_t first_column, std::int64_t columns) {
+    TensorView v = both.view();
+    v.data = static_cast<float*>(v.data) + first_column;
+    v.shape[1] = columns;
+    return v;
+  };
+  swiglu::backward(dy.view(), gate.view(), up.view(), half(0, 8), half(8, 8));
+  const std::vector<double> packed = both.values(), want_gate = dgate.values(), want_up = dup.values();
+  for (std::int64_t r = 0; r < 5; ++r) {
+    for (std::int64_t c = 0; c < 8; ++c) {
+      EXPECT_EQ(packed[r * 16 + c], want_gate[r * 8 + c]) << r << ", " << c;
+      EXPECT_EQ(packed[r * 16 + 8 + c], want_up[r * 8 + c]) << r << ", " << c;
+    }
+  }
+  TensorView narrow_up = half(7, 8);
+  narrow_up.shape[1] = 8;
+  expect_error([&] { swiglu::backward(dy.view(), gate.view(), up.view(), half(0, 8), narrow_up); },
+               "'dgate': expected memory apart from the inputs and dup");
+}
+
 TEST(SwiGLU, BadArgumentsNameTheArgumentAndWhatWasExpected) {
   HostTensor gate({4, 8}, DType::float32), up({4, 8}, DType::float32), y({4, 8}, DType::float32);
   HostTensor up64({4, 8}, DType::float64), y7({4, 7}, DType::float32), g16({4, 8}, DType::bfloat16);

@@ -624,6 +624,77 @@ TEST_P(Layer, KvCacheDecodingReproducesFullForwardLogits) {
 
 // GSA's warm-up phase: attention is dense (the gated-only layer on the same parameters) and
 // the indexer's loss spans every visible key; the probe sees the selection afterwards.
+// nn::project against one linear() per weight: outputs, the input's and every weight's
+// gradient, with an output left unused (its gradient undefined), with outputs whose gradients
+// arrive side by side in one buffer (SwiGLU's backward over the packed gate and up), and with
+// one weight.
+TEST(Project, MatchesOneLinearPerWeight) {
+  torch::manual_seed(11);
+  for (const bool swiglu : {false, true}) {
+    for (const std::vector<std::int64_t>& rows : {std::vector<std::int64_t>{6, 3, 5}, std::vector<std::int64_t>{7}}) {
+      if (swiglu && rows.size() != 1) continue;
+      const std::vector<std::int64_t> out = swiglu ? std::vector<std::int64_t>{9, 9} : rows;
+      const Tensor x = torch::randn({2, 5, 4}, torch::kFloat64).requires_grad_();
+      const Tensor x_ref = x.detach().clone().requires_grad_();
+      std::vector<Tensor> w, w_ref;
+      for (const std::int64_t n : out) {
+        w.push_back(torch::randn({n, 4}, torch::kFloat64).requires_grad_());
+        w_ref.push_back(w.back().detach().clone().requires_grad_());
+      }
+      const std::vector<Tensor> y = project(x, w);
+      ASSERT_EQ(y.size(), out.size());
+      Tensor loss = torch::zeros({}, torch::kFloat64), loss_ref = torch::zeros({}, torch::kFloat64);
+      if (swiglu) {
+        loss = (torch_ops::swiglu(y[0], y[1]) * torch::arange(9, torch::kFloat64)).sum();
+        const Tensor g = torch::nn::functional::linear(x_ref, w_ref[0]);
+        const Tensor u = torch::nn::functional::linear(x_ref, w_ref[1]);
+        loss_ref = (torch::silu(g) * u * torch::arange(9, torch::kFloat64)).sum();
+      } else {
+        // The second output is unused when there are three.
+        for (std::size_t i = 0; i < y.size(); ++i) {
+          const Tensor y_ref = torch::nn::functional::linear(x_ref, w_ref[i]);
+          EXPECT_LT(rel(y[i], y_ref), 1e-14) << i;
+          if (y.size() == 3 && i == 1) continue;
+          const Tensor c = torch::randn_like(y_ref);
+          loss = loss + (y[i] * c).sum();
+          loss_ref = loss_ref + (y_ref * c).sum();
+        }
+      }
+      EXPECT_LT(rel(loss, loss_ref), 1e-13);
+      loss.backward();
+      loss_ref.backward();
+      EXPECT_LT(rel(x.grad(), x_ref.grad()), 1e-13) << "swiglu " << swiglu << ", " << out.size() << " weights";
+      for (std::size_t i = 0; i < w.size(); ++i) {
+        ASSERT_TRUE(w[i].grad().defined()) << i;
+        if (w_ref[i].grad().defined()) {
+          EXPECT_LT(rel(w[i].grad(), w_ref[i].grad()), 1e-13) << i;
+        } else {
+          EXPECT_EQ(w[i].grad().abs().max().item<double>(), 0.0) << i;
+        }
+      }
+    }
+  }
+}
+
+// nn::embed through the one-hot product against embedding(): the same rows forward, the same
+// weight gradient (tokens repeated, some never drawn), in float64 and float32.
+TEST(Embed, ProductBackwardMatchesEmbedding) {
+  torch::manual_seed(12);
+  for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    const Tensor w = torch::randn({9, 6}, dtype).requires_grad_();
+    const Tensor w_ref = w.detach().clone().requires_grad_();
+    const Tensor tokens = torch::randint(0, 7, {3, 11}, torch::kInt64);  // tokens 7 and 8 unused
+    const Tensor y = embed(w, tokens, true);
+    const Tensor y_ref = torch::embedding(w_ref, tokens);
+    EXPECT_TRUE(torch::equal(y, y_ref));
+    const Tensor c = torch::randn_like(y_ref);
+    (y * c).sum().backward();
+    (y_ref * c).sum().backward();
+    EXPECT_LT(rel(w.grad(), w_ref.grad()), dtype == torch::kFloat64 ? 1e-14 : 1e-6);
+    EXPECT_EQ(w.grad().narrow(0, 7, 2).abs().max().item<double>(), 0.0);
+  }
+}
+
 TEST(GsaLayer, WarmupPhaseIsDenseAndTheProbeReportsTheSelection) {
   const ModelConfig c = tiny(variant("gsa_rope_fixed"), "kernel");
   ModelConfig dense = c;
