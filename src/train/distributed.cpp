@@ -241,8 +241,12 @@ void GradientBuckets::build(const std::vector<std::size_t>& order) {
   // start travelling while the rest of the backward pass runs.
   const std::int64_t first_cap = std::min<std::int64_t>(bucket_bytes_, std::int64_t{1} << 20);
   // The last bucket is small as well: its all-reduce is the one nothing overlaps. The gradients
-  // that arrive last (within first_cap) get a bucket of their own, so that the one before it
-  // starts while the backward pass still has its first layer to run.
+  // that arrive last (within 2 MiB) get a bucket of their own, so that the one before it starts
+  // while the backward pass still has its first layer to run. Twice the first bucket's size:
+  // gradients that arrive together (a layer's q, k and v weights, one product in nn::project)
+  // should end up on the same side of the cut, or the bucket before waits for the last step
+  // too; 1 MiB split MQRAR's first-layer q from its k and v.
+  const std::int64_t last_cap = std::min<std::int64_t>(bucket_bytes_, std::int64_t{2} << 20);
   std::size_t tail = order.size();
   {
     std::int64_t bytes = 0;
@@ -250,7 +254,7 @@ void GradientBuckets::build(const std::vector<std::size_t>& order) {
       const torch::Tensor& p = params_[order[tail - 1]];
       const torch::Tensor& end = params_[order.back()];
       const std::int64_t b = p.numel() * static_cast<std::int64_t>(p.element_size());
-      if (bytes + b > first_cap || p.scalar_type() != end.scalar_type() || p.device() != end.device()) break;
+      if (bytes + b > last_cap || p.scalar_type() != end.scalar_type() || p.device() != end.device()) break;
       bytes += b;
       --tail;
     }

@@ -341,7 +341,8 @@ Trainer::Trainer(const ExperimentConfig& config)
   }
 
   // Parameter groups by learning-rate multiplier (the longest matching substring wins) and by
-  // weight decay (matrices decay; norms, biases, gains and per-head scalars do not).
+  // weight decay (matrices decay; norms, biases, gains and per-head scalars do not; without
+  // weight decay they share a group, one fused update fewer a step).
   std::map<std::pair<double, bool>, std::vector<torch::Tensor>> groups;
   for (const auto& item : named) {
     double mult = 1.0;
@@ -352,7 +353,7 @@ Trainer::Trainer(const ExperimentConfig& config)
         best = pattern.size();
       }
     }
-    groups[{mult, item.value().dim() >= 2}].push_back(item.value());
+    groups[{mult, t.weight_decay != 0 && item.value().dim() >= 2}].push_back(item.value());
   }
   std::vector<torch::optim::OptimizerParamGroup> param_groups;
   for (auto& [key, params] : groups) {
@@ -1174,13 +1175,22 @@ nlohmann::json Trainer::train(std::int64_t until_step) {
       window_start = Clock::now();  // the activation measurement is not training time
       window_tokens = 0;
     }
-    if (t.eval_every > 0 && done % t.eval_every == 0) {
+    // Evaluations and checkpoints are not training time: a window's tokens/s leaves them out.
+    // (A checkpoint costs the same wall time at any speed, so counting it would make faster
+    // runs, more GPUs among them, look slower than they train.)
+    const bool eval_now = t.eval_every > 0 && done % t.eval_every == 0;
+    const bool save_now = t.checkpoint_every > 0 && done % t.checkpoint_every == 0 && done < until_step;
+    // The steps in flight finish first and count as training.
+    if ((eval_now || save_now) && device_.is_cuda()) torch::cuda::synchronize();
+    const auto pause_start = Clock::now();
+    if (eval_now) {
       last_eval = evaluate();
       evaluated_now = true;
       log(last_eval);
       if (!quiet) std::printf("eval %s\n", last_eval.dump().c_str());
     }
-    if (t.checkpoint_every > 0 && done % t.checkpoint_every == 0 && done < until_step) save();
+    if (save_now) save();
+    if (eval_now || save_now) window_start += Clock::now() - pause_start;
   }
   if (!evaluated_now) {
     last_eval = evaluate();
