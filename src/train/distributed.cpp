@@ -240,34 +240,14 @@ void GradientBuckets::build(const std::vector<std::size_t>& order) {
   // DistributedDataParallel's first bucket is small too: the gradients that are ready first
   // start travelling while the rest of the backward pass runs.
   const std::int64_t first_cap = std::min<std::int64_t>(bucket_bytes_, std::int64_t{1} << 20);
-  // The last bucket is small as well: its all-reduce is the one nothing overlaps. The gradients
-  // that arrive last (within 2 MiB) get a bucket of their own, so that the one before it starts
-  // while the backward pass still has its first layer to run. Twice the first bucket's size:
-  // gradients that arrive together (a layer's q, k and v weights, one product in nn::project)
-  // should end up on the same side of the cut, or the bucket before waits for the last step
-  // too; 1 MiB split MQRAR's first-layer q from its k and v.
-  const std::int64_t last_cap = std::min<std::int64_t>(bucket_bytes_, std::int64_t{2} << 20);
-  std::size_t tail = order.size();
-  {
-    std::int64_t bytes = 0;
-    while (tail > 0) {
-      const torch::Tensor& p = params_[order[tail - 1]];
-      const torch::Tensor& end = params_[order.back()];
-      const std::int64_t b = p.numel() * static_cast<std::int64_t>(p.element_size());
-      if (bytes + b > last_cap || p.scalar_type() != end.scalar_type() || p.device() != end.device()) break;
-      bytes += b;
-      --tail;
-    }
-  }
   slots_.clear();
   buckets_.clear();
   slot_of_.assign(params_.size(), 0);
   std::vector<std::int64_t> sizes;  // elements per bucket
-  for (std::size_t k = 0; k < order.size(); ++k) {
-    const std::size_t i = order[k];
+  for (std::size_t i : order) {
     const torch::Tensor& p = params_[i];
     const std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
-    bool open_new = buckets_.empty() || k == tail;
+    bool open_new = buckets_.empty();
     if (!open_new) {
       const torch::Tensor& last = params_[slots_[buckets_.back().slots.back()].param];
       const std::int64_t cap = buckets_.size() == 1 ? first_cap : bucket_bytes_;
