@@ -492,8 +492,9 @@ struct GroupStreams {
 };
 
 GroupStreams& group_streams(c10::DeviceIndex device, std::size_t groups) {
-  static std::map<c10::DeviceIndex, GroupStreams> all;
-  GroupStreams& s = all[device];
+  // Leaked: destroying events at exit could run after the CUDA runtime has gone.
+  static auto* all = new std::map<c10::DeviceIndex, GroupStreams>();
+  GroupStreams& s = (*all)[device];
   while (s.streams.size() < groups) {
     s.streams.push_back(c10::cuda::getStreamFromPool(false, device));
     s.done.emplace_back();
