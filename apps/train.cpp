@@ -164,12 +164,6 @@ nlohmann::json profile_steps(train::Trainer& trainer, std::int64_t steps, double
     };
     std::vector<Span> spans;
     const std::string prefix = "winnow.step.";
-    for (const auto& e : result->events()) {
-      const std::string name = e.name();
-      if (e.deviceType() == c10::DeviceType::CPU && name.rfind(prefix, 0) == 0) {
-        spans.push_back({name.substr(prefix.size()), e.startNs(), e.endNs()});
-      }
-    }
     // Which operation launched each kernel: the kernel's linked correlation id is that of the
     // innermost CPU operation around its launch; the outermost operation around that one (a
     // module's aten::linear, an autograd node) says what it was for.
@@ -177,13 +171,17 @@ nlohmann::json profile_steps(train::Trainer& trainer, std::int64_t steps, double
       std::string name;
       std::uint64_t start, end, thread;
     };
-    std::map<std::uint64_t, CpuOp> cpu_ops;
     std::vector<CpuOp> callers;
+    std::map<std::uint64_t, std::size_t> caller_by_correlation;  // index into callers
     for (const auto& e : result->events()) {
-      if (e.deviceType() != c10::DeviceType::CPU || e.name().rfind(prefix, 0) == 0) continue;
-      CpuOp op{e.name(), e.startNs(), e.endNs(), e.startThreadId()};
-      if (e.correlationId() != 0) cpu_ops[e.correlationId()] = op;
-      callers.push_back(op);
+      if (e.deviceType() != c10::DeviceType::CPU) continue;
+      std::string name = e.name();
+      if (name.rfind(prefix, 0) == 0) {
+        spans.push_back({name.substr(prefix.size()), e.startNs(), e.endNs()});
+        continue;
+      }
+      if (e.correlationId() != 0) caller_by_correlation[e.correlationId()] = callers.size();
+      callers.push_back({std::move(name), e.startNs(), e.endNs(), e.startThreadId()});
     }
     const auto caller_of = [&](const CpuOp& inner) {
       const CpuOp* outer = &inner;
@@ -198,10 +196,10 @@ nlohmann::json profile_steps(train::Trainer& trainer, std::int64_t steps, double
     for (const auto& e : result->events()) {
       // The phases' own scopes come back as GPU-side ranges too; they are not work.
       if (e.deviceType() != c10::DeviceType::CUDA || e.name().rfind(prefix, 0) == 0) continue;
-      if (const auto it = cpu_ops.find(e.linkedCorrelationId()); it != cpu_ops.end()) {
+      if (const auto it = caller_by_correlation.find(e.linkedCorrelationId()); it != caller_by_correlation.end()) {
         std::string kernel = e.name();
         if (kernel.size() > 60) kernel = kernel.substr(0, 60);
-        auto& c = kernel_ns_by_caller[caller_of(it->second) + " : " + kernel];
+        auto& c = kernel_ns_by_caller[caller_of(callers[it->second]) + " : " + kernel];
         c.first += static_cast<double>(e.durationNs());
         c.second += 1;
       }

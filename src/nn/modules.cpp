@@ -43,34 +43,6 @@ std::optional<torch::ScalarType> autocast_dtype(const torch::Tensor& x) {
   return std::nullopt;
 }
 
-// The outputs' gradients as one (..., sum N_i) tensor without a copy when they already lie side
-// by side in one buffer, as SwiGLU's backward writes them for its gate and up halves; else
-// undefined.
-torch::Tensor adjacent(const torch::autograd::variable_list& grads, const std::vector<std::int64_t>& rows,
-                       torch::ScalarType dtype) {
-  if (rows.size() == 1) return grads[0].defined() && grads[0].scalar_type() == dtype ? grads[0] : torch::Tensor();
-  const torch::Tensor& first = grads[0];
-  if (!first.defined() || first.scalar_type() != dtype || first.dim() < 1 || first.stride(-1) != 1) {
-    return torch::Tensor();
-  }
-  std::int64_t offset = 0;
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    const torch::Tensor& g = grads[i];
-    if (!g.defined() || g.scalar_type() != dtype || g.dim() != first.dim() || g.strides() != first.strides() ||
-        !g.storage().is_alias_of(first.storage()) ||
-        g.storage_offset() != first.storage_offset() + offset || g.size(-1) != rows[i] ||
-        g.sizes().slice(0, g.dim() - 1) != first.sizes().slice(0, first.dim() - 1)) {
-      return torch::Tensor();
-    }
-    offset += rows[i];
-  }
-  std::vector<std::int64_t> shape(first.sizes().begin(), first.sizes().end());
-  shape.back() = offset;
-  // A row stride below the whole width would make rows overlap: not a layout a kernel writes.
-  if (first.dim() >= 2 && first.size(-2) > 1 && first.stride(-2) < offset) return torch::Tensor();
-  return first.as_strided(shape, first.strides(), first.storage_offset());
-}
-
 struct Projections : public torch::autograd::Function<Projections> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                                 at::TensorList weights, torch::ScalarType compute) {
@@ -92,8 +64,9 @@ struct Projections : public torch::autograd::Function<Projections> {
     const torch::Tensor& w = saved[1];
     const std::vector<std::int64_t> rows = ctx->saved_data["rows"].toIntVector();
     const auto weight_dtype = static_cast<torch::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
-    torch::Tensor dy = adjacent(grads, rows, xc.scalar_type());
-    if (!dy.defined()) {
+    // Without a copy when they already lie side by side, as SwiGLU's backward writes them.
+    torch::Tensor dy = torch_ops::side_by_side(grads);
+    if (!dy.defined() || dy.scalar_type() != xc.scalar_type()) {
       std::vector<torch::Tensor> parts;
       for (std::size_t i = 0; i < rows.size(); ++i) {
         if (grads[i].defined()) {
@@ -198,15 +171,7 @@ namespace {
 
 // The dtype a norm's output is consumed in: under CUDA autocast the next matrix product reads
 // the autocast dtype, so the norm writes that directly instead of a float32 tensor to be cast.
-torch::ScalarType consumer_dtype(const torch::Tensor& x) {
-  if (!x.is_cuda()) return x.scalar_type();
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-  if (at::autocast::is_autocast_enabled(at::kCUDA)) return at::autocast::get_autocast_dtype(at::kCUDA);
-#else
-  if (at::autocast::is_enabled()) return at::autocast::get_autocast_gpu_dtype();
-#endif
-  return x.scalar_type();
-}
+torch::ScalarType consumer_dtype(const torch::Tensor& x) { return autocast_dtype(x).value_or(x.scalar_type()); }
 
 }  // namespace
 

@@ -98,6 +98,26 @@ ExecContext DeviceScope::context(bool deterministic, bool reference) const {
   return ctx;
 }
 
+at::Tensor side_by_side(at::TensorList parts) {
+  if (parts.empty() || !parts[0].defined()) return at::Tensor();
+  const at::Tensor& first = parts[0];
+  if (first.dim() < 1 || first.stride(-1) != 1) return at::Tensor();
+  int64_t width = 0;
+  for (const at::Tensor& t : parts) {
+    if (!t.defined() || t.scalar_type() != first.scalar_type() || t.dim() != first.dim() ||
+        t.strides() != first.strides() || t.sizes().slice(0, t.dim() - 1) != first.sizes().slice(0, first.dim() - 1) ||
+        !t.storage().is_alias_of(first.storage()) || t.storage_offset() != first.storage_offset() + width) {
+      return at::Tensor();
+    }
+    width += t.size(-1);
+  }
+  // A row stride below the whole width would make the joined rows overlap.
+  if (first.dim() >= 2 && first.size(-2) > 1 && first.stride(-2) < width) return at::Tensor();
+  std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
+  shape.back() = width;
+  return first.as_strided(shape, first.strides(), first.storage_offset());
+}
+
 at::ScalarType stats_dtype(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }

@@ -1197,16 +1197,6 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_op(const at::Tensor& dy, cons
   });
 }
 
-// Whether up is the half of one (..., 2C) buffer right after gate, as a packed gate-and-up
-// projection (nn::project) makes them.
-bool halves_of_one_buffer(const at::Tensor& gate, const at::Tensor& up) {
-  return gate.dim() >= 1 && gate.sizes() == up.sizes() && gate.strides() == up.strides() &&
-         gate.scalar_type() == up.scalar_type() && gate.stride(-1) == 1 && gate.size(-1) > 0 &&
-         gate.storage().is_alias_of(up.storage()) &&
-         up.storage_offset() == gate.storage_offset() + gate.size(-1) &&
-         (gate.dim() < 2 || gate.stride(-2) == 2 * gate.size(-1));
-}
-
 constexpr Dispatched<&swiglu_forward_op> swiglu_forward{"winnow::swiglu_forward"};
 constexpr Dispatched<&swiglu_backward_op> swiglu_backward{"winnow::swiglu_backward"};
 
@@ -1220,9 +1210,9 @@ struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
     const auto saved = ctx->get_saved_variables();
     at::Tensor dgate, dup;
     if (!grads[0].defined()) return {dgate, dup};
-    if (halves_of_one_buffer(saved[0], saved[1])) {
-      // The gradients side by side too, so the packed projection's backward reads them as one
-      // tensor instead of concatenating them (nn::project).
+    if (side_by_side({saved[0], saved[1]}).defined()) {
+      // gate and up are the halves of one packed projection (nn::project): the gradients side
+      // by side too, so that its backward reads them as one tensor instead of concatenating them.
       std::vector<int64_t> shape(saved[0].sizes().begin(), saved[0].sizes().end());
       const int64_t c = shape.back();
       shape.back() = 2 * c;

@@ -158,8 +158,8 @@ class Trainer {
   std::int64_t tokens_per_step() const { return config_.train.batch_size * config_.train.seq_len; }
   // Data parallelism (torchrun's environment): this process's rank among world() processes.
   // Each takes a contiguous slice of every step's batch; gradients are summed over the ranks in
-  // buckets started from the backward pass (GradientBuckets), the step's report after it, all
-  // before clipping, so every rank takes the same update. Over NCCL the sums run on the device
+  // buckets started from the backward pass (GradientBuckets), the step's report in the last one,
+  // all before clipping, so every rank takes the same update. Over NCCL the sums run on the device
   // and the whole step, all-reduces included, is captured as one CUDA graph. Only rank 0 writes
   // checkpoints and metrics and prints progress.
   const WorldInfo& world() const { return world_; }

@@ -41,6 +41,11 @@ class DeviceScope {
   int previous_device_ = -1;
 };
 
+// parts as one tensor concatenated along the last dimension, when they already lie so in one
+// buffer (same dtype, leading sizes and strides, unit column stride, each starting where the
+// one before ends in a row): a view, no copy. Undefined otherwise, or if any part is.
+at::Tensor side_by_side(at::TensorList parts);
+
 // Per-row statistics dtype: float64 for float64 inputs, float32 otherwise.
 at::ScalarType stats_dtype(const at::Tensor& q);
 
