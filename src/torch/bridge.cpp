@@ -100,6 +100,11 @@ ExecContext DeviceScope::context(bool deterministic, bool reference) const {
 
 at::Tensor side_by_side(at::TensorList parts) {
   if (parts.empty() || !parts[0].defined()) return at::Tensor();
+  // Traced tensors (torch.compile, opcheck's fake tensors) may have symbolic sizes, whose
+  // offsets cannot be read: such parts are taken as apart, which is always correct.
+  for (const at::Tensor& t : parts) {
+    if (t.defined() && t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return at::Tensor();
+  }
   const at::Tensor& first = parts[0];
   if (first.dim() < 1 || first.stride(-1) != 1) return at::Tensor();
   int64_t width = 0;

@@ -43,7 +43,8 @@ class DeviceScope {
 
 // parts as one tensor concatenated along the last dimension, when they already lie so in one
 // buffer (same dtype, leading sizes and strides, unit column stride, each starting where the
-// one before ends in a row): a view, no copy. Undefined otherwise, or if any part is.
+// one before ends in a row): a view, no copy. Undefined otherwise, if any part is, or if any
+// has symbolic sizes (traced by torch.compile), whose offsets cannot be compared.
 at::Tensor side_by_side(at::TensorList parts);
 
 // Per-row statistics dtype: float64 for float64 inputs, float32 otherwise.
