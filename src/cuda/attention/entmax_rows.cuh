@@ -90,12 +90,17 @@ struct ThresholdSweepRows {
 };
 
 // The first sweep: each row's maximum and, from its few largest scores, a floor under its
-// threshold (math::entmax::threshold_floor) that the collect sweep filters keys by. Each
-// thread keeps the two largest of its own scores per row, 3 operations per score; the quad's
-// union of 8 bounds the threshold closely enough that only a few dozen keys per row pass the
-// filter on random scores at 16K keys (against ~500 above m - 1). It also records the block's
-// largest score per cell of keys, from which the output sweep learns which key tiles it may
-// skip (key_tiles.cuh): one more operation per score and a warp reduction per tile.
+// threshold (math::entmax::threshold_floor) that the collect sweep filters keys by. Per tile,
+// each thread takes the maximum of its scores of each row (one max per score, the only
+// per-score work), and keeps the two largest of those tile maxima per row; the quad's union of
+// 8 bounds the threshold closely enough that only a few dozen keys per row pass the filter on
+// random scores at 16K keys (against ~500 above m - 1). Any subset of a row's keys gives a
+// floor, and the top two tile maxima differ from the top two scores only where a thread's two
+// largest scores share a tile. The larger of a tile's two row maxima is the block's largest
+// score in that cell of keys, from which the output sweep learns which key tiles it may skip
+// (key_tiles.cuh). (Keeping the top two scores themselves and the tile maximum took four
+// float max operations per score, which ran on the ALU pipe at half rate: an H200 profile of
+// the sweep showed 273 FMNMX per warp and tile, the pipe 54% busy, and the matrix units 40%.)
 struct ThresholdStartRows : ThresholdSweepRows {
   static constexpr int kKept = 2;  // per thread and row
   float scale;
@@ -116,18 +121,28 @@ struct ThresholdStartRows : ThresholdSweepRows {
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     static_assert(kKept == 2, "the update below keeps two");
-    float tile_max = -INFINITY;
+    static_assert(NT % 4 == 0, "four partial maxima per row");
+    // Four partial maxima per row, so that the maxima are not one chain of 2 NT per row.
+    float part[2][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int half = i / 2, e = i % 2;
         const float v = !Masked || mask.visible<8 * NT>(half, n, e) ? s[n][i] : -INFINITY;
-        tile_max = fmaxf(tile_max, v);
-        top[half][1] = fmaxf(top[half][1], fminf(top[half][0], v));
-        top[half][0] = fmaxf(top[half][0], v);
+        float& m = part[half][n % 4];
+        m = n < 4 && e == 0 ? v : fmaxf(m, v);
       }
     }
+    float row_max[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float m = fmaxf(fmaxf(part[half][0], part[half][1]), fmaxf(part[half][2], part[half][3]));
+      row_max[half] = m;
+      top[half][1] = fmaxf(top[half][1], fminf(top[half][0], m));
+      top[half][0] = fmaxf(top[half][0], m);
+    }
+    const float tile_max = fmaxf(row_max[0], row_max[1]);
     if (cell_max != nullptr) {
       // ordered_int keeps the order, so one warp reduction on ints gives the warp's maximum.
       const int warp_max = __reduce_max_sync(0xffffffffu, ordered_int(tile_max));
