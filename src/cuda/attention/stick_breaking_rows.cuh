@@ -94,11 +94,14 @@ struct StickBreakingRowsOf {
           float& z = s[n][2 * half + e];
           z *= scale_log2;
           const bool kept = (!Masked || mask.visible<8 * NT>(half, n, e)) && filter.keep(half, z);
-          const float cost = kept ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast) : 0.f;
           if constexpr (Filter::kCounts) candidates[half] += kept ? 1 : 0;
-          right += cost;
-          // math::log_weight without the shift, which is added below; -inf: weight 0.
-          z = kept ? z - right : -INFINITY;
+          // A key left out becomes -inf at once: its cost is then 0 and its weight 0 with no
+          // select further on, so no predicate has to live across the loop (with one per
+          // score, the compiler spilled them into registers and rebuilt them bit by bit).
+          z = kept ? z : -INFINITY;
+          right += sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast);
+          // math::log_weight without the shift, which is added below.
+          z -= right;
         }
       }
       const tile::QuadScan quad = tile::quad_scan(right, mask.tig);
@@ -217,10 +220,11 @@ struct StickBreakingBackwardRowsOf {
           float& z = s[n][2 * half + e];
           z *= scale_log2;
           const bool kept = (!Masked || mask.visible<8 * NT>(half, n, e)) && filter.keep(half, z);
-          const float c = kept ? sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast) : 0.f;
-          sigmoid[n][e] = kept ? tile::exp2_fast(z - c) : 0.f;
+          z = kept ? z : -INFINITY;  // cost 0, sigmoid 0, weight 0: as in the forward
+          const float c = sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast);
+          sigmoid[n][e] = tile::exp2_fast(z - c);
           right += c;
-          z = kept ? z - right : -INFINITY;
+          z -= right;
         }
       }
       const tile::QuadScan costs = tile::quad_scan(right, tig);
