@@ -193,13 +193,13 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
 
     float dq[D / 8][4];
     tile::zero(dq);
-    for (int i = 0, kt = first_tile; kt < qt.key_tiles; ++i) {
-      const int s = i % S, buf = i & 1, next = sweep.after(kt);
+    // S = Q K^T and dP = dO V^T of tile i (stage i % S), one commit group.
+    float sc[NT][4], dp[NT][4];
+    auto issue_scores = [&](int i) {
+      const int s = i % S;
       tile::mbar_wait(&k_full[s], (i / S) & 1);
       tile::mbar_wait(&v_full[s], (i / S) & 1);
       tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
-
-      float sc[NT][4], dp[NT][4];
       tile::fresh(sc);
       tile::fresh(dp);
       tile::wgmma_fence();
@@ -212,6 +212,14 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
         tile::wgmma_ss<T, BK, 0, 0>(dp, do_tile.k_major(64 * wg, 16 * ks), v_tile(s).k_major(0, 16 * ks), ks > 0);
       }
       tile::wgmma_commit();
+    };
+    // The next tile's S and dP are issued as soon as this tile's dK or dV product is, so that
+    // they run while this tile's sums go out to the accumulators (atomics, or in the
+    // deterministic mode the wait for this block's turn): the matrix units would otherwise
+    // idle through that phase of every tile.
+    if (first_tile < qt.key_tiles) issue_scores(0);
+    for (int i = 0, kt = first_tile; kt < qt.key_tiles; ++i) {
+      const int s = i % S, buf = i & 1, next = sweep.after(kt);
       tile::wgmma_wait<0>();
       tile::pin(sc);
       tile::pin(dp);
@@ -259,8 +267,16 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
         tile::wgmma_ss<T, D, 1, 1>(kg, weights.mn_major(16 * ks), rows_tile.mn_major(16 * ks), ks > 0);
       }
       tile::wgmma_commit();
-      tile::wgmma_wait<0>();
+      // After the last tile the products are issued once more on its own stage (still full:
+      // its K is released below, and no V comes after it) and their results dropped, so that
+      // no product sits under a branch, which would make the compiler serialise them all.
+      // dQ's product reads dS from registers: it must be done before the next S and dP may be
+      // given them (the dK or dV product keeps the matrix units busy meanwhile).
+      tile::wgmma_wait<1>();
       tile::pin(dq);
+      tile::pin(dsa);
+      issue_scores(next < qt.key_tiles ? i + 1 : i);
+      tile::wgmma_wait<1>();  // this tile's dK or dV; the next S and dP run on
       tile::pin(kg);
       tile::mbar_arrive(&k_empty[s]);
 
@@ -307,6 +323,9 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       skip_turns(kt + 1, next);
       kt = next;
     }
+    tile::wgmma_wait<0>();  // the dropped products after the last tile
+    tile::pin(sc);
+    tile::pin(dp);
 
     if constexpr (kFinishesDq<Rows>) rows.finish_dq(dq, p, cfg, qt, row0, tig);
 #pragma unroll
