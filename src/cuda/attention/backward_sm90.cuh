@@ -14,7 +14,8 @@
 //                consumer 0: dV_t = P^T dO     wgmma, 64 keys x D over the block's 128 rows
 //                consumer 1: dK_t = dS^T Q
 //                then adds its tile into the fp32 accumulator (atomics, or in the
-//                deterministic mode in a fixed block order, one counter per accumulator).
+//                deterministic mode in a fixed block order, one counter per accumulator),
+//                while the next tile's S and dP, issued right behind dK_t or dV_t, run.
 // Given live key tiles (key_tiles.cuh), producer and consumers walk the same live tiles; in the
 // deterministic mode the others still take their turn.
 #pragma once
