@@ -45,8 +45,8 @@ class DifferentialAttention final : public AttentionLayer {
 
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1), H = h_.heads, Hkv = h_.kv_heads;
-        const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
-const torch::Tensor q = qkv[0].view({B, L, 2 * H, h_.head_dim});
+    const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
+    const torch::Tensor q = qkv[0].view({B, L, 2 * H, h_.head_dim});
     const torch::Tensor k = qkv[1].view({B, L, 2 * Hkv, h_.head_dim});
     const torch::Tensor v = qkv[2].view({B, L, Hkv, h_.value_dim});
     const auto in = position_.prepare(q, k, v, cache);

@@ -138,10 +138,11 @@ torch::Tensor embed(const torch::Tensor& weight, const torch::Tensor& tokens, st
 
 std::vector<torch::Tensor> project(const torch::Tensor& x, const std::vector<torch::Tensor>& weights) {
   const auto autocast = autocast_dtype(x);
-  bool same_dtype = true;
-  for (const torch::Tensor& w : weights) same_dtype &= w.scalar_type() == x.scalar_type();
-  bool floating = true;
-  for (const torch::Tensor& w : weights) floating &= w.scalar_type() == torch::kFloat32;
+  bool same_dtype = true, floating = true;
+  for (const torch::Tensor& w : weights) {
+    same_dtype &= w.scalar_type() == x.scalar_type();
+    floating &= w.scalar_type() == torch::kFloat32;
+  }
   if (!weights.empty() && ((autocast && floating) || (weights.size() > 1 && same_dtype))) {
     // As a TensorList: a std::vector would not count as variables (autograd would not see the
     // weights as inputs).

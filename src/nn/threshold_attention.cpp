@@ -87,8 +87,8 @@ class ThresholdAttention final : public AttentionLayer {
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) override {
     const std::int64_t B = x.size(0), L = x.size(1), H = h_.heads, Hkv = h_.kv_heads;
     const std::int64_t views = options_.differential() ? 2 : 1;
-        const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
-const torch::Tensor q = qkv[0].view({B, L, views * H, h_.head_dim});
+    const auto qkv = project(x, {q_->weight, k_->weight, v_->weight});
+    const torch::Tensor q = qkv[0].view({B, L, views * H, h_.head_dim});
     const torch::Tensor k = qkv[1].view({B, L, views * Hkv, h_.head_dim});
     const torch::Tensor v = qkv[2].view({B, L, Hkv, h_.value_dim});
     const auto in = position_.prepare(q, k, v, cache);

@@ -268,14 +268,14 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
         tile::wgmma_ss<T, D, 1, 1>(kg, weights.mn_major(16 * ks), rows_tile.mn_major(16 * ks), ks > 0);
       }
       tile::wgmma_commit();
-      // After the last tile the products are issued once more on its own stage (still full:
-      // its K is released below, and no V comes after it) and their results dropped, so that
-      // no product sits under a branch, which would make the compiler serialise them all.
       // dQ's product reads dS from registers: it must be done before the next S and dP may be
       // given them (the dK or dV product keeps the matrix units busy meanwhile).
       tile::wgmma_wait<1>();
       tile::pin(dq);
       tile::pin(dsa);
+      // After the last tile the products are issued once more on its own stage (still full:
+      // its K is released below, and no V comes after it) and their results dropped, so that
+      // no product sits under a branch, which would make the compiler serialise them all.
       issue_scores(next < qt.key_tiles ? i + 1 : i);
       tile::wgmma_wait<1>();  // this tile's dK or dV; the next S and dP run on
       tile::pin(kg);
