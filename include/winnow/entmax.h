@@ -5,6 +5,7 @@
 // scaled score falls below tau_j / (alpha - 1) get exactly zero weight.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 
 #include "winnow/attention.h"
@@ -20,9 +21,29 @@ struct Options {
   std::optional<double> tolerance;
 };
 
+// The support record: each row's support keys, which a forward can list as it computes the
+// weights so that its backward need not find them again (a sweep of Q K^T over every key
+// tile, about a third of the backward's time on random scores at 4K keys). An int32 vector of
+// support_record_size() elements on q's device, laid out as
+//   [0] 1 if the forward listed the supports, else 0   [1] entries listed   [2] nonzero if some
+//   row's support outgrew its list   [3] 0   then per key row and kv head: the rows whose
+//   support holds it; per query row and head: the support's size; per query row and head:
+//   kSupportListLength key rows (the first min(size, length) meaningful).
+// Query and key rows count over the whole batch (B L, or T packed), heads included. Only the
+// CUDA fused path lists; every other path writes 0 at [0], and a backward given a record
+// whose [0] is not 1, or one that overflowed, finds the supports its own way. Memory: 516
+// bytes per query row and head.
+inline constexpr std::int64_t kSupportListLength = 128;
+inline constexpr std::int64_t kSupportRecordHeader = 4;
+template <class Int>
+Int support_record_size(Int query_row_heads, Int key_row_heads) {
+  return key_row_heads + query_row_heads * (kSupportListLength + 1) + kSupportRecordHeader;
+}
+
 struct Outputs {
   TensorView out;  // like q with v's head dimension
   TensorView tau;  // per-row threshold tau_j (0 for a row that sees no key)
+  std::optional<TensorView> support;  // the support record, when the caller keeps one
 };
 
 // Writes the outputs. A row with no visible key outputs zero.
@@ -30,8 +51,9 @@ void forward(const AttentionInputs& in, const Options& options, const Outputs& o
              const ExecContext& ctx = {});
 
 // Gradients of sum(dout * out) with respect to q, k, v; `saved` holds what forward wrote with
-// the same options (the threshold carries no gradient of its own: it is a function of z whose
-// effect the formula dz = u (dp - delta) already contains).
+// the same inputs and options, its support record included if it was given one (the threshold
+// carries no gradient of its own: it is a function of z whose effect the formula
+// dz = u (dp - delta) already contains).
 void backward(const AttentionInputs& in, const Options& options, const Outputs& saved,
               const TensorView& dout, const AttentionGrads& grads, const ExecContext& ctx = {});
 

@@ -325,6 +325,13 @@ Operand AttentionCall::per_query_row(const char* name, const TensorView& t, DTyp
   return o;
 }
 
+void* AttentionCall::flat(const char* name, const TensorView& t, DType dtype, std::int64_t elements) const {
+  check_shape(name, t, &elements, 1, "(elements)");
+  if (t.dtype != dtype) fail(name, to_string(dtype), describe(t));
+  if (elements > 1 && t.stride[0] != 1) fail(name, "contiguous (stride 1)", describe(t));
+  return t.data;
+}
+
 void AttentionCall::check_scale(const std::optional<double>& scale) const {
   if (scale && !std::isfinite(*scale)) {
     fail("scale", "a finite number", std::to_string(*scale));

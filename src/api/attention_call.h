@@ -40,6 +40,8 @@ class AttentionCall {
   // Its gradient: shaped like `like` (the scalar), writable.
   Operand per_head_grad(const char* name, const TensorView& t, const char* like_name,
                         const TensorView& like) const;
+  // A buffer of `elements` contiguous elements of `dtype` in one dimension, on q's device.
+  void* flat(const char* name, const TensorView& t, DType dtype, std::int64_t elements) const;
   // Outputs must not overlap themselves (no broadcast strides on dimensions of size > 1).
   void require_writable(const char* name, const TensorView& t) const;
   // A backward's operands, checked in this order: dout, the statistic's gradient (when the

@@ -28,6 +28,11 @@ Checked checked(const AttentionCall& call, const Options& options, const Outputs
   c.params.stats = call.row_stats("tau", outputs.tau);
   c.config.alpha = options.alpha;
   c.config.tolerance = detail::resolve_tolerance(call, options.tolerance);
+  if (outputs.support) {
+    const detail::AttentionParams& p = c.params;
+    const std::int64_t size = support_record_size(p.rows_q * p.heads_q, p.rows_k * p.heads_kv);
+    c.config.support = static_cast<std::int32_t*>(call.flat("support", *outputs.support, DType::int32, size));
+  }
   return c;
 }
 
@@ -40,10 +45,12 @@ void forward(const AttentionInputs& in, const Options& options, const Outputs& o
   call.require_writable("out", outputs.out);
   call.require_writable("tau", outputs.tau);
   switch (call.route()) {
-    case Route::reference: return reference::entmax_forward(c.params, c.config);
-    case Route::cpu: return cpu::entmax_forward(c.params, c.config);
-    case Route::cuda: return cuda::entmax_forward(c.params, c.config);
+    case Route::reference: reference::entmax_forward(c.params, c.config); break;
+    case Route::cpu: cpu::entmax_forward(c.params, c.config); break;
+    case Route::cuda: return cuda::entmax_forward(c.params, c.config);  // writes the record's [0]
   }
+  // Host memory: the CPU paths list no supports.
+  if (c.config.support != nullptr) c.config.support[0] = 0;
 }
 
 void backward(const AttentionInputs& in, const Options& options, const Outputs& saved,

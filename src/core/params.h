@@ -101,6 +101,8 @@ struct StickBreakingConfig {
 struct EntmaxConfig {
   double alpha = 1.5;
   double tolerance = 1e-5;  // |sum p - 1| at which the threshold search stops
+  // The support record (winnow/entmax.h), contiguous int32 on the inputs' device, or null.
+  std::int32_t* support = nullptr;
 };
 
 // Sieve (spec/sieve.md). The per-row statistic is log_rem, as in stick-breaking; the filter's

@@ -1,8 +1,10 @@
 // alpha-entmax attention on CUDA. On the fused path (bf16 / fp16, D = Dv = 64 or 128) the row
 // thresholds come from value-free sweeps of the fused forward kernel (threshold_search.cuh),
 // then one sweep with the weights [x - tau]_+^(1 / (alpha - 1)) over the key tiles where some
-// row of the block has support (key_tiles.cuh). The backward first lists every row's support
-// and, when all lists fit, works on those keys alone (entmax_sparse.cuh); otherwise (and in
+// row of the block has support (key_tiles.cuh); given a support record (winnow/entmax.h), that
+// sweep also lists each row's support keys. The backward takes those lists, or lists every
+// row's support itself, and when all lists fit works on those keys alone (entmax_sparse.cuh);
+// otherwise (and in
 // deterministic mode) it is dense: a sweep with the weights u (U = sum u v and sum u, for
 // delta), which marks the cells with support, and then the fused backward kernel over those
 // cells only.
@@ -10,6 +12,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdlib>
+#include <optional>
 
 #include <cub/device/device_scan.cuh>
 
@@ -27,23 +30,6 @@ simple::Extras entmax_extras(const detail::EntmaxConfig& cfg) {
   return x;
 }
 
-struct FusedEntmaxForward {
-  const detail::AttentionParams& p;
-  const detail::EntmaxConfig& cfg;
-  template <class T, int D>
-  void operator()() const {
-    ThresholdCudaConfig t = threshold_config(cfg.alpha, cfg.tolerance);
-    t.result = p.stats;  // entmax's statistic is tau (x units)
-    LiveTileSelection tiles(p);
-    EntmaxCudaConfig e;
-    e.alpha = static_cast<float>(cfg.alpha);
-    e.tau = p.stats;
-    find_thresholds<T, D>(p, t, tiles, [&] {
-      launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, static_cast<float>(p.scale * (cfg.alpha - 1.0))));
-    });
-  }
-};
-
 std::atomic<std::int64_t> sparse_backward_calls{0};
 
 // Whether the support-list backward may take the call: not in deterministic mode, not when
@@ -58,34 +44,83 @@ bool sparse_backward_allowed(const detail::AttentionParams& p) {
          list_bytes <= (std::int64_t{1} << 31);
 }
 
-// The backward over the support lists (entmax_sparse.cuh). Returns false, having written
-// nothing but scratch, when some row's support overflows its list.
+struct FusedEntmaxForward {
+  const detail::AttentionParams& p;
+  const detail::EntmaxConfig& cfg;
+  template <class T, int D>
+  void operator()() const {
+    ThresholdCudaConfig t = threshold_config(cfg.alpha, cfg.tolerance);
+    t.result = p.stats;  // entmax's statistic is tau (x units)
+    LiveTileSelection tiles(p);
+    EntmaxCudaConfig e;
+    e.alpha = static_cast<float>(cfg.alpha);
+    e.tau = p.stats;
+    const float tau_to_score = static_cast<float>(p.scale * (cfg.alpha - 1.0));
+    cudaStream_t stream = stream_of(p);
+    if (cfg.support == nullptr) {
+      find_thresholds<T, D>(p, t, tiles, [&] {
+        launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, tau_to_score));
+      });
+      return;
+    }
+    const SupportRecord record = SupportRecord::over(cfg.support, p);
+    if (!sparse_backward_allowed(p)) {
+      check(cudaMemsetAsync(record.listed, 0, sizeof(int), stream), "marking the support record unlisted");
+      find_thresholds<T, D>(p, t, tiles, [&] {
+        launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, tau_to_score));
+      });
+      return;
+    }
+    EntmaxListedConfig listed;
+    static_cast<EntmaxCudaConfig&>(listed) = e;
+    listed.lists = record.lists;
+    // From zero before every output sweep: it runs a second time when the search needed step
+    // sweeps. Then [0] = 1 (one byte on the zeros: little-endian int 1).
+    find_thresholds<T, D>(p, t, tiles, [&] {
+      check(cudaMemsetAsync(record.listed, 0, record.clear_ints * sizeof(int), stream), "clearing the support record");
+      check(cudaMemsetAsync(record.listed, 1, 1, stream), "marking the support record listed");
+      launch_fused_forward<T, D, EntmaxListedRows>(p, listed, tiles.select(p.stats, tau_to_score));
+    });
+  }
+};
+
+// The backward over the support lists (entmax_sparse.cuh), from the forward's support record
+// when it listed one, else listed here first. Returns false, having written nothing but
+// scratch, when some row's support overflows its list.
 template <class T, int D>
 bool sparse_entmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                             const detail::EntmaxConfig& cfg) {
-  const std::size_t rows = static_cast<std::size_t>(p.rows_q * p.heads_q);
   const std::size_t keys = static_cast<std::size_t>(p.rows_k * p.heads_kv);
   cudaStream_t stream = stream_of(p);
-  // key_counts, key_fill and totals first: one clear covers them.
-  DeviceBuffer lists(p, (2 * keys + 2 + keys + rows + rows * kSupportCapacity) * sizeof(int));
-  int* const key_counts = lists.as<int>();
-  int* const key_fill = key_counts + keys;
-  int* const totals = key_fill + keys;
-  int* const key_offsets = totals + 2;
-  int* const counts = key_offsets + keys;
-  int* const listed = counts + rows;
-  check(cudaMemsetAsync(key_counts, 0, (2 * keys + 2) * sizeof(int), stream), "clearing the support counts");
-
-  EntmaxSupportConfig support;
-  support.alpha = static_cast<float>(cfg.alpha);
-  support.tau = p.stats;
-  support.lists = SupportLists{listed, counts, key_counts, totals};
-  launch_fused_forward<T, D, EntmaxSupportRows>(p, support);
-  int host_totals[2] = {0, 0};
-  check(cudaMemcpyAsync(host_totals, totals, sizeof(host_totals), cudaMemcpyDeviceToHost, stream),
-        "reading the support totals");
-  check(cudaStreamSynchronize(stream), "waiting for the support sweep");
-  if (host_totals[1] != 0) return false;
+  int header[entmax::kSupportRecordHeader] = {0, 0, 0, 0};  // listed, entries, overflow
+  auto read_header = [&](const int* device_header, const char* what) {
+    check(cudaMemcpyAsync(header, device_header, sizeof(header), cudaMemcpyDeviceToHost, stream),
+          "reading the support record's totals");
+    check(cudaStreamSynchronize(stream), what);
+  };
+  SupportRecord record;
+  if (cfg.support != nullptr) {
+    read_header(cfg.support, "waiting for the support record");
+    if (header[0] == 1) record = SupportRecord::over(cfg.support, p);
+  }
+  std::optional<DeviceBuffer> own;
+  if (record.listed == nullptr) {
+    own.emplace(p, SupportRecord::ints(p) * sizeof(int));
+    record = SupportRecord::over(own->as<int>(), p);
+    check(cudaMemsetAsync(record.listed, 0, record.clear_ints * sizeof(int), stream), "clearing the support counts");
+    EntmaxSupportConfig support;
+    support.alpha = static_cast<float>(cfg.alpha);
+    support.tau = p.stats;
+    support.lists = record.lists;
+    launch_fused_forward<T, D, EntmaxSupportRows>(p, support);
+    read_header(record.listed, "waiting for the support sweep");
+  }
+  if (header[2] != 0) return false;
+  const int* const key_counts = record.lists.key_counts;
+  DeviceBuffer key_scratch(p, 2 * keys * sizeof(int));
+  int* const key_fill = key_scratch.as<int>();
+  int* const key_offsets = key_fill + keys;
+  check(cudaMemsetAsync(key_fill, 0, keys * sizeof(int), stream), "clearing the key fill counts");
 
   std::size_t scan_bytes = 0;
   check(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, key_counts, key_offsets, static_cast<int>(keys), stream),
@@ -95,12 +130,12 @@ bool sparse_entmax_backward(const detail::AttentionParams& p, const detail::Grad
                                       static_cast<int>(keys), stream),
         "scanning the key counts");
 
-  const std::size_t entries = static_cast<std::size_t>(host_totals[0]);
+  const std::size_t entries = static_cast<std::size_t>(header[1]);
   DeviceBuffer entry_buffer(p, entries * (sizeof(int) + 2 * sizeof(float)));
   SparseBackwardParams sp;
   sp.alpha = static_cast<float>(cfg.alpha);
-  sp.keys = listed;
-  sp.counts = counts;
+  sp.keys = record.lists.keys;
+  sp.counts = record.lists.counts;
   sp.key_counts = key_counts;
   sp.key_offsets = key_offsets;
   sp.key_fill = key_fill;
@@ -166,6 +201,9 @@ std::int64_t entmax_sparse_backward_calls() { return sparse_backward_calls.load(
 
 void entmax_forward(const detail::AttentionParams& p, const detail::EntmaxConfig& cfg) {
   if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedEntmaxForward{p, cfg});
+  if (cfg.support != nullptr) {  // only the fused path lists
+    check(cudaMemsetAsync(cfg.support, 0, sizeof(int), stream_of(p)), "marking the support record unlisted");
+  }
   dispatch_simple(p, SimpleForward<simple::Mechanism::entmax>{p, entmax_extras(cfg)});
 }
 

@@ -299,21 +299,35 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_attention_no_grad(
 
 // ------------------------------------------------------------------ alpha-entmax
 
-std::tuple<at::Tensor, at::Tensor> entmax_forward_op(const at::Tensor& q, const at::Tensor& k,
-                                                     const at::Tensor& v, const Opt<at::Tensor>& cu_q,
-                                                     const Opt<at::Tensor>& cu_k, Opt<double> scale,
-                                                     bool attend_current, double alpha,
-                                                     Opt<double> tolerance, bool reference) {
+// The support record's length (winnow/entmax.h) for q's and k's sizes (ints or symbolic):
+// their rows times heads, all dimensions but the last.
+template <class Int, class Sizes>
+Int support_record_length(Sizes q_sizes, Sizes k_sizes) {
+  auto rows_and_heads = [](Sizes sizes) {
+    Int n = 1;
+    for (std::size_t d = 0; d + 1 < sizes.size(); ++d) n = n * sizes[d];
+    return n;
+  };
+  return entmax::support_record_size<Int>(rows_and_heads(q_sizes), rows_and_heads(k_sizes));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_forward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
+    Opt<double> tolerance, bool reference, bool keep_support) {
   constexpr const char* op = "winnow.entmax_attention_forward";
   return translate_errors([&] {
     const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor out = at::empty(out_shape(q, v), q.options());
     at::Tensor tau = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    const std::int64_t record = keep_support ? support_record_length<std::int64_t>(q.sizes(), k.sizes()) : 0;
+    at::Tensor support = at::empty({record}, q.options().dtype(at::kInt));
     entmax::Options options{std_opt(scale), attend_current, alpha, std_opt(tolerance)};
+    entmax::Outputs outputs{view_of(out, op, "out"), view_of(tau, op, "tau"), std::nullopt};
+    if (keep_support) outputs.support = view_of(support, op, "support");
     const DeviceScope scope(q);
-    entmax::forward(in, options, {view_of(out, op, "out"), view_of(tau, op, "tau")},
-                    scope.context(false, reference));
-    return std::make_tuple(out, tau);
+    entmax::forward(in, options, outputs, scope.context(false, reference));
+    return std::make_tuple(out, tau, support);
   });
 }
 
@@ -321,15 +335,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_backward_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& tau, const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
     const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
-    bool deterministic, bool reference) {
+    bool deterministic, bool reference, const Opt<at::Tensor>& support) {
   constexpr const char* op = "winnow.entmax_attention_backward";
   return translate_errors([&] {
     const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
     entmax::Options options{std_opt(scale), attend_current, alpha, std::nullopt};
+    entmax::Outputs saved{view_of(out, op, "out"), view_of(tau, op, "tau"), std::nullopt};
+    if (support && support->defined()) saved.support = view_of(*support, op, "support");
     const DeviceScope scope(q);
-    entmax::backward(in, options, {view_of(out, op, "out"), view_of(tau, op, "tau")},
-                     view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
+    entmax::backward(in, options, saved, view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
                      scope.context(deterministic, reference));
     return std::make_tuple(dq, dk, dv);
   });
@@ -338,15 +353,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_backward_op(
 constexpr Dispatched<&entmax_forward_op> entmax_forward{"winnow::entmax_attention_forward"};
 constexpr Dispatched<&entmax_backward_op> entmax_backward{"winnow::entmax_attention_backward"};
 
+// keep_support: the forward lists each row's support for the backward (winnow/entmax.h), which
+// then skips its own listing sweep; asked for only where it can pay (CUDA, gradients wanted).
 struct EntmaxFunction : public torch::autograd::Function<EntmaxFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, Opt<double> scale,
-                               bool attend_current, double alpha) {
-    auto [out, tau] = entmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
-                                     Opt<double>(), false);
-    save_call(ctx, {q, k, v, out, tau}, cu_q, cu_k, scale, attend_current);
+                               bool attend_current, double alpha, bool keep_support) {
+    auto [out, tau, support] = entmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
+                                              Opt<double>(), false, keep_support);
+    save_call(ctx, {q, k, v, out, tau, support}, cu_q, cu_k, scale, attend_current);
     ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["keep_support"] = keep_support;
     ctx->mark_non_differentiable({tau});
     return {out, tau};
   }
@@ -355,25 +373,29 @@ struct EntmaxFunction : public torch::autograd::Function<EntmaxFunction> {
     const SavedCall c = saved_call(ctx);
     const variable_list& saved = c.tensors;
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
+    Opt<at::Tensor> support;
+    if (ctx->saved_data["keep_support"].toBool()) support = saved[5];
     auto [dq, dk, dv] = entmax_backward(
         saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
         c.attend_current, ctx->saved_data["alpha"].toDouble(),
-        at::globalContext().deterministicAlgorithms(), false);
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        at::globalContext().deterministicAlgorithms(), false, support);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor entmax_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
                                      Opt<double> scale, bool attend_current, double alpha) {
-  return EntmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current, alpha)[0];
+  const bool wants_grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  const bool keep_support = wants_grad && q.is_cuda();
+  return EntmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current, alpha, keep_support)[0];
 }
 
 at::Tensor entmax_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
                                     Opt<double> scale, bool attend_current, double alpha) {
   return std::get<0>(entmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
-                                    Opt<double>(), false));
+                                    Opt<double>(), false, false));
 }
 
 // ------------------------------------------------------------------ Sieve
@@ -1361,18 +1383,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_backward(
   return grads("winnow.stick_breaking_attention_backward", q, k, v);
 }
 
-std::tuple<at::Tensor, at::Tensor> entmax_forward(const at::Tensor& q, const at::Tensor& k,
-                                                  const at::Tensor& v, const Opt<at::Tensor>&,
-                                                  const Opt<at::Tensor>&, Opt<double>, bool,
-                                                  double, Opt<double>, bool) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_forward(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const Opt<at::Tensor>&,
+                                                              const Opt<at::Tensor>&, Opt<double>, bool,
+                                                              double, Opt<double>, bool, bool keep_support) {
   check_attention("winnow.entmax_attention_forward", q, k, v);
-  return std::make_tuple(out(q, v), stats(q));
+  const c10::SymInt record = keep_support ? support_record_length<c10::SymInt>(q.sym_sizes(), k.sym_sizes())
+                                          : c10::SymInt(0);
+  return std::make_tuple(out(q, v), stats(q), at::empty_symint({record}, q.options().dtype(at::kInt)));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
-    Opt<double>, bool, double, bool, bool) {
+    Opt<double>, bool, double, bool, bool, const Opt<at::Tensor>&) {
   return grads("winnow.entmax_attention_backward", q, k, v);
 }
 
@@ -1586,12 +1610,13 @@ TORCH_LIBRARY(winnow, m) {
   m.def(
       "entmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, "
       "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=True, "
-      "float alpha=1.5, float? tolerance=None, bool reference=False) -> (Tensor out, Tensor tau)");
+      "float alpha=1.5, float? tolerance=None, bool reference=False, bool keep_support=False) "
+      "-> (Tensor out, Tensor tau, Tensor support)");
   m.def(
       "entmax_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor tau, "
       "Tensor dout, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float? scale=None, "
       "bool attend_current=True, float alpha=1.5, bool deterministic=False, "
-      "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool reference=False, Tensor? support=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "sieve_attention(Tensor q, Tensor k, Tensor v, *, Tensor? cu_seqlens_q=None, "
       "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=False, "

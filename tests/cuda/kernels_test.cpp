@@ -373,6 +373,106 @@ TEST(CudaEntmax, SparseBackwardMatchesTheReferenceAndTheDenseBackward) {
   }
 }
 
+// A support record kept by the forward (winnow/entmax.h): on the fused path the forward lists
+// every row's support (each listed key's gap, recomputed in float64 from the kernel's tau and
+// the rounded inputs, is positive up to rounding, and every clearly positive one is listed),
+// and the backward that takes those lists gives the gradients it gives without them. Rows
+// whose supports outgrow the lists (flat rows) still reach the dense backward; the simple
+// path (float32) lists nothing and says so.
+TEST(CudaEntmax, TheForwardsSupportListsServeTheBackward) {
+  struct Case {
+    ProblemShape shape;
+    double input_std;
+    DType dtype;
+    bool listed, sparse;
+  };
+  const std::vector<Case> cases = {
+      {{"gqa_d128", {{300, 300}, {300, 300}}, false, 8, 2, 128, 128}, 1.0, DType::bfloat16, true, true},
+      {{"suffix_d64", {{77, 333}, {77, 333}}, false, 4, 4, 64, 64}, 1.0, DType::float16, true, true},
+      {{"varlen_d64", {{5, 5}, {0, 0}, {200, 260}, {129, 300}, {1, 1}}, true, 4, 2, 64, 64}, 1.0, DType::bfloat16,
+       true, true},
+      {{"flat_d64", {{300, 300}}, false, 2, 1, 64, 64}, 0.05, DType::bfloat16, true, false},
+      {{"simple_d32", {{70, 70}}, false, 2, 1, 32, 32}, 1.0, DType::float32, false, false},
+  };
+  constexpr std::int64_t kLength = entmax::kSupportListLength, kHeader = entmax::kSupportRecordHeader;
+  for (const Case& c : cases) {
+    const Problem problem = Problem::random(c.shape, 91, c.input_std);
+    const Problem exact = rounded(problem, c.dtype);
+    for (Mechanism m : {Mechanism::entmax15, Mechanism::sparsemax, Mechanism::entmax13}) {
+      SCOPED_TRACE(c.shape.name + " " + name_of(m));
+      RunConfig cfg;
+      cfg.mechanism = m;
+      cfg.dtype = c.dtype;
+      cfg.keep_support = true;
+      CudaPlacement gpu, plain_gpu;
+      cfg.placement = &gpu;
+      const std::int64_t calls = cuda::entmax_sparse_backward_calls();
+      const Results got = run(problem, cfg);
+      EXPECT_EQ(cuda::entmax_sparse_backward_calls() > calls, c.sparse);
+      ASSERT_FALSE(got.support.empty());
+      ASSERT_EQ(got.support[0], c.listed ? 1.0 : 0.0) << "the record's listed mark";
+      cfg.keep_support = false;
+      cfg.placement = &plain_gpu;
+      const Results plain = run(problem, cfg);
+      EXPECT_EQ(got.stat, plain.stat);
+      EXPECT_LT(relative_error(got.out, plain.out), 1e-6) << "out";
+      // The key pass sums a key's entries in the order they were filed, which varies.
+      EXPECT_LT(relative_error(got.dq, plain.dq), 1e-3) << "dq";
+      EXPECT_LT(relative_error(got.dk, plain.dk), 1e-3) << "dk";
+      EXPECT_LT(relative_error(got.dv, plain.dv), 1e-3) << "dv";
+      if (!c.sparse) continue;
+
+      // Each row's list against the float64 gaps.
+      const ProblemShape& s = c.shape;
+      const std::int64_t hq = s.heads_q, hk = s.heads_kv, dim = s.dim;
+      const std::vector<double> q = exact.q.values(), k = exact.k.values();
+      std::int64_t q_rows = 0, k_rows = 0;
+      for (auto [lq, lk] : s.seqs) q_rows += lq, k_rows += lk;
+      const double a = alpha_of(m), x_scale = (a - 1) / std::sqrt(static_cast<double>(dim));
+      std::int64_t q0 = 0, k0 = 0, rows_checked = 0, listed_total = 0;
+      for (auto [lq, lk] : s.seqs) {
+        for (std::int64_t j = 0; j < lq; ++j) {
+          for (std::int64_t h = 0; h < hq; ++h) {
+            const std::int64_t slot = (q0 + j) * hq + h, g = h / (hq / hk);
+            const double tau = got.stat[static_cast<std::size_t>(slot)];
+            const auto count = static_cast<std::int64_t>(got.support[static_cast<std::size_t>(kHeader + k_rows * hk + slot)]);
+            ASSERT_LE(count, kLength);
+            std::vector<bool> listed(static_cast<std::size_t>(lk), false);
+            for (std::int64_t e = 0; e < count; ++e) {
+              const auto key = static_cast<std::int64_t>(
+                  got.support[static_cast<std::size_t>(kHeader + k_rows * hk + q_rows * hq + slot * kLength + e)]);
+              // Batched rows count from their sequence's start (0), packed ones over the batch.
+              const std::int64_t i = key - (s.varlen ? k0 : 0);
+              ASSERT_TRUE(i >= 0 && i <= j + (lk - lq)) << "row " << j << " lists key " << key;
+              ASSERT_FALSE(listed[static_cast<std::size_t>(i)]) << "key " << i << " twice";
+              listed[static_cast<std::size_t>(i)] = true;
+            }
+            for (std::int64_t i = 0; i <= j + (lk - lq); ++i) {
+              double z = 0;
+              for (std::int64_t d = 0; d < dim; ++d) {
+                z += q[static_cast<std::size_t>(slot * dim + d)] *
+                     k[static_cast<std::size_t>(((k0 + i) * hk + g) * dim + d)];
+              }
+              const double gap = x_scale * z - tau;
+              if (listed[static_cast<std::size_t>(i)]) {
+                EXPECT_GT(gap, -1e-3) << "row " << j << " head " << h << " key " << i;
+              } else {
+                EXPECT_LT(gap, 1e-3) << "row " << j << " head " << h << " key " << i << " missing";
+              }
+            }
+            listed_total += count;
+            ++rows_checked;
+          }
+        }
+        q0 += lq;
+        k0 += lk;
+      }
+      EXPECT_EQ(static_cast<std::int64_t>(got.support[1]), listed_total) << "entries listed";
+      EXPECT_GT(rows_checked, 0);
+    }
+  }
+}
+
 // Queries and keys whose scores peak near the diagonal and fall off with distance, as a
 // trained model's local heads do: q_j . k_i = A^2 sum_f cos(w_f (j - i)) (positions
 // bottom-right aligned per sequence, w_f up to pi / 16) plus noise. Entmax's support and

@@ -99,7 +99,7 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
         out.append(Sample("stick_breaking_attention_backward",
                           (q, k, v, o, log_rem, kept, dout, torch.randn_like(log_rem)), {},
                           "batched"))
-        o, tau = ops.entmax_attention_forward(q, k, v, alpha=1.5)
+        o, tau, _ = ops.entmax_attention_forward(q, k, v, alpha=1.5)
         out.append(Sample("entmax_attention_forward", (q, k, v), {"alpha": 1.5}, "batched"))
         out.append(Sample("entmax_attention_backward", (q, k, v, o, tau, dout), {"alpha": 1.5},
                           "batched"))

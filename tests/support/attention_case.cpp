@@ -131,6 +131,7 @@ Results run(const Problem& p, const RunConfig& cfg) {
   const TensorView threshold_v = placed(threshold);
   const TensorView dout_v = placed(dout), dstat_v = placed(dstat);
   const AttentionGrads grads{placed(dq), placed(dk), placed(dv)};
+  std::vector<double> support_values;
   ExecContext ctx;
   ctx.backend = cfg.backend;
   ctx.num_threads = cfg.num_threads;
@@ -149,8 +150,21 @@ Results run(const Problem& p, const RunConfig& cfg) {
     opt.attend_current = cfg.attend_current;
     opt.alpha = alpha_of(cfg.mechanism);
     opt.tolerance = cfg.tolerance;
-    const entmax::Outputs outputs{out_v, stat_v};
+    entmax::Outputs outputs{out_v, stat_v, std::nullopt};
+    std::optional<HostTensor> record;
+    if (cfg.keep_support) {
+      std::int64_t q_rows = 1, k_rows = 1;
+      for (std::size_t d = 0; d + 1 < q.shape().size(); ++d) q_rows *= q.shape()[d];
+      for (std::size_t d = 0; d + 1 < k.shape().size(); ++d) k_rows *= k.shape()[d];
+      record.emplace(std::vector<std::int64_t>{entmax::support_record_size(q_rows, k_rows)}, DType::int32);
+      record->fill(-7);  // poison: the forward must write the record's first element
+      outputs.support = placed(*record);
+    }
     entmax::forward(in, opt, outputs, ctx);
+    if (record) {
+      if (cfg.placement) cfg.placement->fetch(*outputs.support, *record);
+      support_values = record->values();
+    }
     entmax::backward(in, opt, outputs, dout_v, grads, ctx);
   } else if (is_sieve(cfg.mechanism)) {
     sieve::Options opt;
@@ -186,6 +200,7 @@ Results run(const Problem& p, const RunConfig& cfg) {
     cfg.placement->fetch(grads.dv, dv);
   }
   Results r{out.values(), stat.values(), dq.values(), dk.values(), dv.values(), {}};
+  r.support = std::move(support_values);
   if (cfg.mechanism == Mechanism::stick_breaking) r.kept_from = kept.values();
   if (is_sieve(cfg.mechanism)) {
     r.threshold = threshold.values();

@@ -64,6 +64,7 @@ struct RunConfig {
   bool permuted = false;        // store (B, L, H, D) as (B, H, L, D) / (T, H, D) as (H, T, D)
   int num_threads = 0;
   bool deterministic = false;
+  bool keep_support = false;    // entmax: the forward keeps a support record for the backward
   Placement* placement = nullptr;  // nullptr: host memory
 };
 
@@ -71,6 +72,7 @@ struct Results {
   std::vector<double> out, stat, dq, dk, dv;
   std::vector<double> kept_from;  // stick-breaking only
   std::vector<double> threshold, count;  // Sieve only
+  std::vector<double> support;           // entmax with keep_support: the record as the forward left it
 };
 
 Results run(const Problem& p, const RunConfig& cfg);

@@ -7,6 +7,7 @@
 
 #include <functional>
 
+#include "winnow/entmax.h"
 #include "winnow/gsa.h"
 #include "winnow/torch/bridge.h"
 #include "winnow/torch/ops.h"
@@ -173,6 +174,38 @@ TEST(TorchOps, EntmaxForwardAndBackwardOpsAgreeWithTheReferenceBackend) {
       EXPECT_LT(rel(fast_grads[i].toTensor(), ref_grads[i].toTensor()), 1e-5)
           << "alpha " << alpha << " grad " << i;
     }
+  }
+}
+
+// The support record (winnow/entmax.h) has its documented length, and a forward whose path
+// does not list (the CPU kernels) says so in its first element: a backward handed that record
+// then finds the supports itself and gives the gradients it gives without one. A record of
+// the wrong length is refused, naming the argument.
+TEST(TorchOps, EntmaxSupportRecordOnTheCpuIsMarkedUnlisted) {
+  torch::manual_seed(5);
+  Tensor q = torch::randn({2, 13, 4, 16}), k = torch::randn({2, 13, 2, 16}), v = torch::randn({2, 13, 2, 8});
+  Tensor dout = torch::randn({2, 13, 4, 8});
+  auto fwd = call("winnow::entmax_attention_forward",
+                  {q, k, v, c10::IValue(), c10::IValue(), c10::IValue(), true, 1.5, c10::IValue(), false, true});
+  const Tensor record = fwd[2].toTensor();
+  ASSERT_EQ(record.numel(), winnow::entmax::support_record_size<std::int64_t>(2 * 13 * 4, 2 * 13 * 2));
+  EXPECT_EQ(record.scalar_type(), torch::kInt);
+  EXPECT_EQ(record[0].item<int>(), 0);
+  auto no_record = call("winnow::entmax_attention_forward", {q, k, v});
+  EXPECT_EQ(no_record[2].toTensor().numel(), 0);
+  auto with = call("winnow::entmax_attention_backward",
+                   {q, k, v, fwd[0], fwd[1], dout, c10::IValue(), c10::IValue(), c10::IValue(), true, 1.5,
+                    false, false, record});
+  auto without = call("winnow::entmax_attention_backward",
+                      {q, k, v, fwd[0], fwd[1], dout, c10::IValue(), c10::IValue(), c10::IValue(), true, 1.5});
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(with[i].toTensor(), without[i].toTensor())) << "grad " << i;
+  try {
+    call("winnow::entmax_attention_backward",
+         {q, k, v, fwd[0], fwd[1], dout, c10::IValue(), c10::IValue(), c10::IValue(), true, 1.5, false, false,
+          record.narrow(0, 0, record.numel() - 1)});
+    FAIL() << "a short record passed";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("support"), std::string::npos) << e.what();
   }
 }
 

@@ -5,8 +5,10 @@
 // structure (random ones, or heads that look far back) the support holds a few dozen keys
 // scattered over every key tile, so the dense backward (a sweep for U = sum u v, then the
 // fused kernel over all tiles with support) computes almost only zeros. Here:
-//   1. EntmaxSupportRows, a value-free sweep of the fused forward kernel, lists each row's
-//      support keys (at most kSupportCapacity per row) and counts, per key, the rows that hold it;
+//   1. each row's support keys are listed (at most kSupportCapacity per row) and, per key, the
+//      rows that hold it counted: by the forward's output sweep (EntmaxListedRows) when the
+//      caller keeps a support record (winnow/entmax.h), else by EntmaxSupportRows, a value-free
+//      sweep of the fused forward kernel;
 //   2. an exclusive scan of those counts (CUB) places each key's entries;
 //   3. the row pass (a warp per query row) gathers k and v of its support: scores, u, dp,
 //      delta, dz; dq = sum dz k; it files (query, dz, p) under each key;
@@ -20,12 +22,13 @@
 
 #include "cuda/attention/entmax_rows.cuh"
 #include "cuda/tile/row_vector.cuh"
+#include "winnow/entmax.h"
 
 namespace winnow::cuda {
 
-// Support entries a row may list: on random scores at 16K keys a row's support averages
-// about 27 keys (simulated), and a wider one is rare there.
-inline constexpr int kSupportCapacity = 128;
+// Support entries a row may list (winnow/entmax.h): on random scores at 16K keys a row's
+// support averages about 27 keys (simulated), and a wider one is rare there.
+inline constexpr int kSupportCapacity = static_cast<int>(entmax::kSupportListLength);
 
 // Query rows and keys as flat slots over the whole batch: (row over all sequences, head).
 __host__ __device__ __forceinline__ std::int64_t query_slot(const AttentionParams& p, std::int64_t b,
@@ -44,18 +47,34 @@ struct SupportLists {
   int* totals = nullptr;      // [0]: entries listed over all rows; [1]: nonzero if some row overflowed
 };
 
-struct EntmaxSupportConfig {
-  float alpha = 1.5f;
-  detail::Operand tau;  // float per row, x units
+// The support record of winnow/entmax.h over its int32 buffer.
+struct SupportRecord {
+  int* listed = nullptr;  // [0]: 1 once a forward has listed the supports
   SupportLists lists;
+  std::size_t clear_ints = 0;  // the header and the key counts: what a listing starts from zero
+
+  static std::size_t ints(const AttentionParams& p) {
+    return static_cast<std::size_t>(entmax::support_record_size(p.rows_q * p.heads_q, p.rows_k * p.heads_kv));
+  }
+  static SupportRecord over(int* base, const AttentionParams& p) {
+    const std::size_t keys = static_cast<std::size_t>(p.rows_k * p.heads_kv);
+    const std::size_t rows = static_cast<std::size_t>(p.rows_q * p.heads_q);
+    SupportRecord r;
+    r.listed = base;
+    r.lists.totals = base + 1;
+    r.lists.key_counts = base + entmax::kSupportRecordHeader;
+    r.lists.counts = r.lists.key_counts + keys;
+    r.lists.keys = r.lists.counts + rows;
+    r.clear_ints = entmax::kSupportRecordHeader + keys;
+    return r;
+  }
 };
 
-// The listing sweep. Per tile, each thread counts its support keys per row, the quad scans
-// the counts so that its four threads write disjoint stretches of the row's list, and each
-// key's count goes up by one per row that holds it.
-struct EntmaxSupportRows : ThresholdSweepRows {
-  float x_scale;
-  float tau[2];
+// Files a thread's support keys of each key tile into its two rows' lists: the quad scans its
+// four threads' counts so that they write disjoint stretches of a row's list, and each key's
+// count goes up by one per row that holds it. Shared by the backward's listing sweep and the
+// forward's listing output sweep.
+struct SupportListing {
   int count[2] = {0, 0};
   int* list[2];
   int* totals;
@@ -64,41 +83,24 @@ struct EntmaxSupportRows : ThresholdSweepRows {
   std::int64_t key_row0;    // operand row of key 0: k_start
 
   template <class Tile>
-  __device__ __forceinline__ EntmaxSupportRows(const AttentionParams& p, const EntmaxSupportConfig& cfg,
-                                               const Tile& qt, std::int64_t row0)
-      : x_scale(static_cast<float>(p.scale) * (cfg.alpha - 1.f)),
-        totals(cfg.lists.totals),
-        key_counts(cfg.lists.key_counts + key_slot(p, qt.b, qt.s.k_start, qt.hk)),
+  __device__ __forceinline__ SupportListing(const AttentionParams& p, const SupportLists& lists, const Tile& qt,
+                                            std::int64_t row0)
+      : totals(lists.totals),
+        key_counts(lists.key_counts + key_slot(p, qt.b, qt.s.k_start, qt.hk)),
         key_stride(p.heads_kv),
         key_row0(qt.s.k_start) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
-      const bool valid = row < qt.s.q_len;
-      // +infinity: no gap of a row past the sequence is positive.
-      tau[half] = valid ? *cfg.tau.at<const float>(qt.b, qt.s.q_start + row, qt.h) : INFINITY;
-      list[half] = valid ? cfg.lists.keys + query_slot(p, qt.b, qt.s.q_start + row, qt.h) * kSupportCapacity : nullptr;
+      list[half] = row < qt.s.q_len ? lists.keys + query_slot(p, qt.b, qt.s.q_start + row, qt.h) * kSupportCapacity
+                                    : nullptr;
     }
   }
 
-  // One bit per score with a positive gap (bit 4 n + i for s[n][i]); the list is then written
-  // from the bits, so the pass that writes costs per support key, not per score.
-  template <bool Masked, int NT>
-  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
-    static_assert(4 * NT <= 64, "a bit per score of the thread");
-    // Four partial words, so that the ORs are not one chain of 64 per tile (measured only
-    // together with the selects below: the sweep went 0.51 -> 0.45 ms at 4K keys, H100).
-    std::uint64_t part[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i / 2, e = i % 2;
-        const bool in = (!Masked || mask.visible<8 * NT>(half, n, e)) && fmaf(s[n][i], x_scale, -tau[half]) > 0.f;
-        if (in) part[n % 4] |= std::uint64_t{1} << (4 * n + i);
-      }
-    }
-    std::uint64_t bits = (part[0] | part[1]) | (part[2] | part[3]);
+  // bits: bit 4 n + i set for score s[n][i] in the support (rows past the sequence set none).
+  // The list is written from the bits, so that this costs per support key, not per score.
+  template <int NT>
+  __device__ __forceinline__ void file(std::uint64_t bits, const RowMask& mask) {
     if (!__any_sync(0xffffffffu, bits != 0)) return;
     const int mine[2] = {__popcll(bits & 0x3333333333333333ull), __popcll(bits & 0xccccccccccccccccull)};
     int at[2];
@@ -126,8 +128,7 @@ struct EntmaxSupportRows : ThresholdSweepRows {
   }
 
   // The totals once per warp (counts are the same on the four threads of a quad).
-  template <int DT>
-  __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) const {
+  __device__ __forceinline__ void finish() const {
     const int listed = (threadIdx.x & 3) == 0 ? min(count[0], kSupportCapacity) + min(count[1], kSupportCapacity) : 0;
     const int warp_listed = __reduce_add_sync(0xffffffffu, listed);
     const bool overflow = __any_sync(0xffffffffu, count[0] > kSupportCapacity || count[1] > kSupportCapacity);
@@ -137,10 +138,117 @@ struct EntmaxSupportRows : ThresholdSweepRows {
     }
   }
 
+  __device__ __forceinline__ void store_count(const AttentionParams& p, const SupportLists& lists, std::int64_t b,
+                                              std::int64_t row, std::int64_t h, int half) const {
+    lists.counts[query_slot(p, b, row, h)] = count[half];
+  }
+};
+
+// Four partial words, so that the ORs are not one chain of 64 per tile (measured only together
+// with the listing's selects: the backward's sweep went 0.51 -> 0.45 ms at 4K keys, H100).
+struct SupportBitsOfTile {
+  std::uint64_t part[4] = {0, 0, 0, 0};
+  __device__ __forceinline__ void set(int n, int i, bool in) {
+    if (in) part[n % 4] |= std::uint64_t{1} << (4 * n + i);
+  }
+  __device__ __forceinline__ std::uint64_t bits() const { return (part[0] | part[1]) | (part[2] | part[3]); }
+};
+
+struct EntmaxSupportConfig {
+  float alpha = 1.5f;
+  detail::Operand tau;  // float per row, x units
+  SupportLists lists;
+};
+
+// The backward's listing sweep (when the forward kept no record): value-free, one bit per
+// score with a positive gap.
+struct EntmaxSupportRows : ThresholdSweepRows {
+  float x_scale;
+  float tau[2];
+  SupportListing listing;
+
+  template <class Tile>
+  __device__ __forceinline__ EntmaxSupportRows(const AttentionParams& p, const EntmaxSupportConfig& cfg,
+                                               const Tile& qt, std::int64_t row0)
+      : x_scale(static_cast<float>(p.scale) * (cfg.alpha - 1.f)), listing(p, cfg.lists, qt, row0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      // +infinity: no gap of a row past the sequence is positive.
+      tau[half] = row < qt.s.q_len ? *cfg.tau.at<const float>(qt.b, qt.s.q_start + row, qt.h) : INFINITY;
+    }
+  }
+
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    static_assert(4 * NT <= 64, "a bit per score of the thread");
+    SupportBitsOfTile in;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i / 2, e = i % 2;
+        in.set(n, i, (!Masked || mask.visible<8 * NT>(half, n, e)) && fmaf(s[n][i], x_scale, -tau[half]) > 0.f);
+      }
+    }
+    listing.file<NT>(in.bits(), mask);
+  }
+
+  template <int DT>
+  __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) const {
+    listing.finish();
+  }
+
   __device__ __forceinline__ void store_extra(const AttentionParams& p, const EntmaxSupportConfig& cfg,
                                               std::int64_t b, std::int64_t row, std::int64_t h,
                                               std::int64_t, int half) const {
-    cfg.lists.counts[query_slot(p, b, row, h)] = count[half];
+    listing.store_count(p, cfg.lists, b, row, h, half);
+  }
+};
+
+// The forward's output sweep when the caller keeps a support record: entmax's weights, and
+// each positive gap filed as it goes (the bits come from the gaps the weights need anyway).
+struct EntmaxListedConfig : EntmaxCudaConfig {
+  SupportLists lists;
+};
+
+struct EntmaxListedRows : EntmaxRows {
+  SupportListing listing;
+
+  template <class Tile>
+  __device__ __forceinline__ EntmaxListedRows(const AttentionParams& p, const EntmaxListedConfig& cfg,
+                                              const Tile& qt, std::int64_t row0)
+      : EntmaxRows(p, cfg, qt, row0), listing(p, cfg.lists, qt, row0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // +infinity: a row past the sequence has no weights and files nothing.
+      if (row0 + 8 * half >= qt.s.q_len) tau[half] = INFINITY;
+    }
+  }
+
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    namespace em = math::entmax;
+    static_assert(4 * NT <= 64, "a bit per score of the thread");
+    SupportBitsOfTile in;
+    for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int, float gap) {
+      constexpr em::Family F = decltype(family)::value;
+      s[n][i] = em::weight<F>(gap, alpha);
+      in.set(n, i, gap > 0.f);
+    });
+    listing.file<NT>(in.bits(), mask);
+  }
+
+  template <int DT>
+  __device__ __forceinline__ void finish(float (&o)[DT][4], float (&stat)[2]) const {
+    EntmaxRows::finish(o, stat);
+    listing.finish();
+  }
+
+  __device__ __forceinline__ void store_extra(const AttentionParams& p, const EntmaxListedConfig& cfg,
+                                              std::int64_t b, std::int64_t row, std::int64_t h,
+                                              std::int64_t, int half) const {
+    listing.store_count(p, cfg.lists, b, row, h, half);
   }
 };
 
