@@ -197,8 +197,13 @@ def measure(name, prepare, fn, q, k, v, flops_fwd, forward_only=False):
     row = {"method": name}
     try:
         inputs = prepare(q, k, v)
+        # With inputs that want gradients (what training runs; a forward may keep more for its
+        # backward then, as entmax keeps its support lists), and without (inference).
         row["fwd_ms"] = median_ms(lambda: fn(*inputs))
         row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+        with torch.no_grad():
+            row["fwd_inference_ms"] = median_ms(lambda: fn(*inputs))
+        row["fwd_inference_tflops"] = flops_fwd / row["fwd_inference_ms"] / 1e9
         row["inference_tokens_per_s"] = q.shape[0] * q.shape[1] / row["fwd_ms"] * 1e3
         if forward_only:
             return row
@@ -215,7 +220,7 @@ def measure(name, prepare, fn, q, k, v, flops_fwd, forward_only=False):
 
 
 def print_table(results):
-    print(f"{'D':>4} {'L':>6} {'method':<30} {'fwd TF/s':>9} {'x flash':>8} {'bwd TF/s':>9} "
+    print(f"{'D':>4} {'L':>6} {'method':<30} {'fwd TF/s':>9} {'x flash':>8} {'inf TF/s':>9} {'bwd TF/s':>9} "
           f"{'x flash':>8} {'f+b TF/s':>9} {'x flash':>8} {'inf Mtok/s':>10} {'train Mtok/s':>12}")
     nan = float("nan")
     for r in results:
@@ -223,7 +228,8 @@ def print_table(results):
             print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} error: {r['error'][:60]}")
             continue
         print(f"{r['D']:>4} {r['L']:>6} {r['method']:<30} {r['fwd_tflops']:9.1f} "
-              f"{r.get('fwd_vs_flash', nan):8.2f} {r.get('bwd_tflops', nan):9.1f} "
+              f"{r.get('fwd_vs_flash', nan):8.2f} {r.get('fwd_inference_tflops', nan):9.1f} "
+              f"{r.get('bwd_tflops', nan):9.1f} "
               f"{r.get('bwd_vs_flash', nan):8.2f} {r.get('fwd_bwd_tflops', nan):9.1f} "
               f"{r.get('fwd_bwd_vs_flash', nan):8.2f} "
               f"{r.get('inference_tokens_per_s', nan) / 1e6:10.3f} "
@@ -267,10 +273,11 @@ def main():
                 # Progress as it comes: a run cut short by a time limit still reports.
                 print(f"# {dim} {L} {name}: " + ", ".join(
                     f"{k} {row[k]:.1f}" if isinstance(row[k], float) else f"{k} {row[k]}"
-                    for k in ("fwd_tflops", "fwd_bwd_tflops", "error") if k in row), flush=True)
+                    for k in ("fwd_tflops", "fwd_inference_tflops", "fwd_bwd_tflops", "error") if k in row),
+                    flush=True)
             base = rows.get("sdpa_flash", {})
             for row in rows.values():
-                for mode in ("fwd", "bwd", "fwd_bwd"):
+                for mode in ("fwd", "fwd_inference", "bwd", "fwd_bwd"):
                     if f"{mode}_tflops" in row and f"{mode}_tflops" in base:
                         row[f"{mode}_vs_flash"] = row[f"{mode}_tflops"] / base[f"{mode}_tflops"]
             torch.cuda.empty_cache()
