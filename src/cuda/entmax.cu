@@ -98,29 +98,10 @@ bool sparse_entmax_backward(const detail::AttentionParams& p, const detail::Grad
           "reading the support record's totals");
     check(cudaStreamSynchronize(stream), what);
   };
-  // Each key's first entry (a scan of the key counts), and its fill count from zero.
-  DeviceBuffer key_scratch(p, 2 * keys * sizeof(int));
-  int* const key_fill = key_scratch.as<int>();
-  int* const key_offsets = key_fill + keys;
-  std::size_t scan_bytes = 0;
-  check(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<const int*>(nullptr), key_offsets,
-                                      static_cast<int>(keys), stream),
-        "sizing the key scan");
-  DeviceBuffer scan_scratch(p, scan_bytes);
-  auto place_entries = [&](const SupportRecord& r) {
-    check(cudaMemsetAsync(key_fill, 0, keys * sizeof(int), stream), "clearing the key fill counts");
-    check(cub::DeviceScan::ExclusiveSum(scan_scratch.as<void>(), scan_bytes, r.lists.key_counts, key_offsets,
-                                        static_cast<int>(keys), stream),
-          "scanning the key counts");
-  };
   SupportRecord record;
   if (cfg.support != nullptr) {
-    // Enqueued before the host waits, so that less is left to enqueue after: if the forward
-    // did not list, this reads scratch, and is done again below.
-    const SupportRecord given = SupportRecord::over(cfg.support, p);
-    place_entries(given);
     read_header(cfg.support, "waiting for the support record");
-    if (header[0] == 1) record = given;
+    if (header[0] == 1) record = SupportRecord::over(cfg.support, p);
   }
   std::optional<DeviceBuffer> own;
   if (record.listed == nullptr) {
@@ -132,11 +113,22 @@ bool sparse_entmax_backward(const detail::AttentionParams& p, const detail::Grad
     support.tau = p.stats;
     support.lists = record.lists;
     launch_fused_forward<T, D, EntmaxSupportRows>(p, support);
-    place_entries(record);
     read_header(record.listed, "waiting for the support sweep");
   }
   if (header[2] != 0) return false;
   const int* const key_counts = record.lists.key_counts;
+  DeviceBuffer key_scratch(p, 2 * keys * sizeof(int));
+  int* const key_fill = key_scratch.as<int>();
+  int* const key_offsets = key_fill + keys;
+  check(cudaMemsetAsync(key_fill, 0, keys * sizeof(int), stream), "clearing the key fill counts");
+
+  std::size_t scan_bytes = 0;
+  check(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, key_counts, key_offsets, static_cast<int>(keys), stream),
+        "sizing the key scan");
+  DeviceBuffer scan_scratch(p, scan_bytes);
+  check(cub::DeviceScan::ExclusiveSum(scan_scratch.as<void>(), scan_bytes, key_counts, key_offsets,
+                                      static_cast<int>(keys), stream),
+        "scanning the key counts");
 
   const std::size_t entries = static_cast<std::size_t>(header[1]);
   DeviceBuffer entry_buffer(p, entries * (sizeof(int) + 2 * sizeof(float)));

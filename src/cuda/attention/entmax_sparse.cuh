@@ -269,28 +269,17 @@ struct SparseBackwardParams {
 
 inline constexpr int kSparseWarps = 8;
 
-// Keys per row whose k the row pass keeps in shared memory from its first loop for dq (the
-// rest it gathers again): 16 keep the block's static shared memory under 48 KB at D = 128, and
-// a row's support at 4K keys holds about 15 on random scores.
-inline constexpr int kCachedKeys = 16;
-
-// A warp per query row. Its support's key indices come in with one coalesced load, issued
-// together with q, dout, tau and the count (the list is read past the count, within its row's
-// capacity, so that no load waits for another); then each group of kLanes lanes takes one key
-// at a time, two in flight (eight per warp), so that a score or dp costs three shuffle steps,
-// not five, and the loads of k and v overlap. Once delta is known, dz and p are per entry and
-// a lane each: the lanes file their entries (one atomic round trip per 32 entries, not one per
-// entry), and the groups gather dq = sum dz k, the first kCachedKeys keys' k from shared memory.
-// The kernel is bound by the latency of its dependent gathers (a warp lives through about a
-// dozen round trips to L2), so each round trip taken off a warp's path counts.
+// A warp per query row. Its support's key indices come in with one coalesced load; then each
+// group of kLanes lanes takes one key at a time, two in flight (eight per warp), so that a
+// score or dp costs three shuffle steps, not five, and the loads of k and v overlap. Once
+// delta is known, dz and p are per entry and a lane each: the lanes file their entries (one
+// atomic round trip per 32 entries, not one per entry), and the groups gather dq = sum dz k.
 template <class T, int D>
-__global__ void __launch_bounds__(32 * kSparseWarps, 3)
+__global__ void __launch_bounds__(32 * kSparseWarps)
     entmax_sparse_rows_kernel(const AttentionParams p, const detail::GradientParams g, const SparseBackwardParams sp) {
   constexpr int kLanes = 8, kGroups = 32 / kLanes, E = D / kLanes;
-  static_assert(kSupportCapacity % 32 == 0, "the list is read 32 entries at a time");
   __shared__ int key_of_entry[kSparseWarps][kSupportCapacity];
   __shared__ float gap_of[kSparseWarps][kSupportCapacity], dp_of[kSparseWarps][kSupportCapacity];
-  __shared__ __align__(16) T cached_k[kSparseWarps][kCachedKeys][D];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / kLanes, sub = lane % kLanes;
   const std::int64_t b = blockIdx.z, h = blockIdx.y;
   const SequenceExtent s = p.sequence(b);
@@ -298,20 +287,17 @@ __global__ void __launch_bounds__(32 * kSparseWarps, 3)
   if (row >= s.q_len) return;
   const std::int64_t q_row = s.q_start + row, hk = p.kv_head(h);
   const std::int64_t slot = query_slot(p, b, q_row, h);
-  const int* const list = sp.keys + slot * kSupportCapacity;
-  const int listed = sp.counts[slot];
-  const int first_keys = list[lane];
-  const float tau = *p.stats.at<const float>(b, q_row, h);
-  float q[E], dout[E], dq[E];
-  tile::load_slice<T>(p.q.at<const T>(b, q_row, h) + sub * E, q);
-  tile::load_slice<T>(g.dout.at<const T>(b, q_row, h) + sub * E, dout);
-  const int n = min(listed, kSupportCapacity);  // the caller made sure none overflowed
+  const int n = min(sp.counts[slot], kSupportCapacity);  // the caller made sure none overflowed
   int* const keys = key_of_entry[warp];
   float* const gaps = gap_of[warp];
   float* const dps = dp_of[warp];  // dp, then dz
-  if (lane < n) keys[lane] = first_keys;
-  for (int j = lane + 32; j < n; j += 32) keys[j] = list[j];
+  for (int j = lane; j < n; j += 32) keys[j] = sp.keys[slot * kSupportCapacity + j];
+  const float tau = *p.stats.at<const float>(b, q_row, h);
   const float scale = static_cast<float>(p.scale), x_scale = scale * (sp.alpha - 1.f);
+
+  float q[E], dout[E], dq[E];
+  tile::load_slice<T>(p.q.at<const T>(b, q_row, h) + sub * E, q);
+  tile::load_slice<T>(g.dout.at<const T>(b, q_row, h) + sub * E, dout);
 #pragma unroll
   for (int e = 0; e < E; ++e) dq[e] = 0.f;
   __syncwarp();
@@ -331,7 +317,6 @@ __global__ void __launch_bounds__(32 * kSparseWarps, 3)
           float k[E], v[E];
           tile::load_slice<T>(p.k.at<const T>(b, keys[j], hk) + sub * E, k);
           tile::load_slice<T>(p.v.at<const T>(b, keys[j], hk) + sub * E, v);
-          if (j < kCachedKeys) tile::store_slice<T>(&cached_k[warp][j][sub * E], k);
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             qk[f] = fmaf(q[e], k[e], qk[f]);
@@ -380,18 +365,13 @@ __global__ void __launch_bounds__(32 * kSparseWarps, 3)
     }
   });
   __syncwarp();
-  // dq = sum dz k, k from shared memory where the first loop left it, else once more from L2
-  // (accumulating sum u dp k and sum u k in the first loop instead, to subtract delta sum u k
-  // at the end, needs registers enough to halve the warps in flight: measured 2.8x slower on
-  // an H100).
+  // dq = sum dz k: k once more (from L2; accumulating sum u dp k and sum u k in the first loop
+  // instead, to subtract delta sum u k at the end, needs registers enough to halve the warps
+  // in flight: measured 2.8x slower on an H100).
 #pragma unroll 2
   for (int j = group; j < n; j += kGroups) {
     float k[E];
-    if (j < kCachedKeys) {
-      tile::load_slice<T>(&cached_k[warp][j][sub * E], k);
-    } else {
-      tile::load_slice<T>(p.k.at<const T>(b, keys[j], hk) + sub * E, k);
-    }
+    tile::load_slice<T>(p.k.at<const T>(b, keys[j], hk) + sub * E, k);
     const float dz = dps[j];
 #pragma unroll
     for (int e = 0; e < E; ++e) dq[e] = fmaf(dz, k[e], dq[e]);
