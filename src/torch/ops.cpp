@@ -14,6 +14,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/version.h>
 
+#include <cstdlib>
+#include <string>
 #include <tuple>
 
 #include "winnow/torch/bridge.h"
@@ -354,7 +356,9 @@ constexpr Dispatched<&entmax_forward_op> entmax_forward{"winnow::entmax_attentio
 constexpr Dispatched<&entmax_backward_op> entmax_backward{"winnow::entmax_attention_backward"};
 
 // keep_support: the forward lists each row's support for the backward (winnow/entmax.h), which
-// then skips its own listing sweep; asked for only where it can pay (CUDA, gradients wanted).
+// then skips its own listing sweep; asked for only where it can pay (CUDA, gradients wanted),
+// unless WINNOW_ENTMAX_KEEP_SUPPORT=0 in the environment trades that time for the record's
+// memory (516 bytes per query row and head, held from forward to backward).
 struct EntmaxFunction : public torch::autograd::Function<EntmaxFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
@@ -387,7 +391,11 @@ at::Tensor entmax_attention_autograd(const at::Tensor& q, const at::Tensor& k, c
                                      const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
                                      Opt<double> scale, bool attend_current, double alpha) {
   const bool wants_grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  const bool keep_support = wants_grad && q.is_cuda();
+  static const bool allowed = [] {
+    const char* v = std::getenv("WINNOW_ENTMAX_KEEP_SUPPORT");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  const bool keep_support = allowed && wants_grad && q.is_cuda();
   return EntmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current, alpha, keep_support)[0];
 }
 
