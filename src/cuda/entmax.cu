@@ -57,20 +57,17 @@ struct FusedEntmaxForward {
     e.tau = p.stats;
     const float tau_to_score = static_cast<float>(p.scale * (cfg.alpha - 1.0));
     cudaStream_t stream = stream_of(p);
-    if (cfg.support == nullptr) {
+    const bool listing = cfg.support != nullptr && sparse_backward_allowed(p);
+    if (!listing) {
+      if (cfg.support != nullptr) {  // a record the backward could not use: say it is empty
+        check(cudaMemsetAsync(cfg.support, 0, sizeof(int), stream), "marking the support record unlisted");
+      }
       find_thresholds<T, D>(p, t, tiles, [&] {
         launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, tau_to_score));
       });
       return;
     }
     const SupportRecord record = SupportRecord::over(cfg.support, p);
-    if (!sparse_backward_allowed(p)) {
-      check(cudaMemsetAsync(record.listed, 0, sizeof(int), stream), "marking the support record unlisted");
-      find_thresholds<T, D>(p, t, tiles, [&] {
-        launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, tau_to_score));
-      });
-      return;
-    }
     EntmaxListedConfig listed;
     static_cast<EntmaxCudaConfig&>(listed) = e;
     listed.lists = record.lists;
