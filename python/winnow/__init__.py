@@ -160,6 +160,11 @@ def entmax_attention(
     row sums to one: keys far below the row's best score get exactly zero weight. ``alpha``
     > 1: 2 is sparsemax, 1.5 (default) the seeds' choice. Shapes and ``scale`` as in
     :func:`softmax_attention`; differentiable in q, k and v. Returns out (B, Lq, Hq, Dv).
+
+    On CUDA, when gradients are wanted, the forward also lists each row's support keys for the
+    backward (516 bytes per query row and head, held until the backward runs), which spares the
+    backward a sweep over every key; ``WINNOW_ENTMAX_KEEP_SUPPORT=0`` in the environment turns
+    that off.
     """
     return torch.ops.winnow.entmax_attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
