@@ -30,6 +30,8 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(const at::Tensor& q,
                                                             double halt_cutoff = 0.0);
 
 // alpha-entmax: (B, Lq, Hq, Dv); rows of exactly sparse weights (alpha > 1; 2 is sparsemax).
+// On CUDA with gradients wanted, the forward keeps each row's support keys for the backward
+// (winnow/entmax.h's support record; WINNOW_ENTMAX_KEEP_SUPPORT=0 turns it off).
 at::Tensor entmax_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const AttentionCall& call, double alpha = 1.5);
 
