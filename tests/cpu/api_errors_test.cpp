@@ -322,6 +322,35 @@ TEST(ApiErrors, Options) {
   expect_error([&] { s.stick_backward(inf_scale); }, "scale");
 }
 
+// The support record (winnow/entmax.h): one contiguous int32 dimension of exactly
+// support_record_size elements, else an error naming it; a valid one comes back from a CPU
+// forward marked unlisted.
+TEST(ApiErrors, EntmaxSupportRecord) {
+  ValidCall s;
+  const std::int64_t size = entmax::support_record_size<std::int64_t>(2 * 8 * 4, 2 * 8 * 2);
+  auto forward_with = [&](const TensorView& record) {
+    entmax::forward(s.in, {}, {s.out_view, s.stat_view, record});
+  };
+  auto backward_with = [&](const TensorView& record) {
+    entmax::backward(s.in, {}, {s.out_view, s.stat_view, record}, s.dout_view, s.grads);
+  };
+  HostTensor wrong_dtype{{size}, DType::float32}, short_record{{size - 1}, DType::int32},
+      two_dims{{1, size}, DType::int32}, strided{{2 * size}, DType::int32};
+  for (const TensorView& bad : {wrong_dtype.view(), short_record.view(), two_dims.view()}) {
+    expect_error([&] { forward_with(bad); }, "support");
+    expect_error([&] { backward_with(bad); }, "support");
+  }
+  TensorView every_other = strided.view();
+  every_other.shape[0] = size;
+  every_other.stride[0] = 2;
+  expect_error([&] { forward_with(every_other); }, "support", ErrorKind::invalid_argument, "contiguous");
+  HostTensor record{{size}, DType::int32};
+  record.fill(-7);
+  EXPECT_NO_THROW(forward_with(record.view()));
+  EXPECT_EQ(record.values()[0], 0.0) << "the CPU paths list nothing and say so";
+  EXPECT_NO_THROW(backward_with(record.view()));
+}
+
 TEST(ApiErrors, EntmaxAndSieveOptions) {
   ValidCall s;
   EXPECT_NO_THROW(s.entmax_forward());
