@@ -56,18 +56,14 @@ struct FusedEntmaxForward {
     e.alpha = static_cast<float>(cfg.alpha);
     e.tau = p.stats;
     const float tau_to_score = static_cast<float>(p.scale * (cfg.alpha - 1.0));
-    cudaStream_t stream = stream_of(p);
-    const bool listing = cfg.support != nullptr && sparse_backward_allowed(p);
-    if (!listing) {
-      if (cfg.support != nullptr) {  // a record the backward could not use: say it is empty
-        check(cudaMemsetAsync(cfg.support, 0, sizeof(int), stream), "marking the support record unlisted");
-      }
+    if (cfg.support == nullptr) {
       find_thresholds<T, D>(p, t, tiles, [&] {
         launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, tau_to_score));
       });
       return;
     }
     const SupportRecord record = SupportRecord::over(cfg.support, p);
+    cudaStream_t stream = stream_of(p);
     EntmaxListedConfig listed;
     static_cast<EntmaxCudaConfig&>(listed) = e;
     listed.lists = record.lists;
@@ -197,11 +193,16 @@ struct FusedEntmaxBackward {
 std::int64_t entmax_sparse_backward_calls() { return sparse_backward_calls.load(); }
 
 void entmax_forward(const detail::AttentionParams& p, const detail::EntmaxConfig& cfg) {
-  if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedEntmaxForward{p, cfg});
-  if (cfg.support != nullptr) {  // only the fused path lists
-    check(cudaMemsetAsync(cfg.support, 0, sizeof(int), stream_of(p)), "marking the support record unlisted");
+  const bool fused = fused_path_applies(p, nullptr);
+  // Only the fused path lists supports, and only for a backward that can take them: any other
+  // record is marked empty, and the forward runs as without one.
+  detail::EntmaxConfig c = cfg;
+  if (c.support != nullptr && !(fused && sparse_backward_allowed(p))) {
+    check(cudaMemsetAsync(c.support, 0, sizeof(int), stream_of(p)), "marking the support record unlisted");
+    c.support = nullptr;
   }
-  dispatch_simple(p, SimpleForward<simple::Mechanism::entmax>{p, entmax_extras(cfg)});
+  if (fused) return dispatch_fused(p, FusedEntmaxForward{p, c});
+  dispatch_simple(p, SimpleForward<simple::Mechanism::entmax>{p, entmax_extras(c)});
 }
 
 void entmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g,

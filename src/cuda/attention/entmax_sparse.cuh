@@ -101,6 +101,7 @@ struct SupportListing {
   // The list is written from the bits, so that this costs per support key, not per score.
   template <int NT>
   __device__ __forceinline__ void file(std::uint64_t bits, const RowMask& mask) {
+    static_assert(4 * NT <= 64, "a bit per score of the thread");
     if (!__any_sync(0xffffffffu, bits != 0)) return;
     const int mine[2] = {__popcll(bits & 0x3333333333333333ull), __popcll(bits & 0xccccccccccccccccull)};
     int at[2];
@@ -181,7 +182,6 @@ struct EntmaxSupportRows : ThresholdSweepRows {
 
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
-    static_assert(4 * NT <= 64, "a bit per score of the thread");
     SupportBitsOfTile in;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -229,7 +229,6 @@ struct EntmaxListedRows : EntmaxRows {
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     namespace em = math::entmax;
-    static_assert(4 * NT <= 64, "a bit per score of the thread");
     SupportBitsOfTile in;
     for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int, float gap) {
       constexpr em::Family F = decltype(family)::value;
