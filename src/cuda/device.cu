@@ -81,6 +81,24 @@ __global__ void store_key_grads_rows_kernel(const detail::AttentionParams p, con
   }
 }
 
+// Zeros into dk and dv of 16-bit elements whose rows are 16-byte aligned: one block per key
+// row, 16 bytes (eight elements) per thread and step.
+__global__ void clear_key_grads_kernel(const detail::AttentionParams p, const detail::GradientParams g) {
+  const std::int64_t row = blockIdx.x;
+  const std::int64_t b = p.cu_seqlens_k != nullptr ? 0 : row / p.len_k;
+  const std::int64_t key = p.cu_seqlens_k != nullptr ? row : row % p.len_k;
+  const int per_head_k = static_cast<int>(p.dim_qk) / 8, per_head_v = static_cast<int>(p.dim_v) / 8;
+  const int k_chunks = static_cast<int>(p.heads_kv) * per_head_k;
+  const int chunks = k_chunks + static_cast<int>(p.heads_kv) * per_head_v;
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    const bool is_k = c < k_chunks;
+    const int per_head = is_k ? per_head_k : per_head_v;
+    const int i = is_k ? c : c - k_chunks;
+    std::uint16_t* head = (is_k ? g.dk : g.dv).at<std::uint16_t>(b, key, i / per_head);
+    reinterpret_cast<uint4*>(head)[i % per_head] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 }  // namespace
 
 bool aligned_rows(const detail::Operand& op, DType dtype) {
@@ -98,6 +116,13 @@ bool fused_path_applies(const detail::AttentionParams& p, const detail::Gradient
   }
   if (g != nullptr && (!aligned_rows(g->dout, p.dtype) || !aligned_rows(g->dq, p.dtype))) return false;
   return true;
+}
+
+void clear_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g) {
+  if (p.rows_k == 0 || p.heads_kv == 0) return;
+  if (p.rows_k >= (std::int64_t{1} << 31)) throw Error(ErrorKind::unsupported, "winnow: too many key rows for one launch");
+  clear_key_grads_kernel<<<static_cast<unsigned>(p.rows_k), 128, 0, stream_of(p)>>>(p, g);
+  check_launch("clear_key_grads");
 }
 
 void store_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g,

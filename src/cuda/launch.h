@@ -68,6 +68,10 @@ bool fused_path_applies(const detail::AttentionParams& p, const detail::Gradient
 // Whether an operand's rows are contiguous features starting at 16-byte boundaries.
 bool aligned_rows(const detail::Operand& op, DType dtype);
 
+// Zeros into dk and dv (16-bit elements, rows as aligned_rows requires), for the backward's
+// direct mode, in which blocks write only the keys they visit.
+void clear_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g);
+
 // dk / dv from the fp32 accumulators [key row][kv head][dim] into the caller's tensors.
 void store_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g,
                      const float* dk, const float* dv);

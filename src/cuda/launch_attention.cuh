@@ -137,6 +137,17 @@ void launch_fused_backward(const detail::AttentionParams& p, const detail::Gradi
                            const Config& cfg, const LiveKeyTiles& live = {}) {
   const bool sm90 = fused_backward_on_hopper<T, D, Rows, Config>();
   KeyGradAccumulators acc;
+  // Both kernels own 128 query rows a block: with every sequence's queries in one block and a
+  // kv head per query head, each key's gradient comes from one block (and is deterministic).
+  static_assert(Sm90BackwardShape::kBQ == kBackwardBQ, "one test for both kernels");
+  static_assert(sizeof(T) == 2, "clear_key_grads clears 16-bit elements");
+  if (p.max_len_q <= kBackwardBQ && p.group_size() == 1 && aligned_rows(g.dk, p.dtype) &&
+      aligned_rows(g.dv, p.dtype) && std::getenv("WINNOW_ACCUMULATED_KEY_GRADS") == nullptr) {
+    acc.direct = true;
+    clear_key_grads(p, g);
+    run_fused_backward<T, D, Rows>(p, g, cfg, acc, live);
+    return;
+  }
   acc.deterministic = p.deterministic;
   acc.key_tiles = backward_key_tiles(p);
   const std::size_t grads = static_cast<std::size_t>(p.rows_k * p.heads_kv * D);

@@ -162,6 +162,42 @@ TEST(CudaDeterminism, DeterministicBackwardIsBitwiseRepeatable) {
   }
 }
 
+// Short sequences (every sequence's queries in one block, a kv head per query head) take the
+// backward's direct mode: blocks write dk and dv themselves. The accumulated path adds the same
+// block sums into zeroed fp32 and rounds them once, so the two must agree bit for bit, also on
+// keys no block visits (halting, keys no query sees, a query shorter than its keys).
+TEST(CudaBackward, DirectKeyGradsEqualTheAccumulatedOnes) {
+  const ProblemShape shapes[] = {
+      {"batched_64", {{64, 64}, {64, 64}}, false, 4, 4, 64, 64},
+      {"varlen_mixed", {{1, 1}, {37, 37}, {65, 65}, {128, 128}, {100, 300}, {0, 9}}, true, 2, 2, 128, 128},
+      {"decode_long", {{3, 700}}, false, 2, 2, 64, 64},
+  };
+  for (const ProblemShape& shape : shapes) {
+    const Problem problem = Problem::random(shape, 11);
+    for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking, Mechanism::sieve_bound, Mechanism::sieve_exact}) {
+      for (bool attend_current : {true, false}) {
+        RunConfig cfg;
+        cfg.mechanism = m;
+        cfg.dtype = DType::bfloat16;
+        cfg.attend_current = m == Mechanism::softmax || attend_current;
+        cfg.halt_cutoff = m == Mechanism::stick_breaking && !attend_current ? 5.0 : 0.0;
+        CudaPlacement direct_gpu, accumulated_gpu;
+        cfg.placement = &direct_gpu;
+        const Results direct = run(problem, cfg);
+        ASSERT_EQ(setenv("WINNOW_ACCUMULATED_KEY_GRADS", "1", 1), 0);
+        cfg.placement = &accumulated_gpu;
+        const Results accumulated = run(problem, cfg);
+        ASSERT_EQ(unsetenv("WINNOW_ACCUMULATED_KEY_GRADS"), 0);
+        const std::string what = shape.name + " " + name_of(m) + (attend_current ? "" : " strict");
+        EXPECT_EQ(direct.dk, accumulated.dk) << what;
+        EXPECT_EQ(direct.dv, accumulated.dv) << what;
+        EXPECT_EQ(direct.dq, accumulated.dq) << what;
+        for (double x : direct.dk) ASSERT_TRUE(std::isfinite(x)) << what;
+      }
+    }
+  }
+}
+
 TEST(CudaHalting, LargeCutoffChangesNothingMeasurable) {
   const Problem problem = Problem::random({"halt", {{600, 600}}, false, 4, 2, 128, 128}, 6);
   for (DType dtype : {DType::bfloat16, DType::float32}) {

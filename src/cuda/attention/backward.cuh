@@ -32,6 +32,13 @@ inline constexpr int kBackwardBK = 64;
 struct KeyGradAccumulators {
   float* dk = nullptr;
   float* dv = nullptr;
+  // Each key's gradient comes from one block alone (every sequence's queries fit one block and
+  // each kv head serves one query head): the blocks write dk and dv in T straight into the
+  // gradient operands, which the caller cleared; dk, dv and order are unused. It spares the
+  // fp32 accumulators, their clearing and the conversion pass, most of a short-sequence
+  // backward's time beside the products. Subnormal sums are flushed as the accumulators'
+  // reductions flush them (tile::as_reduced_into_zero): stick-breaking's far keys have some.
+  bool direct = false;
   int* order = nullptr;  // per (sequence, kv head, key tile): contributions so far
   int key_tiles = 0;     // key tiles per sequence (of the longest)
   bool deterministic = false;
@@ -199,7 +206,8 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
       const int rank = rank_and_counter(kt, &counter);
       wait_turn(counter, rank);
     }
-    auto reduce_into = [&](const tile::SmemTile<T, BQ, BK>& weights, const auto& rows_tile, float* dst) {
+    auto reduce_into = [&](const tile::SmemTile<T, BQ, BK>& weights, const auto& rows_tile, float* dst,
+                           const detail::Operand& grad) {
       constexpr int D = std::decay_t<decltype(rows_tile)>::kCols;
       constexpr int SPLIT = D >= 32 ? 2 : 1, HALF = D / SPLIT, HT = HALF / 8;
       if (warp / 4 >= SPLIT) return;
@@ -222,6 +230,15 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
       for (int half = 0; half < 2; ++half) {
         const std::int64_t key = mask.key0 + key_of_column<BK>(m0 + gq + 8 * half);
         if (key >= qt.s.k_len) continue;
+        if (acc.direct) {
+          T* out = grad.at<T>(qt.b, qt.s.k_start + key, qt.hk) + c0 + 2 * tig;
+#pragma unroll
+          for (int n = 0; n < HT; ++n) {
+            *reinterpret_cast<std::uint32_t*>(out + 8 * n) = tile::pack2<T>(
+                tile::as_reduced_into_zero(part[n][2 * half]), tile::as_reduced_into_zero(part[n][2 * half + 1]));
+          }
+          continue;
+        }
         float* row = dst + (p.batch_row_k(qt.b, qt.s.k_start + key) * p.heads_kv + qt.hk) * D + c0 + 2 * tig;
 #pragma unroll
         for (int n = 0; n < HT; ++n) {
@@ -234,8 +251,8 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
         }
       }
     };
-    reduce_into(p_tile, do_tile, acc.dv);
-    reduce_into(ds_tile, q_tile, acc.dk);
+    reduce_into(p_tile, do_tile, acc.dv, g.dv);
+    reduce_into(ds_tile, q_tile, acc.dk, g.dk);
     if (acc.deterministic) pass_turn(counter);
     __syncthreads();
     skip_turns(kt + 1, next);

@@ -153,7 +153,9 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
     const int own_barrier = kBwdConsumerBarrier + wg;
     // Consumer 0 accumulates dV, consumer 1 dK; each has its own order in the deterministic mode.
     float* const dst_base = wg == 0 ? acc.dv : acc.dk;
-    int* const order_base = wg == 0 ? acc.order : acc.order + p.num_seqs * p.heads_kv * acc.key_tiles;
+    const detail::Operand& direct_base = wg == 0 ? g.dv : g.dk;
+    int* const order_base =
+        wg == 0 || acc.order == nullptr ? acc.order : acc.order + p.num_seqs * p.heads_kv * acc.key_tiles;
 
     // Deterministic mode: this block's rank among those adding into key tile kt (launch order:
     // query heads of the group ascending, then grid x ascending), as in backward.cuh.
@@ -290,10 +292,25 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       // (even lanes row gq, odd lanes row gq + 8): one 16-byte reduction instead of two.
       const bool odd = (tig & 1) != 0;
       const std::int64_t key = mask.key0 + key_of_column<BK>(16 * warp + gq + (odd ? 8 : 0));
-      float* const row = key < qt.s.k_len
+      float* const row = key < qt.s.k_len && !acc.direct
                              ? dst_base + (p.batch_row_k(qt.b, qt.s.k_start + key) * p.heads_kv + qt.hk) * D + 2 * (tig & ~1)
                              : nullptr;
-      if (acc.deterministic) {
+      if (acc.direct) {
+        // The block's sums are the keys' whole gradients: four consecutive columns, in T.
+        T* const out = key < qt.s.k_len ? direct_base.at<T>(qt.b, qt.s.k_start + key, qt.hk) + 2 * (tig & ~1) : nullptr;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          const float r0 = __shfl_xor_sync(0xffffffffu, odd ? kg[n][0] : kg[n][2], 1);
+          const float r1 = __shfl_xor_sync(0xffffffffu, odd ? kg[n][1] : kg[n][3], 1);
+          if (out == nullptr) continue;
+          auto flushed = [](float a, float b) {
+            return tile::pack2<T>(tile::as_reduced_into_zero(a), tile::as_reduced_into_zero(b));
+          };
+          const uint2 packed = odd ? make_uint2(flushed(r0, r1), flushed(kg[n][2], kg[n][3]))
+                                   : make_uint2(flushed(kg[n][0], kg[n][1]), flushed(r0, r1));
+          *reinterpret_cast<uint2*>(out + 8 * n) = packed;
+        }
+      } else if (acc.deterministic) {
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
           const float r0 = __shfl_xor_sync(0xffffffffu, odd ? kg[n][0] : kg[n][2], 1);

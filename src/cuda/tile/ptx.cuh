@@ -26,6 +26,15 @@ __device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
   return v;
 }
 
+// x as one floating-point reduction into a zero would leave it: red/atom.add.f32 flush
+// subnormal inputs and results to zero (PTX ISA), so a gradient written directly matches, bit
+// for bit, one summed into a cleared accumulator.
+__device__ __forceinline__ float as_reduced_into_zero(float x) {
+  float y;
+  asm("add.ftz.f32 %0, %1, 0f00000000;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 16-byte asynchronous copy; when `valid` is false the destination is zero-filled and the
 // source is not read.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
