@@ -70,6 +70,19 @@ struct SupportRecord {
   }
 };
 
+// A thread's support bits of one tile: per row (half) a word with bit 2 n + e set for score
+// s[n][2 half + e] in the support, which is key key_of(tig, n, e) = tig BK / 4 + that bit. Two
+// partial words per row, so that the ORs are not one chain of 32 (measured only together with
+// the listing's selects: the backward's sweep went 0.51 -> 0.45 ms at 4K keys, H100).
+struct SupportBitsOfTile {
+  std::uint32_t part[2][2] = {{0u, 0u}, {0u, 0u}};
+  __device__ __forceinline__ void set(int n, int i, bool in) {
+    const int half = i / 2, e = i % 2;
+    if (in) part[half][n % 2] |= 1u << (2 * n + e);
+  }
+  __device__ __forceinline__ std::uint32_t row(int half) const { return part[half][0] | part[half][1]; }
+};
+
 // Files a thread's support keys of each key tile into its two rows' lists: the quad scans its
 // four threads' counts so that they write disjoint stretches of a row's list, and each key's
 // count goes up by one per row that holds it. Shared by the backward's listing sweep and the
@@ -78,17 +91,17 @@ struct SupportListing {
   int count[2] = {0, 0};
   int* list[2];
   int* totals;
-  int* key_counts;          // at key 0 of the sequence, kv head hk
-  std::int64_t key_stride;  // between consecutive keys' slots: heads_kv
-  std::int64_t key_row0;    // operand row of key 0: k_start
+  int* key_counts;  // at key 0 of the sequence, kv head hk
+  int key_stride;   // between consecutive keys' slots: heads_kv (slots fit an int: entmax.cu)
+  int key_row0;     // operand row of key 0: k_start
 
   template <class Tile>
   __device__ __forceinline__ SupportListing(const AttentionParams& p, const SupportLists& lists, const Tile& qt,
                                             std::int64_t row0)
       : totals(lists.totals),
         key_counts(lists.key_counts + key_slot(p, qt.b, qt.s.k_start, qt.hk)),
-        key_stride(p.heads_kv),
-        key_row0(qt.s.k_start) {
+        key_stride(static_cast<int>(p.heads_kv)),
+        key_row0(static_cast<int>(qt.s.k_start)) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
@@ -97,34 +110,30 @@ struct SupportListing {
     }
   }
 
-  // bits: bit 4 n + i set for score s[n][i] in the support (rows past the sequence set none).
-  // The list is written from the bits, so that this costs per support key, not per score.
+  // Rows past the sequence set no bits. The list is written from the bits, so that this costs
+  // per support key, not per score; a row at a time, so that the loop over its bits knows its
+  // list and count, and a key is the thread's first key of the tile plus the bit (an H100
+  // profile of the sweep with one loop over both rows' bits as 64: 58 instructions per key,
+  // 12% of the sweep's, most of them 64-bit arithmetic and selects between the rows).
   template <int NT>
-  __device__ __forceinline__ void file(std::uint64_t bits, const RowMask& mask) {
-    static_assert(4 * NT <= 64, "a bit per score of the thread");
-    if (!__any_sync(0xffffffffu, bits != 0)) return;
-    const int mine[2] = {__popcll(bits & 0x3333333333333333ull), __popcll(bits & 0xccccccccccccccccull)};
-    int at[2];
+  __device__ __forceinline__ void file(const SupportBitsOfTile& in, const RowMask& mask) {
+    static_assert(2 * NT <= 32, "a bit per score of a row");
+    const std::uint32_t bits[2] = {in.row(0), in.row(1)};
+    if (!__any_sync(0xffffffffu, (bits[0] | bits[1]) != 0)) return;
+    const int first_key = static_cast<int>(mask.key0) + key_of<8 * NT>(mask.tig, 0, 0);
+    int* const counts_at = key_counts + static_cast<std::int64_t>(first_key) * key_stride;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const tile::QuadScan scan = tile::quad_scan(static_cast<float>(mine[half]), mask.tig);
-      at[half] = count[half] + static_cast<int>(scan.before);
+      const tile::QuadScan scan = tile::quad_scan(static_cast<float>(__popc(bits[half])), mask.tig);
+      int at = count[half] + static_cast<int>(scan.before);
       count[half] += static_cast<int>(scan.total);
-    }
-    // The row of each bit is known only at run time: selects rather than indexing at[] and
-    // list[] by it, which would put both arrays in local memory.
-    int at0 = at[0], at1 = at[1];
-    while (bits != 0) {
-      const int bit = __ffsll(static_cast<long long>(bits)) - 1;
-      bits &= bits - 1;
-      const int n = bit >> 2, e = bit & 1;
-      const bool second = (bit >> 1) & 1;
-      const std::int64_t key = mask.key0 + key_of<8 * NT>(mask.tig, n, e);
-      const int slot = second ? at1 : at0;
-      if (slot < kSupportCapacity) (second ? list[1] : list[0])[slot] = static_cast<int>(key_row0 + key);
-      at0 += second ? 0 : 1;
-      at1 += second ? 1 : 0;
-      atomicAdd(key_counts + key * key_stride, 1);
+      int* const out = list[half];
+      for (std::uint32_t w = bits[half]; w != 0; w &= w - 1) {
+        const int bit = __ffs(static_cast<int>(w)) - 1;
+        if (at < kSupportCapacity) out[at] = key_row0 + first_key + bit;
+        ++at;
+        atomicAdd(counts_at + bit * key_stride, 1);
+      }
     }
   }
 
@@ -143,16 +152,6 @@ struct SupportListing {
                                               std::int64_t row, std::int64_t h, int half) const {
     lists.counts[query_slot(p, b, row, h)] = count[half];
   }
-};
-
-// Four partial words, so that the ORs are not one chain of 64 per tile (measured only together
-// with the listing's selects: the backward's sweep went 0.51 -> 0.45 ms at 4K keys, H100).
-struct SupportBitsOfTile {
-  std::uint64_t part[4] = {0, 0, 0, 0};
-  __device__ __forceinline__ void set(int n, int i, bool in) {
-    if (in) part[n % 4] |= std::uint64_t{1} << (4 * n + i);
-  }
-  __device__ __forceinline__ std::uint64_t bits() const { return (part[0] | part[1]) | (part[2] | part[3]); }
 };
 
 struct EntmaxSupportConfig {
@@ -191,7 +190,7 @@ struct EntmaxSupportRows : ThresholdSweepRows {
         in.set(n, i, (!Masked || mask.visible<8 * NT>(half, n, e)) && fmaf(s[n][i], x_scale, -tau[half]) > 0.f);
       }
     }
-    listing.file<NT>(in.bits(), mask);
+    listing.file<NT>(in, mask);
   }
 
   template <int DT>
@@ -235,7 +234,7 @@ struct EntmaxListedRows : EntmaxRows {
       s[n][i] = em::weight<F>(gap, alpha);
       in.set(n, i, gap > 0.f);
     });
-    listing.file<NT>(in.bits(), mask);
+    listing.file<NT>(in, mask);
   }
 
   template <int DT>
