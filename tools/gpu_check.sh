@@ -10,7 +10,7 @@
 #   pycuda     only the Python CUDA tests (tests/python_cuda) against the build's library
 #   portable   only the C++ CUDA tests with the portable (sm_80) kernels forced
 #   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests, the
-#              tile-skipping and sparse-backward ones and the element-wise kernels (rotary,
+#              direct key-gradient backward, the tile-skipping and sparse-backward ones and the element-wise kernels (rotary,
 #              RMSNorm, SwiGLU); memcheck over the model layer's CUDA tests
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
 #              when $BASELINES has stickbreaking_attention/, AdaSplash-2 when .whl/ has its
@@ -123,7 +123,7 @@ for stage in "${stages[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 \
-          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaEntmax.TheForwards*:CudaRotary.*:CudaRMSNorm.*:CudaSwiGLU.*:*ScreeningCuda.*single_token*:*ScreeningCuda.*dk32_suffix*:*ScreeningCuda.*dk16_gqa*:ScreeningCudaSpec.*:CudaGsa*:CudaSmallDecode.*:*CudaPagedDecode.*d40*:*CudaPagedDecode.*d256*' > "$OUT/sanitize_$tool.log" 2>&1
+          "$BUILD/tests/winnow_cuda_tests" --gtest_filter='CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaEntmax.Sparse*:CudaEntmax.TheForwards*:CudaRotary.*:CudaRMSNorm.*:CudaSwiGLU.*:*ScreeningCuda.*single_token*:*ScreeningCuda.*dk32_suffix*:*ScreeningCuda.*dk16_gqa*:ScreeningCudaSpec.*:CudaGsa*:CudaSmallDecode.*:*CudaPagedDecode.*d40*:*CudaPagedDecode.*d256*' > "$OUT/sanitize_$tool.log" 2>&1
         rc=$?
         note "sanitize $tool: rc $rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done

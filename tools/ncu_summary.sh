@@ -36,6 +36,9 @@ try:
     rows = list(csv.reader(open(sys.argv[1])))
 except Exception as e:
     print("no source page:", e); sys.exit()
+# The page starts with the kernel's name on a line of its own, then the header.
+while rows and rows[0] and rows[0][0] == "Kernel Name":
+    rows = rows[1:]
 if not rows: sys.exit()
 hdr = rows[0]
 def col(name):
