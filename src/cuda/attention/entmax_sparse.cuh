@@ -115,7 +115,7 @@ struct SupportListing {
   // list and count, and a key is the thread's first key of the tile plus the bit (an H100
   // profile of the sweep with one loop over both rows' bits as 64: 58 instructions per key,
   // 12% of the sweep's, most of them 64-bit arithmetic and selects between the rows; this form
-  // issues fewer and spills less, though the sweep's time did not change).
+  // has no 64-bit bit scans or row selects and spills less, and the sweep's time did not change).
   template <int NT>
   __device__ __forceinline__ void file(const SupportBitsOfTile& in, const RowMask& mask) {
     static_assert(2 * NT <= 32, "a bit per score of a row");
