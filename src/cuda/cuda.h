@@ -23,6 +23,9 @@ void entmax_backward(const detail::AttentionParams& p, const detail::GradientPar
 // Backward calls that took the support-list path since the process started (for tests: the
 // path runs only when every row's support fits its list).
 std::int64_t entmax_sparse_backward_calls();
+// Of those, the calls that took the record's totals from the forward's count instead of reading
+// the record back (for tests).
+std::int64_t entmax_counted_backward_calls();
 
 // Forward calls of entmax and Sieve (exact) whose threshold search went on past the collect
 // sweep (some row's candidate lists overflowed), so that the output sweep enqueued behind that

@@ -2,17 +2,21 @@
 // thresholds come from value-free sweeps of the fused forward kernel (threshold_search.cuh),
 // then one sweep with the weights [x - tau]_+^(1 / (alpha - 1)) over the key tiles where some
 // row of the block has support (key_tiles.cuh); given a support record (winnow/entmax.h), that
-// sweep also lists each row's support keys. The backward takes those lists, or lists every
-// row's support itself, and when all lists fit works on those keys alone (entmax_sparse.cuh);
-// otherwise (and in
-// deterministic mode) it is dense: a sweep with the weights u (U = sum u v and sum u, for
-// delta), which marks the cells with support, and then the fused backward kernel over those
-// cells only.
+// sweep also lists each row's support keys, and the threshold search counts them, so that the
+// backward can size its buffers without reading the record back (CountedRecords). The
+// backward takes those lists, or lists every row's support itself, and when all lists fit
+// works on those keys alone (entmax_sparse.cuh); otherwise (and in deterministic mode) it is
+// dense: a sweep with the weights u (U = sum u v and sum u, for delta), which marks the cells
+// with support, and then the fused backward kernel over those cells only.
 // Everything else runs on the simple path (a warp per query row).
 #include <atomic>
 #include <climits>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include <cub/device/device_scan.cuh>
 
@@ -31,6 +35,48 @@ simple::Extras entmax_extras(const detail::EntmaxConfig& cfg) {
 }
 
 std::atomic<std::int64_t> sparse_backward_calls{0};
+std::atomic<std::int64_t> counted_backward_calls{0};
+
+// The totals of support records whose forward counted them on the way (find_thresholds), by
+// device and record address: the backward takes them from here instead of reading the record
+// back, which would make the host wait for the GPU in the middle of the backward. Every
+// forward given a record writes or erases its entry, so an entry always describes what the
+// last forward at that address listed; a backward reads it without erasing, so that a second
+// backward over the same graph (retain_graph) needs no read-back either. Records whose
+// backward never runs leave entries behind; past kMaxEntries the map starts over (a missing
+// entry only costs the read-back).
+class CountedRecords {
+ public:
+  static CountedRecords& instance() {
+    static CountedRecords records;
+    return records;
+  }
+  void put(const int* record, const CountedSupport& c) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (by_record_.size() >= kMaxEntries) by_record_.clear();
+    by_record_[key(record)] = c;
+  }
+  void erase(const int* record) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    by_record_.erase(key(record));
+  }
+  std::optional<CountedSupport> find(const int* record) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = by_record_.find(key(record));
+    if (it == by_record_.end()) return std::nullopt;
+    return it->second;
+  }
+
+ private:
+  static constexpr std::size_t kMaxEntries = 4096;
+  static std::pair<int, const int*> key(const int* record) {
+    int device = 0;
+    check(cudaGetDevice(&device), "asking for the current device");
+    return {device, record};
+  }
+  std::mutex mutex_;
+  std::map<std::pair<int, const int*>, CountedSupport> by_record_;
+};
 
 // Whether the support-list backward may take the call: not in deterministic mode, not when
 // WINNOW_DENSE_ENTMAX_BACKWARD is set (for comparison), only with slots that fit an int, and
@@ -69,11 +115,21 @@ struct FusedEntmaxForward {
     listed.lists = record.lists;
     // From zero before every output sweep: it runs a second time when the search needed step
     // sweeps. Then [0] = 1 (one byte on the zeros: little-endian int 1).
-    find_thresholds<T, D>(p, t, tiles, [&] {
-      check(cudaMemsetAsync(record.listed, 0, record.clear_ints * sizeof(int), stream), "clearing the support record");
-      check(cudaMemsetAsync(record.listed, 1, 1, stream), "marking the support record listed");
-      launch_fused_forward<T, D, EntmaxListedRows>(p, listed, tiles.select(p.stats, tau_to_score));
-    });
+    CountedSupport counted;
+    find_thresholds<T, D>(
+        p, t, tiles,
+        [&] {
+          check(cudaMemsetAsync(record.listed, 0, record.clear_ints * sizeof(int), stream),
+                "clearing the support record");
+          check(cudaMemsetAsync(record.listed, 1, 1, stream), "marking the support record listed");
+          launch_fused_forward<T, D, EntmaxListedRows>(p, listed, tiles.select(p.stats, tau_to_score));
+        },
+        &counted);
+    if (counted.known) {
+      CountedRecords::instance().put(cfg.support, counted);
+    } else {
+      CountedRecords::instance().erase(cfg.support);
+    }
   }
 };
 
@@ -92,7 +148,30 @@ bool sparse_entmax_backward(const detail::AttentionParams& p, const detail::Grad
     check(cudaStreamSynchronize(stream), what);
   };
   SupportRecord record;
-  if (cfg.support != nullptr) {
+  std::optional<CountedSupport> counted;
+  // WINNOW_ENTMAX_READ_BACK_SUPPORT=1 reads the record back even when the forward counted it
+  // (for comparison).
+  static const bool read_back = std::getenv("WINNOW_ENTMAX_READ_BACK_SUPPORT") != nullptr;
+  if (cfg.support != nullptr && !read_back) counted = CountedRecords::instance().find(cfg.support);
+  if (counted) {
+    // The forward's own count of what its output sweep lists (ThresholdCudaConfig::
+    // support_totals): no need to wait for the record.
+    header[0] = 1;
+    header[1] = static_cast<int>(counted->entries);
+    header[2] = counted->overflow ? 1 : 0;
+    record = SupportRecord::over(cfg.support, p);
+    counted_backward_calls.fetch_add(1, std::memory_order_relaxed);
+    if (std::getenv("WINNOW_ENTMAX_CHECK_COUNTS") != nullptr) {  // tests: the count against the record
+      const int counted_header[3] = {header[0], header[1], header[2]};
+      read_header(cfg.support, "waiting for the support record");
+      if (header[0] != counted_header[0] || header[1] != counted_header[1] || (header[2] != 0) != (counted_header[2] != 0)) {
+        throw Error(ErrorKind::runtime, "winnow::entmax: the forward counted " + std::to_string(counted_header[1]) +
+                                            " support entries (overflow " + std::to_string(counted_header[2]) +
+                                            "), its record lists " + std::to_string(header[1]) + " (listed " +
+                                            std::to_string(header[0]) + ", overflow " + std::to_string(header[2]) + ")");
+      }
+    }
+  } else if (cfg.support != nullptr) {
     read_header(cfg.support, "waiting for the support record");
     if (header[0] == 1) record = SupportRecord::over(cfg.support, p);
   }
@@ -132,6 +211,7 @@ bool sparse_entmax_backward(const detail::AttentionParams& p, const detail::Grad
   sp.key_counts = key_counts;
   sp.key_offsets = key_offsets;
   sp.key_fill = key_fill;
+  sp.entry_capacity = static_cast<int>(entries);
   sp.entry_query = entry_buffer.as<int>();
   sp.entry_dz = reinterpret_cast<float*>(sp.entry_query + entries);
   sp.entry_p = sp.entry_dz + entries;
@@ -191,6 +271,7 @@ struct FusedEntmaxBackward {
 }  // namespace
 
 std::int64_t entmax_sparse_backward_calls() { return sparse_backward_calls.load(); }
+std::int64_t entmax_counted_backward_calls() { return counted_backward_calls.load(); }
 
 void entmax_forward(const detail::AttentionParams& p, const detail::EntmaxConfig& cfg) {
   const bool fused = fused_path_applies(p, nullptr);
@@ -198,6 +279,7 @@ void entmax_forward(const detail::AttentionParams& p, const detail::EntmaxConfig
   // record is marked empty, and the forward runs as without one.
   detail::EntmaxConfig c = cfg;
   if (c.support != nullptr && !(fused && sparse_backward_allowed(p))) {
+    CountedRecords::instance().erase(c.support);
     check(cudaMemsetAsync(c.support, 0, sizeof(int), stream_of(p)), "marking the support record unlisted");
     c.support = nullptr;
   }

@@ -105,13 +105,14 @@ namespace {
 
 std::atomic<std::int64_t> output_reruns{0};
 
-// An int that a stream copies to pinned host memory and the host reads once an event says it
-// landed, so that the host may go on enqueueing work while the copy waits its turn. One per
-// thread and device (events belong to a device), kept for the thread's life.
+// Four ints (the search flag and the support totals) that a stream copies to pinned host
+// memory and the host reads once an event says they landed, so that the host may go on
+// enqueueing work while the copy waits its turn. One per thread and device (events belong to a
+// device), kept for the thread's life.
 class HostFlag {
  public:
   HostFlag() {
-    check(cudaHostAlloc(reinterpret_cast<void**>(&value_), sizeof(int), cudaHostAllocPortable),
+    check(cudaHostAlloc(reinterpret_cast<void**>(&value_), kInts * sizeof(int), cudaHostAllocPortable),
           "allocating the search flag's host copy");
     check(cudaEventCreateWithFlags(&landed_, cudaEventDisableTiming), "creating the search flag's event");
   }
@@ -128,14 +129,17 @@ class HostFlag {
     thread_local std::map<int, HostFlag> flags;
     return flags.try_emplace(device).first->second;
   }
-  void copy_from(const int* device_flag, cudaStream_t stream) {
-    check(cudaMemcpyAsync(value_, device_flag, sizeof(int), cudaMemcpyDeviceToHost, stream), "reading the search flag");
+  static constexpr int kInts = 4;  // unfinished, then ThresholdCudaConfig::support_totals
+  void copy_from(const int* device_flag, cudaStream_t stream, int ints = 1) {
+    check(cudaMemcpyAsync(value_, device_flag, ints * sizeof(int), cudaMemcpyDeviceToHost, stream),
+          "reading the search flag");
     check(cudaEventRecord(landed_, stream), "recording the search flag's copy");
   }
   bool wait() const {
     check(cudaEventSynchronize(landed_), "waiting for a threshold sweep");
-    return *value_ != 0;
+    return value_[0] != 0;
   }
+  const int* values() const { return value_; }
 
  private:
   int* value_ = nullptr;
@@ -155,9 +159,9 @@ std::int64_t threshold_output_reruns() { return output_reruns.load(); }
 // of their block (every probe lies above its row's floor).
 template <class T, int D>
 void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles,
-                     const std::function<void()>& output_sweep) {
+                     const std::function<void()>& output_sweep, CountedSupport* counted) {
   const std::size_t rows = static_cast<std::size_t>(p.rows_q * p.heads_q);
-  DeviceBuffer buffer(p, rows * sizeof(SavedSearch) + sizeof(int));
+  DeviceBuffer buffer(p, rows * sizeof(SavedSearch) + HostFlag::kInts * sizeof(int));
   cfg.state = row_buffer(p, buffer.as<void>(), 1);
   cfg.unfinished = reinterpret_cast<int*>(buffer.as<SavedSearch>() + rows);
   cudaStream_t stream = stream_of(p);
@@ -165,6 +169,12 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
   auto clear_flag = [&] {
     check(cudaMemsetAsync(cfg.unfinished, 0, sizeof(int), stream), "clearing the search flag");
   };
+  if (counted != nullptr) {
+    *counted = CountedSupport{};
+    cfg.support_totals = cfg.unfinished + 1;
+    check(cudaMemsetAsync(cfg.support_totals, 0, (HostFlag::kInts - 1) * sizeof(int), stream),
+          "clearing the support totals");
+  }
   cfg.tile_max = tiles.map();
   launch_fused_forward<T, D, ThresholdStartRows>(p, cfg);
   if (cfg.bound) return output_sweep();
@@ -174,9 +184,17 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
   const float score_to_x = static_cast<float>(p.scale) * (cfg.alpha - 1.f);
   clear_flag();
   launch_fused_forward<T, D, ThresholdCollectRows>(p, cfg, tiles.select_above_floors(cfg.state, score_to_x));
-  flag.copy_from(cfg.unfinished, stream);
+  flag.copy_from(cfg.unfinished, stream, counted != nullptr ? HostFlag::kInts : 1);
   output_sweep();
-  if (!flag.wait()) return;
+  cfg.support_totals = nullptr;  // the step sweeps count nothing
+  if (!flag.wait()) {
+    if (counted != nullptr && flag.values()[3] == 0) {
+      counted->known = true;
+      counted->entries = flag.values()[1];
+      counted->overflow = flag.values()[2] != 0;
+    }
+    return;
+  }
   const LiveKeyTiles live = tiles.select_above_floors(cfg.state, score_to_x);
   for (int step = 0; step < math::entmax::kMaxSearchSteps; ++step) {
     clear_flag();
@@ -190,7 +208,7 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
 
 #define WINNOW_FIND_THRESHOLDS(T, D)                                                                \
   template void find_thresholds<T, D>(const detail::AttentionParams&, ThresholdCudaConfig, LiveTileSelection&, \
-                                      const std::function<void()>&);
+                                      const std::function<void()>&, CountedSupport*);
 WINNOW_FIND_THRESHOLDS(__nv_bfloat16, 64)
 WINNOW_FIND_THRESHOLDS(__nv_bfloat16, 128)
 WINNOW_FIND_THRESHOLDS(__half, 64)

@@ -60,9 +60,17 @@ class LiveTileSelection {
 // possibly twice: see threshold_search.cu. Defined once in threshold_search.cu for the fused
 // path's types and head dimensions, so that entmax.cu and sieve.cu do not each compile the
 // sweep kernels.
+// What the sweeps counted of the rows' supports (ThresholdCudaConfig::support_totals), when
+// asked: known only when the collect sweep settled every row it saw.
+struct CountedSupport {
+  bool known = false;
+  std::int64_t entries = 0;  // sum of the rows' support sizes, each at most the list length
+  bool overflow = false;     // some row's support is longer than its list
+};
+
 template <class T, int D>
 void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles,
-                     const std::function<void()>& output_sweep);
+                     const std::function<void()>& output_sweep, CountedSupport* counted = nullptr);
 
 // The simple path's launch for either mechanism (a warp per query row).
 template <simple::Mechanism M>

@@ -444,8 +444,17 @@ TEST(CudaEntmax, TheForwardsSupportListsServeTheBackward) {
       CudaPlacement gpu, plain_gpu;
       cfg.placement = &gpu;
       const std::int64_t calls = cuda::entmax_sparse_backward_calls();
+      const std::int64_t counted_calls = cuda::entmax_counted_backward_calls();
+      const std::int64_t reruns = cuda::threshold_output_reruns();
+      // The backward compares the forward's count of the record's totals with the record.
+      ASSERT_EQ(setenv("WINNOW_ENTMAX_CHECK_COUNTS", "1", 1), 0);
       const Results got = run(problem, cfg);
+      ASSERT_EQ(unsetenv("WINNOW_ENTMAX_CHECK_COUNTS"), 0);
       const bool took_sparse = cuda::entmax_sparse_backward_calls() > calls;
+      // Counted unless the search needed step sweeps (the flat rows; alpha 1.3 on some
+      // problems) or nothing was listed.
+      const bool stepped = cuda::threshold_output_reruns() > reruns;
+      EXPECT_EQ(cuda::entmax_counted_backward_calls() > counted_calls, c.listed && !stepped);
       ASSERT_FALSE(got.support.empty());
       ASSERT_EQ(got.support[0], c.listed ? 1.0 : 0.0) << "the record's listed mark";
       const bool overflowed = c.listed && got.support[2] != 0;

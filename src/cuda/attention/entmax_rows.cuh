@@ -28,6 +28,7 @@
 #include "cuda/attention/forward.cuh"
 #include "cuda/attention/key_tiles.cuh"
 #include "math/entmax.h"
+#include "winnow/entmax.h"
 
 namespace winnow::cuda {
 
@@ -77,7 +78,26 @@ struct ThresholdCudaConfig {
   float result_scale = 1.f;  // result = tau * result_scale (bound: the threshold itself)
   int* unfinished = nullptr;
   TileMaxMap tile_max;       // recorded by the first sweep when data != nullptr (key_tiles.cuh)
+  // Given (entmax with a support record): [0] += each row's support size, at most the list
+  // length of winnow/entmax.h; [1] = 1 where a support is longer; [2] = 1 where a row's support
+  // was not counted (a row the first sweep settled with more than one visible key, which only
+  // rounding allows). The first sweep counts the rows it settles (one visible key: one key), the
+  // collect sweep those it settles. The host reads them with the collect sweep's flag, so that
+  // entmax's backward knows the support record's totals without reading it back.
+  int* support_totals = nullptr;
 };
+
+// Adds a warp's rows' support sizes into support_totals (see ThresholdCudaConfig). `size`: the
+// row's size on one thread of each row's quad (tig 0), 0 elsewhere; `longer`: some row's list
+// overflows. Every lane of the warp calls it.
+__device__ __forceinline__ void add_support_sizes(int* support_totals, int size, bool longer) {
+  const int warp_size = __reduce_add_sync(0xffffffffu, size);
+  const bool any_longer = __any_sync(0xffffffffu, longer);
+  if ((threadIdx.x & 31) == 0) {
+    if (warp_size > 0) atomicAdd(support_totals, warp_size);
+    if (any_longer) atomicOr(support_totals + 1, 1);
+  }
+}
 
 // What every threshold sweep shares: no values, no halting, nothing to rescale.
 struct ThresholdSweepRows {
@@ -187,6 +207,14 @@ struct ThresholdStartRows : ThresholdSweepRows {
         });
         search.start((cfg.alpha - 1.f) * z_max, static_cast<float>(visible[half]), floor);
         result = search.tau() * cfg.result_scale;
+        // A settled row is one the collect sweep does not see: one visible key, its support.
+        if (cfg.support_totals != nullptr && search.done()) {
+          if (visible[half] == 1) {
+            atomicAdd(cfg.support_totals, 1);
+          } else {
+            atomicOr(cfg.support_totals + 2, 1);
+          }
+        }
       }
     }
     if (!cfg.bound) cfg.state.at<SavedSearch>(b, row, h)->save(search);
@@ -302,6 +330,10 @@ struct ThresholdCollectRows : ThresholdSweepRows {
   std::uint32_t list[2], next[2], end[2];
   int full[2] = {0, 0};           // a key found no room (ints: bools get packed into bytes)
   int stride = 0;                 // bytes between a list's entries
+  // From finish, for counting the support (cfg.support_totals): the row's settled tau, or
+  // +infinity (settled by the first sweep, which counted it; past the sequence; still searching).
+  float count_tau[2] = {INFINITY, INFINITY};
+  static constexpr bool kFinishesOutput = true;
 
   template <class Tile>
   __device__ __forceinline__ ThresholdCollectRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
@@ -438,8 +470,42 @@ struct ThresholdCollectRows : ThresholdSweepRows {
           *(half == 0 ? result[0] : result[1]) = search.tau() * result_scale;
           if (!search.done()) atomicOr(unfinished, 1);
         }
+        // The tau the output sweep reads (result_scale is 1 for entmax, the only counter). A
+        // row still searching raises `unfinished`, and the host then does not take the count.
+        const float tau = saved != nullptr && search.done() ? search.tau() * result_scale : INFINITY;
+        if (half == 0) {
+          count_tau[0] = tau;
+        } else {
+          count_tau[1] = tau;
+        }
       }
     });
+  }
+
+  // The support sizes of the rows this sweep settled: the candidates with a positive gap,
+  // tested as the output sweep tests them.
+  template <class T, int DT, class Tile>
+  __device__ __forceinline__ void finish_output(float (&)[DT][4], const AttentionParams&,
+                                                const ThresholdCudaConfig& cfg, const Tile&, std::int64_t,
+                                                int tig) const {
+    if (cfg.support_totals == nullptr) return;
+    const float entry_scale = x_scale > 0.f ? x_scale : 1.f;
+    constexpr int kLength = static_cast<int>(entmax::kSupportListLength);
+    int size = 0;
+    bool longer = false;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      int mine = 0;
+      if (count_tau[half] < INFINITY) {
+        for (std::uint32_t a = list[half]; a < next[half]; a += stride) {
+          mine += fmaf(tile::ld_shared_f32(a), entry_scale, -count_tau[half]) > 0.f ? 1 : 0;
+        }
+      }
+      const int row_size = static_cast<int>(tile::quad_sum(static_cast<float>(mine)));
+      if (tig == 0) size += min(row_size, kLength);
+      longer = longer || row_size > kLength;
+    }
+    add_support_sizes(cfg.support_totals, size, longer);
   }
 
   __device__ __forceinline__ void store_extra(const AttentionParams&, const ThresholdCudaConfig&,

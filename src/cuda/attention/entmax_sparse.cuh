@@ -259,6 +259,9 @@ struct SparseBackwardParams {
   const int* key_counts = nullptr;
   const int* key_offsets = nullptr;  // exclusive scan of key_counts: each key's first entry
   int* key_fill = nullptr;           // entries filed so far per key (zeroed before the row pass)
+  // Entries the buffers below hold: the record's total, or the forward's count of it, which
+  // equals it (the same test of the same scores); entries past it are dropped, not written.
+  int entry_capacity = 0;
   // Per entry, in key order: the query (query operand row * heads_q + head), dz (times the
   // scale: the gradient of the raw score q . k) and p.
   int* entry_query = nullptr;
@@ -357,9 +360,11 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
       const float dz = scale * em::grad_logit(em::grad_weight<F>(gap, sp.alpha), dps[j], delta);
       const std::int64_t kslot = key_slot(p, b, keys[j], hk);
       const int at = sp.key_offsets[kslot] + atomicAdd(sp.key_fill + kslot, 1);
-      sp.entry_query[at] = query;
-      sp.entry_dz[at] = dz;
-      sp.entry_p[at] = em::weight<F>(gap, sp.alpha);
+      if (at < sp.entry_capacity) {
+        sp.entry_query[at] = query;
+        sp.entry_dz[at] = dz;
+        sp.entry_p[at] = em::weight<F>(gap, sp.alpha);
+      }
       dps[j] = dz;
     }
   });
@@ -397,7 +402,7 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
   const std::int64_t key = static_cast<std::int64_t>(blockIdx.x) * kSparseWarps + warp;
   if (key >= s.k_len) return;
   const std::int64_t k_row = s.k_start + key, kslot = key_slot(p, b, k_row, hk);
-  const int first = sp.key_offsets[kslot], end = first + sp.key_counts[kslot];
+  const int first = sp.key_offsets[kslot], end = min(first + sp.key_counts[kslot], sp.entry_capacity);
   float dk[E], dv[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) dk[e] = dv[e] = 0.f;
