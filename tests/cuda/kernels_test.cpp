@@ -22,6 +22,7 @@
 #include "math/entmax.h"
 #include "support/attention_case.h"
 #include "support/expect_results.h"
+#include "support/scoped_env.h"
 #include "support/rms_norm_reference.h"
 #include "support/swiglu_reference.h"
 #include "winnow/rms_norm.h"
@@ -184,10 +185,11 @@ TEST(CudaBackward, DirectKeyGradsEqualTheAccumulatedOnes) {
         CudaPlacement direct_gpu, accumulated_gpu;
         cfg.placement = &direct_gpu;
         const Results direct = run(problem, cfg);
-        ASSERT_EQ(setenv("WINNOW_ACCUMULATED_KEY_GRADS", "1", 1), 0);
         cfg.placement = &accumulated_gpu;
-        const Results accumulated = run(problem, cfg);
-        ASSERT_EQ(unsetenv("WINNOW_ACCUMULATED_KEY_GRADS"), 0);
+        const Results accumulated = [&] {
+          const ScopedEnv accumulate("WINNOW_ACCUMULATED_KEY_GRADS", "1");
+          return run(problem, cfg);
+        }();
         const std::string what = shape.name + " " + name_of(m) + (attend_current ? "" : " strict");
         EXPECT_EQ(direct.dk, accumulated.dk) << what;
         EXPECT_EQ(direct.dv, accumulated.dv) << what;
@@ -395,10 +397,11 @@ TEST(CudaEntmax, SparseBackwardMatchesTheReferenceAndTheDenseBackward) {
         } else {
           EXPECT_FALSE(took_sparse) << "flat rows overflow the support lists";
         }
-        ASSERT_EQ(setenv("WINNOW_DENSE_ENTMAX_BACKWARD", "1", 1), 0);
         cfg.placement = &dense_gpu;
-        const Results dense = run(problem, cfg);
-        ASSERT_EQ(unsetenv("WINNOW_DENSE_ENTMAX_BACKWARD"), 0);
+        const Results dense = [&] {
+          const ScopedEnv dense_backward("WINNOW_DENSE_ENTMAX_BACKWARD", "1");
+          return run(problem, cfg);
+        }();
         EXPECT_EQ(got.out, dense.out);
         EXPECT_LT(relative_error(got.dq, dense.dq), 1e-2) << "dq";
         EXPECT_LT(relative_error(got.dk, dense.dk), 1e-2) << "dk";
@@ -447,9 +450,10 @@ TEST(CudaEntmax, TheForwardsSupportListsServeTheBackward) {
       const std::int64_t counted_calls = cuda::entmax_counted_backward_calls();
       const std::int64_t reruns = cuda::threshold_output_reruns();
       // The backward compares the forward's count of the record's totals with the record.
-      ASSERT_EQ(setenv("WINNOW_ENTMAX_CHECK_COUNTS", "1", 1), 0);
-      const Results got = run(problem, cfg);
-      ASSERT_EQ(unsetenv("WINNOW_ENTMAX_CHECK_COUNTS"), 0);
+      const Results got = [&] {
+        const ScopedEnv check_counts("WINNOW_ENTMAX_CHECK_COUNTS", "1");
+        return run(problem, cfg);
+      }();
       const bool took_sparse = cuda::entmax_sparse_backward_calls() > calls;
       // Counted unless the search needed step sweeps (the flat rows; alpha 1.3 on some
       // problems) or nothing was listed.
@@ -582,10 +586,11 @@ TEST(CudaTileSkipping, LocalScoresMatchTheReferenceAndTheDenseSweep) {
       cfg.deterministic = true;
       cfg.placement = &deterministic_gpu;
       const Results deterministic = run(problem, cfg);
-      ASSERT_EQ(setenv("WINNOW_DENSE_KEY_TILES", "1", 1), 0);
       cfg.placement = &dense_gpu;
-      const Results dense = run(problem, cfg);
-      ASSERT_EQ(unsetenv("WINNOW_DENSE_KEY_TILES"), 0);
+      const Results dense = [&] {
+        const ScopedEnv dense_tiles("WINNOW_DENSE_KEY_TILES", "1");
+        return run(problem, cfg);
+      }();
       EXPECT_EQ(got.out, dense.out);
       EXPECT_EQ(got.stat, dense.stat);
       EXPECT_EQ(got.count, dense.count);

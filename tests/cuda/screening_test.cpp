@@ -15,6 +15,7 @@
 
 #include "cuda_placement.h"
 #include "support/screening_case.h"
+#include "support/scoped_env.h"
 
 namespace winnow::testing {
 namespace {
@@ -88,10 +89,9 @@ TEST(ScreeningCudaPaths, SimplePathOn16BitAndDeterministicFusedBackward) {
   const ScreeningResults want = screening_run(rounded(in, DType::bfloat16), ref);
   const ScreeningInputs x = converted_for_kernels(in, DType::bfloat16);
   {
-    setenv("WINNOW_SCREENING_SIMPLE", "1", 1);
+    const ScopedEnv simple("WINNOW_SCREENING_SIMPLE", "1");
     CudaPlacement placement;
     const ScreeningResults got = screening_run(x, {}, &placement);
-    unsetenv("WINNOW_SCREENING_SIMPLE");
     EXPECT_LT(relative_error(got.out, want.out), 2e-2);
     EXPECT_LT(relative_error(got.dq, want.dq), 2e-2);
     EXPECT_LT(relative_error(got.ds_w, want.ds_w), 2e-2);

@@ -27,6 +27,7 @@
 
 #include "cuda_placement.h"
 #include "support/threshold_case.h"
+#include "support/scoped_env.h"
 
 namespace winnow::testing {
 namespace {
@@ -164,10 +165,8 @@ INSTANTIATE_TEST_SUITE_P(Cuda, ThresholdCuda,
 // request changes nothing).
 template <class F>
 auto with_screen(F&& f) {
-  setenv("WINNOW_THRESHOLD_SCREEN", "1", 1);
-  auto result = f();
-  unsetenv("WINNOW_THRESHOLD_SCREEN");
-  return result;
+  const ScopedEnv screen("WINNOW_THRESHOLD_SCREEN", "1");
+  return f();
 }
 
 // The screened forward (Hopper; threshold_screen_sm90.cuh): beta = 1 leaves a few survivors

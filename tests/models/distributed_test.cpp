@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <string>
 
+#include "support/scoped_env.h"
 #include "train/distributed.h"
 
 namespace {
@@ -27,7 +28,7 @@ TEST(GradientBuckets, WorldOfOneGivesTheOrdinaryGradientsWithAccumulationAndUnus
   if (!winnow::train::gloo_available()) GTEST_SKIP() << "this LibTorch has no gloo process group";
   const fs::path store = fs::temp_directory_path() / ("winnow_buckets_" + std::to_string(::getpid()));
   fs::remove(store);
-  ::setenv("WINNOW_STORE_FILE", store.c_str(), 1);
+  const winnow::testing::ScopedEnv store_file("WINNOW_STORE_FILE", store.string());
   torch::manual_seed(3);
   auto make = [] {
     std::vector<torch::Tensor> p = {torch::randn({5, 9}), torch::randn({9}), torch::randn({4}),
@@ -88,7 +89,6 @@ TEST(GradientBuckets, WorldOfOneGivesTheOrdinaryGradientsWithAccumulationAndUnus
       EXPECT_EQ(buckets.order(), expected);
     }
   }
-  ::unsetenv("WINNOW_STORE_FILE");
   fs::remove(store);
 }
 
