@@ -212,7 +212,8 @@ bool sparse_entmax_backward(const detail::AttentionParams& p, const detail::Grad
   sp.key_offsets = key_offsets;
   sp.key_fill = key_fill;
   sp.entry_capacity = static_cast<int>(entries);
-  sp.entry_query = entry_buffer.as<int>();
+  while ((std::int64_t{1} << sp.group_bits) < p.group_size()) ++sp.group_bits;
+  sp.entry_query = entry_buffer.as<std::uint32_t>();
   sp.entry_dz = reinterpret_cast<float*>(sp.entry_query + entries);
   sp.entry_p = sp.entry_dz + entries;
 

@@ -262,9 +262,12 @@ struct SparseBackwardParams {
   // Entries the buffers below hold: the record's total, or the forward's count of it, which
   // equals it (the same test of the same scores); entries past it are dropped, not written.
   int entry_capacity = 0;
-  // Per entry, in key order: the query (query operand row * heads_q + head), dz (times the
-  // scale: the gradient of the raw score q . k) and p.
-  int* entry_query = nullptr;
+  // Per entry, in key order: the query as (operand row << group_bits) | its head's place in the
+  // kv head's group (under 2^32, query slots fitting an int), dz (times the scale: the
+  // gradient of the raw score q . k) and p. A shift and a mask decode it: the key pass's
+  // division by heads_q was about a fifth of its instructions per entry (SASS, H100).
+  int group_bits = 0;  // ceil(log2(heads_q / heads_kv))
+  std::uint32_t* entry_query = nullptr;
   float* entry_dz = nullptr;
   float* entry_p = nullptr;
 };
@@ -296,6 +299,11 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
   for (int j = lane; j < n; j += 32) keys[j] = sp.keys[slot * kSupportCapacity + j];
   const float tau = *p.stats.at<const float>(b, q_row, h);
   const float scale = static_cast<float>(p.scale), x_scale = scale * (sp.alpha - 1.f);
+  // A key's slice of k and v: these plus its operand row times the row strides (Operand::at's
+  // full index per gather cost about twenty integer instructions).
+  const T* const k_head = p.k.at<const T>(b, 0, hk) + sub * E;
+  const T* const v_head = p.v.at<const T>(b, 0, hk) + sub * E;
+  const std::int64_t k_stride = p.k.row, v_stride = p.v.row;
 
   float q[E], dout[E], dq[E];
   tile::load_slice<T>(p.q.at<const T>(b, q_row, h) + sub * E, q);
@@ -317,8 +325,8 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
         qk[f] = dp[f] = 0.f;
         if (j < n) {
           float k[E], v[E];
-          tile::load_slice<T>(p.k.at<const T>(b, keys[j], hk) + sub * E, k);
-          tile::load_slice<T>(p.v.at<const T>(b, keys[j], hk) + sub * E, v);
+          tile::load_slice<T>(k_head + keys[j] * k_stride, k);
+          tile::load_slice<T>(v_head + keys[j] * v_stride, v);
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             qk[f] = fmaf(q[e], k[e], qk[f]);
@@ -354,7 +362,8 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
     }
     const float delta = sum_u > 0.f ? sum_u_dp / sum_u : 0.f;
     __syncwarp();
-    const int query = static_cast<int>(q_row * p.heads_q + h);
+    const std::uint32_t query = static_cast<std::uint32_t>(q_row) << sp.group_bits |
+                                static_cast<std::uint32_t>(h - hk * p.group_size());
     for (int j = lane; j < n; j += 32) {
       const float gap = gaps[j];
       const float dz = scale * em::grad_logit(em::grad_weight<F>(gap, sp.alpha), dps[j], delta);
@@ -369,13 +378,14 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
     }
   });
   __syncwarp();
-  // dq = sum dz k: k once more (from L2; accumulating sum u dp k and sum u k in the first loop
-  // instead, to subtract delta sum u k at the end, needs registers enough to halve the warps
-  // in flight: measured 2.8x slower on an H100).
+  // dq = sum dz k: k once more, from L2. Neither keeping the first 16 keys' k in shared memory
+  // (0.582 against 0.578 ms at 4K, H100) nor accumulating sum u dp k and sum u k in the first
+  // loop, to subtract delta sum u k at the end (1-2% at three blocks a multiprocessor, slower
+  // at two), made this pass faster: its bound is not these bytes (docs/performance.md).
 #pragma unroll 2
   for (int j = group; j < n; j += kGroups) {
     float k[E];
-    tile::load_slice<T>(p.k.at<const T>(b, keys[j], hk) + sub * E, k);
+    tile::load_slice<T>(k_head + keys[j] * k_stride, k);
     const float dz = dps[j];
 #pragma unroll
     for (int e = 0; e < E; ++e) dq[e] = fmaf(dz, k[e], dq[e]);
@@ -392,8 +402,11 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
 // filed under it, every query head of the group included. Keys no row supports get zeros.
 // The lanes fetch 32 entries' (query, dz, p) at once; groups of kLanes lanes then take one
 // entry each, two in flight, and the groups' sums meet at the end.
+// Four blocks a multiprocessor (64 registers, no spills at D = 128): with the shift-decoded
+// queries and the cheaper conversions and addresses this pass fell from 0.443 to 0.350 ms at
+// 4K keys (H100), where ptxas's own choice (65 registers) left three.
 template <class T, int D>
-__global__ void __launch_bounds__(32 * kSparseWarps)
+__global__ void __launch_bounds__(32 * kSparseWarps, 4)
     entmax_sparse_keys_kernel(const AttentionParams p, const detail::GradientParams g, const SparseBackwardParams sp) {
   constexpr int kLanes = 8, kGroups = 32 / kLanes, E = D / kLanes, kInFlight = 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / kLanes, sub = lane % kLanes;
@@ -403,11 +416,17 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
   if (key >= s.k_len) return;
   const std::int64_t k_row = s.k_start + key, kslot = key_slot(p, b, k_row, hk);
   const int first = sp.key_offsets[kslot], end = min(first + sp.key_counts[kslot], sp.entry_capacity);
+  // A query's slices of q and dout: these plus its operand row and its head's place in the
+  // group times the strides.
+  const std::int64_t head0 = hk * p.group_size();
+  const T* const q_group = p.q.at<const T>(b, 0, head0) + sub * E;
+  const T* const dout_group = g.dout.at<const T>(b, 0, head0) + sub * E;
+  const std::uint32_t in_group = (1u << sp.group_bits) - 1u;
   float dk[E], dv[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) dk[e] = dv[e] = 0.f;
   for (int c0 = first; c0 < end; c0 += 32) {
-    int query = 0;
+    std::uint32_t query = 0;
     float dz = 0.f, weight = 0.f;
     if (c0 + lane < end) {
       query = sp.entry_query[c0 + lane];
@@ -420,13 +439,13 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
       for (int f = 0; f < kInFlight; ++f) {
         const int t = t0 + f * kGroups + group;
         const int src = t < 32 ? t : 31;
-        const int qid = __shfl_sync(0xffffffffu, query, src);
+        const std::uint32_t qid = __shfl_sync(0xffffffffu, query, src);
         const float dz_t = __shfl_sync(0xffffffffu, dz, src), p_t = __shfl_sync(0xffffffffu, weight, src);
         if (t < m) {
-          const std::int64_t q_row = qid / p.heads_q, h = qid % p.heads_q;
+          const std::int64_t q_row = qid >> sp.group_bits, hg = qid & in_group;
           float q[E], dout[E];
-          tile::load_slice<T>(p.q.at<const T>(b, q_row, h) + sub * E, q);
-          tile::load_slice<T>(g.dout.at<const T>(b, q_row, h) + sub * E, dout);
+          tile::load_slice<T>(q_group + q_row * p.q.row + hg * p.q.head, q);
+          tile::load_slice<T>(dout_group + q_row * g.dout.row + hg * g.dout.head, dout);
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             dk[e] = fmaf(dz_t, q[e], dk[e]);

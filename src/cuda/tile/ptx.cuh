@@ -91,6 +91,22 @@ __device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
   }
 }
 
+// The two 16-bit elements of a word as floats (inverse of pack2). A bf16 is the top half of
+// its float, so each takes one shift or one mask; through to_float the upper one took a byte
+// permute and a shift (SASS of the entmax sparse backward, where these conversions were the
+// loops' largest share of ALU work).
+template <class T>
+__device__ __forceinline__ void unpack2(std::uint32_t word, float& lo, float& hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    lo = __uint_as_float(word << 16);
+    hi = __uint_as_float(word & 0xffff0000u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&word));
+    lo = f.x;
+    hi = f.y;
+  }
+}
+
 template <class T>
 __device__ __forceinline__ float to_float(T x) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {

@@ -19,19 +19,12 @@ __device__ __forceinline__ void load_slice(const T* src, float (&dst)[N]) {
       const uint4 w = reinterpret_cast<const uint4*>(src)[v];
       const std::uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const T* pair = reinterpret_cast<const T*>(&words[i]);
-        dst[8 * v + 2 * i] = to_float(pair[0]);
-        dst[8 * v + 2 * i + 1] = to_float(pair[1]);
-      }
+      for (int i = 0; i < 4; ++i) unpack2<T>(words[i], dst[8 * v + 2 * i], dst[8 * v + 2 * i + 1]);
     }
   } else {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
-      const std::uint32_t word = reinterpret_cast<const std::uint32_t*>(src)[i];
-      const T* pair = reinterpret_cast<const T*>(&word);
-      dst[2 * i] = to_float(pair[0]);
-      dst[2 * i + 1] = to_float(pair[1]);
+      unpack2<T>(reinterpret_cast<const std::uint32_t*>(src)[i], dst[2 * i], dst[2 * i + 1]);
     }
   }
 }
