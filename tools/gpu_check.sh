@@ -9,9 +9,10 @@
 #   cudatest   only the CUDA tests, both kernel sets
 #   pycuda     only the Python CUDA tests (tests/python_cuda) against the build's library
 #   portable   only the C++ CUDA tests with the portable (sm_80) kernels forced
-#   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests, the
-#              direct key-gradient backward, the tile-skipping and sparse-backward ones and the element-wise kernels (rotary,
-#              RMSNorm, SwiGLU); memcheck over the model layer's CUDA tests
+#   sanitize   compute-sanitizer memcheck and racecheck on the small CUDA tests, the direct
+#              key-gradient backward, the tile-skipping and sparse-backward ones and the
+#              element-wise kernels (rotary, RMSNorm, SwiGLU); memcheck over the model
+#              layer's CUDA tests
 #   bench      bench/gpu_attention_bench.py (SDPA flash and cuDNN, the paper's Triton kernel
 #              when $BASELINES has stickbreaking_attention/, AdaSplash-2 when .whl/ has its
 #              wheel, winnow)

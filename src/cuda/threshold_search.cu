@@ -188,10 +188,11 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
   output_sweep();
   cfg.support_totals = nullptr;  // the step sweeps count nothing
   if (!flag.wait()) {
-    if (counted != nullptr && flag.values()[3] == 0) {
+    const int* const totals = flag.values() + 1;  // as ThresholdCudaConfig::support_totals
+    if (counted != nullptr && totals[2] == 0) {
       counted->known = true;
-      counted->entries = flag.values()[1];
-      counted->overflow = flag.values()[2] != 0;
+      counted->entries = totals[0];
+      counted->overflow = totals[1] != 0;
     }
     return;
   }

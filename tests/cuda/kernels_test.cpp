@@ -32,6 +32,13 @@
 namespace winnow::testing {
 namespace {
 
+// run() with one of the kernels' environment switches (WINNOW_DENSE_KEY_TILES and the like)
+// set to 1 for the call.
+Results run_with_switch(const char* name, const Problem& problem, const RunConfig& cfg) {
+  const ScopedEnv on(name, "1");
+  return run(problem, cfg);
+}
+
 const std::vector<ProblemShape>& shapes() {
   static const std::vector<ProblemShape> all = {
       // Fused path: D = Dv in {64, 128}.
@@ -186,10 +193,7 @@ TEST(CudaBackward, DirectKeyGradsEqualTheAccumulatedOnes) {
         cfg.placement = &direct_gpu;
         const Results direct = run(problem, cfg);
         cfg.placement = &accumulated_gpu;
-        const Results accumulated = [&] {
-          const ScopedEnv accumulate("WINNOW_ACCUMULATED_KEY_GRADS", "1");
-          return run(problem, cfg);
-        }();
+        const Results accumulated = run_with_switch("WINNOW_ACCUMULATED_KEY_GRADS", problem, cfg);
         const std::string what = shape.name + " " + name_of(m) + (attend_current ? "" : " strict");
         EXPECT_EQ(direct.dk, accumulated.dk) << what;
         EXPECT_EQ(direct.dv, accumulated.dv) << what;
@@ -398,10 +402,7 @@ TEST(CudaEntmax, SparseBackwardMatchesTheReferenceAndTheDenseBackward) {
           EXPECT_FALSE(took_sparse) << "flat rows overflow the support lists";
         }
         cfg.placement = &dense_gpu;
-        const Results dense = [&] {
-          const ScopedEnv dense_backward("WINNOW_DENSE_ENTMAX_BACKWARD", "1");
-          return run(problem, cfg);
-        }();
+        const Results dense = run_with_switch("WINNOW_DENSE_ENTMAX_BACKWARD", problem, cfg);
         EXPECT_EQ(got.out, dense.out);
         EXPECT_LT(relative_error(got.dq, dense.dq), 1e-2) << "dq";
         EXPECT_LT(relative_error(got.dk, dense.dk), 1e-2) << "dk";
@@ -450,10 +451,7 @@ TEST(CudaEntmax, TheForwardsSupportListsServeTheBackward) {
       const std::int64_t counted_calls = cuda::entmax_counted_backward_calls();
       const std::int64_t reruns = cuda::threshold_output_reruns();
       // The backward compares the forward's count of the record's totals with the record.
-      const Results got = [&] {
-        const ScopedEnv check_counts("WINNOW_ENTMAX_CHECK_COUNTS", "1");
-        return run(problem, cfg);
-      }();
+      const Results got = run_with_switch("WINNOW_ENTMAX_CHECK_COUNTS", problem, cfg);
       const bool took_sparse = cuda::entmax_sparse_backward_calls() > calls;
       // Counted unless the search needed step sweeps (the flat rows; alpha 1.3 on some
       // problems) or nothing was listed.
@@ -587,10 +585,7 @@ TEST(CudaTileSkipping, LocalScoresMatchTheReferenceAndTheDenseSweep) {
       cfg.placement = &deterministic_gpu;
       const Results deterministic = run(problem, cfg);
       cfg.placement = &dense_gpu;
-      const Results dense = [&] {
-        const ScopedEnv dense_tiles("WINNOW_DENSE_KEY_TILES", "1");
-        return run(problem, cfg);
-      }();
+      const Results dense = run_with_switch("WINNOW_DENSE_KEY_TILES", problem, cfg);
       EXPECT_EQ(got.out, dense.out);
       EXPECT_EQ(got.stat, dense.stat);
       EXPECT_EQ(got.count, dense.count);
