@@ -275,7 +275,7 @@ std::int64_t entmax_sparse_backward_calls() { return sparse_backward_calls.load(
 std::int64_t entmax_counted_backward_calls() { return counted_backward_calls.load(); }
 
 void entmax_forward(const detail::AttentionParams& p, const detail::EntmaxConfig& cfg) {
-  const bool fused = fused_path_applies(p, nullptr);
+  const bool fused = threshold_search_applies(p);
   // Only the fused path lists supports, and only for a backward that can take them: any other
   // record is marked empty, and the forward runs as without one.
   detail::EntmaxConfig c = cfg;

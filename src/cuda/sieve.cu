@@ -58,7 +58,7 @@ struct FusedSieveBackward {
 }  // namespace
 
 void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& cfg) {
-  if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedSieveForward{p, cfg});
+  if (threshold_search_applies(p)) return dispatch_fused(p, FusedSieveForward{p, cfg});
   dispatch_simple(p, SimpleForward<simple::Mechanism::sieve>{p, sieve_extras(cfg)});
 }
 

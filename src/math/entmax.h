@@ -171,8 +171,11 @@ struct ThresholdSearch {
     const S resolution = S(4) * std::numeric_limits<S>::epsilon();
     const S magnitude = fabs(lo) > fabs(hi) ? fabs(lo) : fabs(hi);
     if (!(width > resolution * magnitude + std::numeric_limits<S>::min()) || !(first > lo && last < hi)) {
+      // An estimate inside a bracket too narrow for its probes is within rounding of the root
+      // (Newton's and the secant's are exact where f is linear: equal scores under sparsemax,
+      // whose root is the bracket's unevaluated right end); otherwise the nearer end.
       const bool lo_nearer = f_hi < S(0) || (f_lo >= S(0) && f_lo - S(1) <= S(1) - f_hi);
-      finish(lo_nearer ? lo : hi);
+      finish(estimates > 0 ? c0 : lo_nearer ? lo : hi);
     }
     return done();
   }

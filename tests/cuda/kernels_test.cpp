@@ -360,6 +360,33 @@ TEST(CudaEntmax, LongRowsSumToOneWithTheDefaultTolerance) {
   }
 }
 
+// The fused threshold search assumes a positive scale (it keeps raw scores q . k); other
+// scales take the simple path in the forward, and the backward's fused kernels take any scale.
+TEST(CudaEntmax, NegativeAndZeroScalesMatchTheReference) {
+  const ProblemShape shape{"scaled", {{150, 150}, {90, 200}}, true, 4, 2, 64, 64};
+  const Problem problem = Problem::random(shape, 23);
+  for (double scale : {-0.2, 0.0}) {
+    for (Mechanism m : {Mechanism::entmax15, Mechanism::sparsemax, Mechanism::entmax13, Mechanism::sieve_exact,
+                        Mechanism::sieve_bound}) {
+      if (scale == 0.0 && is_sieve(m)) continue;  // every score ties: the candidate sets are all keys or none
+      SCOPED_TRACE(::testing::Message() << name_of(m) << " scale " << scale);
+      CudaPlacement gpu;
+      RunConfig cfg;
+      cfg.mechanism = m;
+      cfg.dtype = DType::bfloat16;
+      cfg.scale = scale;
+      cfg.placement = &gpu;
+      const Results got = run(problem, cfg);
+      RunConfig ref;
+      ref.mechanism = m;
+      ref.scale = scale;
+      ref.backend = Backend::reference;
+      const Results want = run(rounded(problem, DType::bfloat16), ref);
+      expect_results_close(got, want, tolerance(DType::bfloat16));
+    }
+  }
+}
+
 // The backward over support lists (entmax_sparse.cuh) takes every call whose rows' supports
 // fit their lists; wider ones go back to the dense backward. Both must match the reference:
 // random scores (narrow, scattered supports: the sparse path, including GQA, varlen, q_len <

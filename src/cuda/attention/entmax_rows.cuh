@@ -19,7 +19,9 @@
 // The host runs start and collect, then the step sweep until no row moves (at most
 // kMaxSearchSteps). Every sweep writes its current threshold to `result` (scaled by
 // result_scale: 1 for entmax's tau, 1 / (alpha - 1) for Sieve's score-unit threshold), so the
-// last one leaves the answer.
+// last one leaves the answer. The sweeps keep raw scores q . k (maxima, candidate lists), which
+// order like x only for a positive scale: other scales take the simple path
+// (threshold_search_applies).
 #pragma once
 
 #include <cmath>
@@ -318,15 +320,15 @@ struct ThresholdCollectRows : ThresholdSweepRows {
   }
 
   float x_scale, alpha, tolerance, result_scale;
-  // The row's floor in units of raw scores q . k when x_scale > 0, so that a score is tested
-  // as it comes out of the product; otherwise (scale <= 0) in x units.
+  // The row's floor in units of raw scores q . k, so that a score is tested as it comes out of
+  // the product.
   float floor[2];
   SavedSearch* state[2] = {nullptr, nullptr};  // null: the row is past the sequence or settled
   float* result[2];
   int* unfinished;
   // Shared addresses: each row's first slot, the next free one and the end. A key is filed with
   // one compare, one store and one add; a per-tile check for room keeps the end test off that
-  // path. Lists hold raw scores (x_scale > 0) or x.
+  // path. Lists hold raw scores.
   std::uint32_t list[2], next[2], end[2];
   int full[2] = {0, 0};           // a key found no room (ints: bools get packed into bytes)
   int stride = 0;                 // bytes between a list's entries
@@ -352,7 +354,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
         result[half] = cfg.result.at<float>(qt.b, qt.s.q_start + row, qt.h);
         if (!saved->settled()) {
           state[half] = saved;
-          floor[half] = x_scale > 0.f ? saved->bracket.x / x_scale : saved->bracket.x;
+          floor[half] = saved->bracket.x / x_scale;
         }
       }
     }
@@ -370,26 +372,21 @@ struct ThresholdCollectRows : ThresholdSweepRows {
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     // A thread files at most 2 NT keys per row and tile.
     const std::uint32_t need = 2 * NT * stride;
-    const bool room = next[0] + need <= end[0] && next[1] + need <= end[1];
-    if (x_scale > 0.f) {
-      if (room) {
-        collect<Masked, false>(s, mask, [](float z) { return z; });
-      } else {
-        collect<Masked, true>(s, mask, [](float z) { return z; });
-      }
+    if (next[0] + need <= end[0] && next[1] + need <= end[1]) {
+      collect<Masked, false>(s, mask);
     } else {
-      collect<Masked, true>(s, mask, [&](float z) { return z * x_scale; });
+      collect<Masked, true>(s, mask);
     }
   }
 
-  template <bool Masked, bool Checked, int NT, class Units>
-  __device__ __forceinline__ void collect(const float (&s)[NT][4], const RowMask& mask, Units&& units) {
+  template <bool Masked, bool Checked, int NT>
+  __device__ __forceinline__ void collect(const float (&s)[NT][4], const RowMask& mask) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int half = i / 2, e = i % 2;
-        const float v = units(s[n][i]);
+        const float v = s[n][i];
         if (v > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
           if (!Checked || next[half] < end[half]) {
             tile::st_shared_f32(next[half], v);
@@ -408,8 +405,6 @@ struct ThresholdCollectRows : ThresholdSweepRows {
     namespace em = math::entmax;
     em::with_family(alpha, [&](auto family) {
       constexpr em::Family F = decltype(family)::value;
-      // Entries in x units: raw scores times this.
-      const float entry_scale = x_scale > 0.f ? x_scale : 1.f;
 #pragma unroll 1
       for (int half = 0; half < 2; ++half) {
         // Selects, not indexing by half: the loop is not unrolled, and an indexed member array
@@ -430,7 +425,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
             em::GapMoments<float> m;
             if (moving) {
               for (std::uint32_t a = first; a < last; a += stride) {
-                m.add(fmaf(tile::ld_shared_f32(a), entry_scale, -list_search.tau));
+                m.add(fmaf(tile::ld_shared_f32(a), x_scale, -list_search.tau));
               }
             }
             m.count = tile::quad_sum(m.count);
@@ -449,7 +444,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
             float f[K] = {}, u[K] = {};
             if (moving) {
               for (std::uint32_t a = first; a < last; a += stride) {
-                const float x = tile::ld_shared_f32(a) * entry_scale;
+                const float x = tile::ld_shared_f32(a) * x_scale;
 #pragma unroll
                 for (int k = 0; k < K; ++k) {
                   f[k] += em::weight<F>(x - search.probe(k), alpha);
@@ -489,7 +484,6 @@ struct ThresholdCollectRows : ThresholdSweepRows {
                                                 const ThresholdCudaConfig& cfg, const Tile&, std::int64_t,
                                                 int tig) const {
     if (cfg.support_totals == nullptr) return;
-    const float entry_scale = x_scale > 0.f ? x_scale : 1.f;
     constexpr int kLength = static_cast<int>(entmax::kSupportListLength);
     int size = 0;
     bool longer = false;
@@ -498,7 +492,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
       int mine = 0;
       if (count_tau[half] < INFINITY) {
         for (std::uint32_t a = list[half]; a < next[half]; a += stride) {
-          mine += fmaf(tile::ld_shared_f32(a), entry_scale, -count_tau[half]) > 0.f ? 1 : 0;
+          mine += fmaf(tile::ld_shared_f32(a), x_scale, -count_tau[half]) > 0.f ? 1 : 0;
         }
       }
       const int row_size = static_cast<int>(tile::quad_sum(static_cast<float>(mine)));
