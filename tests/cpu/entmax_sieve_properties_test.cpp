@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <type_traits>
@@ -117,6 +118,42 @@ TEST(Entmax, ThresholdSearchConvergesInFewSweeps) {
   check_threshold_search<double, 1>(1.5, 1e-5, 14);
   check_threshold_search<float, 4>(1.5, 1e-5, 8);
   check_threshold_search<float, 1>(1.5, 1e-5, 16);
+}
+
+// Rows of equal scores (a zero scale, or keys that all tie): the root is the bracket's right
+// end, x - n^(1 - alpha), which the search never evaluates. Where f is linear (sparsemax)
+// Newton's estimate from the left end is exactly that end, so no probe fits between; the
+// search used to end at the left end then (tau = -0.24 for -0.2 at 5 keys, float, four probes).
+template <class S, int K>
+void check_equal_scores(double alpha) {
+  namespace em = math::entmax;
+  for (double x0 : {0.0, 0.37, -2.5}) {
+    for (std::int64_t n : {2, 3, 5, 7, 90, 300}) {
+      em::ThresholdSearch<S, K> search{S(alpha), S(1e-5)};
+      search.start(S(x0), S(n));
+      for (int step = 0; step < em::kMaxSearchSteps && !search.done(); ++step) {
+        S f[K] = {}, u[K] = {};
+        for (int k = 0; k < K; ++k) {
+          f[k] = S(n) * em::weight(S(x0) - search.probe(k), S(alpha));
+          u[k] = S(n) * em::grad_weight(S(x0) - search.probe(k), S(alpha));
+        }
+        search.step(f, u);
+      }
+      SCOPED_TRACE(::testing::Message() << "alpha " << alpha << " K " << K << " n " << n << " x " << x0);
+      EXPECT_TRUE(search.done());
+      // In float, tau's last bits move f by n ulp(tau) (f' = -n for sparsemax): a few of those.
+      const double resolution = 8.0 * double(n) * std::numeric_limits<S>::epsilon() * (std::abs(x0) + 1.0);
+      EXPECT_NEAR(double(n) * em::weight(x0 - double(search.tau()), alpha), 1.0, 1e-4 + resolution);
+    }
+  }
+}
+
+TEST(Entmax, ThresholdSearchOverEqualScoresEndsAtTheRoot) {
+  for (double alpha : {2.0, 1.5, 1.3}) {
+    check_equal_scores<float, 4>(alpha);
+    check_equal_scores<float, 1>(alpha);
+    check_equal_scores<double, 4>(alpha);
+  }
 }
 
 // 1.5-entmax's threshold by sorting (Peters et al. 2019), written here independently of
