@@ -8,7 +8,8 @@
 // works on those keys alone (entmax_sparse.cuh); otherwise (and in deterministic mode) it is
 // dense: a sweep with the weights u (U = sum u v and sum u, for delta), which marks the cells
 // with support, and then the fused backward kernel over those cells only.
-// Everything else runs on the simple path (a warp per query row).
+// Everything else runs on the simple path (a warp per query row), and so do forwards with a
+// scale that is not positive (threshold_search_applies).
 #include <atomic>
 #include <climits>
 #include <cstdlib>

@@ -2,7 +2,8 @@
 // thresholds (one sweep for the bound filter, the entmax search for the exact one;
 // threshold_search.cuh), then the stick-breaking kernels over each row's candidates only
 // (stick_breaking_rows.cuh), visiting only the key tiles where some row of the block has a
-// candidate (key_tiles.cuh). Everything else runs on the simple path.
+// candidate (key_tiles.cuh). Everything else runs on the simple path, and so do forwards with a
+// scale that is not positive (threshold_search_applies).
 #include "cuda/attention/stick_breaking_rows.cuh"
 #include "cuda/cuda.h"
 #include "cuda/threshold_search.cuh"
