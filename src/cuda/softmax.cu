@@ -1,4 +1,7 @@
 // Softmax attention on CUDA: the fused kernels with the softmax row policies, or the simple path.
+#include <cstdlib>
+
+#include "cuda/attention/softmax_backward_keys_sm90.cuh"
 #include "cuda/attention/softmax_rows.cuh"
 #include "cuda/cuda.h"
 #include "cuda/launch_attention.cuh"
@@ -13,11 +16,57 @@ struct FusedForward {
     launch_fused_forward<T, D, SoftmaxRows>(p, SoftmaxConfig{});
   }
 };
+// Whether the key-stationary Hopper backward (softmax_backward_keys_sm90.cuh) may take this
+// call: not in the deterministic mode (its dQ sums arrive in any order), not for short
+// sequences whose rows fit one block (the row kernel writes their dK and dV directly, with no
+// accumulator at all), and with dK, dV rows it can store to 4 bytes at a time.
+// WINNOW_SOFTMAX_ROW_BACKWARD forces the row kernel, for comparison.
+bool keys_backward_applies(const detail::AttentionParams& p, const detail::GradientParams& g) {
+  static const bool rows_forced = std::getenv("WINNOW_SOFTMAX_ROW_BACKWARD") != nullptr;
+  if (rows_forced || p.deterministic || g.dstats.data != nullptr) return false;
+  if (!aligned_rows(g.dk, p.dtype) || !aligned_rows(g.dv, p.dtype)) return false;
+  if (p.max_len_q <= kBackwardBQ && p.group_size() == 1) return false;
+  return p.max_len_k / Sm90KeysBackwardShape::kBK < 65535 && p.heads_kv < 65535;
+}
+
+template <class T, int D>
+bool launch_keys_backward(const detail::AttentionParams& p, const detail::GradientParams& g) {
+  auto kernel = softmax_backward_keys_sm90_kernel<T, D>;
+  if (!hopper_kernel_runs(kernel)) return false;
+  using Shape = Sm90KeysBackwardShape;
+  SoftmaxKeysBackwardBuffers buf;
+  buf.padded_len = (p.max_len_q + Shape::kBQ - 1) / Shape::kBQ * Shape::kBQ;
+  const std::size_t rows = static_cast<std::size_t>(p.heads_q * p.num_seqs * buf.padded_len);
+  if (rows == 0) return true;
+  DeviceBuffer buffer(p, rows * (2 + D) * sizeof(float));
+  buf.dq = buffer.as<float>();
+  buf.lse_log2 = buf.dq + rows * D;
+  buf.delta = buf.lse_log2 + rows;
+  check(cudaMemsetAsync(buf.dq, 0, rows * D * sizeof(float), stream_of(p)), "clearing the dq accumulator");
+  constexpr int kRowsPerBlock = 8;
+  const dim3 stats_grid(static_cast<unsigned>(buf.padded_len / kRowsPerBlock), static_cast<unsigned>(p.heads_q),
+                        static_cast<unsigned>(p.num_seqs));
+  softmax_backward_row_stats_kernel<T, D><<<stats_grid, 32 * kRowsPerBlock, 0, stream_of(p)>>>(p, g, buf);
+  check_launch("softmax_backward_row_stats_kernel");
+  const dim3 grid(static_cast<unsigned>((p.max_len_k + Shape::kBK - 1) / Shape::kBK),
+                  static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.num_seqs));
+  const int smem = Sm90KeysBackwardSmem<T, D>::kBytes;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, buf);
+  check_launch("softmax_backward_keys_sm90_kernel");
+  const dim3 store_grid(static_cast<unsigned>((p.max_len_q + kRowsPerBlock - 1) / kRowsPerBlock),
+                        static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  softmax_backward_store_dq_kernel<T, D><<<store_grid, 32 * kRowsPerBlock, 0, stream_of(p)>>>(p, g, buf);
+  check_launch("softmax_backward_store_dq_kernel");
+  return true;
+}
+
 struct FusedBackward {
   const detail::AttentionParams& p;
   const detail::GradientParams& g;
   template <class T, int D>
   void operator()() const {
+    if (keys_backward_applies(p, g) && launch_keys_backward<T, D>(p, g)) return;
     launch_fused_backward<T, D, SoftmaxBackwardRows<T>>(p, g, SoftmaxConfig{});
   }
 };

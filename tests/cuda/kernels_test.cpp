@@ -204,6 +204,45 @@ TEST(CudaBackward, DirectKeyGradsEqualTheAccumulatedOnes) {
   }
 }
 
+// Softmax's key-stationary backward on Hopper (softmax_backward_keys_sm90.cuh) against the
+// float64 reference and the row kernel: keys that no query sees and a last key block of one
+// or 65 keys, queries shorter than their keys, grouped heads, an empty sequence, both
+// visibility rules. (Off Hopper both runs take the row kernel.)
+TEST(CudaBackward, KeyStationarySoftmaxMatchesTheReference) {
+  const ProblemShape shapes[] = {
+      {"d64_suffix_gqa", {{150, 400}, {0, 7}, {200, 200}}, true, 4, 2, 64, 64},
+      {"d128_suffix", {{130, 257}}, false, 2, 2, 128, 128},
+      {"d128_gqa_tail", {{193, 193}, {193, 193}}, false, 3, 1, 128, 128},
+  };
+  for (const ProblemShape& shape : shapes) {
+    const Problem problem = Problem::random(shape, 17);
+    for (DType dtype : {DType::bfloat16, DType::float16}) {
+      for (bool attend_current : {true, false}) {
+        RunConfig cfg;
+        cfg.mechanism = Mechanism::softmax;
+        cfg.dtype = dtype;
+        cfg.attend_current = attend_current;
+        cfg.permuted = shape.dim == 128;
+        CudaPlacement keys_gpu, rows_gpu;
+        cfg.placement = &keys_gpu;
+        const Results keys = run(problem, cfg);
+        cfg.placement = &rows_gpu;
+        const Results rows = run_with_switch("WINNOW_SOFTMAX_ROW_BACKWARD", problem, cfg);
+        RunConfig ref;
+        ref.mechanism = Mechanism::softmax;
+        ref.attend_current = attend_current;
+        ref.backend = Backend::reference;
+        const Results want = run(rounded(problem, dtype), ref);
+        SCOPED_TRACE(shape.name + " " + to_string(dtype) + (attend_current ? "" : " strict"));
+        expect_results_close(keys, want, tolerance(dtype));
+        EXPECT_LT(relative_error(keys.dq, rows.dq), tolerance(dtype)) << "dq against the row kernel";
+        EXPECT_LT(relative_error(keys.dk, rows.dk), tolerance(dtype)) << "dk against the row kernel";
+        EXPECT_LT(relative_error(keys.dv, rows.dv), tolerance(dtype)) << "dv against the row kernel";
+      }
+    }
+  }
+}
+
 TEST(CudaHalting, LargeCutoffChangesNothingMeasurable) {
   const Problem problem = Problem::random({"halt", {{600, 600}}, false, 4, 2, 128, 128}, 6);
   for (DType dtype : {DType::bfloat16, DType::float32}) {

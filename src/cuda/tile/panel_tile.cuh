@@ -53,6 +53,8 @@ struct PanelTile {
   template <int NThreads>
   __device__ __forceinline__ void load_rows_async(int tid, const T* first, std::int64_t step, int valid) const {
     static_assert(NThreads % kChunks == 0 && Rows % (NThreads / kChunks) == 0, "whole rows per pass");
+    // dst advances by whole rows, which keeps each row's swizzle (r % 8) only in steps of 8 rows.
+    static_assert((NThreads / kChunks) % 8 == 0, "a pass of at least 8 rows, in multiples of 8");
     constexpr int P = NThreads / kChunks, J = Rows / P;
     const int chunk = tid % kChunks;
     unsigned char* dst = data + offset(tid / kChunks, chunk);
@@ -77,6 +79,11 @@ struct PanelTile {
   __device__ __forceinline__ std::uint64_t mn_major(int k0) const {
     static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
     return smem_descriptor(smem_address(data) + k0 * 128, kPanelBytes, 1024);
+  }
+  // The same from column panel `panel` on (an operand narrower than the tile: N = 64 of 128).
+  __device__ __forceinline__ std::uint64_t mn_major(int k0, int panel) const {
+    static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
+    return smem_descriptor(smem_address(data) + panel * kPanelBytes + k0 * 128, kPanelBytes, 1024);
   }
 };
 
