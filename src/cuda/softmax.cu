@@ -26,6 +26,13 @@ bool keys_backward_applies(const detail::AttentionParams& p, const detail::Gradi
   if (rows_forced || p.deterministic || g.dstats.data != nullptr) return false;
   if (!aligned_rows(g.dk, p.dtype) || !aligned_rows(g.dv, p.dtype)) return false;
   if (p.max_len_q <= kBackwardBQ && p.group_size() == 1) return false;
+  // Its row buffers (and the fp32 dQ accumulator) pad every sequence to the longest one's whole
+  // query tiles. A packed batch of skewed lengths would make that many times the rows there are
+  // (1000 sequences of 100 tokens beside one of 8192: 76x); such batches take the row kernel,
+  // whose accumulators follow the key rows.
+  const std::int64_t padded = (p.max_len_q + Sm90KeysBackwardShape::kBQ - 1) / Sm90KeysBackwardShape::kBQ *
+                              Sm90KeysBackwardShape::kBQ;
+  if (p.num_seqs * padded > 2 * p.rows_q + Sm90KeysBackwardShape::kBQ * p.num_seqs) return false;
   return p.max_len_k / Sm90KeysBackwardShape::kBK < 65535 && p.heads_kv < 65535;
 }
 
