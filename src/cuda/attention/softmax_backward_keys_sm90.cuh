@@ -141,38 +141,36 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
   if (tid < 128) {
     // ---------------------------------------------------------------- producer
     tile::registers_release<Shape::kProducerRegisters>();
+    using KT = typename Smem::KeyTile;
+    using RT = typename Smem::RowTile;
     {
-      using KT = typename Smem::KeyTile;
-      using RT = typename Smem::RowTile;
-      {
-        constexpr int P = KT::template row_stride_of<L>();
-        const int r = KT::template first_row_of<L>(tid);
-        const std::int64_t left = seq.k_len - k0 - r;
-        const int valid = left <= 0 ? 0 : static_cast<int>((left + P - 1) / P);
-        const std::int64_t key = k0 + r < seq.k_len ? k0 + r : 0;
-        k_tile.template load_rows_async<L>(tid, p.k.at<const T>(b, seq.k_start + key, hk), P * p.k.row, valid);
-        v_tile.template load_rows_async<L>(tid, p.v.at<const T>(b, seq.k_start + key, hk), P * p.v.row, valid);
-        tile::mbar_arrive_on_copies(kv_full);
+      constexpr int P = KT::template row_stride_of<L>();
+      const int r = KT::template first_row_of<L>(tid);
+      const std::int64_t left = seq.k_len - k0 - r;
+      const int valid = left <= 0 ? 0 : static_cast<int>((left + P - 1) / P);
+      const std::int64_t key = k0 + r < seq.k_len ? k0 + r : 0;
+      k_tile.template load_rows_async<L>(tid, p.k.at<const T>(b, seq.k_start + key, hk), P * p.k.row, valid);
+      v_tile.template load_rows_async<L>(tid, p.v.at<const T>(b, seq.k_start + key, hk), P * p.v.row, valid);
+      tile::mbar_arrive_on_copies(kv_full);
+    }
+    constexpr int P = RT::template row_stride_of<L>();
+    const int r = RT::template first_row_of<L>(tid);
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % S;
+      const std::int64_t h = hk * group + i / tiles_per_head;
+      const std::int64_t r0 = static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ;
+      if (i >= S) tile::mbar_wait_sleepy(&empty[s], ((i / S) - 1) & 1);
+      const std::int64_t left = seq.q_len - r0 - r;
+      const int valid = left <= 0 ? 0 : static_cast<int>((left + P - 1) / P);
+      const std::int64_t row = r0 + r < seq.q_len ? r0 + r : 0;
+      q_tile(s).template load_rows_async<L>(tid, p.q.at<const T>(b, seq.q_start + row, h), P * p.q.row, valid);
+      do_tile(s).template load_rows_async<L>(tid, g.dout.at<const T>(b, seq.q_start + row, h), P * g.dout.row, valid);
+      if (tid < 2 * BQ / 4) {  // 16-byte chunks: lse_log2 then delta
+        const int chunk = tid % (BQ / 4);
+        const float* src = (tid < BQ / 4 ? buf.lse_log2 : buf.delta) + buf.row_index(p, h, b, r0) + 4 * chunk;
+        tile::cp_async_16(stats(s) + (tid < BQ / 4 ? 0 : BQ) + 4 * chunk, src, true);
       }
-      constexpr int P = RT::template row_stride_of<L>();
-      const int r = RT::template first_row_of<L>(tid);
-      for (int i = 0; i < tiles; ++i) {
-        const int s = i % S;
-        const std::int64_t h = hk * group + i / tiles_per_head;
-        const std::int64_t r0 = static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ;
-        if (i >= S) tile::mbar_wait_sleepy(&empty[s], ((i / S) - 1) & 1);
-        const std::int64_t left = seq.q_len - r0 - r;
-        const int valid = left <= 0 ? 0 : static_cast<int>((left + P - 1) / P);
-        const std::int64_t row = r0 + r < seq.q_len ? r0 + r : 0;
-        q_tile(s).template load_rows_async<L>(tid, p.q.at<const T>(b, seq.q_start + row, h), P * p.q.row, valid);
-        do_tile(s).template load_rows_async<L>(tid, g.dout.at<const T>(b, seq.q_start + row, h), P * g.dout.row, valid);
-        if (tid < 2 * BQ / 4) {  // 16-byte chunks: lse_log2 then delta
-          const int chunk = tid % (BQ / 4);
-          const float* src = (tid < BQ / 4 ? buf.lse_log2 : buf.delta) + buf.row_index(p, h, b, r0) + 4 * chunk;
-          tile::cp_async_16(stats(s) + (tid < BQ / 4 ? 0 : BQ) + 4 * chunk, src, true);
-        }
-        tile::mbar_arrive_on_copies(&full[s]);
-      }
+      tile::mbar_arrive_on_copies(&full[s]);
     }
   } else {
     // ---------------------------------------------------------------- consumers
