@@ -69,11 +69,18 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
   constexpr int BQ = Shape::kBQ, BK = Shape::kBK, S = Shape::kStages, NT = BK / 8;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
-  const typename Smem::RowTile q_tile{smem + Smem::kQ}, do_tile{smem + Smem::kDO};
-  auto k_tile = [&](int s) { return typename Smem::KVTile{smem + Smem::kK + s * Smem::KVTile::kBytes}; };
-  auto v_tile = [&](int s) { return typename Smem::KVTile{smem + Smem::kV + s * Smem::KVTile::kBytes}; };
-  auto p_tile = [&](int b) { return typename Smem::WeightTile{smem + Smem::kP + (2 * b) * Smem::WeightTile::kBytes}; };
-  auto ds_tile = [&](int b) { return typename Smem::WeightTile{smem + Smem::kP + (2 * b + 1) * Smem::WeightTile::kBytes}; };
+  // The tiles' views: the consumers rebuild them each key tile from tile::opaque(smem), so that
+  // their operand descriptors and the P / dS store addresses are not hoisted out of the loop
+  // into registers that then spill.
+  unsigned char* tiles_at = smem;
+  auto q_tile = [&] { return typename Smem::RowTile{tiles_at + Smem::kQ}; };
+  auto do_tile = [&] { return typename Smem::RowTile{tiles_at + Smem::kDO}; };
+  auto k_tile = [&](int s) { return typename Smem::KVTile{tiles_at + Smem::kK + s * Smem::KVTile::kBytes}; };
+  auto v_tile = [&](int s) { return typename Smem::KVTile{tiles_at + Smem::kV + s * Smem::KVTile::kBytes}; };
+  auto p_tile = [&](int b) { return typename Smem::WeightTile{tiles_at + Smem::kP + (2 * b) * Smem::WeightTile::kBytes}; };
+  auto ds_tile = [&](int b) {
+    return typename Smem::WeightTile{tiles_at + Smem::kP + (2 * b + 1) * Smem::WeightTile::kBytes};
+  };
   std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
   std::uint64_t* const k_empty = k_full + S;
   std::uint64_t* const v_full = k_empty + S;
@@ -116,8 +123,8 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
         const std::int64_t left = qt.s.q_len - qt.r0 - q0;
         const int valid = left <= 0 ? 0 : static_cast<int>(left < BQ ? (left + QP - 1) / QP : BQ);
         const std::int64_t abs_row = qt.s.q_start + qt.r0 + q0;
-        q_tile.template load_rows_async<128>(ptid, p.q.at<const T>(qt.b, abs_row, qt.h), QP * p.q.row, valid);
-        do_tile.template load_rows_async<128>(ptid, g.dout.at<const T>(qt.b, abs_row, qt.h), QP * g.dout.row, valid);
+        q_tile().template load_rows_async<128>(ptid, p.q.at<const T>(qt.b, abs_row, qt.h), QP * p.q.row, valid);
+        do_tile().template load_rows_async<128>(ptid, g.dout.at<const T>(qt.b, abs_row, qt.h), QP * g.dout.row, valid);
       }
       const std::int64_t row = static_cast<std::int64_t>(kt) * BK + key0;
       const std::int64_t left = qt.s.k_len - row;
@@ -208,11 +215,11 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       tile::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile.k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), ks > 0);
+        tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile().k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), ks > 0);
       }
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        tile::wgmma_ss<T, BK, 0, 0>(dp, do_tile.k_major(64 * wg, 16 * ks), v_tile(s).k_major(0, 16 * ks), ks > 0);
+        tile::wgmma_ss<T, BK, 0, 0>(dp, do_tile().k_major(64 * wg, 16 * ks), v_tile(s).k_major(0, 16 * ks), ks > 0);
       }
       tile::wgmma_commit();
     };
@@ -223,6 +230,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
     if (first_tile < qt.key_tiles) issue_scores(0);
     for (int i = 0, kt = first_tile; kt < qt.key_tiles; ++i) {
       const int s = i % S, buf = i & 1, next = sweep.after(kt);
+      tiles_at = tile::opaque(smem);
       tile::wgmma_wait<0>();
       tile::pin(sc);
       tile::pin(dp);
@@ -238,15 +246,18 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       }
 
       // P and dS of this warp's 16 rows into the block's [row][key] tiles.
+      // Row r's chunk n sits at r * 128 + ((n ^ gq) << 4) (WeightTile::offset; r % 8 = gq): bits
+      // 4-6 of the row's address hold gq, and chunk n flips them by n.
+      static_assert(Smem::WeightTile::kPanels == 1, "one panel of keys");
       const typename Smem::WeightTile pt = p_tile(buf), dst = ds_tile(buf);
+      const std::uint32_t in_row = (64 * wg + 16 * warp + gq) * 128 + (gq << 4) + 4 * tig;
+      const std::uint32_t p_row = tile::smem_address(pt.data) + in_row, ds_row = tile::smem_address(dst.data) + in_row;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = 64 * wg + 16 * warp + gq + 8 * half;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          const int at = pt.offset(r, n) + 4 * tig;
-          *reinterpret_cast<std::uint32_t*>(pt.data + at) = tile::pack2<T>(sc[n][2 * half], sc[n][2 * half + 1]);
-          *reinterpret_cast<std::uint32_t*>(dst.data + at) = tile::pack2<T>(dp[n][2 * half], dp[n][2 * half + 1]);
+          tile::st_shared_b32((p_row ^ (n << 4)) + 1024 * half, tile::pack2<T>(sc[n][2 * half], sc[n][2 * half + 1]));
+          tile::st_shared_b32((ds_row ^ (n << 4)) + 1024 * half, tile::pack2<T>(dp[n][2 * half], dp[n][2 * half + 1]));
         }
       }
       tile::fence_to_async_proxy();
@@ -264,7 +275,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       // Every row's P and dS is in shared memory: the key tile's dV (consumer 0) or dK (1).
       tile::named_sync(kBwdConsumersBarrier, 256);
       const typename Smem::WeightTile weights = wg == 0 ? pt : dst;
-      const typename Smem::RowTile& rows_tile = wg == 0 ? do_tile : q_tile;
+      const typename Smem::RowTile rows_tile = wg == 0 ? do_tile() : q_tile();
 #pragma unroll
       for (int ks = 0; ks < BQ / 16; ++ks) {
         tile::wgmma_ss<T, D, 1, 1>(kg, weights.mn_major(16 * ks), rows_tile.mn_major(16 * ks), ks > 0);

@@ -68,9 +68,12 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
   constexpr int BQ = Shape::kBQ, BK = Shape::kBK, S = Shape::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
-  const typename Smem::QTile q_tile{smem + Smem::kQ};
-  auto k_tile = [&](int s) { return typename Smem::KVTile{smem + Smem::kK + s * Smem::KVTile::kBytes}; };
-  auto v_tile = [&](int s) { return typename Smem::KVTile{smem + Smem::kV + s * Smem::KVTile::kBytes}; };
+  // The tiles' views: the consumers rebuild them each round from tile::opaque(smem), so that
+  // their operand descriptors are not hoisted out of the loop into registers that then spill.
+  unsigned char* tiles_at = smem;
+  auto q_tile = [&] { return typename Smem::QTile{tiles_at + Smem::kQ}; };
+  auto k_tile = [&](int s) { return typename Smem::KVTile{tiles_at + Smem::kK + s * Smem::KVTile::kBytes}; };
+  auto v_tile = [&](int s) { return typename Smem::KVTile{tiles_at + Smem::kV + s * Smem::KVTile::kBytes}; };
   std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
   std::uint64_t* const k_empty = k_full + S;
   std::uint64_t* const v_full = k_empty + S;
@@ -134,7 +137,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         const int q0 = Q::template first_row_of<128>(ptid);
         constexpr int QP = Q::template row_stride_of<128>();
         const std::int64_t left = qt.s.q_len - qt.r0 - q0;
-        q_tile.template load_rows_async<128>(
+        q_tile().template load_rows_async<128>(
             ptid, p.q.at<const T>(qt.b, qt.s.q_start + qt.r0 + q0, qt.h), QP * p.q.row,
             left <= 0 ? 0 : static_cast<int>(left < BQ ? (left + QP - 1) / QP : BQ));
       }
@@ -175,7 +178,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     auto issue_s = [&](float (&sc)[BK / 8][4], int s) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile.k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), ks > 0);
+        tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile().k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), ks > 0);
       }
       tile::wgmma_commit();
     };
@@ -232,6 +235,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
 
       for (i = 1; i < n_tiles; ++i) {
         kt = sweep.before(kt);
+        tiles_at = tile::opaque(smem);
         const int s = i % S, prev = (i - 1) % S;
         tile::mbar_wait(&k_full[s], (i / S) & 1);
         if (end[s] < 0) break;

@@ -104,10 +104,15 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
   static_assert(D == 64 || D == 128, "one 64-wide panel of dQ per consumer");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
-  const typename Smem::KeyTile k_tile{smem + Smem::kK}, v_tile{smem + Smem::kV};
-  auto q_tile = [&](int s) { return typename Smem::RowTile{smem + Smem::kQ + s * Smem::RowTile::kBytes}; };
-  auto do_tile = [&](int s) { return typename Smem::RowTile{smem + Smem::kDO + s * Smem::RowTile::kBytes}; };
-  auto ds_tile = [&](int b) { return typename Smem::GradTile{smem + Smem::kDS + b * Smem::GradTile::kBytes}; };
+  // The tiles' views: the consumers rebuild them each query tile from tile::opaque(smem).
+  // Built once, their descriptors and the dS^T store addresses (some 35 registers at D = 128)
+  // were hoisted out of the loop and spilled (100 bytes at D = 128, reloaded every tile).
+  unsigned char* tiles_at = smem;
+  auto k_tile = [&] { return typename Smem::KeyTile{tiles_at + Smem::kK}; };
+  auto v_tile = [&] { return typename Smem::KeyTile{tiles_at + Smem::kV}; };
+  auto q_tile = [&](int s) { return typename Smem::RowTile{tiles_at + Smem::kQ + s * Smem::RowTile::kBytes}; };
+  auto do_tile = [&](int s) { return typename Smem::RowTile{tiles_at + Smem::kDO + s * Smem::RowTile::kBytes}; };
+  auto ds_tile = [&](int b) { return typename Smem::GradTile{tiles_at + Smem::kDS + b * Smem::GradTile::kBytes}; };
   auto stats = [&](int s) { return reinterpret_cast<float*>(smem + Smem::kStats + s * Smem::kStatsBytes); };
   std::uint64_t* const kv_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
   std::uint64_t* const full = kv_full + 1;
@@ -149,8 +154,8 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       const std::int64_t left = seq.k_len - k0 - r;
       const int valid = left <= 0 ? 0 : static_cast<int>((left + P - 1) / P);
       const std::int64_t key = k0 + r < seq.k_len ? k0 + r : 0;
-      k_tile.template load_rows_async<L>(tid, p.k.at<const T>(b, seq.k_start + key, hk), P * p.k.row, valid);
-      v_tile.template load_rows_async<L>(tid, p.v.at<const T>(b, seq.k_start + key, hk), P * p.v.row, valid);
+      k_tile().template load_rows_async<L>(tid, p.k.at<const T>(b, seq.k_start + key, hk), P * p.k.row, valid);
+      v_tile().template load_rows_async<L>(tid, p.v.at<const T>(b, seq.k_start + key, hk), P * p.v.row, valid);
       tile::mbar_arrive_on_copies(kv_full);
     }
     constexpr int P = RT::template row_stride_of<L>();
@@ -197,11 +202,11 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       tile::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        tile::wgmma_ss<T, BQ, 0, 0>(sc, k_tile.k_major(64 * wg, 16 * ks), q_tile(s).k_major(0, 16 * ks), ks > 0);
+        tile::wgmma_ss<T, BQ, 0, 0>(sc, k_tile().k_major(64 * wg, 16 * ks), q_tile(s).k_major(0, 16 * ks), ks > 0);
       }
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        tile::wgmma_ss<T, BQ, 0, 0>(dp, v_tile.k_major(64 * wg, 16 * ks), do_tile(s).k_major(0, 16 * ks), ks > 0);
+        tile::wgmma_ss<T, BQ, 0, 0>(dp, v_tile().k_major(64 * wg, 16 * ks), do_tile(s).k_major(0, 16 * ks), ks > 0);
       }
       tile::wgmma_commit();
     };
@@ -212,6 +217,7 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       const int s = i % S, ds_buf = i & 1;
       const std::int64_t h = hk * group + i / tiles_per_head;
       const std::int64_t r0 = static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ;
+      tiles_at = tile::opaque(smem);
       issue_scores(i);
       tile::wgmma_wait<0>();
       tile::pin(sc);
@@ -247,13 +253,15 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       tile::to_operand<T>(dp, dsa);
 
       // dS^T of this consumer's keys into rows 64 wg .. of the [key][query] tile.
+      // Row key_row's chunk n sits at key_row * 128 + ((n ^ gq) << 4) (GradTile::offset; key_row
+      // % 8 = gq): bits 4-6 of the row's address hold gq, and chunk n flips them by n.
       const typename Smem::GradTile dst = ds_tile(ds_buf);
+      const std::uint32_t ds_row = tile::smem_address(dst.data) + (64 * wg + 16 * warp + gq) * 128 + (gq << 4) + 4 * tig;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int key_row = 64 * wg + 16 * warp + gq + 8 * half;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          *reinterpret_cast<std::uint32_t*>(dst.data + dst.offset(key_row, n) + 4 * tig) = dsa[n / 2][2 * (n % 2) + half];
+          tile::st_shared_b32((ds_row ^ (n << 4)) + 1024 * half, dsa[n / 2][2 * (n % 2) + half]);
         }
       }
       tile::fence_to_async_proxy();
@@ -285,12 +293,12 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
         if constexpr (kShareDs) {
 #pragma unroll
           for (int ks = 0; ks < BK / 16; ++ks) {
-            tile::wgmma_ss<T, 64, 1, 1>(dq, dst.mn_major(16 * ks), k_tile.mn_major(16 * ks, wg), ks > 0);
+            tile::wgmma_ss<T, 64, 1, 1>(dq, dst.mn_major(16 * ks), k_tile().mn_major(16 * ks, wg), ks > 0);
           }
         } else {
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) {
-            tile::wgmma_ss<T, 64, 1, 1>(dq, dst.mn_major(64 * wg + 16 * ks), k_tile.mn_major(64 * wg + 16 * ks), ks > 0);
+            tile::wgmma_ss<T, 64, 1, 1>(dq, dst.mn_major(64 * wg + 16 * ks), k_tile().mn_major(64 * wg + 16 * ks), ks > 0);
           }
         }
         tile::wgmma_commit();

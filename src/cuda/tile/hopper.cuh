@@ -38,6 +38,17 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
 }
 
+// The same pointer, but one the compiler cannot see through: what is computed from it inside a
+// loop stays in the loop. Operand descriptors and swizzled addresses of tiles that do not move
+// are loop-invariant, and the compiler hoists them all out of a kernel's main loop into
+// registers that a 240-register consumer then spills; recomputed each pass they cost a few
+// integer instructions next to the products.
+template <class P>
+__device__ __forceinline__ P* opaque(P* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 // Keeps the compiler from moving reads or writes of accumulator registers across the
 // asynchronous product that owns them (between issue and wait the hardware writes them).
 template <int N>

@@ -20,6 +20,9 @@ __device__ __forceinline__ std::uint32_t smem_address(const void* p) {
 __device__ __forceinline__ void st_shared_f32(std::uint32_t address, float v) {
   asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(address), "f"(v));
 }
+__device__ __forceinline__ void st_shared_b32(std::uint32_t address, std::uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(v));
+}
 __device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(address));
