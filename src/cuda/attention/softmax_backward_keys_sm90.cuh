@@ -28,7 +28,9 @@
 // rows; the row kernel writes their dK and dV directly) stay with the row kernel.
 // Measured and not kept (docs/performance.md, 2026-11-26): issuing the next tile's S^T and
 // dP^T before this tile's dQ reductions (spills, slower); three stages (no faster); dQ handed
-// to two producer warps through shared memory for bulk reductions (no faster at D = 64).
+// to two producer warps through shared memory for bulk reductions (no faster at D = 64);
+// waiting for S^T alone, computing P^T while dP^T runs and issuing dV's product before dS^T is
+// computed (1-2% slower at D = 128, 4-6% at D = 64).
 #pragma once
 
 #include <cmath>
