@@ -33,7 +33,8 @@ bool keys_backward_applies(const detail::AttentionParams& p, const detail::Gradi
   const std::int64_t padded = (p.max_len_q + Sm90KeysBackwardShape::kBQ - 1) / Sm90KeysBackwardShape::kBQ *
                               Sm90KeysBackwardShape::kBQ;
   if (p.num_seqs * padded > 2 * p.rows_q + Sm90KeysBackwardShape::kBQ * p.num_seqs) return false;
-  return p.max_len_k / Sm90KeysBackwardShape::kBK < 65535 && p.heads_kv < 65535;
+  // Grid and helper-grid dimensions y and z (kv heads, query heads, sequences) stay within 65535.
+  return p.max_len_k / Sm90KeysBackwardShape::kBK < 65535 && p.heads_q <= 65535 && p.num_seqs <= 65535;
 }
 
 template <class T, int D>
