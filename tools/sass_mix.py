@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Instruction mix of compiled kernels, by the pipe that issues them (static counts from SASS).
+
+Which unit bounds a kernel can often be read off its code before any GPU time is spent: e.g.
+stick-breaking's forward has three special-function instructions (MUFU) per score against one
+for softmax, and the special-function unit issues 16 a cycle per H100 multiprocessor against
+about 4096 bf16 FLOPs on the matrix units (docs/parked/README.md). Static counts cover every
+copy of a loop body (peeled rounds, masked and unmasked variants), so compare ratios between
+instruction classes, not totals against run time; local loads and stores (LDL/STL) are spills.
+
+    python3 tools/sass_mix.py src/cuda/stick_breaking.cu --kernel 'forward_sm90.*bfloat16Li64'
+    python3 tools/sass_mix.py build.cubin --kernel keys_sm90
+
+A .cu file is compiled to an sm_90a cubin first (nvcc, the repository's include paths).
+cuobjdump comes from PATH, or from PyPI's nvidia-cuda-cuobjdump wheel (pip install
+nvidia-cuda-cuobjdump) when the CUDA toolkit has none.
+"""
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# SASS opcode (before the first dot) -> the class it is counted under.
+CLASSES = {
+    "special function (MUFU)": {"MUFU"},
+    "matrix (HGMMA, HMMA)": {"HGMMA", "HMMA"},
+    "fp32 (FADD, FMUL, FFMA)": {"FADD", "FMUL", "FFMA"},
+    "fp32 compare/select (FMNMX, FSEL, FSETP)": {"FMNMX", "FSEL", "FSETP"},
+    "integer (IMAD, IADD3, LOP3, SHF, ISETP, LEA)": {"IMAD", "IADD3", "LOP3", "SHF", "ISETP", "LEA", "IABS", "IMNMX"},
+    "conversion (F2F, F2FP, F2I, I2F, FRND)": {"F2F", "F2FP", "F2I", "I2F", "FRND"},
+    "shared memory (LDS, STS, LDSM)": {"LDS", "STS", "LDSM"},
+    "global (LDG, STG, RED, ATOM)": {"LDG", "STG", "REDG", "RED", "ATOMG", "ATOM", "LDGSTS"},
+    "spills (LDL, STL)": {"LDL", "STL"},
+    "shuffles (SHFL)": {"SHFL"},
+    "barriers (BAR, SYNCS, WARPGROUP)": {"BAR", "SYNCS", "WARPGROUP"},
+}
+
+
+def find_cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for site in sys.path:
+        for path in glob.glob(os.path.join(site, "nvidia", "cu*", "bin", "cuobjdump")):
+            return path
+    sys.exit("sass_mix.py: cuobjdump not found: put the CUDA toolkit's on PATH, or "
+             "`pip install nvidia-cuda-cuobjdump`")
+
+
+def cubin_of(source, arch, workdir):
+    out = os.path.join(workdir, "kernels.cubin")
+    cmd = ["nvcc", "-std=c++17", "-O3", "--expt-relaxed-constexpr", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+           "-I", os.path.join(ROOT, "include"), "-I", os.path.join(ROOT, "src"), "-cubin", source, "-o", out]
+    subprocess.run(cmd, check=True)
+    return out
+
+
+def kernels_of(sass):
+    """{mangled name: [opcode, ...]} from cuobjdump -sass text."""
+    kernels, current = {}, None
+    for line in sass.splitlines():
+        header = re.search(r"Function : (\S+)", line)
+        if header:
+            current = kernels.setdefault(header.group(1), [])
+            continue
+        op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if op and current is not None:
+            current.append(op.group(1))
+    return kernels
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", help="a .cu file (compiled here) or a .cubin")
+    parser.add_argument("--kernel", default=".", help="regular expression on the mangled kernel names")
+    parser.add_argument("--arch", default="90a")
+    parser.add_argument("--top", type=int, default=0, help="also list the N most frequent opcodes")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        cubin = cubin_of(args.input, args.arch, workdir) if args.input.endswith(".cu") else args.input
+        sass = subprocess.run([find_cuobjdump(), "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    kernels = {name: ops for name, ops in kernels_of(sass).items() if re.search(args.kernel, name)}
+    if not kernels:
+        sys.exit(f"sass_mix.py: no kernel matches {args.kernel!r}")
+    for name, ops in sorted(kernels.items()):
+        counts = collections.Counter(ops)
+        print(f"{name}\n  {len(ops)} instructions")
+        for label, members in CLASSES.items():
+            n = sum(counts[m] for m in members)
+            if n:
+                print(f"  {n:7d}  {label}")
+        if args.top:
+            print("  most frequent: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top)))
+
+
+if __name__ == "__main__":
+    main()
