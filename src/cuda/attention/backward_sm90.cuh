@@ -246,18 +246,19 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       }
 
       // P and dS of this warp's 16 rows into the block's [row][key] tiles.
-      // Row r's chunk n sits at r * 128 + ((n ^ gq) << 4) (WeightTile::offset; r % 8 = gq): bits
-      // 4-6 of the row's address hold gq, and chunk n flips them by n.
+      // Rows 64 wg + 16 warp + gq and 8 rows (1024 bytes) further are gq mod 8; the keys are one
+      // panel.
       static_assert(Smem::WeightTile::kPanels == 1, "one panel of keys");
-      const typename Smem::WeightTile pt = p_tile(buf), dst = ds_tile(buf);
-      const std::uint32_t in_row = (64 * wg + 16 * warp + gq) * 128 + (gq << 4) + 4 * tig;
-      const std::uint32_t p_row = tile::smem_address(pt.data) + in_row, ds_row = tile::smem_address(dst.data) + in_row;
+      using WT = typename Smem::WeightTile;
+      const WT pt = p_tile(buf), dst = ds_tile(buf);
+      const int r = 64 * wg + 16 * warp + gq;
+      const std::uint32_t p_row = pt.row_address(r, gq) + 4 * tig, ds_row = dst.row_address(r, gq) + 4 * tig;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          tile::st_shared_b32((p_row ^ (n << 4)) + 1024 * half, tile::pack2<T>(sc[n][2 * half], sc[n][2 * half + 1]));
-          tile::st_shared_b32((ds_row ^ (n << 4)) + 1024 * half, tile::pack2<T>(dp[n][2 * half], dp[n][2 * half + 1]));
+          tile::st_shared_b32(WT::chunk_address(p_row, n) + 1024 * half, tile::pack2<T>(sc[n][2 * half], sc[n][2 * half + 1]));
+          tile::st_shared_b32(WT::chunk_address(ds_row, n) + 1024 * half, tile::pack2<T>(dp[n][2 * half], dp[n][2 * half + 1]));
         }
       }
       tile::fence_to_async_proxy();

@@ -255,15 +255,14 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       tile::to_operand<T>(dp, dsa);
 
       // dS^T of this consumer's keys into rows 64 wg .. of the [key][query] tile.
-      // Row key_row's chunk n sits at key_row * 128 + ((n ^ gq) << 4) (GradTile::offset; key_row
-      // % 8 = gq): bits 4-6 of the row's address hold gq, and chunk n flips them by n.
+      // Key rows 64 wg + 16 warp + gq and 8 rows (1024 bytes) further are gq mod 8.
       const typename Smem::GradTile dst = ds_tile(ds_buf);
-      const std::uint32_t ds_row = tile::smem_address(dst.data) + (64 * wg + 16 * warp + gq) * 128 + (gq << 4) + 4 * tig;
+      const std::uint32_t row = dst.row_address(64 * wg + 16 * warp + gq, gq) + 4 * tig;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          tile::st_shared_b32((ds_row ^ (n << 4)) + 1024 * half, dsa[n / 2][2 * (n % 2) + half]);
+          tile::st_shared_b32(Smem::GradTile::chunk_address(row, n) + 1024 * half, dsa[n / 2][2 * (n % 2) + half]);
         }
       }
       tile::fence_to_async_proxy();

@@ -28,6 +28,15 @@ struct PanelTile {
   __device__ __forceinline__ int offset(int row, int chunk) const {
     return (chunk >> 3) * kPanelBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
   }
+  // For stores in a hot loop: the shared address of row `row` of the first panel with its
+  // swizzle in bits 4-6 (row % 8, which `swizzle` must equal), so that its chunk c < 8 is at
+  // chunk_address(row_address(..), c): one XOR where offset() costs a computation per chunk.
+  __device__ __forceinline__ std::uint32_t row_address(int row, int swizzle) const {
+    return smem_address(data) + row * 128 + (swizzle << 4);
+  }
+  static __device__ __forceinline__ std::uint32_t chunk_address(std::uint32_t row_address, int chunk) {
+    return row_address ^ (chunk << 4);
+  }
 
   // Cooperative asynchronous load. row_src(r) gives the global address of tile row r's first
   // element, or nullptr for a row outside the operand (zero-filled). Each row's Cols elements
