@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Instruction mix of compiled kernels, by the pipe that issues them (static counts from SASS).
 
-Which unit bounds a kernel can often be read off its code before any GPU time is spent: e.g.
+Which unit may bound a kernel can be read off its code before any GPU time is spent: e.g.
 stick-breaking's forward has three special-function instructions (MUFU) per score against one
 for softmax, and the special-function unit issues 16 a cycle per H100 multiprocessor against
-about 4096 bf16 FLOPs on the matrix units (docs/parked/README.md). Static counts cover every
+about 4096 bf16 FLOPs on the matrix units. A pipe's share is a hypothesis about the bound,
+not a measurement: moving stick-breaking's exp2 to the FMA pipe made it slower, since it is
+bound by instruction issue (docs/performance.md, 2026-11-27). Static counts cover every
 copy of a loop body (peeled rounds, masked and unmasked variants), so compare ratios between
 instruction classes, not totals against run time; local loads and stores (LDL/STL) are spills.
 

@@ -53,6 +53,9 @@ struct AttentionParams {
 
   int num_threads = 0;
   bool deterministic = false;
+  // CUDA kernels of query tiles (cuda/attention/geometry.cuh): query heads whose tiles interleave
+  // in the grid's order. Set by the launchers (launch_attention.cuh); 1 elsewhere.
+  int heads_per_sweep = 1;
   void* cuda_stream = nullptr;
   DeviceAllocator* allocator = nullptr;  // temporary device buffers (launchers only)
 

@@ -19,13 +19,6 @@ constexpr std::int64_t kMaxSplits = 64;
 constexpr std::int64_t kMaxDecodeQueries = 8;
 constexpr std::int64_t kMaxDecodeGroupRows = 32;
 
-int multiprocessors() {
-  int device = 0, count = 0;
-  check(cudaGetDevice(&device), "querying the device");
-  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "querying the device");
-  return count;
-}
-
 using SplitKernel = void (*)(DecodeParams);
 
 template <class T, int LANES, class Policy>

@@ -2,6 +2,9 @@
 // the fused-path test and the kernel that stores dk / dv from their fp32 accumulators.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "core/device_copy.h"
 #include "cuda/launch.h"
 #include "cuda/tile/ptx.cuh"
@@ -29,6 +32,23 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes, Device, void* s
 }  // namespace detail
 
 namespace cuda {
+
+int multiprocessors() {
+  int device = 0, count = 0;
+  check(cudaGetDevice(&device), "querying the device");
+  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "querying the device");
+  return count;
+}
+
+int heads_per_sweep(std::int64_t blocks_per_head, std::int64_t heads) {
+  static const int forced = [] {
+    const char* v = std::getenv("WINNOW_HEADS_PER_SWEEP");
+    return v != nullptr ? std::max(1, std::atoi(v)) : 0;
+  }();
+  const std::int64_t chosen = forced > 0 ? forced : (2 * blocks_per_head <= multiprocessors() ? 2 : 1);
+  return static_cast<int>(std::max<std::int64_t>(1, std::min(chosen, heads)));
+}
+
 namespace {
 
 

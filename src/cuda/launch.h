@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "core/params.h"
@@ -71,6 +72,20 @@ bool aligned_rows(const detail::Operand& op, DType dtype);
 // Zeros into dk and dv (16-bit elements, rows as aligned_rows requires), for the backward's
 // direct mode, in which blocks write only the keys they visit.
 void clear_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g);
+
+// Multiprocessors of the current device.
+int multiprocessors();
+
+// Heads whose blocks interleave in a grid that runs each (head, sequence)'s blocks heaviest
+// first (query tiles, or the softmax backward's key blocks): two when one head's blocks fill at
+// most half the multiprocessors, else one. Run one head after another, the last heads' heaviest
+// blocks start less than a block's run before the launch's end and leave an idle tail (3% of
+// the sweep at L = 8192, B 4, 16 heads on an H100: tools/block_schedule.py); interleaved,
+// forward+backward ran 3-7% faster there. Where one head's blocks fill the machine (L = 32768)
+// that tail is negligible, and interleaving only doubles the keys and values the blocks in
+// flight share in L2: softmax's D = 64 forward ran 8% slower (docs/performance.md, 2026-11-27).
+// WINNOW_HEADS_PER_SWEEP = n forces n, for A/B measurements.
+int heads_per_sweep(std::int64_t blocks_per_head, std::int64_t heads);
 
 // dk / dv from the fp32 accumulators [key row][kv head][dim] into the caller's tensors.
 void store_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g,

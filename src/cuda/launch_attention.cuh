@@ -43,17 +43,27 @@ bool hopper_kernel_runs(Kernel kernel) {
   return major == 9;
 }
 
+// p with the query heads whose tiles interleave in a grid of bq-row query tiles (QueryTile):
+// heads_per_sweep's choice, but one in the deterministic mode, whose turn order ranks a key
+// tile's contributors by grid x and waits on earlier ranks (an interleaved launch could hold
+// every SM with blocks waiting for one not yet started).
+inline detail::AttentionParams with_heads_per_sweep(const detail::AttentionParams& p, int bq) {
+  detail::AttentionParams q = p;
+  q.heads_per_sweep = p.deterministic ? 1 : heads_per_sweep((p.max_len_q + bq - 1) / bq, p.heads_q);
+  return q;
+}
+
 template <class T, int D, class Rows, class Config>
 bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live) {
   auto kernel = attention_forward_sm90_kernel<T, D, Rows, Config>;
   if (!hopper_kernel_runs(kernel)) return false;
   using Shape = Sm90ForwardShape;
-  const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  const detail::AttentionParams pq = with_heads_per_sweep(p, Shape::kBQ);
+  const dim3 grid = query_tile_grid(pq, Shape::kBQ);
   if (grid.x == 0 || grid.z == 0) return true;
   const int smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>>::kBytes;
   allow_shared_memory(kernel, smem);
-  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, cfg, live);
+  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(pq, cfg, live);
   check_launch("attention_forward_sm90_kernel");
   return true;
 }
@@ -62,13 +72,13 @@ bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, co
 // queries and keys (DK) and values (DV).
 template <class T, int DK, int DV, class Rows, class Config>
 void launch_portable_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live = {}) {
-  const dim3 grid(static_cast<unsigned>((p.max_len_q + kForwardBQ - 1) / kForwardBQ),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  const detail::AttentionParams pq = with_heads_per_sweep(p, kForwardBQ);
+  const dim3 grid = query_tile_grid(pq, kForwardBQ);
   if (grid.x == 0 || grid.z == 0) return;
   auto kernel = attention_forward_kernel<T, DK, DV, Rows, Config>;
   const int smem = ForwardSmem<T, DK, DV>::kBytes;
   allow_shared_memory(kernel, smem);
-  kernel<<<grid, 32 * kForwardWarps, smem, stream_of(p)>>>(p, cfg, live);
+  kernel<<<grid, 32 * kForwardWarps, smem, stream_of(p)>>>(pq, cfg, live);
   check_launch("attention_forward_kernel");
 }
 
@@ -102,13 +112,13 @@ inline std::size_t backward_order_counters(const detail::AttentionParams& p, boo
 template <class T, int DK, int DV, class Rows, class Config>
 void run_portable_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const Config& cfg,
                            const KeyGradAccumulators& acc, const LiveKeyTiles& live = {}) {
-  const dim3 grid(static_cast<unsigned>((p.max_len_q + kBackwardBQ - 1) / kBackwardBQ),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+  const detail::AttentionParams pq = with_heads_per_sweep(p, kBackwardBQ);
+  const dim3 grid = query_tile_grid(pq, kBackwardBQ);
   if (grid.x == 0 || grid.z == 0) return;
   auto kernel = attention_backward_kernel<T, DK, DV, Rows, Config>;
   const int smem = BackwardSmem<T, DK, DV>::kBytes;
   allow_shared_memory(kernel, smem);
-  kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(p, g, cfg, acc, live);
+  kernel<<<grid, 32 * kBackwardWarps, smem, stream_of(p)>>>(pq, g, cfg, acc, live);
   check_launch("attention_backward_kernel");
 }
 
@@ -119,13 +129,13 @@ void run_fused_backward(const detail::AttentionParams& p, const detail::Gradient
                         const KeyGradAccumulators& acc, const LiveKeyTiles& live = {}) {
   if (fused_backward_on_hopper<T, D, Rows, Config>()) {
     using Shape = Sm90BackwardShape;
-    const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
-                    static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
+    const detail::AttentionParams pq = with_heads_per_sweep(p, Shape::kBQ);
+    const dim3 grid = query_tile_grid(pq, Shape::kBQ);
     if (grid.x == 0 || grid.z == 0) return;
     auto kernel = attention_backward_sm90_kernel<T, D, Rows, Config>;
     const int smem = Sm90BackwardSmem<T, D>::kBytes;
     allow_shared_memory(kernel, smem);
-    kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, cfg, acc, live);
+    kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(pq, g, cfg, acc, live);
     check_launch("attention_backward_sm90_kernel");
     return;
   }

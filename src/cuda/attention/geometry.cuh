@@ -34,22 +34,30 @@ struct QueryTile {
   SequenceExtent s;
   std::int64_t first_limit;  // last key visible to row r0 (clamped to the sequence)
   int key_tiles;             // key tiles 0 .. key_tiles - 1 hold every visible key
+  bool head_in_range;
 
-  // Grid: x = query tile, heaviest (rightmost) first; y = query head; z = sequence.
+  // Grid (query_tile_grid): x = query tile, heaviest (rightmost) first, interleaved over
+  // p.heads_per_sweep query heads (x = tile * heads_per_sweep + head in the group); y = group
+  // of query heads; z = sequence. With one head per sweep, each (head, sequence)'s heaviest
+  // tile of the last heads starts within a tile's run of the launch's end (an idle tail of
+  // about 3% at L = 8192, B 4, 16 heads: tools/block_schedule.py); interleaved, the blocks
+  // running at once still share a few heads' keys and values in L2.
   __device__ __forceinline__ QueryTile(const AttentionParams& p) {
+    const int group = p.heads_per_sweep;
     b = blockIdx.z;
-    h = blockIdx.y;
+    h = static_cast<std::int64_t>(blockIdx.y) * group + static_cast<int>(blockIdx.x) % group;
+    head_in_range = h < p.heads_q;
     hk = p.kv_head(h);
     s = p.sequence(b);
     const std::int64_t tiles = (s.q_len + BQ - 1) / BQ;
-    r0 = (tiles - 1 - static_cast<std::int64_t>(blockIdx.x)) * BQ;
+    r0 = (tiles - 1 - static_cast<std::int64_t>(blockIdx.x) / group) * BQ;
     first_limit = limit(p, r0);
     const std::int64_t last_row = (r0 + BQ < s.q_len ? r0 + BQ : s.q_len) - 1;
     const std::int64_t last_key = limit(p, last_row);
     key_tiles = last_key < 0 ? 0 : static_cast<int>(last_key / BK + 1);
   }
-  // Blocks past the sequence's last query tile have nothing to do.
-  __device__ __forceinline__ bool empty() const { return r0 < 0 || r0 >= s.q_len; }
+  // Blocks past the sequence's last query tile, or past the last head, have nothing to do.
+  __device__ __forceinline__ bool empty() const { return !head_in_range || r0 < 0 || r0 >= s.q_len; }
 
   // Last key visible to local row r (-1: none, or r is past the sequence).
   __device__ __forceinline__ std::int64_t limit(const AttentionParams& p, std::int64_t r) const {
@@ -63,5 +71,12 @@ struct QueryTile {
     return static_cast<std::int64_t>(kt + 1) * BK - 1 > first_limit || r0 + BQ > s.q_len;
   }
 };
+
+// The grid of QueryTile<BQ, ...> blocks for p (p.heads_per_sweep heads interleaved).
+inline dim3 query_tile_grid(const AttentionParams& p, int bq) {
+  const std::int64_t group = p.heads_per_sweep;
+  return dim3(static_cast<unsigned>((p.max_len_q + bq - 1) / bq * group),
+              static_cast<unsigned>((p.heads_q + group - 1) / group), static_cast<unsigned>(p.num_seqs));
+}
 
 }  // namespace winnow::cuda
