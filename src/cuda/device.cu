@@ -40,12 +40,15 @@ int multiprocessors() {
   return count;
 }
 
-int heads_per_sweep(std::int64_t blocks_per_head, std::int64_t heads) {
-  static const int forced = [] {
-    const char* v = std::getenv("WINNOW_HEADS_PER_SWEEP");
+int heads_per_sweep(Pass pass, std::int64_t blocks_per_head, std::int64_t heads) {
+  auto forced_by = [](const char* name) {
+    const char* v = std::getenv(name);
     return v != nullptr ? std::max(1, std::atoi(v)) : 0;
-  }();
-  const std::int64_t chosen = forced > 0 ? forced : (2 * blocks_per_head <= multiprocessors() ? 2 : 1);
+  };
+  static const int forced = forced_by("WINNOW_HEADS_PER_SWEEP");
+  static const int forced_forward = forced_by("WINNOW_FORWARD_HEADS_PER_SWEEP");
+  const int chosen_by_user = pass == Pass::forward && forced_forward > 0 ? forced_forward : forced;
+  const std::int64_t chosen = chosen_by_user > 0 ? chosen_by_user : (2 * blocks_per_head <= multiprocessors() ? 2 : 1);
   return static_cast<int>(std::max<std::int64_t>(1, std::min(chosen, heads)));
 }
 

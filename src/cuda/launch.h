@@ -84,8 +84,10 @@ int multiprocessors();
 // forward+backward ran 3-7% faster there. Where one head's blocks fill the machine (L = 32768)
 // that tail is negligible, and interleaving only doubles the keys and values the blocks in
 // flight share in L2: softmax's D = 64 forward ran 8% slower (docs/performance.md, 2026-11-27).
-// WINNOW_HEADS_PER_SWEEP = n forces n, for A/B measurements.
-int heads_per_sweep(std::int64_t blocks_per_head, std::int64_t heads);
+// WINNOW_HEADS_PER_SWEEP = n forces n, for A/B measurements; WINNOW_FORWARD_HEADS_PER_SWEEP = n
+// forces n for the forward kernels alone (the forwards' gain is the unsettled part: 2026-11-27).
+enum class Pass { forward, backward };
+int heads_per_sweep(Pass pass, std::int64_t blocks_per_head, std::int64_t heads);
 
 // dk / dv from the fp32 accumulators [key row][kv head][dim] into the caller's tensors.
 void store_key_grads(const detail::AttentionParams& p, const detail::GradientParams& g,

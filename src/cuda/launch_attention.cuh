@@ -47,9 +47,9 @@ bool hopper_kernel_runs(Kernel kernel) {
 // heads_per_sweep's choice, but one in the deterministic mode, whose turn order ranks a key
 // tile's contributors by grid x and waits on earlier ranks (an interleaved launch could hold
 // every SM with blocks waiting for one not yet started).
-inline detail::AttentionParams with_heads_per_sweep(const detail::AttentionParams& p, int bq) {
+inline detail::AttentionParams with_heads_per_sweep(const detail::AttentionParams& p, Pass pass, int bq) {
   detail::AttentionParams q = p;
-  q.heads_per_sweep = p.deterministic ? 1 : heads_per_sweep((p.max_len_q + bq - 1) / bq, p.heads_q);
+  q.heads_per_sweep = p.deterministic ? 1 : heads_per_sweep(pass, (p.max_len_q + bq - 1) / bq, p.heads_q);
   return q;
 }
 
@@ -58,7 +58,7 @@ bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, co
   auto kernel = attention_forward_sm90_kernel<T, D, Rows, Config>;
   if (!hopper_kernel_runs(kernel)) return false;
   using Shape = Sm90ForwardShape;
-  const detail::AttentionParams pq = with_heads_per_sweep(p, Shape::kBQ);
+  const detail::AttentionParams pq = with_heads_per_sweep(p, Pass::forward, Shape::kBQ);
   const dim3 grid = query_tile_grid(pq, Shape::kBQ);
   if (grid.x == 0 || grid.z == 0) return true;
   const int smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>>::kBytes;
@@ -72,7 +72,7 @@ bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, co
 // queries and keys (DK) and values (DV).
 template <class T, int DK, int DV, class Rows, class Config>
 void launch_portable_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live = {}) {
-  const detail::AttentionParams pq = with_heads_per_sweep(p, kForwardBQ);
+  const detail::AttentionParams pq = with_heads_per_sweep(p, Pass::forward, kForwardBQ);
   const dim3 grid = query_tile_grid(pq, kForwardBQ);
   if (grid.x == 0 || grid.z == 0) return;
   auto kernel = attention_forward_kernel<T, DK, DV, Rows, Config>;
@@ -112,7 +112,7 @@ inline std::size_t backward_order_counters(const detail::AttentionParams& p, boo
 template <class T, int DK, int DV, class Rows, class Config>
 void run_portable_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const Config& cfg,
                            const KeyGradAccumulators& acc, const LiveKeyTiles& live = {}) {
-  const detail::AttentionParams pq = with_heads_per_sweep(p, kBackwardBQ);
+  const detail::AttentionParams pq = with_heads_per_sweep(p, Pass::backward, kBackwardBQ);
   const dim3 grid = query_tile_grid(pq, kBackwardBQ);
   if (grid.x == 0 || grid.z == 0) return;
   auto kernel = attention_backward_kernel<T, DK, DV, Rows, Config>;
@@ -129,7 +129,7 @@ void run_fused_backward(const detail::AttentionParams& p, const detail::Gradient
                         const KeyGradAccumulators& acc, const LiveKeyTiles& live = {}) {
   if (fused_backward_on_hopper<T, D, Rows, Config>()) {
     using Shape = Sm90BackwardShape;
-    const detail::AttentionParams pq = with_heads_per_sweep(p, Shape::kBQ);
+    const detail::AttentionParams pq = with_heads_per_sweep(p, Pass::backward, Shape::kBQ);
     const dim3 grid = query_tile_grid(pq, Shape::kBQ);
     if (grid.x == 0 || grid.z == 0) return;
     auto kernel = attention_backward_sm90_kernel<T, D, Rows, Config>;

@@ -57,7 +57,7 @@ bool launch_keys_backward(const detail::AttentionParams& p, const detail::Gradie
   softmax_backward_row_stats_kernel<T, D><<<stats_grid, 32 * kRowsPerBlock, 0, stream_of(p)>>>(p, g, buf);
   check_launch("softmax_backward_row_stats_kernel");
   const std::int64_t key_blocks = (p.max_len_k + Shape::kBK - 1) / Shape::kBK;
-  buf.heads_per_sweep = heads_per_sweep(key_blocks, p.heads_kv);
+  buf.heads_per_sweep = heads_per_sweep(Pass::backward, key_blocks, p.heads_kv);
   const dim3 grid(static_cast<unsigned>(key_blocks * buf.heads_per_sweep),
                   static_cast<unsigned>((p.heads_kv + buf.heads_per_sweep - 1) / buf.heads_per_sweep),
                   static_cast<unsigned>(p.num_seqs));
