@@ -81,7 +81,7 @@ int multiprocessors();
 // most half the multiprocessors, else one. Run one head after another, the last heads' heaviest
 // blocks start less than a block's run before the launch's end and leave an idle tail (3% of
 // the sweep at L = 8192, B 4, 16 heads on an H100: tools/block_schedule.py); interleaved,
-// forward+backward ran 3-7% faster there. Where one head's blocks fill the machine (L = 32768)
+// forward+backward ran 2-7% faster there (softmax 7% at D = 128, stick-breaking 2%). Where one head's blocks fill the machine (L = 32768)
 // that tail is negligible, and interleaving only doubles the keys and values the blocks in
 // flight share in L2: softmax's D = 64 forward ran 8% slower (docs/performance.md, 2026-11-27).
 // WINNOW_HEADS_PER_SWEEP = n forces n, for A/B measurements; WINNOW_FORWARD_HEADS_PER_SWEEP = n
