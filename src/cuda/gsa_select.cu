@@ -1,5 +1,11 @@
-// GSA's indexer with exact top-k selection on CUDA (spec/gsa.md; winnow/gsa.h). One block per
-// query row, and the row's scores are never stored: every pass recomputes them from q and k.
+// GSA's indexer with exact top-k selection on CUDA (spec/gsa.md; winnow/gsa.h). The row's
+// scores are never stored: every pass recomputes them from q and k.
+//   0. (16-bit inputs, d_I 64 or 128, rows as aligned_rows requires, k_max covering the longest
+//      row) indexer_statistics_kernel scores 16 rows at a time on tensor cores and writes each
+//      row's variance and count, and the indices of every row whose budget covers all its
+//      visible keys, which then need no ranking; select_keys_kernel below skips those rows and
+//      takes the others' counts as given.
+// Then one block per query row:
 //   1. statistics: the row's mean and population variance (hence its budget k_t) and the
 //      smallest and largest sort key;
 //   2. refinement: a histogram of the keys in [lo, hi] over kBins bins finds the bin holding
@@ -14,9 +20,12 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/attention/row_blocks.cuh"
+#include "cuda/tile/fragment.cuh"
+#include "cuda/tile/smem_tile.cuh"
 #include "cuda/cuda.h"
 #include "cuda/element_types.cuh"
 #include "cuda/launch.h"
@@ -56,12 +65,12 @@ struct SelectLayout {
   }
 };
 
-// The score of key `key` for the row whose scaled queries, head weights and biases are in
+// The score of key `key` for the row whose scaled queries, head gates and biases are in
 // shared memory. Not inlined, so that every pass computes it with the same instructions and
 // gets the same bits. `packed`: the key row is contiguous and 16-byte aligned with dim a
 // multiple of the pack, so it is read 16 bytes at a time (the same products in the same order).
 template <class T>
-__device__ __noinline__ float indexer_score(const float* q, const float* weight, const float* bias, int heads,
+__device__ __noinline__ float indexer_score(const float* q, const float* gate, const float* bias, int heads,
                                             int dim, math::gsa::ScoreForm form, const T* k, std::int64_t k_dim,
                                             bool packed) {
   constexpr int N = kPack16<T>;
@@ -78,7 +87,7 @@ __device__ __noinline__ float indexer_score(const float* q, const float* weight,
     } else {
       for (int d = 0; d < dim; ++d) dot = fmaf(qj[d], widen(k[d * k_dim]), dot);
     }
-    score += math::gsa::head_term(form, weight[j], dot, bias[j]);
+    score += math::gsa::gated_term(form, gate[j], dot, bias[j]);
   }
   return score;
 }
@@ -104,17 +113,218 @@ __device__ void block_bitonic_sort(K* a, int n, bool descending) {
   }
 }
 
+// Pass 0 (see the top): a block owns kStatRows query rows of one sequence; its warps take the key
+// tiles in turn, each with its own two stages of shared memory, and score a tile for the rows head
+// by head (Q_j K^T on m16n8k16 products, the block's queries in one shared tile per head), adding
+// math::gsa::gated_term in float32 as indexer_score does but with a fast logistic (__expf and
+// __fdividef: this pass feeds only the variance, never a rank). The scores' moments go per thread
+// into (count, mean, M2) and are combined over the quad and the warps (Chan et al.), so no row
+// needs a shift known in advance. Only the variance and the count cross over to
+// select_keys_kernel; a row's ranks are decided by that kernel alone.
+// The blocks run heaviest first (the last rows see the most keys), eight warps each: one block per
+// multiprocessor, so a block's tiles spread over as many warps as the occupancy allows and the
+// light blocks fill in behind the heavy ones. A key tile holds 4096 / d_I keys (8 KB in 16 bits).
+constexpr int kStatRows = 16, kStatWarps = 8, kStatMaxHeads = 16;
+
+struct FastLogistic {
+  __device__ __forceinline__ float operator()(float x) const { return __fdividef(1.f, 1.f + __expf(-x)); }
+};
+
+struct Moments {
+  double n = 0, mean = 0, m2 = 0;
+  __device__ __forceinline__ void add(const Moments& o) {
+    if (o.n == 0) return;
+    if (n == 0) {
+      *this = o;
+      return;
+    }
+    const double total = n + o.n, delta = o.mean - mean;
+    mean += delta * o.n / total;
+    m2 += o.m2 + delta * delta * n * o.n / total;
+    n = total;
+  }
+  __device__ __forceinline__ Moments shuffled(int lane_mask) const {
+    return {__shfl_xor_sync(0xffffffffu, n, lane_mask), __shfl_xor_sync(0xffffffffu, mean, lane_mask),
+            __shfl_xor_sync(0xffffffffu, m2, lane_mask)};
+  }
+};
+
+template <class T, int DI>
+struct StatisticsLayout {
+  static constexpr int kKeys = 4096 / DI;
+  using QTile = tile::SmemTile<T, kStatRows, DI>;
+  using KTile = tile::SmemTile<T, kKeys, DI>;
+  static constexpr int kQTileBytes = kStatRows * DI * sizeof(T), kKTileBytes = kKeys * DI * sizeof(T);
+  int heads;
+  __host__ __device__ explicit StatisticsLayout(int heads_) : heads(heads_) {}
+  __host__ __device__ int k_offset() const { return heads * kQTileBytes; }  // multiples of 512 bytes
+  __host__ __device__ int gate_offset() const { return k_offset() + kStatWarps * 2 * kKTileBytes; }
+  __host__ __device__ int bias_offset() const { return gate_offset() + kStatRows * kStatMaxHeads * 4; }
+  __host__ __device__ int partial_offset() const { return bias_offset() + kStatMaxHeads * 4; }
+  __host__ __device__ int count_offset() const {
+    return partial_offset() + kStatWarps * kStatRows * static_cast<int>(sizeof(Moments));
+  }
+  __host__ __device__ int bytes() const { return count_offset() + kStatRows * 8; }
+};
+
+template <class T, int DI>
+__global__ void __launch_bounds__(32 * kStatWarps, 1) indexer_statistics_kernel(const detail::AttentionParams p,
+                                                                                 const detail::IndexerConfig c) {
+  using Layout = StatisticsLayout<T, DI>;
+  using QTile = typename Layout::QTile;
+  using KTile = typename Layout::KTile;
+  constexpr int kKeys = Layout::kKeys, KS = DI / 16, NT = kKeys / 8, kThreads = 32 * kStatWarps;
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // 16 is what cp.async and ldmatrix need
+  const int heads = static_cast<int>(p.heads_q);
+  const Layout layout(heads);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
+  const std::int64_t b = blockIdx.y;
+  const detail::SequenceExtent s = p.sequence(b);
+  const std::int64_t r0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * kStatRows;  // heaviest first
+  if (r0 >= s.q_len) return;
+  const int rows = static_cast<int>(s.q_len - r0 < kStatRows ? s.q_len - r0 : kStatRows);
+  const std::int64_t t0 = r0 + s.q_offset();  // position of the block's first row
+  const std::int64_t t_last = t0 + rows - 1;
+  const int tiles = static_cast<int>(t_last / kKeys + 1);
+
+  auto q_tile = [&](int j) { return QTile{reinterpret_cast<T*>(smem_raw + j * Layout::kQTileBytes)}; };
+  auto k_tile = [&](int stage) {
+    return KTile{reinterpret_cast<T*>(smem_raw + layout.k_offset() + (warp * 2 + stage) * Layout::kKTileBytes)};
+  };
+  float* gate = reinterpret_cast<float*>(smem_raw + layout.gate_offset());  // [row][head]
+  float* bias = reinterpret_cast<float*>(smem_raw + layout.bias_offset());
+  Moments* partial = reinterpret_cast<Moments*>(smem_raw + layout.partial_offset());  // [warp][row]
+  std::int64_t* row_count = reinterpret_cast<std::int64_t*>(smem_raw + layout.count_offset());
+  const math::gsa::ScoreForm form = c.form;
+
+  for (int j = 0; j < heads; ++j) {
+    q_tile(j).template load_async<kThreads>(tid, [&](int r) -> const T* {
+      return r < rows ? p.q.at<const T>(b, s.q_start + r0 + r, j) : nullptr;
+    });
+  }
+  tile::cp_async_commit();
+  for (int i = tid; i < kStatRows * heads; i += kThreads) {
+    const int r = i / heads, j = i % heads;
+    gate[r * kStatMaxHeads + j] =
+        r < rows ? math::gsa::gate(form, widen(*c.weights.at<const T>(b, s.q_start + r0 + r, j))) : 0.f;
+  }
+  if (tid < heads) bias[tid] = c.bias_at<float>(tid);
+
+  auto load_keys = [&](int tile_index, int stage) {
+    const std::int64_t key0 = static_cast<std::int64_t>(tile_index) * kKeys;
+    k_tile(stage).template load_async<32>(lane, [&](int r) -> const T* {
+      return key0 + r <= t_last ? p.k.at<const T>(b, s.k_start + key0 + r, 0) : nullptr;
+    });
+    tile::cp_async_commit();
+  };
+  if (warp < tiles) load_keys(warp, 0);
+  tile::cp_async_wait<0>();
+  __syncthreads();
+
+  const float scale = static_cast<float>(p.scale);
+  int seen[2] = {0, 0};
+  float first[2] = {0.f, 0.f};
+  double sum[2] = {0, 0}, sum_sq[2] = {0, 0};  // of (score - first)
+  int stage = 0;
+  for (int tile_index = warp; tile_index < tiles; tile_index += kStatWarps) {
+    if (tile_index + kStatWarps < tiles) {
+      load_keys(tile_index + kStatWarps, stage ^ 1);
+      tile::cp_async_wait<1>();
+    } else {
+      tile::cp_async_wait<0>();
+    }
+    __syncwarp();
+    const KTile keys = k_tile(stage);
+    float score[NT][4];
+    tile::zero(score);
+    for (int j = 0; j < heads; ++j) {
+      float dot[NT][4];
+      tile::zero(dot);
+      tile::mma_smem_a_b_rows<T, KS, NT>(dot, q_tile(j), 0, keys, 0, lane);
+      const float gate_j[2] = {gate[g * kStatMaxHeads + j], gate[(g + 8) * kStatMaxHeads + j]};
+      const float bias_j = bias[j];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          score[n][e] += math::gsa::gated_term(form, gate_j[e / 2], dot[n][e] * scale, bias_j, FastLogistic{});
+        }
+      }
+    }
+    const std::int64_t key0 = static_cast<std::int64_t>(tile_index) * kKeys + 2 * tig;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = g + 8 * half;
+      const std::int64_t last_key = r < rows ? t0 + r : -1;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (key0 + 8 * n + e > last_key) continue;
+          const float x = score[n][2 * half + e];
+          if (seen[half] == 0) first[half] = x;
+          const double d = static_cast<double>(x) - static_cast<double>(first[half]);
+          sum[half] += d;
+          sum_sq[half] += d * d;
+          ++seen[half];
+        }
+      }
+    }
+    __syncwarp();  // every lane has read this stage before the next load into it
+    stage ^= 1;
+  }
+
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    Moments m;
+    if (seen[half] > 0) {
+      m.n = seen[half];
+      m.mean = static_cast<double>(first[half]) + sum[half] / m.n;
+      m.m2 = sum_sq[half] - sum[half] * sum[half] / m.n;
+    }
+    m.add(m.shuffled(1));
+    m.add(m.shuffled(2));
+    if (tig == 0) partial[warp * kStatRows + g + 8 * half] = m;
+  }
+  __syncthreads();
+  if (tid < rows) {
+    Moments m;
+    for (int w = 0; w < kStatWarps; ++w) m.add(partial[w * kStatRows + tid]);
+    const std::int64_t q_row = s.q_start + r0 + tid, visible = t0 + tid + 1;
+    const double variance = m.m2 / m.n;
+    // The count follows from the variance as written, as the tests and select_keys_kernel read it.
+    const float var = static_cast<float>(variance > 0 ? variance : 0.0);
+    *p.stats.at<float>(b, q_row, 0) = var;
+    const std::int64_t budget = math::gsa::budget(c.budget, static_cast<double>(var));
+    const std::int64_t count = budget < visible ? budget : visible;
+    *c.counts.at<std::int32_t>(b, q_row, 0) = static_cast<std::int32_t>(count);
+    row_count[tid] = count;
+  }
+  __syncthreads();
+  // Rows that keep every visible key: 0 .. t, then the padding.
+  const std::int64_t k_max = c.budget.k_max;
+  for (int r = 0; r < rows; ++r) {
+    const std::int64_t visible = t0 + r + 1;
+    if (row_count[r] != visible) continue;
+    std::int32_t* indices = c.indices.at<std::int32_t>(b, s.q_start + r0 + r, 0);
+    for (std::int64_t i = tid; i < k_max; i += kThreads) {
+      indices[i * c.indices.head] = i < visible ? static_cast<std::int32_t>(i) : -1;
+    }
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detail::AttentionParams p,
-                                                                      const detail::IndexerConfig c, bool packed) {
+                                                                      const detail::IndexerConfig c, bool packed,
+                                                                      bool counted) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const SelectLayout layout(p, c);
   auto* candidates = reinterpret_cast<std::uint64_t*>(smem_raw);
   auto* hist = reinterpret_cast<std::uint32_t*>(candidates + kCandidates);
   auto* out = reinterpret_cast<std::int32_t*>(hist + kBins);
   float* q = reinterpret_cast<float*>(out + layout.out_slots);
-  float* weight = q + layout.q_floats;  // 32 heads at most (checked by the launcher)
-  float* bias = weight + 32;
+  float* gate = q + layout.q_floats;  // 32 heads at most (checked by the launcher)
+  float* bias = gate + 32;
 
   using Reduce = cub::BlockReduce<double, kSelectThreads>;
   using ReduceKey = cub::BlockReduce<std::uint64_t, kSelectThreads>;
@@ -134,20 +344,22 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
   const int tid = threadIdx.x, heads = static_cast<int>(p.heads_q), dim = static_cast<int>(p.dim_qk);
   const std::int64_t t = row.position(), visible = t + 1, q_row = row.operand_row();
   const math::gsa::ScoreForm form = c.form;
+  // Counted by indexer_statistics_kernel: a row that keeps every visible key is done.
+  if (counted && *c.counts.at<const std::int32_t>(row.b, q_row, 0) == visible) return;
 
   for (int i = tid; i < heads * dim; i += kSelectThreads) {
     const int j = i / dim, d = i % dim;
     q[i] = widen(p.q.at<const T>(row.b, q_row, j)[d * p.q.dim]) * static_cast<float>(p.scale);
   }
   if (tid < heads) {
-    weight[tid] = widen(*c.weights.at<const T>(row.b, q_row, tid));
+    gate[tid] = math::gsa::gate(form, widen(*c.weights.at<const T>(row.b, q_row, tid)));
     bias[tid] = c.bias_at<float>(tid);
   }
   if (tid == 0) emitted = 0;
   __syncthreads();
 
   auto score_of = [&](std::int64_t key) {
-    return indexer_score<T>(q, weight, bias, heads, dim, form, p.k.at<const T>(row.b, row.s.k_start + key, 0),
+    return indexer_score<T>(q, gate, bias, heads, dim, form, p.k.at<const T>(row.b, row.s.k_start + key, 0),
                             p.k.dim, packed);
   };
 
@@ -177,9 +389,13 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
     const double n = static_cast<double>(visible), mean = shared_sum / n;
     const double variance = sum_sq / n - mean * mean;
     const double var = variance > 0 ? variance : 0.0;
-    *p.stats.at<float>(row.b, q_row, 0) = static_cast<float>(var);
-    const std::int64_t budget = math::gsa::budget(c.budget, var);
-    shared_count = budget < visible ? budget : visible;
+    if (counted) {
+      shared_count = *c.counts.at<const std::int32_t>(row.b, q_row, 0);
+    } else {
+      *p.stats.at<float>(row.b, q_row, 0) = static_cast<float>(var);
+      const std::int64_t budget = math::gsa::budget(c.budget, var);
+      shared_count = budget < visible ? budget : visible;
+    }
     shared_lo = lo;
     shared_hi = hi;
   }
@@ -187,7 +403,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
   const std::int64_t count = shared_count;
   std::int32_t* indices = c.indices.at<std::int32_t>(row.b, q_row, 0);
   const std::int64_t slot_stride = c.indices.head;
-  if (tid == 0) *c.counts.at<std::int32_t>(row.b, q_row, 0) = static_cast<std::int32_t>(count);
+  if (tid == 0 && !counted) *c.counts.at<std::int32_t>(row.b, q_row, 0) = static_cast<std::int32_t>(count);
   const std::int64_t k_max = c.budget.k_max;
 
   if (count == visible) {  // every visible key, already in order
@@ -290,16 +506,46 @@ void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConf
   }
   const int pack = static_cast<int>(16 / element_size(p.dtype));
   const bool packed = aligned_rows(p.k, p.dtype) && p.dim_qk % pack == 0;
+  // Pass 0 on tensor cores where it applies and can settle rows: only where k_max covers the
+  // longest row can a row keep all its keys. Elsewhere it would only add a pass, since
+  // select_keys_kernel scans every row it ranks for the score range anyway (at L = 16384,
+  // k = 2048 it cost 4%). WINNOW_GSA_SCALAR_STATISTICS=1 leaves every pass to select_keys_kernel
+  // (for A/B runs).
+  static const bool scalar_forced = std::getenv("WINNOW_GSA_SCALAR_STATISTICS") != nullptr;
+  const int heads = static_cast<int>(p.heads_q);
+  const int stat_bytes = p.dim_qk == 64 ? StatisticsLayout<__half, 64>(heads).bytes()
+                                        : StatisticsLayout<__half, 128>(heads).bytes();
+  const bool counted = !scalar_forced && (p.dtype == DType::bfloat16 || p.dtype == DType::float16) &&
+                       (p.dim_qk == 64 || p.dim_qk == 128) && p.heads_q <= kStatMaxHeads &&
+                       stat_bytes <= limit && aligned_rows(p.q, p.dtype) && aligned_rows(p.k, p.dtype) &&
+                       p.num_seqs <= 65535 && c.budget.k_max >= p.max_len_k;
+  auto count_rows = [&](auto kernel) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stat_bytes),
+          "raising the indexer statistics kernel's shared memory");
+    const dim3 grid(static_cast<unsigned>((p.max_len_q + kStatRows - 1) / kStatRows),
+                    static_cast<unsigned>(p.num_seqs));
+    if (grid.x == 0 || grid.y == 0) return;
+    kernel<<<grid, 32 * kStatWarps, stat_bytes, stream_of(p)>>>(p, c);
+    check_launch("gsa indexer_statistics_kernel");
+  };
   auto launch = [&](auto kernel) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
           "raising the selection kernel's shared memory");
-    kernel<<<static_cast<unsigned>(p.rows_q), kSelectThreads, bytes, stream_of(p)>>>(p, c, packed);
+    kernel<<<static_cast<unsigned>(p.rows_q), kSelectThreads, bytes, stream_of(p)>>>(p, c, packed, counted);
     check_launch("gsa select_keys_kernel");
   };
+  auto select = [&](auto element) {
+    using T = decltype(element);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (counted) p.dim_qk == 64 ? count_rows(indexer_statistics_kernel<T, 64>)
+                                  : count_rows(indexer_statistics_kernel<T, 128>);
+    }
+    launch(select_keys_kernel<T>);
+  };
   switch (p.dtype) {
-    case DType::bfloat16: return launch(select_keys_kernel<__nv_bfloat16>);
-    case DType::float16: return launch(select_keys_kernel<__half>);
-    default: return launch(select_keys_kernel<float>);
+    case DType::bfloat16: return select(__nv_bfloat16{});
+    case DType::float16: return select(__half{});
+    default: return select(float{});
   }
 }
 

@@ -21,12 +21,33 @@ WINNOW_HD T sigmoid(T x) {
   return T(1) / (T(1) + exp(-x));
 }
 
-// One head's term: `weight` is the head's pre-activation weight at the query (h_t W_Iw_j + c_j),
-// `dot` the scaled dot product <q_tj, k_s> scale, `bias` b_j (sigmoid form only).
+struct Sigmoid {
+  template <class T>
+  WINNOW_HD T operator()(T x) const {
+    return sigmoid(x);
+  }
+};
+
+// A head's gate at a query: sigmoid(w_tj) (GSA) or w_tj itself (DeepSeek). `weight` is the
+// head's pre-activation weight (h_t W_Iw_j + c_j). Kernels compute it once per (query, head),
+// not once per key.
+template <class T>
+WINNOW_HD T gate(ScoreForm form, T weight) {
+  return form == ScoreForm::relu ? weight : sigmoid(weight);
+}
+
+// One head's term from its gate: `dot` is the scaled dot product <q_tj, k_s> scale, `bias` b_j
+// (sigmoid form only). `logistic` is the sigmoid used: math::gsa::Sigmoid everywhere a score is
+// ranked; a kernel that only needs a row's moments may pass a faster one (CUDA's __expf).
+template <class T, class Logistic = Sigmoid>
+WINNOW_HD T gated_term(ScoreForm form, T gate, T dot, T bias, Logistic logistic = {}) {
+  if (form == ScoreForm::relu) return dot > T(0) ? gate * dot : T(0);
+  return gate * logistic(dot + bias);
+}
+
 template <class T>
 WINNOW_HD T head_term(ScoreForm form, T weight, T dot, T bias) {
-  if (form == ScoreForm::relu) return dot > T(0) ? weight * dot : T(0);
-  return sigmoid(weight) * sigmoid(dot + bias);
+  return gated_term(form, gate(form, weight), dot, bias);
 }
 
 // How many keys a query selects.

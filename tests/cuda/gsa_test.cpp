@@ -48,6 +48,12 @@ TEST(CudaGsaSelection, SelectsTheTopKeysOfEveryRow) {
       {{{9, 9}, {0, 0}, {30, 33}, {1, 1}}, true, 4, 8},
       {{{24, 3000}}, false, 4, 64},  // long rows: histogram, candidates
       {{{20, 20}}, false, 2, 6},     // d_I not a multiple of the 16-byte pack: scalar loads
+      // 16-bit inputs with d_I 64 or 128 are first counted on tensor cores (16 rows a block) when
+      // k_max covers every row (the options with k_max = 512 below):
+      // packed sequences, an empty one, query suffixes, a row tile cut short; 16 heads, the most.
+      {{{9, 9}, {0, 0}, {30, 33}, {1, 1}, {70, 200}}, true, 4, 64},
+      {{{100, 300}, {100, 300}}, false, 3, 128},
+      {{{40, 40}}, false, 16, 64},
   };
   std::vector<std::pair<gsa::IndexerOptions, bool>> options;  // (options, with bias)
   options.push_back({inverse_variance(4, 2, 6, 0.05), true});
@@ -63,8 +69,15 @@ TEST(CudaGsaSelection, SelectsTheTopKeysOfEveryRow) {
   relu.scale = 1.0;
   options.push_back({relu, false});
   options.push_back({fixed(300, 512), true});
+  // k_max covering every row: the tensor-core statistics pass settles the rows whose budget
+  // covers their keys and hands the others' counts to the row kernel.
+  options.push_back({inverse_variance(40, 2, 512, 0.05), true});
+  gsa::IndexerOptions relu_long = inverse_variance(30, 1, 512, 0.5);
+  relu_long.form = gsa::ScoreForm::relu;
+  relu_long.scale = 1.0;
+  options.push_back({relu_long, false});
   for (const IndexerShape& shape : shapes) {
-    for (const DType dtype : {DType::float32, DType::bfloat16}) {
+    for (const DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
       for (const auto& [o, with_bias] : options) {
         SCOPED_TRACE(::testing::Message() << shape.seqs.size() << " sequences of " << shape.seqs.back().second
                                           << " keys, " << to_string(dtype) << ", budget " << static_cast<int>(o.budget));
