@@ -12,9 +12,12 @@ set -euo pipefail
 # installed (it then takes over libblas.so.3 through Debian's alternatives); the model tests
 # train small transformers and run about 20x slower on the reference BLAS.
 # libgloo-dev: the headers c10d's gloo process group needs (data-parallel training, its tests).
+# ccache: `pip install -e .` after `pip install .` in tools/check_pip_install.sh compiles the
+# same sources again in a build folder of its own; the cache makes that seconds instead of two
+# minutes.
 packages=(cmake g++ make libeigen3-dev libgtest-dev libcli11-dev nlohmann-json3-dev
           libtorch-dev python3-torch python3-pytest libopenblas0-pthread pkg-config
-          libplplot-dev python3-venv libgloo-dev)
+          libplplot-dev python3-venv libgloo-dev ccache)
 if [[ "${1:-}" == "corpus" ]]; then
   packages=(linux-doc python3)
 fi
