@@ -112,6 +112,13 @@ const std::vector<BenchKind>& bench_kinds() {
       {"entmax_rope", {{"kind", "entmax"}, {"position", "rope"}}},
       {"sieve", {{"kind", "sieve"}}},
       {"sieve_bound", {{"kind", "sieve"}, {"filter", "bound"}}},
+      // GSA as studies/lm.json trains it: its sparse phase (no train.phases here, so no warm-up),
+      // 003's sparse-only baseline, and the gated-only (dense) one.
+      {"gsa", {{"kind", "gsa"}, {"position", "rope"}, {"k_base", 128}, {"k_min", 32}, {"k_max", 256}}},
+      {"gsa_sparse_only",
+       {{"kind", "gsa"}, {"position", "rope"}, {"gates", false}, {"indexer", "relu"}, {"budget", "fixed"},
+        {"k", 128}, {"k_max", 128}}},
+      {"gsa_gated_only", {{"kind", "gsa"}, {"position", "rope"}, {"indexer", "none"}}},
       {"softmax_rope@composed", {{"kind", "softmax"}, {"position", "rope"}, {"implementation", "composed"}}},
       {"stick_breaking@composed", {{"kind", "stick_breaking"}, {"implementation", "composed"}}},
       {"entmax_rope@composed", {{"kind", "entmax"}, {"position", "rope"}, {"implementation", "composed"}}},

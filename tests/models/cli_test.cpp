@@ -371,6 +371,27 @@ TEST(Cli, TrainBenchMeasuresFusedAndComposed) {
   winnow::train::remove_tree(dir);
 }
 
+// GSA's three rows of studies/lm.json as train-bench kinds (a step with selection, sparse
+// attention and the indexer's loss; one without the indexer).
+TEST(Cli, TrainBenchRunsTheGsaKinds) {
+  const std::string dir = scratch("bench-gsa");
+  const Outcome r = run({"train-bench", "--device", "cpu", "--lengths", "16", "--tokens", "64", "--steps", "1",
+                         "--warmup", "1", "--kinds", "gsa,gsa_sparse_only,gsa_gated_only", "--json",
+                         dir + "/bench.json"},
+                        dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(slurp(dir + "/bench.json"));
+  ASSERT_EQ(j["results"].size(), 3u) << j.dump(2);
+  for (const auto& result : j["results"]) {
+    EXPECT_FALSE(result.contains("error")) << result.dump();
+    EXPECT_GT(result.value("tokens_per_s", 0.0), 0) << result.dump();
+    EXPECT_GT(result.value("initial_loss", 0.0), 0) << result.dump();
+  }
+  // The gated-only kind has no indexer: fewer parameters than the full GSA layer.
+  EXPECT_LT(j["results"][2].value("parameters", 0), j["results"][0].value("parameters", 0)) << j.dump(2);
+  winnow::train::remove_tree(dir);
+}
+
 
 std::string study_file(const std::string& name) {
   return (fs::path(WINNOW_SOURCE_DIR) / "studies" / (name + ".json")).string();
