@@ -89,4 +89,48 @@ void sparse_backward(const AttentionInputs& in, const KeyLists& lists, std::opti
                      const SparseOutputs& saved, const TensorView& dout, const AttentionGrads& grads,
                      const ExecContext& ctx = {});
 
+// 003 section 6's indexer loss, per query row t (spec/gsa.md, "Training the indexer"):
+//   KL_t = sum_{s in S_t} p_ts (log p_ts - log softmax_{s' in S_t}(I_ts')_s),
+//   p_ts = (1 / H) sum_h softmax_{s' in S_t}(<q_th, k_s'> attention_scale)_s,
+// I_ts the indexer's score (select_keys's form), q and k the attention layer's queries and keys
+// (H query heads over its kv heads; they get no gradient: the indexer learns from the layer, not
+// the other way round). S_t is the row's key list (the sparse phase) or, without lists, every
+// visible key (the dense warm-up). An empty S_t gives KL_t = 0 and no gradient. No L x L matrix
+// is materialized: the forward takes each row's log-sum-exps in one pass over S_t and the KL in a
+// second; the backward makes that second pass again from the saved log-sum-exps.
+//
+// Layout: the indexer's operands as select_keys takes them, and its cu_seqlens serve q and k
+// too; q (B, Lq, H, D) / k (B, Lk, H_kv, D) or packed, in the indexer's dtype.
+struct IndexerLossInputs {
+  IndexerInputs indexer;
+  TensorView q, k;                 // the attention's queries and keys (after position encoding)
+  std::optional<KeyLists> lists;   // absent: every visible key
+};
+
+struct IndexerLossOptions {
+  ScoreForm form = ScoreForm::sigmoid;
+  std::optional<double> scale;            // the indexer's dot products; default 1 / sqrt(d_I)
+  std::optional<double> attention_scale;  // the attention's logits; default 1 / sqrt(D)
+};
+
+struct IndexerLossOutputs {
+  TensorView loss;  // (B, Lq) or (Tq): KL_t, float32 (float64 for float64 inputs)
+  TensorView lse;   // (B, Lq, H + 1) or (Tq, H + 1), like loss: each attention head's log-sum-exp
+                    // over S_t, then the indexer's
+};
+
+// Gradients of sum_t dloss_t KL_t, float32 (float64 for float64 inputs), shaped like the
+// indexer's q, k, head_weights and bias (dbias: the sigmoid form with a bias only).
+struct IndexerLossGrads {
+  TensorView dq, dk, dhead_weights;
+  std::optional<TensorView> dbias;
+};
+
+void indexer_loss_forward(const IndexerLossInputs& in, const IndexerLossOptions& options,
+                          const IndexerLossOutputs& out, const ExecContext& ctx = {});
+// `saved` is the forward's output for the same inputs; dloss is like loss.
+void indexer_loss_backward(const IndexerLossInputs& in, const IndexerLossOptions& options,
+                           const IndexerLossOutputs& saved, const TensorView& dloss,
+                           const IndexerLossGrads& grads, const ExecContext& ctx = {});
+
 }  // namespace winnow::gsa

@@ -271,20 +271,24 @@ void AttentionCall::require_writable(const char* name, const TensorView& t) cons
   }
 }
 
-Operand AttentionCall::like_q(const char* name, const TensorView& t, bool value_dim) const {
+Operand AttentionCall::like_q(const char* name, const TensorView& t, bool value_dim,
+                              std::optional<DType> dtype) const {
   std::int64_t shape[4];
   const int n = in_.q.ndim;
   for (int d = 0; d < n; ++d) shape[d] = in_.q.shape[d];
   if (value_dim) shape[n - 1] = in_.v.shape[n - 1];
   check_shape(name, t, shape, n, value_dim ? "(q's shape with v's head dimension)" : "(like q)");
-  if (t.dtype != in_.q.dtype) fail(name, std::string(to_string(in_.q.dtype)) + " like q", describe(t));
+  if (dtype && t.dtype != *dtype) fail(name, to_string(*dtype), describe(t));
+  if (!dtype && t.dtype != in_.q.dtype) fail(name, std::string(to_string(in_.q.dtype)) + " like q", describe(t));
   return operand(t, varlen_ ? 0 : 1);
 }
 
-Operand AttentionCall::like_k(const char* name, const TensorView& t, bool value_dim) const {
+Operand AttentionCall::like_k(const char* name, const TensorView& t, bool value_dim,
+                              std::optional<DType> dtype) const {
   const TensorView& ref = value_dim ? in_.v : in_.k;
   check_shape(name, t, ref.shape, ref.ndim, value_dim ? "(like v)" : "(like k)");
-  if (t.dtype != in_.q.dtype) fail(name, std::string(to_string(in_.q.dtype)) + " like q", describe(t));
+  if (dtype && t.dtype != *dtype) fail(name, to_string(*dtype), describe(t));
+  if (!dtype && t.dtype != in_.q.dtype) fail(name, std::string(to_string(in_.q.dtype)) + " like q", describe(t));
   return operand(t, varlen_ ? 0 : 1);
 }
 

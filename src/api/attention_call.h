@@ -25,8 +25,11 @@ class AttentionCall {
                          ErrorKind kind = ErrorKind::invalid_argument) const;
 
   // out / dq / dk / dv / dout: same dtype and device as q, the given role's shape.
-  Operand like_q(const char* name, const TensorView& t, bool value_dim) const;
-  Operand like_k(const char* name, const TensorView& t, bool value_dim) const;
+  // With `dtype`, that dtype instead of q's (gradients kept in float32).
+  Operand like_q(const char* name, const TensorView& t, bool value_dim,
+                 std::optional<DType> dtype = std::nullopt) const;
+  Operand like_k(const char* name, const TensorView& t, bool value_dim,
+                 std::optional<DType> dtype = std::nullopt) const;
   // Per-row statistics: (B, Lq, Hq) or (Tq, Hq), of stats_dtype() (or the given dtype).
   Operand row_stats(const char* name, const TensorView& t) const;
   Operand row_stats(const char* name, const TensorView& t, DType dtype) const;

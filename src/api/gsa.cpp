@@ -4,6 +4,7 @@
 #include <string>
 
 #include "api/attention_call.h"
+#include "api/view_checks.h"
 #include "core/device_copy.h"
 #include "cpu/cpu.h"
 #include "cuda/cuda.h"
@@ -164,6 +165,106 @@ void sparse_backward(const AttentionInputs& in, const KeyLists& lists, std::opti
     case Route::reference: return reference::gsa_sparse_backward(p, g, c);
     case Route::cpu: return cpu::gsa_sparse_backward(p, g, c);
     case Route::cuda: return cuda::gsa_sparse_backward(p, g, c);
+  }
+}
+
+}  // namespace winnow::gsa
+
+namespace winnow::gsa {
+namespace {
+
+// Both halves of the indexer loss checked and bound: the indexer's operands (the call that
+// routes, and whose params the kernels take) and the attention's q and k over the indexer's
+// sequences (its cu_seqlens serve both).
+struct IndexerLossBinding {
+  // First: the calls keep a pointer to their op's name.
+  std::string op_indexer, op_attention;
+  AttentionInputs indexer_inputs, attention_inputs;  // the calls keep a reference to these
+  AttentionCall indexer;
+  detail::AttentionParams p;
+  detail::IndexerLossConfig c;
+
+  IndexerLossBinding(const std::string& op, const IndexerLossInputs& in, const IndexerLossOptions& options,
+                     const IndexerLossOutputs& saved, const ExecContext& ctx)
+      : op_indexer(op + " (indexer operands)"),
+        op_attention(op + " (attention operands)"),
+        indexer_inputs{in.indexer.q, in.indexer.k, in.indexer.k, in.indexer.cu_seqlens_q, in.indexer.cu_seqlens_k},
+        attention_inputs{in.q, in.k, in.k, in.indexer.cu_seqlens_q, in.indexer.cu_seqlens_k},
+        indexer(op_indexer.c_str(), indexer_inputs, ctx) {
+    indexer.check_scale(options.scale);
+    p = indexer.params(options.scale, /*attend_current=*/true);
+    if (p.heads_kv != 1) {
+      indexer.fail("k", "one key head shared by the indexer's heads", std::to_string(p.heads_kv) + " heads");
+    }
+    AttentionCall attention(op_attention.c_str(), attention_inputs, ctx);
+    attention.check_scale(options.attention_scale);
+    c.attention = attention.params(options.attention_scale, /*attend_current=*/true);
+    const detail::AttentionParams& a = c.attention;
+    if (in.q.dtype != in.indexer.q.dtype) {
+      attention.fail("q", std::string(to_string(in.indexer.q.dtype)) + " like the indexer's q", api::describe(in.q));
+    }
+    if (in.q.device != in.indexer.q.device) {
+      attention.fail("q", "on " + to_string(in.indexer.q.device) + " like the indexer's q", api::describe(in.q));
+    }
+    if (a.num_seqs != p.num_seqs || a.len_q != p.len_q || a.len_k != p.len_k || a.rows_q != p.rows_q ||
+        a.rows_k != p.rows_k) {
+      attention.fail("q", "the indexer's sequences (" + std::to_string(p.num_seqs) + " of " +
+                              std::to_string(p.len_q) + " queries over " + std::to_string(p.len_k) + " keys)",
+                     api::describe(in.q) + " with k " + api::describe(in.k));
+    }
+    c.form = options.form == ScoreForm::relu ? math::gsa::ScoreForm::relu : math::gsa::ScoreForm::sigmoid;
+    c.weights = indexer.row_stats("head_weights", in.indexer.head_weights, p.dtype);
+    if (in.indexer.bias) {
+      if (c.form == math::gsa::ScoreForm::relu) indexer.fail("bias", "absent for the relu score form", "a tensor");
+      c.bias = indexer.per_head("bias", *in.indexer.bias);
+    }
+    if (in.lists) {
+      const detail::KeyListConfig lists = checked_lists(indexer, p, *in.lists);
+      c.indices = lists.indices;
+      c.counts = lists.counts;
+      c.k_max = lists.k_max;
+    }
+    p.stats = indexer.per_query_row("loss", saved.loss, indexer.stats_dtype());
+    c.lse = indexer.per_query_row("lse", saved.lse, indexer.stats_dtype(), a.heads_q + 1);
+  }
+};
+
+}  // namespace
+
+void indexer_loss_forward(const IndexerLossInputs& in, const IndexerLossOptions& options,
+                          const IndexerLossOutputs& out, const ExecContext& ctx) {
+  IndexerLossBinding bound("winnow::gsa::indexer_loss_forward", in, options, out, ctx);
+  bound.indexer.require_writable("loss", out.loss);
+  bound.indexer.require_writable("lse", out.lse);
+  switch (bound.indexer.route()) {
+    case Route::reference: return reference::gsa_indexer_loss_forward(bound.p, bound.c);
+    case Route::cpu: return cpu::gsa_indexer_loss_forward(bound.p, bound.c);
+    case Route::cuda: return cuda::gsa_indexer_loss_forward(bound.p, bound.c);
+  }
+}
+
+void indexer_loss_backward(const IndexerLossInputs& in, const IndexerLossOptions& options,
+                           const IndexerLossOutputs& saved, const TensorView& dloss,
+                           const IndexerLossGrads& grads, const ExecContext& ctx) {
+  IndexerLossBinding bound("winnow::gsa::indexer_loss_backward", in, options, saved, ctx);
+  AttentionCall& call = bound.indexer;
+  detail::IndexerLossConfig& c = bound.c;
+  const DType stats = call.stats_dtype();
+  c.dloss = call.per_query_row("dloss", dloss, stats);
+  c.dq = call.like_q("dq", grads.dq, false, stats);
+  c.dk = call.like_k("dk", grads.dk, false, stats);
+  c.dweights = call.row_stats("dhead_weights", grads.dhead_weights, stats);
+  if (grads.dbias) {
+    if (!in.indexer.bias) call.fail("dbias", "absent when there is no bias", "a tensor");
+    c.dbias = call.per_head_grad("dbias", *grads.dbias, "bias", *in.indexer.bias);
+  }
+  call.require_writable("dq", grads.dq);
+  call.require_writable("dk", grads.dk);
+  call.require_writable("dhead_weights", grads.dhead_weights);
+  switch (call.route()) {
+    case Route::reference: return reference::gsa_indexer_loss_backward(bound.p, c);
+    case Route::cpu: return cpu::gsa_indexer_loss_backward(bound.p, c);
+    case Route::cuda: return cuda::gsa_indexer_loss_backward(bound.p, c);
   }
 }
 

@@ -59,6 +59,8 @@ void gsa_sparse_backward(const detail::AttentionParams&, const detail::GradientP
   no_cuda();
 }
 std::int64_t gsa_first_bad_list(const detail::AttentionParams&, const detail::KeyListConfig&) { no_cuda(); }
+void gsa_indexer_loss_forward(const detail::AttentionParams&, const detail::IndexerLossConfig&) { no_cuda(); }
+void gsa_indexer_loss_backward(const detail::AttentionParams&, const detail::IndexerLossConfig&) { no_cuda(); }
 void rotary(const detail::RotaryParams&) { no_cuda(); }
 void rms_norm_forward(const detail::RMSNormParams&) { no_cuda(); }
 void rms_norm_backward(const detail::RMSNormParams&) { no_cuda(); }

@@ -191,4 +191,26 @@ struct KeyListConfig {
   std::int64_t k_max = 0;
 };
 
+// GSA's indexer loss (winnow/gsa.h, indexer_loss_*). The kernels' AttentionParams carries the
+// indexer (q: H_I heads of d_I, k: its one key head, the sequences, the indexer's scale, the
+// per-row KL in `stats`); `attention` the layer's queries and keys over the same sequences with
+// their scale (its stats, out and v unused). Without lists (indices.data == nullptr) a row's
+// set is every visible key. `lse` holds a row's H + 1 log-sum-exps at stride `head`: the
+// attention heads', then the indexer's. Backward only: dloss per row, and the gradients,
+// float32 (float64 for float64 inputs), dk and dbias zeroed by the kernels before they add.
+struct IndexerLossConfig {
+  math::gsa::ScoreForm form = math::gsa::ScoreForm::sigmoid;
+  AttentionParams attention;
+  Operand weights, bias;
+  Operand indices, counts;
+  std::int64_t k_max = 0;
+  Operand lse;
+  Operand dloss, dq, dk, dweights, dbias;
+  WINNOW_HD bool has_lists() const { return indices.data != nullptr; }
+  template <class T>
+  WINNOW_HD T bias_at(std::int64_t h) const {
+    return bias.data == nullptr ? T(0) : static_cast<const T*>(bias.data)[h * bias.head];
+  }
+};
+
 }  // namespace winnow::detail

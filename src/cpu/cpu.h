@@ -39,6 +39,10 @@ void gsa_sparse_forward(const detail::AttentionParams& p, const detail::KeyListC
 void gsa_sparse_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                          const detail::KeyListConfig& lists);
 
+// GSA's indexer loss (winnow/gsa.h): p is the indexer's params (its per-row KL in p.stats).
+void gsa_indexer_loss_forward(const detail::AttentionParams& p, const detail::IndexerLossConfig& c);
+void gsa_indexer_loss_backward(const detail::AttentionParams& p, const detail::IndexerLossConfig& c);
+
 void rotary(const detail::RotaryParams& p);
 
 // dy in x's dtype, y in x's dtype (the API checks): the CPU has float32 and float64 only.

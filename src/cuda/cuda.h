@@ -58,6 +58,9 @@ void gsa_sparse_backward(const detail::AttentionParams& p, const detail::Gradien
 // The first malformed list (count outside [0, k_max], entries not strictly increasing within
 // [0, t]) as (sequence << 32 | query row), or -1; waits for the device.
 std::int64_t gsa_first_bad_list(const detail::AttentionParams& p, const detail::KeyListConfig& c);
+// GSA's indexer loss: a warp per query row over key tiles shared by the block's rows, CUDA cores.
+void gsa_indexer_loss_forward(const detail::AttentionParams& p, const detail::IndexerLossConfig& c);
+void gsa_indexer_loss_backward(const detail::AttentionParams& p, const detail::IndexerLossConfig& c);
 
 // Split-KV decoding (attention/decode.cuh): softmax and stick-breaking for a few queries per
 // sequence against a contiguous or paged cache, 16-bit and float32, head dimensions that are

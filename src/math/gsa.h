@@ -91,4 +91,33 @@ WINNOW_HD bool ranks_before(T score_a, std::int64_t key_a, T score_b, std::int64
   return score_a > score_b || (score_a == score_b && key_a > key_b);
 }
 
+// The slopes of one head's term (gated_term) in its pre-activation weight w_tj and in its scaled
+// dot product (the same as in b_j for the sigmoid form), for the indexer loss's gradients.
+template <class T>
+struct TermSlopes {
+  T weight, dot;
+};
+
+template <class T>
+WINNOW_HD TermSlopes<T> term_slopes(ScoreForm form, T gate, T dot, T bias) {
+  if (form == ScoreForm::relu) return dot > T(0) ? TermSlopes<T>{dot, gate} : TermSlopes<T>{T(0), T(0)};
+  const T s = sigmoid(dot + bias);
+  return {s * gate * (T(1) - gate), gate * s * (T(1) - s)};
+}
+
+// The indexer loss (003 section 6) per key of a row's set: p (log p - log q), with p the heads'
+// mean attention probability and log q = I_ts - lse_I the indexer's log-probability; a key the
+// heads give no mass adds nothing. Its slope in I_ts is q - p (the row's p sums to 1).
+template <class T>
+WINNOW_HD T kl_term(T p, T log_q) {
+  using std::log;
+  return p > T(0) ? p * (log(p) - log_q) : T(0);
+}
+
+template <class T>
+WINNOW_HD T kl_score_slope(T p, T log_q) {
+  using std::exp;
+  return exp(log_q) - p;
+}
+
 }  // namespace winnow::math::gsa

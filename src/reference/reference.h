@@ -43,4 +43,8 @@ void gsa_sparse_forward(const detail::AttentionParams& p, const detail::KeyListC
 void gsa_sparse_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                          const detail::KeyListConfig& lists);
 
+// GSA's indexer loss (winnow/gsa.h): p is the indexer's params (its per-row KL in p.stats).
+void gsa_indexer_loss_forward(const detail::AttentionParams& p, const detail::IndexerLossConfig& c);
+void gsa_indexer_loss_backward(const detail::AttentionParams& p, const detail::IndexerLossConfig& c);
+
 }  // namespace winnow::reference

@@ -4,7 +4,8 @@
 // candidate buffer (ties go to the most recent keys). The sparse attention against the float64
 // reference on the same rounded inputs: GQA, D = 128, Dv != D, packed sequences, permuted
 // strides, float32 / bf16 / fp16, atomic and deterministic backward (the latter bitwise
-// repeatable); empty lists; malformed lists refused by the device check, naming the row.
+// repeatable); empty lists; malformed lists refused by the device check, naming the row. The
+// indexer loss against the float64 reference.
 // Label `cuda`: runs only on a machine with a GPU (tools/gpu_check.sh).
 #include <gtest/gtest.h>
 
@@ -217,6 +218,50 @@ TEST(CudaGsaSparse, MalformedListsAreRefusedByTheDeviceCheck) {
   gsa::sparse_forward(in, lists, std::nullopt, {o, l}, on_cuda());
   gpu2.fetch(o, out);
   for (double x : out.values()) EXPECT_TRUE(std::isfinite(x));
+}
+
+// The indexer loss against the float64 reference on the same rounded inputs: dense and listed
+// sets (empty rows, full rows), both score forms, odd head dimensions (the scalar dot products),
+// GQA, kv heads staged in several rounds (16 heads of 128), packed sequences with an empty one,
+// suffix queries and permuted strides.
+TEST(CudaGsaIndexerLoss, MatchesTheReference) {
+  struct Shape {
+    IndexerShape s;
+    std::int64_t heads, heads_kv, dim, per_row;
+    bool permuted;
+  };
+  const std::vector<Shape> shapes = {
+      {{{{23, 23}, {23, 23}}, false, 4, 8}, 6, 2, 7, 5, false},
+      {{{{6, 31}}, false, 3, 8}, 4, 4, 8, 0, true},                           // suffix, permuted, every key listed
+      {{{{7, 7}, {0, 0}, {19, 19}, {1, 1}}, true, 2, 4}, 3, 3, 4, 3, false},  // packed, an empty sequence
+      {{{{200, 200}, {200, 200}}, false, 4, 64}, 8, 8, 64, 50, false},        // the LM study's layer
+      {{{{100, 100}}, false, 4, 128}, 16, 4, 128, 40, false},                 // kv heads staged in rounds
+  };
+  for (const Shape& shape : shapes) {
+    for (const bool listed : {false, true}) {
+      for (const DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
+        for (const bool relu : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << shape.s.seqs.back().first << "x" << shape.s.seqs.back().second << " H "
+                                            << shape.heads << "/" << shape.heads_kv << " D " << shape.dim
+                                            << (listed ? " lists " : " dense ") << to_string(dtype)
+                                            << (relu ? " relu" : " sigmoid"));
+          const IndexerLossCase c(shape.s, shape.heads, shape.heads_kv, shape.dim, dtype, 71,
+                                  listed ? shape.per_row : -1, shape.permuted);
+          gsa::IndexerLossOptions o;
+          o.form = relu ? gsa::ScoreForm::relu : gsa::ScoreForm::sigmoid;
+          const IndexerLossResult want = run_indexer_loss(c.as(DType::float64), o, reference(), !relu);
+          CudaPlacement gpu;
+          const IndexerLossResult got = run_indexer_loss(c, o, on_cuda(), !relu, &gpu);
+          EXPECT_LT(relative_error(got.loss, want.loss), 1e-4) << "loss";
+          EXPECT_LT(relative_error(got.lse, want.lse), 1e-5) << "lse";
+          EXPECT_LT(relative_error(got.dq, want.dq), 1e-4) << "dq";
+          EXPECT_LT(relative_error(got.dk, want.dk), 1e-4) << "dk";
+          EXPECT_LT(relative_error(got.dweights, want.dweights), 1e-4) << "dhead_weights";
+          if (!relu) EXPECT_LT(relative_error(got.dbias, want.dbias), 1e-4) << "dbias";
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // GSA test cases shared by the CPU and CUDA tests: random indexer inputs and key lists over
 // batched, suffix and packed layouts, runs through the API on the host or a device
 // (support/attention_case.h's Placement), and the checks of a selection against scores
-// recomputed here from the logical inputs.
+// recomputed here from the logical inputs; the indexer loss's cases (IndexerLossCase, with
+// random_key_lists) and their runs.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -349,6 +350,150 @@ inline void expect_second_row_empty(const SparseResult& r) {
       EXPECT_EQ(r.dq[static_cast<std::size_t>((1 * 2 + h) * 4 + d)], 0.0);
     }
   }
+}
+
+// Random key lists over a shape's rows (per_row > 0): a fifth of the rows empty, a fifth listing
+// every visible key when they fit in per_row slots (the rest: min(per_row, t + 1) keys drawn at
+// random); per_row = 0 lists every visible key in slots as many as the longest sequence's keys.
+// Indices (rows, k_max) -1 padded and counts (rows), row-major over all sequences' query rows.
+struct RandomLists {
+  std::vector<double> indices, counts;
+  std::int64_t k_max = 0;
+};
+
+inline RandomLists random_key_lists(const IndexerShape& shape, std::int64_t per_row, std::mt19937_64& rng) {
+  RandomLists out;
+  for (const auto& seq : shape.seqs) out.k_max = std::max(out.k_max, seq.second);
+  if (per_row > 0) out.k_max = per_row;
+  out.k_max = std::max<std::int64_t>(out.k_max, 1);
+  for (const auto& [lq, lk] : shape.seqs) {
+    for (std::int64_t r = 0; r < lq; ++r) {
+      const std::int64_t visible = r + lk - lq + 1;
+      std::vector<std::int64_t> keys(static_cast<std::size_t>(visible));
+      for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = static_cast<std::int64_t>(i);
+      const std::uint64_t kind = per_row > 0 ? rng() % 5 : 1;
+      if (kind == 0) {
+        keys.clear();
+      } else if (kind != 1 || visible > out.k_max) {
+        std::shuffle(keys.begin(), keys.end(), rng);
+        keys.resize(static_cast<std::size_t>(std::min(visible, out.k_max)));
+        std::sort(keys.begin(), keys.end());
+      }
+      for (std::size_t i = 0; i < static_cast<std::size_t>(out.k_max); ++i) {
+        out.indices.push_back(i < keys.size() ? static_cast<double>(keys[i]) : -1.0);
+      }
+      out.counts.push_back(static_cast<double>(keys.size()));
+    }
+  }
+  return out;
+}
+
+// GSA's indexer loss (gsa::indexer_loss_*): the indexer's operands (an IndexerCase), the
+// attention's q (heads of dim features) and k (heads_kv heads) over the same sequences, an
+// incoming gradient per row, and optional key lists (random_key_lists).
+struct IndexerLossCase {
+  IndexerCase indexer;
+  std::int64_t heads = 6, heads_kv = 2, dim = 7;
+  HostTensor q, k, dloss, indices, counts;
+  std::int64_t k_max = 0;
+  bool with_lists = false;
+
+  // per_row < 0: no lists (every visible key); otherwise random_key_lists(per_row).
+  IndexerLossCase(const IndexerShape& shape, std::int64_t h, std::int64_t hkv, std::int64_t d, DType dtype,
+                  std::uint64_t seed, std::int64_t per_row = -1, bool permuted = false)
+      : indexer(shape, dtype, seed, permuted), heads(h), heads_kv(hkv), dim(d), with_lists(per_row >= 0) {
+    std::mt19937_64 rng(seed + 1000);
+    const std::int64_t b = static_cast<std::int64_t>(shape.seqs.size());
+    std::int64_t rows_k = 0;
+    for (const auto& seq : shape.seqs) rows_k += seq.second;
+    const DType stats = dtype == DType::float64 ? DType::float64 : DType::float32;
+    if (shape.varlen) {
+      const std::vector<int> order = permuted ? std::vector<int>{1, 0, 2} : std::vector<int>{};
+      q = HostTensor({indexer.rows_q, h, d}, dtype, order);
+      k = HostTensor({rows_k, hkv, d}, dtype, order);
+    } else {
+      const std::vector<int> order = permuted ? std::vector<int>{0, 2, 1, 3} : std::vector<int>{};
+      q = HostTensor({b, shape.seqs[0].first, h, d}, dtype, order);
+      k = HostTensor({b, shape.seqs[0].second, hkv, d}, dtype, order);
+    }
+    q.set_values(random_normal(q.numel(), rng));
+    k.set_values(random_normal(k.numel(), rng));
+    dloss = HostTensor(indexer.row_shape(), stats);
+    dloss.set_values(random_normal(dloss.numel(), rng));
+    if (with_lists) {
+      const RandomLists lists = random_key_lists(shape, per_row, rng);
+      k_max = lists.k_max;
+      indices = HostTensor(indexer.row_shape(k_max), DType::int32);
+      counts = HostTensor(indexer.row_shape(), DType::int32);
+      indices.set_values(lists.indices);
+      counts.set_values(lists.counts);
+    }
+  }
+
+  // The same values in another dtype (the bias and dloss in the statistics' dtype).
+  IndexerLossCase as(DType dtype) const {
+    IndexerLossCase c = *this;
+    const DType stats = dtype == DType::float64 ? DType::float64 : DType::float32;
+    for (HostTensor* t : {&c.q, &c.k, &c.indexer.q, &c.indexer.k, &c.indexer.weights}) *t = t->converted(dtype);
+    c.indexer.bias = indexer.bias.converted(stats);
+    c.dloss = dloss.converted(stats);
+    return c;
+  }
+
+  gsa::IndexerLossInputs inputs(bool with_bias = true) const {
+    gsa::IndexerLossInputs in;
+    in.indexer = indexer.inputs(with_bias);
+    in.q = q.view();
+    in.k = k.view();
+    if (with_lists) in.lists = gsa::KeyLists{indices.view(), counts.view()};
+    return in;
+  }
+};
+
+struct IndexerLossResult {
+  std::vector<double> loss, lse, dq, dk, dweights, dbias;
+};
+
+// Forward then backward (with dbias when `with_bias`) through the API. placement: where the
+// call's tensors live (nullptr: host memory).
+inline IndexerLossResult run_indexer_loss(const IndexerLossCase& c, const gsa::IndexerLossOptions& o,
+                                          const ExecContext& ctx, bool with_bias = true,
+                                          Placement* placement = nullptr) {
+  const DType stats = c.q.dtype() == DType::float64 ? DType::float64 : DType::float32;
+  HostTensor loss(c.indexer.row_shape(), stats), lse(c.indexer.row_shape(c.heads + 1), stats),
+      dq(c.indexer.q.shape(), stats), dk(c.indexer.k.shape(), stats), dweights(c.indexer.weights.shape(), stats),
+      dbias(c.indexer.bias.shape(), stats);
+  for (HostTensor* t : {&loss, &lse, &dq, &dk, &dweights, &dbias}) t->fill(123.0);  // every entry must be written
+  auto at = [&](const HostTensor& t) { return placement == nullptr ? t.view() : placement->place(t); };
+  gsa::IndexerLossInputs in = c.inputs(with_bias);
+  in.indexer.q = at(c.indexer.q);
+  in.indexer.k = at(c.indexer.k);
+  in.indexer.head_weights = at(c.indexer.weights);
+  if (with_bias) in.indexer.bias = at(c.indexer.bias);
+  if (c.indexer.shape.varlen) {
+    in.indexer.cu_seqlens_q = at(c.indexer.cu_q);
+    in.indexer.cu_seqlens_k = at(c.indexer.cu_k);
+  }
+  in.q = at(c.q);
+  in.k = at(c.k);
+  if (c.with_lists) in.lists = gsa::KeyLists{at(c.indices), at(c.counts)};
+  const TensorView l = at(loss), s = at(lse), g = at(c.dloss), gq = at(dq), gk = at(dk), gw = at(dweights),
+                   gb = at(dbias);
+  gsa::indexer_loss_forward(in, o, {l, s}, ctx);
+  gsa::IndexerLossGrads grads{gq, gk, gw, std::nullopt};
+  if (with_bias) grads.dbias = gb;
+  gsa::indexer_loss_backward(in, o, {l, s}, g, grads, ctx);
+  if (placement != nullptr) {
+    placement->fetch(l, loss);
+    placement->fetch(s, lse);
+    placement->fetch(gq, dq);
+    placement->fetch(gk, dk);
+    placement->fetch(gw, dweights);
+    if (with_bias) placement->fetch(gb, dbias);
+  }
+  IndexerLossResult r{loss.values(), lse.values(), dq.values(), dk.values(), dweights.values(), {}};
+  if (with_bias) r.dbias = dbias.values();
+  return r;
 }
 
 }  // namespace winnow::testing
