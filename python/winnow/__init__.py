@@ -31,6 +31,7 @@ __all__ = [
     "screening_attention",
     "gsa_select_keys",
     "gsa_sparse_attention",
+    "gsa_indexer_loss",
     "paged_decode",
     "rotary_embedding",
     "rms_norm",
@@ -347,6 +348,42 @@ def gsa_sparse_attention(
     return torch.ops.winnow.gsa_sparse_attention(
         q, k, v, indices, counts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         scale=scale, trusted=trusted)
+
+
+def gsa_indexer_loss(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    head_weights: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    attention_q: torch.Tensor,
+    attention_k: torch.Tensor,
+    indices: Optional[torch.Tensor] = None,
+    counts: Optional[torch.Tensor] = None,
+    *,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    form: str = "sigmoid",
+    scale: Optional[float] = None,
+    attention_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """GSA's indexer loss (003 section 6), per query row:
+    ``KL_t = sum_{s in S_t} p_ts (log p_ts - log softmax_{s in S_t}(I_ts))``, with ``p_t`` the
+    mean over attention_q's heads of ``softmax(<attention_q, attention_k> * attention_scale)``
+    over the same set.
+
+    ``S_t`` is the row's list (``indices`` and ``counts`` as :func:`gsa_select_keys` returns
+    them: the sparse phase) or, without lists, every visible key (the dense warm-up). The
+    indexer's operands (``q``, ``k``, ``head_weights``, ``bias``, ``form``, ``scale``) as
+    :func:`gsa_select_keys` takes them; attention_q (B, Lq, H, D) and attention_k (B, Lk, H_kv,
+    D) (or packed) in q's dtype, over the same sequences. Returns (B, Lq) or (Tq), float32
+    (float64 for float64 inputs); differentiable in q, k, head_weights and bias, while
+    attention_q and attention_k are the target and get no gradient. No L x L matrix is formed:
+    memory is O(L).
+    """
+    return torch.ops.winnow.gsa_indexer_loss(
+        q, k, head_weights, bias, attention_q, attention_k, indices, counts,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, form=form, scale=scale,
+        attention_scale=attention_scale)
 
 
 def paged_decode(

@@ -8,8 +8,9 @@
 // not differentiable): KL(p_t || softmax_s(I_ts)), p_t the layer's attention distribution
 // averaged over its heads, over every visible key during the warm-up phase (train.phases entry
 // named options.warmup_phase, where attention is dense) and over the selection afterwards. The
-// loss is formed in chunks of query rows (O(chunk x L) memory) and reported as the auxiliary
-// loss "indexer_kl" (train.aux_loss_weights), one value per token on average.
+// loss (winnow's gsa_indexer_loss operator; composed, in chunks of query rows, where the layer
+// runs composed) is reported as the auxiliary loss "indexer_kl" (train.aux_loss_weights), one
+// value per token on average.
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cmath>
@@ -37,7 +38,7 @@ struct GsaOptions {
   double variance_momentum = 0.99;
   std::string warmup_phase = "indexer_warmup";
   bool indexer_loss = true;
-  std::int64_t loss_chunk = 256;  // query rows per chunk of the indexer's loss
+  std::int64_t loss_chunk = 256;  // query rows per chunk of the composed indexer loss
 
   template <class V>
   void fields(V& v) {
@@ -319,6 +320,20 @@ class GsaAttention final : public AttentionLayer {
     spec.index_scale = 1.0 / std::sqrt(static_cast<double>(options_.indexer_dim));
     // autograd::Function takes no undefined tensors: empty ones stand for the missing bias and,
     // in the dense phase, the missing lists.
+    if (kernel_) {
+      // winnow's operator: no L x L matrix, the lists read in place; per row, then averaged.
+      gsa::IndexerLossOptions o;
+      o.form = spec.relu ? gsa::ScoreForm::relu : gsa::ScoreForm::sigmoid;
+      o.scale = spec.index_scale;
+      o.attention_scale = spec.scale;
+      const torch::ScalarType dt = ix.q.scalar_type();
+      const torch::ScalarType stats = dt == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+      using Opt = torch_ops::Opt<at::Tensor>;
+      const torch::Tensor rows = torch_ops::gsa_indexer_loss(
+          ix.q, ix.k.to(dt), ix.weights.to(dt), ix.bias.defined() ? Opt(ix.bias.to(stats)) : Opt(), q.to(dt), k.to(dt),
+          sparse ? Opt(ix.indices) : Opt(), sparse ? Opt(ix.counts) : Opt(), o);
+      return rows.mean();
+    }
     auto or_empty = [&](const torch::Tensor& t) { return t.defined() ? t : torch::empty({0}, q.options()); };
     return ChunkedIndexerKl::apply(ix.q, ix.k, ix.weights, or_empty(ix.bias), q, k, or_empty(ix.indices),
                                    or_empty(ix.counts), spec.pack());

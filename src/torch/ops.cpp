@@ -957,6 +957,165 @@ at::Tensor gsa_sparse_attention_no_grad(const at::Tensor& q, const at::Tensor& k
   return std::get<0>(gsa_sparse_forward(q, k, v, indices, counts, cu_q, cu_k, scale, trusted, false));
 }
 
+// The indexer's loss (gsa::indexer_loss_*): per query row KL(p_t || softmax(I_t)) over the row's
+// list, or every visible key without lists; differentiable in the indexer's q, k, head weights
+// and bias (the attention's q and k are the target's, and get no gradient).
+gsa::IndexerLossInputs gsa_loss_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& head_weights, const Opt<at::Tensor>& bias,
+                                       const at::Tensor& attention_q, const at::Tensor& attention_k,
+                                       const Opt<at::Tensor>& indices, const Opt<at::Tensor>& counts,
+                                       const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k) {
+  if (indices.has_value() != counts.has_value()) {
+    throw Error(ErrorKind::invalid_argument,
+                std::string(op) + ": argument '" + (indices.has_value() ? "counts" : "indices") +
+                    "': expected a tensor with the other half of the key lists, got None");
+  }
+  gsa::IndexerLossInputs in;
+  in.indexer.q = view_of(q, op, "q");
+  in.indexer.k = view_of(k, op, "k");
+  in.indexer.head_weights = view_of(head_weights, op, "head_weights");
+  in.indexer.bias = view_of(bias, op, "bias");
+  in.indexer.cu_seqlens_q = view_of(cu_q, op, "cu_seqlens_q");
+  in.indexer.cu_seqlens_k = view_of(cu_k, op, "cu_seqlens_k");
+  in.q = view_of(attention_q, op, "attention_q");
+  in.k = view_of(attention_k, op, "attention_k");
+  if (indices.has_value()) {
+    // Lists from gsa_select_keys or the caller's: checked by the API either way.
+    in.lists = gsa_key_lists(op, *indices, *counts, false);
+  }
+  return in;
+}
+
+gsa::IndexerLossOptions gsa_loss_options(const char* op, c10::string_view form, Opt<double> scale,
+                                         Opt<double> attention_scale) {
+  gsa::IndexerLossOptions o;
+  const std::string form_s(form);
+  if (form_s == "sigmoid") {
+    o.form = gsa::ScoreForm::sigmoid;
+  } else if (form_s == "relu") {
+    o.form = gsa::ScoreForm::relu;
+  } else {
+    throw Error(ErrorKind::invalid_argument,
+                std::string(op) + ": argument 'form': expected \"sigmoid\" or \"relu\", got \"" + form_s + "\"");
+  }
+  o.scale = std_opt(scale);
+  o.attention_scale = std_opt(attention_scale);
+  return o;
+}
+
+std::vector<int64_t> gsa_loss_lse_shape(const at::Tensor& q, const at::Tensor& attention_q) {
+  std::vector<int64_t> shape = query_rows_shape(q);
+  shape.push_back(attention_q.dim() >= 2 ? attention_q.size(attention_q.dim() - 2) + 1 : 1);
+  return shape;
+}
+
+std::tuple<at::Tensor, at::Tensor> gsa_indexer_loss_forward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& head_weights, const Opt<at::Tensor>& bias,
+    const at::Tensor& attention_q, const at::Tensor& attention_k, const Opt<at::Tensor>& indices,
+    const Opt<at::Tensor>& counts, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+    c10::string_view form, Opt<double> scale, Opt<double> attention_scale, bool reference) {
+  constexpr const char* op = "winnow.gsa_indexer_loss_forward";
+  return translate_errors([&] {
+    const gsa::IndexerLossOptions options = gsa_loss_options(op, form, scale, attention_scale);
+    const gsa::IndexerLossInputs in =
+        gsa_loss_inputs(op, q, k, head_weights, bias, attention_q, attention_k, indices, counts, cu_q, cu_k);
+    at::Tensor loss = at::empty(query_rows_shape(q), q.options().dtype(stats_dtype(q)));
+    at::Tensor lse = at::empty(gsa_loss_lse_shape(q, attention_q), q.options().dtype(stats_dtype(q)));
+    const DeviceScope scope(q);
+    gsa::indexer_loss_forward(in, options, {view_of(loss, op, "loss"), view_of(lse, op, "lse")},
+                              scope.context(false, reference));
+    return std::make_tuple(loss, lse);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gsa_indexer_loss_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& head_weights, const Opt<at::Tensor>& bias,
+    const at::Tensor& attention_q, const at::Tensor& attention_k, const Opt<at::Tensor>& indices,
+    const Opt<at::Tensor>& counts, const at::Tensor& loss, const at::Tensor& lse, const at::Tensor& dloss,
+    const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, c10::string_view form, Opt<double> scale,
+    Opt<double> attention_scale, bool reference) {
+  constexpr const char* op = "winnow.gsa_indexer_loss_backward";
+  return translate_errors([&] {
+    const gsa::IndexerLossOptions options = gsa_loss_options(op, form, scale, attention_scale);
+    const gsa::IndexerLossInputs in =
+        gsa_loss_inputs(op, q, k, head_weights, bias, attention_q, attention_k, indices, counts, cu_q, cu_k);
+    const auto grad_options = q.options().dtype(stats_dtype(q));
+    at::Tensor dq = at::empty(q.sizes(), grad_options), dk = at::empty(k.sizes(), grad_options);
+    at::Tensor dw = at::empty(head_weights.sizes(), grad_options);
+    at::Tensor dbias = bias.has_value() ? at::empty(bias->sizes(), grad_options) : at::empty({0}, grad_options);
+    gsa::IndexerLossGrads grads{view_of(dq, op, "dq"), view_of(dk, op, "dk"), view_of(dw, op, "dhead_weights"),
+                                std::nullopt};
+    if (bias.has_value()) grads.dbias = view_of(dbias, op, "dbias");
+    const DeviceScope scope(q);
+    gsa::indexer_loss_backward(in, options, {view_of(loss, op, "loss"), view_of(lse, op, "lse")},
+                               view_of(dloss.contiguous(), op, "dloss"), grads, scope.context(false, reference));
+    return std::make_tuple(dq, dk, dw, dbias);
+  });
+}
+
+constexpr Dispatched<&gsa_indexer_loss_forward_op> gsa_indexer_loss_forward{"winnow::gsa_indexer_loss_forward"};
+constexpr Dispatched<&gsa_indexer_loss_backward_op> gsa_indexer_loss_backward{"winnow::gsa_indexer_loss_backward"};
+
+struct GsaIndexerLossFunction : public torch::autograd::Function<GsaIndexerLossFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& head_weights, const Opt<at::Tensor>& bias,
+                               const at::Tensor& attention_q, const at::Tensor& attention_k,
+                               const Opt<at::Tensor>& indices, const Opt<at::Tensor>& counts,
+                               const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, c10::string_view form,
+                               Opt<double> scale, Opt<double> attention_scale) {
+    auto [loss, lse] = gsa_indexer_loss_forward(q, k, head_weights, bias, attention_q, attention_k, indices, counts,
+                                                cu_q, cu_k, form, scale, attention_scale, false);
+    auto or_undefined = [](const Opt<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
+    ctx->save_for_backward({q, k, head_weights, or_undefined(bias), attention_q, attention_k, or_undefined(indices),
+                            or_undefined(counts), loss, lse, or_undefined(cu_q), or_undefined(cu_k)});
+    ctx->saved_data["form"] = std::string(form);
+    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+    ctx->saved_data["attention_scale"] = attention_scale.has_value() ? c10::IValue(*attention_scale) : c10::IValue();
+    return {loss};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    auto opt = [](const at::Tensor& t) { return t.defined() ? Opt<at::Tensor>(t) : Opt<at::Tensor>(); };
+    auto opt_double = [&](const char* key) {
+      const c10::IValue& v = ctx->saved_data[key];
+      return v.isNone() ? Opt<double>() : Opt<double>(v.toDouble());
+    };
+    const std::string form = ctx->saved_data["form"].toStringRef();
+    const at::Tensor dloss = grads[0].defined() ? grads[0] : at::zeros_like(s[8]);
+    auto [dq, dk, dw, dbias] =
+        gsa_indexer_loss_backward(s[0], s[1], s[2], opt(s[3]), s[4], s[5], opt(s[6]), opt(s[7]), s[8], s[9], dloss,
+                                  opt(s[10]), opt(s[11]), c10::string_view(form), opt_double("scale"),
+                                  opt_double("attention_scale"), false);
+    return {dq.to(s[0].scalar_type()),
+            dk.to(s[1].scalar_type()),
+            dw.to(s[2].scalar_type()),
+            s[3].defined() ? dbias.to(s[3].scalar_type()) : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor gsa_indexer_loss_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& head_weights,
+                                     const Opt<at::Tensor>& bias, const at::Tensor& attention_q,
+                                     const at::Tensor& attention_k, const Opt<at::Tensor>& indices,
+                                     const Opt<at::Tensor>& counts, const Opt<at::Tensor>& cu_q,
+                                     const Opt<at::Tensor>& cu_k, c10::string_view form, Opt<double> scale,
+                                     Opt<double> attention_scale) {
+  return GsaIndexerLossFunction::apply(q, k, head_weights, bias, attention_q, attention_k, indices, counts, cu_q,
+                                       cu_k, form, scale, attention_scale)[0];
+}
+
+at::Tensor gsa_indexer_loss_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& head_weights,
+                                    const Opt<at::Tensor>& bias, const at::Tensor& attention_q,
+                                    const at::Tensor& attention_k, const Opt<at::Tensor>& indices,
+                                    const Opt<at::Tensor>& counts, const Opt<at::Tensor>& cu_q,
+                                    const Opt<at::Tensor>& cu_k, c10::string_view form, Opt<double> scale,
+                                    Opt<double> attention_scale) {
+  return std::get<0>(gsa_indexer_loss_forward(q, k, head_weights, bias, attention_q, attention_k, indices, counts,
+                                              cu_q, cu_k, form, scale, attention_scale, false));
+}
+
 // ------------------------------------------------------------------ rotary embedding
 
 at::Tensor rotary_apply_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -1570,6 +1729,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gsa_sparse_backward(
   return grads("winnow.gsa_sparse_attention_backward", q, k, v);
 }
 
+// The indexer loss: one float32 (float64) value per query row, and H + 1 log-sum-exps; the
+// gradients in that dtype shaped like their inputs (dbias empty without a bias).
+std::tuple<at::Tensor, at::Tensor> gsa_indexer_loss_forward(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor&, const Opt<at::Tensor>&,
+                                                            const at::Tensor& attention_q, const at::Tensor&,
+                                                            const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                                                            const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                                                            c10::string_view, Opt<double>, Opt<double>, bool) {
+  constexpr const char* op = "winnow.gsa_indexer_loss_forward";
+  check_rank(op, "q", q);
+  check_rank(op, "k", k);
+  check_rank(op, "attention_q", attention_q);
+  std::vector<c10::SymInt> rows = q.sym_sizes().vec();
+  rows.resize(rows.size() - 2);
+  std::vector<c10::SymInt> lse = rows;
+  lse.emplace_back(attention_q.sym_size(attention_q.dim() - 2) + 1);
+  const auto options = q.options().dtype(stats_dtype(q));
+  return std::make_tuple(at::empty_symint(rows, options), at::empty_symint(lse, options));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gsa_indexer_loss_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& head_weights, const Opt<at::Tensor>& bias,
+    const at::Tensor&, const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&, c10::string_view,
+    Opt<double>, Opt<double>, bool) {
+  const auto options = q.options().dtype(stats_dtype(q));
+  return std::make_tuple(at::empty_symint(q.sym_sizes(), options), at::empty_symint(k.sym_sizes(), options),
+                         at::empty_symint(head_weights.sym_sizes(), options),
+                         bias.has_value() ? at::empty_symint(bias->sym_sizes(), options) : at::empty({0}, options));
+}
+
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor&, const at::Tensor& v_cache,
                                                 const at::Tensor&, const at::Tensor&, c10::string_view,
                                                 Opt<double>, Opt<bool>, bool, bool) {
@@ -1693,6 +1883,22 @@ TORCH_LIBRARY(winnow, m) {
       "Tensor? cu_seqlens_k=None, float? scale=None, bool trusted=False, "
       "bool deterministic=False, bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
+      "gsa_indexer_loss(Tensor q, Tensor k, Tensor head_weights, Tensor? bias, Tensor attention_q, "
+      "Tensor attention_k, Tensor? indices=None, Tensor? counts=None, *, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, str form=\"sigmoid\", float? scale=None, float? attention_scale=None) "
+      "-> Tensor");
+  m.def(
+      "gsa_indexer_loss_forward(Tensor q, Tensor k, Tensor head_weights, Tensor? bias, Tensor attention_q, "
+      "Tensor attention_k, Tensor? indices=None, Tensor? counts=None, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, str form=\"sigmoid\", float? scale=None, float? attention_scale=None, "
+      "bool reference=False) -> (Tensor loss, Tensor lse)");
+  m.def(
+      "gsa_indexer_loss_backward(Tensor q, Tensor k, Tensor head_weights, Tensor? bias, Tensor attention_q, "
+      "Tensor attention_k, Tensor? indices, Tensor? counts, Tensor loss, Tensor lse, Tensor dloss, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, str form=\"sigmoid\", float? scale=None, "
+      "float? attention_scale=None, bool reference=False) "
+      "-> (Tensor dq, Tensor dk, Tensor dhead_weights, Tensor dbias)");
+  m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, *, "
       "str mechanism=\"softmax\", float? scale=None, bool? attend_current=None, bool trusted=False, "
       "bool reference=False) -> (Tensor out, Tensor stat)");
@@ -1738,6 +1944,8 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("gsa_select_keys", gsa_select_keys_op);
   m.impl("gsa_sparse_attention_forward", gsa_sparse_forward_op);
   m.impl("gsa_sparse_attention_backward", gsa_sparse_backward_op);
+  m.impl("gsa_indexer_loss_forward", gsa_indexer_loss_forward_op);
+  m.impl("gsa_indexer_loss_backward", gsa_indexer_loss_backward_op);
   m.impl("paged_decode", paged_decode_op);
   m.impl("rotary_embedding_apply", rotary_apply_op);
   m.impl("rms_norm_forward", rms_norm_forward_op);
@@ -1764,6 +1972,8 @@ TORCH_LIBRARY_IMPL(winnow, Meta, m) {
   m.impl("gsa_select_keys", meta::gsa_select_keys);
   m.impl("gsa_sparse_attention_forward", meta::gsa_sparse_forward);
   m.impl("gsa_sparse_attention_backward", meta::gsa_sparse_backward);
+  m.impl("gsa_indexer_loss_forward", meta::gsa_indexer_loss_forward);
+  m.impl("gsa_indexer_loss_backward", meta::gsa_indexer_loss_backward);
   m.impl("paged_decode", meta::paged_decode);
   m.impl("rotary_embedding_apply", meta::rotary_apply);
   m.impl("rms_norm_forward", meta::rms_norm_forward);
@@ -1785,6 +1995,7 @@ TORCH_LIBRARY_IMPL(winnow, AutogradMeta, m) {
                            "threshold_attention_forward", "threshold_attention_backward",
                            "screening_attention_forward", "screening_attention_backward",
                            "gsa_sparse_attention_forward", "gsa_sparse_attention_backward",
+                           "gsa_indexer_loss_forward", "gsa_indexer_loss_backward",
                            "rotary_embedding_apply", "rms_norm_forward", "rms_norm_backward",
                            "add_rms_norm_forward", "add_rms_norm_backward", "swiglu_forward",
                            "swiglu_backward"}) {
@@ -1805,6 +2016,7 @@ TORCH_LIBRARY_IMPL(winnow, Autograd, m) {
   m.impl("gsa_select_keys", gsa_select_keys_autograd);
   m.impl("paged_decode", paged_decode_autograd);
   m.impl("gsa_sparse_attention", gsa_sparse_attention_autograd);
+  m.impl("gsa_indexer_loss", gsa_indexer_loss_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
   m.impl("rms_norm", rms_norm_autograd);
   m.impl("add_rms_norm", add_rms_norm_autograd);
@@ -1819,6 +2031,7 @@ TORCH_LIBRARY_IMPL(winnow, CompositeExplicitAutograd, m) {
   m.impl("threshold_attention", threshold_attention_no_grad);
   m.impl("screening_attention", screening_attention_no_grad);
   m.impl("gsa_sparse_attention", gsa_sparse_attention_no_grad);
+  m.impl("gsa_indexer_loss", gsa_indexer_loss_no_grad);
   m.impl("rotary_embedding", rotary_embedding_no_grad);
   m.impl("rms_norm", rms_norm_no_grad);
   m.impl("add_rms_norm", add_rms_norm_no_grad);
@@ -1931,6 +2144,23 @@ at::Tensor gsa_sparse_attention(const at::Tensor& q, const at::Tensor& k, const 
                                          const Opt<at::Tensor>&, const Opt<at::Tensor>&,
                                          Opt<double>, bool)>();
   return op.call(q, k, v, indices, counts, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, trusted);
+}
+
+at::Tensor gsa_indexer_loss(const at::Tensor& q, const at::Tensor& k, const at::Tensor& head_weights,
+                            const Opt<at::Tensor>& bias, const at::Tensor& attention_q,
+                            const at::Tensor& attention_k, const Opt<at::Tensor>& indices,
+                            const Opt<at::Tensor>& counts, const gsa::IndexerLossOptions& options,
+                            const Opt<at::Tensor>& cu_seqlens_q, const Opt<at::Tensor>& cu_seqlens_k) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("winnow::gsa_indexer_loss", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const Opt<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                                         const Opt<at::Tensor>&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+                                         const Opt<at::Tensor>&, c10::string_view, Opt<double>, Opt<double>)>();
+  const char* form = options.form == gsa::ScoreForm::relu ? "relu" : "sigmoid";
+  return op.call(q, k, head_weights, bias, attention_q, attention_k, indices, counts, cu_seqlens_q, cu_seqlens_k,
+                 c10::string_view(form), options.scale ? Opt<double>(*options.scale) : Opt<double>(),
+                 options.attention_scale ? Opt<double>(*options.attention_scale) : Opt<double>());
 }
 
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

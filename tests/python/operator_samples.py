@@ -16,7 +16,7 @@ import winnow
 # compares this list with torch.ops.winnow.
 DIFFERENTIABLE = ["softmax_attention", "stick_breaking_attention", "entmax_attention",
                   "sieve_attention", "threshold_attention", "screening_attention",
-                  "gsa_sparse_attention", "rotary_embedding", "rms_norm", "add_rms_norm", "swiglu"]
+                  "gsa_sparse_attention", "gsa_indexer_loss", "rotary_embedding", "rms_norm", "add_rms_norm", "swiglu"]
 KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
            "stick_breaking_attention_forward", "stick_breaking_attention_backward",
            "entmax_attention_forward", "entmax_attention_backward",
@@ -25,6 +25,7 @@ KERNELS = ["softmax_attention_forward", "softmax_attention_backward",
            "screening_attention_forward", "screening_attention_backward",
            # GSA's selection has no gradient: one operator, sampled with the kernels.
            "gsa_select_keys", "gsa_sparse_attention_forward", "gsa_sparse_attention_backward",
+           "gsa_indexer_loss_forward", "gsa_indexer_loss_backward",
            # Decoding against a paged cache: inference only, no gradient.
            "paged_decode",
            "rotary_embedding_apply",
@@ -193,6 +194,25 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
         out.append(Sample("gsa_sparse_attention_forward", (q, k, v) + batched_lists, {}, "batched"))
         out.append(Sample("gsa_sparse_attention_backward",
                           (q, k, v) + batched_lists + (o, lse, dout), {}, "batched"))
+
+    # The indexer's loss over those lists and, without lists, over every visible key; the
+    # attention's q and k (4 heads over 2) are its target and carry no gradient. The kernels'
+    # samples add the relu form over packed sequences.
+    iq, ik, iw, ib = indexer(2, 9, rows_k=(2, 13))
+    aq, ak, _ = (t.detach() for t in _qkv(2, 9, 13, 4, 2, d, d, dtype, device, False, gen))
+    out.append(Sample("gsa_indexer_loss", (iq, ik, iw, ib, aq, ak) + batched_lists, {}, "batched lists"))
+    out.append(Sample("gsa_indexer_loss", (iq, ik, iw, ib, aq, ak), {}, "batched dense"))
+    with torch.no_grad():
+        iq, ik, iw, ib = indexer(2, 9, rows_k=(2, 13), requires=False)
+        loss, lse = torch.ops.winnow.gsa_indexer_loss_forward(iq, ik, iw, ib, aq, ak, *batched_lists)
+        dloss = torch.randn(loss.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=loss.dtype)
+        out.append(Sample("gsa_indexer_loss_forward", (iq, ik, iw, ib, aq, ak) + batched_lists, {}, "batched"))
+        out.append(Sample("gsa_indexer_loss_backward",
+                          (iq, ik, iw, ib, aq, ak) + batched_lists + (loss, lse, dloss), {}, "batched"))
+        iq, ik, iw, _ = indexer(12, rows_k=(20,), requires=False)
+        pq, pk, _, cu_q, cu_k = _packed(d, dtype, device, False, gen)
+        out.append(Sample("gsa_indexer_loss_forward", (iq, ik, iw, None, pq, pk),
+                          {"form": "relu", "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, "packed dense relu"))
 
     # Paged decoding: 2 queries per sequence, GQA 4:2, pages of 4 rows handed out out of order,
     # sequences of 5 and 11 keys, unused table entries -1.

@@ -773,6 +773,88 @@ def test_gsa_sparse_packed_equals_each_sequence_alone():
         torch.testing.assert_close(out[rows], alone[0], rtol=1e-14, atol=1e-14)
 
 
+def composed_indexer_loss(iq, ik, w, bias, q, k, allowed, form="sigmoid"):
+    """003 section 6's loss per query row, written directly: KL(p || softmax(I)) over `allowed`
+    (B, Lq, Lk), p the heads' mean softmax; an empty row gives 0."""
+    z = scores(q, k).masked_fill(~allowed[:, None], float("-inf"))
+    p = torch.where(allowed[:, None], torch.softmax(z, -1), torch.zeros_like(z)).mean(1)
+    dots = torch.einsum("bljd,bsd->bljs", iq, ik[:, :, 0]) / iq.shape[-1] ** 0.5
+    if form == "sigmoid":
+        terms = torch.sigmoid(w)[..., None] * torch.sigmoid(dots + bias[None, None, :, None])
+    else:
+        terms = w[..., None] * torch.relu(dots)
+    log_q = torch.log_softmax(terms.sum(2).masked_fill(~allowed, float("-inf")), -1)
+    kl = torch.xlogy(p, p) - p * torch.where(allowed, log_q, torch.zeros_like(log_q))
+    return torch.where(allowed, kl, torch.zeros_like(kl)).sum(-1)
+
+
+@pytest.mark.parametrize("form", ["sigmoid", "relu"])
+@pytest.mark.parametrize("listed", [False, True])
+def test_gsa_indexer_loss_matches_the_kl_written_out(form, listed):
+    # Over the selection's lists (sparse phase) or every visible key (warm-up), grouped-query
+    # heads (6 over 2), more keys than queries; values and the indexer's gradients in float64.
+    iq, ik, iw, ib = gsa_indexer(2, 11, 17, seed=36)
+    ib = ib if form == "sigmoid" else None
+    torch.manual_seed(36)
+    q = torch.randn(2, 11, 6, 8, dtype=torch.float64)
+    k = torch.randn(2, 17, 2, 8, dtype=torch.float64)
+    lists = ()
+    pos = torch.arange(17 - 11, 17)[:, None]
+    allowed = (torch.arange(17)[None, :] <= pos).expand(2, 11, 17)
+    if listed:
+        lists = winnow.gsa_select_keys(iq, ik, iw, ib, k_max=6, budget="fixed", form=form)[:2]
+        allowed = list_mask(lists[0], 17)
+    leaves = [t.clone().requires_grad_() for t in (iq, ik, iw)] + ([ib.clone().requires_grad_()] if ib is not None else [])
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    bias, ref_bias = (leaves[3], ref_leaves[3]) if ib is not None else (None, None)
+    got = winnow.gsa_indexer_loss(*leaves[:3], bias, q, k, *lists, form=form)
+    want = composed_indexer_loss(*ref_leaves[:3], ref_bias, q, k, allowed, form=form)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert (got >= -1e-12).all()
+    weights = torch.cos(torch.arange(got.numel(), dtype=torch.float64)).reshape(got.shape)
+    grads = torch.autograd.grad((got * weights).sum(), leaves)
+    ref_grads = torch.autograd.grad((want * weights).sum(), ref_leaves)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+
+
+def test_gsa_indexer_loss_gradcheck_packed_float32_casts_back():
+    # Packed sequences (one empty) under gradcheck in float64; in float32 the gradients come
+    # back in each input's dtype.
+    cu_q = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 8, 14], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(37)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+    iq, ik, iw, ib = rnd(9, 3, 4), rnd(14, 1, 4), rnd(9, 3), rnd(3)
+    q, k = rnd(9, 2, 4), rnd(14, 1, 4)
+
+    def fn(iq, ik, iw, ib):
+        return winnow.gsa_indexer_loss(iq, ik, iw, ib, q, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    leaves = [t.clone().requires_grad_() for t in (iq, ik, iw, ib)]
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7)
+    low = [t.float().requires_grad_() for t in (iq, ik, iw, ib)]
+    loss = winnow.gsa_indexer_loss(*low[:3], low[3], q.float(), k.float(), cu_seqlens_q=cu_q,
+                                   cu_seqlens_k=cu_k)
+    assert loss.dtype == torch.float32 and loss.shape == (9,)
+    for g, t in zip(torch.autograd.grad(loss.sum(), low), low):
+        assert g.dtype == t.dtype and g.shape == t.shape
+
+
+def test_gsa_indexer_loss_bad_arguments_name_them():
+    iq, ik, iw, ib = gsa_indexer(1, 5, 5, seed=38)
+    q, k = torch.randn(1, 5, 2, 8, dtype=torch.float64), torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="attention_q|'q'"):
+        winnow.gsa_indexer_loss(iq, ik, iw, ib, q.float(), k.float())
+    with pytest.raises(ValueError, match="'bias'"):
+        winnow.gsa_indexer_loss(iq, ik, iw, ib, q, k, form="relu")
+    with pytest.raises(ValueError, match="'counts'"):
+        winnow.gsa_indexer_loss(iq, ik, iw, ib, q, k, torch.zeros(1, 5, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="'form'"):
+        winnow.gsa_indexer_loss(iq, ik, iw, ib, q, k, form="tanh")
+
+
 def test_gsa_bad_arguments_name_them():
     q, k, w, bias = gsa_indexer(1, 8, 8, dtype=torch.float32, seed=38)
     with pytest.raises(ValueError, match="argument 'k_min': expected an integer in \\[1, k_max = 4\\]"):

@@ -104,6 +104,8 @@ def call_with_loss(name, tensors, options):
         q, k, v, indices, counts, *cu = tensors
         extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}
         outputs = tensors_of(fn(q, k, v, indices, counts, **extra, **options))
+    elif name == "gsa_indexer_loss":  # (iq, ik, iw, ib, attention_q, attention_k[, indices, counts])
+        outputs = tensors_of(fn(*tensors, **options))  # batched samples only
     elif name == "screening_attention":  # (q, k, v, s_w, s_r[, cu_q, cu_k])
         q, k, v, s_w, s_r, *cu = tensors
         extra = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else {}

@@ -92,6 +92,20 @@ at::Tensor gsa_sparse_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& indices, const at::Tensor& counts,
                                 const AttentionCall& call, bool trusted = false);
 
+// GSA's indexer loss (winnow/gsa.h, indexer_loss_*): per query row, KL(p_t || softmax_s(I_ts))
+// over the row's list (indices and counts as gsa_select_keys returns them) or, without lists,
+// every visible key; p_t the mean over attention_q's heads of softmax(<attention_q, attention_k>
+// * attention_scale). The indexer's operands as gsa_select_keys takes them. Returns (B, Lq) or
+// (Tq) in float32 (float64 for float64 inputs), differentiable in q, k, head_weights and bias;
+// the attention's q and k get no gradient.
+at::Tensor gsa_indexer_loss(const at::Tensor& q, const at::Tensor& k, const at::Tensor& head_weights,
+                            const Opt<at::Tensor>& bias, const at::Tensor& attention_q,
+                            const at::Tensor& attention_k, const Opt<at::Tensor>& indices = Opt<at::Tensor>(),
+                            const Opt<at::Tensor>& counts = Opt<at::Tensor>(),
+                            const gsa::IndexerLossOptions& options = {},
+                            const Opt<at::Tensor>& cu_seqlens_q = Opt<at::Tensor>(),
+                            const Opt<at::Tensor>& cu_seqlens_k = Opt<at::Tensor>());
+
 // Rotary position embedding of x (B, L, H, D) by tables cos and sin (L, D/2) (winnow/rotary.h):
 // one kernel forward and one backward (the transposed rotation); gradients reach x only.
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
