@@ -11,6 +11,10 @@ of CUDA-event timings after warm-up; TFLOP/s of the sparse attention count its o
 4 H sum_t min(k, t + 1) D.
 
 --full-lists adds L = 4096 with k = 4096 (every list holds every visible key: nothing to skip).
+--indexer-loss adds the indexer's training loss (003 section 6) at the LM study's layer (B = 64,
+L = 512, 8 heads of 64, H_I = 4 of d_I = 64, lists of k = 256 from the selection), forward and
+backward: winnow.gsa_indexer_loss against the same KL written in PyTorch (float32, the whole
+(B, H, L, L) weights at once), over the lists and dense.
 Random inputs make each row's selection independent of its neighbours': every row gathers its
 own k keys, which is the sparse attention's worst case for memory traffic.
 Writes JSON (--json) and prints a table.
@@ -97,16 +101,71 @@ def case(L, k_sel, args):
     return row
 
 
+def composed_indexer_loss(iq, ik, w, bias, q, k, allowed):
+    """The indexer loss in PyTorch, float32: (B, L) per-row KL over `allowed` (B, L, L)."""
+    f = [t.float() for t in (iq, ik, w, q, k)]
+    iq, ik, w, q, k = f
+    group = q.shape[2] // k.shape[2]
+    logits = torch.einsum("blhd,bshd->bhls", q, k.repeat_interleave(group, 2)) / q.shape[-1] ** 0.5
+    p = torch.softmax(logits.masked_fill(~allowed[:, None], float("-inf")), -1).nan_to_num(0).mean(1)
+    dots = torch.einsum("bljd,bsd->bljs", iq, ik[:, :, 0]) / iq.shape[-1] ** 0.5
+    scores = (torch.sigmoid(w)[..., None] * torch.sigmoid(dots + bias[None, None, :, None])).sum(2)
+    log_q = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+    terms = torch.xlogy(p, p) - p * log_q.masked_fill(~allowed, 0)
+    return terms.masked_fill(~allowed, 0).sum(-1)
+
+
+def indexer_loss_rows():
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    B, L, H, D, HI, DI, K = 64, 512, 8, 64, 4, 64, 256
+    q = torch.randn(B, L, H, D, device=dev, dtype=dt)
+    k = torch.randn(B, L, H, D, device=dev, dtype=dt)
+    iq = torch.randn(B, L, HI, DI, device=dev, dtype=dt, requires_grad=True)
+    ik = torch.randn(B, L, 1, DI, device=dev, dtype=dt, requires_grad=True)
+    w = torch.randn(B, L, HI, device=dev, dtype=dt, requires_grad=True)
+    bias = torch.zeros(HI, device=dev, dtype=torch.float32, requires_grad=True)
+    with torch.no_grad():
+        indices, counts, _ = winnow.gsa_select_keys(iq, ik, w, bias, k_max=K, budget="fixed", k_fixed=K)
+        slots = torch.arange(K, device=dev)
+        allowed_lists = torch.zeros(B, L, L + 1, dtype=torch.bool, device=dev)
+        allowed_lists.scatter_(2, torch.where(slots < counts[..., None], indices.long(), L), True)
+        allowed_lists = allowed_lists[..., :L]
+        pos = torch.arange(L, device=dev)
+        causal = (pos[None, :] <= pos[:, None]).expand(B, L, L)
+    rows = []
+    for label, lists, allowed in (("lists of 256", (indices, counts), allowed_lists), ("dense", (), causal)):
+        def ours():
+            loss = winnow.gsa_indexer_loss(iq, ik, w, bias, q, k, *lists).mean()
+            return torch.autograd.grad(loss, (iq, ik, w, bias))
+
+        def composed():
+            loss = composed_indexer_loss(iq, ik, w, bias, q, k, allowed).mean()
+            return torch.autograd.grad(loss, (iq, ik, w, bias))
+        a = winnow.gsa_indexer_loss(iq, ik, w, bias, q, k, *lists).mean().item()
+        b = composed_indexer_loss(iq, ik, w, bias, q, k, allowed).mean().item()
+        row = {"set": label, "B": B, "L": L, "heads": H, "D": D, "indexer_heads": HI, "d_I": DI,
+               "winnow_ms": median_ms(ours), "composed_ms": median_ms(composed),
+               "loss_winnow": a, "loss_composed": b}
+        row["speedup"] = row["composed_ms"] / row["winnow_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[16384, 32768, 65536, 131072])
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--full-lists", action="store_true", help="add L = 4096 with k = 4096")
+    ap.add_argument("--indexer-loss", action="store_true",
+                    help="add the indexer loss (forward + backward) at the LM study's layer")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
+    loss_rows = indexer_loss_rows() if args.indexer_loss else []
     shapes = [(L, args.k) for L in args.lengths] + ([(4096, 4096)] if args.full_lists else [])
     for L, k_sel in shapes:
         row = case(L, k_sel, args)
@@ -121,9 +180,15 @@ def main():
         print(f"{r['L']:>7} {r['k']:>5} {f(r['select_ms'], '{:10.2f}')} {f(r['sparse_ms'], '{:10.2f}')} "
               f"{f(r['gsa_ms'])} {f(r.get('sdpa_flash_ms'))} {f(r.get('sdpa_cudnn_ms'))} "
               f"{f(r.get('gsa_speedup_vs_fastest_dense'))} {f(r.get('sparse_vs_flash'), '{:12.2f}')}")
+    if loss_rows:
+        print()
+        print(f"{'indexer loss, f+b':>20} {'winnow ms':>10} {'PyTorch ms':>11} {'speed-up':>9}")
+        for r in loss_rows:
+            print(f"{r['set']:>20} {r['winnow_ms']:10.2f} {r['composed_ms']:11.2f} {r['speedup']:9.1f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                       "indexer_loss": loss_rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
