@@ -11,6 +11,10 @@ of CUDA-event timings after warm-up; TFLOP/s of the sparse attention count its o
 4 H sum_t min(k, t + 1) D.
 
 --full-lists adds L = 4096 with k = 4096 (every list holds every visible key: nothing to skip).
+--decode adds one decoding step at each length (a new token's query over a cache of L keys,
+batch --decode-batch): the indexer over the cache, the selection of k keys and the sparse
+attention of the one query, against SDPA's flash back end and winnow's softmax paged_decode on
+the same cache.
 --indexer-loss adds the indexer's training loss (003 section 6) at the LM study's layer (B = 64,
 L = 512, 8 heads of 64, H_I = 4 of d_I = 64, lists of k = 256 from the selection), forward and
 backward: winnow.gsa_indexer_loss against the same KL written in PyTorch (float32, the whole
@@ -153,6 +157,54 @@ def indexer_loss_rows():
     return rows
 
 
+def decode_row(L, k_sel, batch, args):
+    """One decoding step at cache length L: GSA (select, then attend) against dense decoding."""
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    B, H, HKV, D, HI, DI = batch, args.heads, args.kv_heads, 128, 4, 64
+    q = torch.randn(B, 1, H, D, device=dev, dtype=dt)
+    k = torch.randn(B, L, HKV, D, device=dev, dtype=dt)
+    v = torch.randn(B, L, HKV, D, device=dev, dtype=dt)
+    iq = torch.randn(B, 1, HI, DI, device=dev, dtype=dt)
+    ik = torch.randn(B, L, 1, DI, device=dev, dtype=dt)
+    w = torch.randn(B, 1, HI, device=dev, dtype=dt)
+    bias = torch.zeros(HI, device=dev, dtype=torch.float32)
+
+    def select():
+        return winnow.gsa_select_keys(iq, ik, w, bias, k_max=k_sel, budget="fixed", k_fixed=k_sel)
+
+    def step():
+        i, c, _ = select()
+        return winnow.gsa_sparse_attention(q, k, v, i, c, trusted=True)
+
+    row = {"L": L, "k": k_sel, "batch": B, "heads": H, "kv_heads": HKV, "D": D}
+    row["select_ms"] = median_ms(select)
+    row["gsa_step_ms"] = median_ms(step)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    try:
+        def flash():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        row["sdpa_flash_ms"] = median_ms(flash)
+    except RuntimeError as e:
+        row["sdpa_flash_ms"], row["sdpa_flash_error"] = None, str(e).splitlines()[0][:200]
+    # winnow's split-KV decoding over the same cache as pages of 256 rows.
+    page = 256
+    pages = (L + page - 1) // page
+    kc = torch.zeros(B * pages * page, HKV, D, device=dev, dtype=dt)
+    vc = torch.zeros_like(kc)
+    kc.view(B, pages * page, HKV, D)[:, :L] = k
+    vc.view(B, pages * page, HKV, D)[:, :L] = v
+    kc, vc = kc.view(B * pages, page, HKV, D), vc.view(B * pages, page, HKV, D)
+    table = torch.arange(B * pages, device=dev, dtype=torch.int32).view(B, pages)
+    lens = torch.full((B,), L, device=dev, dtype=torch.int32)
+    row["paged_decode_ms"] = median_ms(lambda: winnow.paged_decode(q, kc, vc, table, lens, trusted=True))
+    dense = [row[n] for n in ("sdpa_flash_ms", "paged_decode_ms") if row.get(n)]
+    row["fastest_dense_over_gsa"] = min(dense) / row["gsa_step_ms"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="*", default=[16384, 32768, 65536, 131072])
@@ -160,12 +212,15 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--full-lists", action="store_true", help="add L = 4096 with k = 4096")
+    ap.add_argument("--decode", action="store_true", help="add one decoding step at each length")
+    ap.add_argument("--decode-batch", type=int, default=1)
     ap.add_argument("--indexer-loss", action="store_true",
                     help="add the indexer loss (forward + backward) at the LM study's layer")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
     loss_rows = indexer_loss_rows() if args.indexer_loss else []
+    decode_rows = [decode_row(L, args.k, args.decode_batch, args) for L in args.lengths] if args.decode else []
     shapes = [(L, args.k) for L in args.lengths] + ([(4096, 4096)] if args.full_lists else [])
     for L, k_sel in shapes:
         row = case(L, k_sel, args)
@@ -180,6 +235,14 @@ def main():
         print(f"{r['L']:>7} {r['k']:>5} {f(r['select_ms'], '{:10.2f}')} {f(r['sparse_ms'], '{:10.2f}')} "
               f"{f(r['gsa_ms'])} {f(r.get('sdpa_flash_ms'))} {f(r.get('sdpa_cudnn_ms'))} "
               f"{f(r.get('gsa_speedup_vs_fastest_dense'))} {f(r.get('sparse_vs_flash'), '{:12.2f}')}")
+    if decode_rows:
+        print()
+        print(f"{'decode L':>9} {'batch':>5} {'select ms':>10} {'GSA step ms':>12} {'flash ms':>9} "
+              f"{'paged ms':>9} {'dense/GSA':>9}")
+        for r in decode_rows:
+            flash = f"{r['sdpa_flash_ms']:9.3f}" if r.get("sdpa_flash_ms") else "-".rjust(9)
+            print(f"{r['L']:>9} {r['batch']:>5} {r['select_ms']:10.3f} {r['gsa_step_ms']:12.3f} {flash} "
+                  f"{r['paged_decode_ms']:9.3f} {r['fastest_dense_over_gsa']:9.2f}")
     if loss_rows:
         print()
         print(f"{'indexer loss, f+b':>20} {'winnow ms':>10} {'PyTorch ms':>11} {'speed-up':>9}")
@@ -188,7 +251,7 @@ def main():
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-                       "indexer_loss": loss_rows}, fh, indent=1)
+                       "indexer_loss": loss_rows, "decode": decode_rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
