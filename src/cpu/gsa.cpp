@@ -12,25 +12,13 @@
 #include <vector>
 
 #include "cpu/cpu.h"
+#include "cpu/query_rows.h"
 #include "cpu/tiles.h"
 #include "math/gsa.h"
 #include "math/softmax.h"
 
 namespace winnow::cpu {
 namespace {
-
-// Every (sequence, query row), the work items of the row-parallel loops. Later rows see more
-// keys: listing them first balances the dynamic schedule.
-struct RowItem {
-  std::int64_t b, r;
-};
-std::vector<RowItem> query_rows(const detail::AttentionParams& p) {
-  std::vector<RowItem> items;
-  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
-    for (std::int64_t r = p.sequence(b).q_len - 1; r >= 0; --r) items.push_back({b, r});
-  }
-  return items;
-}
 
 template <class T>
 void select_keys(const detail::AttentionParams& p, const detail::IndexerConfig& c) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu/cpu.h"
+#include "cpu/query_rows.h"
 #include "cpu/tiles.h"
 #include "math/gsa.h"
 
@@ -21,18 +22,6 @@ namespace winnow::cpu {
 namespace {
 
 using detail::IndexerLossConfig;
-
-// Every (sequence, query row), later rows (more keys) first for the dynamic schedule.
-struct RowItem {
-  std::int64_t b, r;
-};
-std::vector<RowItem> query_rows(const AttentionParams& p) {
-  std::vector<RowItem> items;
-  for (std::int64_t b = 0; b < p.num_seqs; ++b) {
-    for (std::int64_t r = p.sequence(b).q_len - 1; r >= 0; --r) items.push_back({b, r});
-  }
-  return items;
-}
 
 template <class T>
 T dot(const T* q, const T* k, std::int64_t k_step, std::int64_t n) {

@@ -766,6 +766,14 @@ at::Tensor screening_attention_no_grad(const at::Tensor& q, const at::Tensor& k,
 // The indexer's options as the C++ API takes them. The fixed budget is `k_fixed` here (the
 // operator's `k` is the key tensor); None means k_max. k_max is checked before anything is
 // allocated, since the lists' width comes from it.
+gsa::ScoreForm gsa_score_form(const char* op, c10::string_view form) {
+  const std::string form_s(form);
+  if (form_s == "sigmoid") return gsa::ScoreForm::sigmoid;
+  if (form_s == "relu") return gsa::ScoreForm::relu;
+  throw Error(ErrorKind::invalid_argument,
+              std::string(op) + ": argument 'form': expected \"sigmoid\" or \"relu\", got \"" + form_s + "\"");
+}
+
 gsa::IndexerOptions gsa_indexer_options(const char* op, c10::string_view form, Opt<double> scale,
                                         c10::string_view budget, Opt<int64_t> k_fixed,
                                         int64_t k_base, int64_t k_min, int64_t k_max,
@@ -775,14 +783,8 @@ gsa::IndexerOptions gsa_indexer_options(const char* op, c10::string_view form, O
                 std::string(op) + ": argument '" + name + "': expected " + expected + ", got " + got);
   };
   gsa::IndexerOptions o;
-  const std::string form_s(form), budget_s(budget);
-  if (form_s == "sigmoid") {
-    o.form = gsa::ScoreForm::sigmoid;
-  } else if (form_s == "relu") {
-    o.form = gsa::ScoreForm::relu;
-  } else {
-    fail("form", "\"sigmoid\" or \"relu\"", "\"" + form_s + "\"");
-  }
+  const std::string budget_s(budget);
+  o.form = gsa_score_form(op, form);
   if (budget_s == "fixed") {
     o.budget = gsa::Budget::fixed;
   } else if (budget_s == "inverse_variance") {
@@ -989,15 +991,7 @@ gsa::IndexerLossInputs gsa_loss_inputs(const char* op, const at::Tensor& q, cons
 gsa::IndexerLossOptions gsa_loss_options(const char* op, c10::string_view form, Opt<double> scale,
                                          Opt<double> attention_scale) {
   gsa::IndexerLossOptions o;
-  const std::string form_s(form);
-  if (form_s == "sigmoid") {
-    o.form = gsa::ScoreForm::sigmoid;
-  } else if (form_s == "relu") {
-    o.form = gsa::ScoreForm::relu;
-  } else {
-    throw Error(ErrorKind::invalid_argument,
-                std::string(op) + ": argument 'form': expected \"sigmoid\" or \"relu\", got \"" + form_s + "\"");
-  }
+  o.form = gsa_score_form(op, form);
   o.scale = std_opt(scale);
   o.attention_scale = std_opt(attention_scale);
   return o;
@@ -1066,27 +1060,26 @@ struct GsaIndexerLossFunction : public torch::autograd::Function<GsaIndexerLossF
     auto [loss, lse] = gsa_indexer_loss_forward(q, k, head_weights, bias, attention_q, attention_k, indices, counts,
                                                 cu_q, cu_k, form, scale, attention_scale, false);
     auto or_undefined = [](const Opt<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
-    ctx->save_for_backward({q, k, head_weights, or_undefined(bias), attention_q, attention_k, or_undefined(indices),
-                            or_undefined(counts), loss, lse, or_undefined(cu_q), or_undefined(cu_k)});
+    save_call(ctx, {q, k, head_weights, or_undefined(bias), attention_q, attention_k, or_undefined(indices),
+                    or_undefined(counts), loss, lse},
+              cu_q, cu_k, scale, true);
     ctx->saved_data["form"] = std::string(form);
-    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
     ctx->saved_data["attention_scale"] = attention_scale.has_value() ? c10::IValue(*attention_scale) : c10::IValue();
     return {loss};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list s = ctx->get_saved_variables();
+    const SavedCall c = saved_call(ctx);
+    const variable_list& s = c.tensors;
     auto opt = [](const at::Tensor& t) { return t.defined() ? Opt<at::Tensor>(t) : Opt<at::Tensor>(); };
-    auto opt_double = [&](const char* key) {
-      const c10::IValue& v = ctx->saved_data[key];
-      return v.isNone() ? Opt<double>() : Opt<double>(v.toDouble());
-    };
+    const c10::IValue& saved_attention_scale = ctx->saved_data["attention_scale"];
+    const Opt<double> attention_scale =
+        saved_attention_scale.isNone() ? Opt<double>() : Opt<double>(saved_attention_scale.toDouble());
     const std::string form = ctx->saved_data["form"].toStringRef();
     const at::Tensor dloss = grads[0].defined() ? grads[0] : at::zeros_like(s[8]);
     auto [dq, dk, dw, dbias] =
         gsa_indexer_loss_backward(s[0], s[1], s[2], opt(s[3]), s[4], s[5], opt(s[6]), opt(s[7]), s[8], s[9], dloss,
-                                  opt(s[10]), opt(s[11]), c10::string_view(form), opt_double("scale"),
-                                  opt_double("attention_scale"), false);
+                                  c.cu_q, c.cu_k, c10::string_view(form), c.scale, attention_scale, false);
     return {dq.to(s[0].scalar_type()),
             dk.to(s[1].scalar_type()),
             dw.to(s[2].scalar_type()),

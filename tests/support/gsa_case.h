@@ -20,6 +20,22 @@
 
 namespace winnow::testing {
 
+// d objective / d t[i] by central differences of step h; t holds its own values again after.
+template <class Objective>
+double central_difference(HostTensor& t, std::size_t i, double h, Objective&& objective) {
+  std::vector<double> x = t.values();
+  const double x0 = x[i];
+  x[i] = x0 + h;
+  t.set_values(x);
+  const double up = objective();
+  x[i] = x0 - h;
+  t.set_values(x);
+  const double down = objective();
+  x[i] = x0;
+  t.set_values(x);
+  return (up - down) / (2 * h);
+}
+
 // Budget options: 003's inverse-variance rule, and a fixed k.
 inline gsa::IndexerOptions inverse_variance(std::int64_t k_base, std::int64_t k_min, std::int64_t k_max, double vbar) {
   gsa::IndexerOptions o;
