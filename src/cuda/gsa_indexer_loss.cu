@@ -155,15 +155,16 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_loss_kernel(AttentionPara
   float* acc_b = smem + lay.acc_b + warp * HI;
 
   // The block's rows: attention queries, indexer queries, gates; zeros for rows past the end.
-  for (int i = threadIdx.x; i < kRows * H * D; i += kThreads) {
-    const int w = i / (H * D), h = (i / D) % H, d = i % D;
-    const std::int64_t rr = r0 + w;
-    q_s[i] = rr < s.q_len ? widen(a.q.at<const T>(b, s.q_start + rr, h)[d * a.q.dim]) : 0.f;
+  // Each warp stages its own row: addresses once per head, lanes over features.
+  for (int h = 0; h < H; ++h) {
+    const T* src = active ? a.q.at<const T>(b, row, h) : nullptr;
+    float* dst = q_s + (warp * H + h) * D;
+    for (int d = lane; d < D; d += 32) dst[d] = src != nullptr ? widen(src[d * a.q.dim]) : 0.f;
   }
-  for (int i = threadIdx.x; i < kRows * HI * DI; i += kThreads) {
-    const int w = i / (HI * DI), j = (i / DI) % HI, d = i % DI;
-    const std::int64_t rr = r0 + w;
-    iq_s[i] = rr < s.q_len ? widen(p.q.at<const T>(b, s.q_start + rr, j)[d * p.q.dim]) : 0.f;
+  for (int j = 0; j < HI; ++j) {
+    const T* src = active ? p.q.at<const T>(b, row, j) : nullptr;
+    float* dst = iq_s + (warp * HI + j) * DI;
+    for (int d = lane; d < DI; d += 32) dst[d] = src != nullptr ? widen(src[d * p.q.dim]) : 0.f;
   }
   for (int j = lane; j < HI; j += 32) {
     gate_s[j] = active ? math::gsa::gate(c.form, widen(*c.weights.at<const T>(b, row, j))) : 0.f;
@@ -220,11 +221,12 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_loss_kernel(AttentionPara
     if (!__syncthreads_or(mask != 0)) continue;
     const bool mine = (mask >> lane) & 1u;
 
-    for (int i = threadIdx.x; i < kTile * DI; i += kThreads) {
-      const int key = i / DI, d = i % DI;
+    // A warp per staged key row, lanes over features: no index arithmetic per element.
+    for (int key = warp; key < kTile; key += kRows) {
       const std::int64_t pos = k0 + key;
-      ik_s[key * lay.index_key_stride + d] =
-          pos <= last_key ? widen(p.k.at<const T>(b, s.k_start + pos, 0)[d * p.k.dim]) : 0.f;
+      const T* src = pos <= last_key ? p.k.at<const T>(b, s.k_start + pos, 0) : nullptr;
+      float* dst = ik_s + key * lay.index_key_stride;
+      for (int d = lane; d < DI; d += 32) dst[d] = src != nullptr ? widen(src[d * p.k.dim]) : 0.f;
     }
 
     float score = 0.f;  // I_ts of this lane's key
@@ -232,11 +234,12 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_loss_kernel(AttentionPara
     for (int g0 = 0; g0 < lay.kv_heads; g0 += lay.stage_heads) {
       const int staged = lay.kv_heads - g0 < lay.stage_heads ? lay.kv_heads - g0 : lay.stage_heads;
       if (g0 > 0) __syncthreads();
-      for (int i = threadIdx.x; i < staged * kTile * D; i += kThreads) {
-        const int g = i / (kTile * D), key = (i / D) % kTile, d = i % D;
+      for (int staged_row = warp; staged_row < staged * kTile; staged_row += kRows) {
+        const int g = staged_row / kTile, key = staged_row % kTile;
         const std::int64_t pos = k0 + key;
-        k_s[(g * kTile + key) * lay.key_stride + d] =
-            pos <= last_key ? widen(a.k.at<const T>(b, s.k_start + pos, g0 + g)[d * a.k.dim]) : 0.f;
+        const T* src = pos <= last_key ? a.k.at<const T>(b, s.k_start + pos, g0 + g) : nullptr;
+        float* dst = k_s + staged_row * lay.key_stride;
+        for (int d = lane; d < D; d += 32) dst[d] = src != nullptr ? widen(src[d * a.k.dim]) : 0.f;
       }
       __syncthreads();
       if (mask == 0) continue;
@@ -288,24 +291,27 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_loss_kernel(AttentionPara
       __syncthreads();
       // The row's indexer queries: lanes over (head, feature), the tile's keys summed.
       if (mask != 0) {
-        for (int i = lane; i < HI * DI; i += 32) {
-          const int j = i / DI, d = i % DI;
+        for (int j = 0; j < HI; ++j) {
           const float* dzj = dz_s + j * kTile;
-          float acc = 0.f;
-          for (int key = 0; key < kTile; ++key) acc = fmaf(dzj[key], ik_s[key * lay.index_key_stride + d], acc);
-          c.dq.at<float>(b, row, j)[d * c.dq.dim] += acc * scale;
+          float* dq = c.dq.at<float>(b, row, j);
+          for (int d = lane; d < DI; d += 32) {
+            float acc = 0.f;
+            for (int key = 0; key < kTile; ++key) acc = fmaf(dzj[key], ik_s[key * lay.index_key_stride + d], acc);
+            dq[d * c.dq.dim] += acc * scale;
+          }
         }
       }
       // The tile's indexer keys: the block's rows and heads summed, one atomic per feature.
       const float* dz_all = smem + lay.dz;
-      for (int i = threadIdx.x; i < kTile * DI; i += kThreads) {
-        const int key = i / DI, d = i % DI;
-        if (k0 + key > last_key) continue;
-        float acc = 0.f;
-        for (int w = 0; w < kRows; ++w) {
-          for (int j = 0; j < HI; ++j) acc = fmaf(dz_all[(w * HI + j) * kTile + key], iq_s[(w * HI + j) * DI + d], acc);
+      for (int key = warp; key < kTile && k0 + key <= last_key; key += kRows) {
+        float* dk = c.dk.at<float>(b, s.k_start + k0 + key, 0);
+        for (int d = lane; d < DI; d += 32) {
+          float acc = 0.f;
+          for (int w = 0; w < kRows; ++w) {
+            for (int j = 0; j < HI; ++j) acc = fmaf(dz_all[(w * HI + j) * kTile + key], iq_s[(w * HI + j) * DI + d], acc);
+          }
+          if (acc != 0.f) atomicAdd(dk + d * c.dk.dim, acc * scale);
         }
-        if (acc != 0.f) atomicAdd(c.dk.at<float>(b, s.k_start + k0 + key, 0) + d * c.dk.dim, acc * scale);
       }
     }
   }

@@ -224,20 +224,15 @@ TEST(CudaGsaSparse, MalformedListsAreRefusedByTheDeviceCheck) {
 // sets (empty rows, full rows), both score forms, odd head dimensions (the scalar dot products),
 // GQA, kv heads staged in several rounds (16 heads of 128), packed sequences with an empty one,
 // suffix queries and permuted strides.
-TEST(CudaGsaIndexerLoss, MatchesTheReference) {
-  struct Shape {
-    IndexerShape s;
-    std::int64_t heads, heads_kv, dim, per_row;
-    bool permuted;
-  };
-  const std::vector<Shape> shapes = {
-      {{{{23, 23}, {23, 23}}, false, 4, 8}, 6, 2, 7, 5, false},
-      {{{{6, 31}}, false, 3, 8}, 4, 4, 8, 0, true},                           // suffix, permuted, every key listed
-      {{{{7, 7}, {0, 0}, {19, 19}, {1, 1}}, true, 2, 4}, 3, 3, 4, 3, false},  // packed, an empty sequence
-      {{{{200, 200}, {200, 200}}, false, 4, 64}, 8, 8, 64, 50, false},        // the LM study's layer
-      {{{{100, 100}}, false, 4, 128}, 16, 4, 128, 40, false},                 // kv heads staged in rounds
-  };
-  for (const Shape& shape : shapes) {
+struct IndexerLossShape {
+  IndexerShape s;
+  std::int64_t heads, heads_kv, dim, per_row;
+  bool permuted;
+};
+
+// Every shape in both list modes, three dtypes and both score forms.
+void expect_indexer_loss_matches_the_reference(const std::vector<IndexerLossShape>& shapes) {
+  for (const IndexerLossShape& shape : shapes) {
     for (const bool listed : {false, true}) {
       for (const DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
         for (const bool relu : {false, true}) {
@@ -262,6 +257,22 @@ TEST(CudaGsaIndexerLoss, MatchesTheReference) {
       }
     }
   }
+}
+
+// Small enough for racecheck (tools/gpu_check.sh sanitize), which takes minutes on the large ones.
+TEST(CudaGsaIndexerLoss, SmallShapesMatchTheReference) {
+  expect_indexer_loss_matches_the_reference({
+      {{{{23, 23}, {23, 23}}, false, 4, 8}, 6, 2, 7, 5, false},
+      {{{{6, 31}}, false, 3, 8}, 4, 4, 8, 0, true},                           // suffix, permuted, every key listed
+      {{{{7, 7}, {0, 0}, {19, 19}, {1, 1}}, true, 2, 4}, 3, 3, 4, 3, false},  // packed, an empty sequence
+  });
+}
+
+TEST(CudaGsaIndexerLoss, LargeShapesMatchTheReference) {
+  expect_indexer_loss_matches_the_reference({
+      {{{{200, 200}, {200, 200}}, false, 4, 64}, 8, 8, 64, 50, false},  // the LM study's layer
+      {{{{100, 100}}, false, 4, 128}, 16, 4, 128, 40, false},           // kv heads staged in rounds
+  });
 }
 
 }  // namespace

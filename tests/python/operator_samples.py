@@ -294,6 +294,7 @@ FUNCTIONS: Dict[str, Callable] = {
     "threshold_attention": winnow.threshold_attention,
     "screening_attention": winnow.screening_attention,
     "gsa_sparse_attention": winnow.gsa_sparse_attention,
+    "gsa_indexer_loss": winnow.gsa_indexer_loss,
     "rotary_embedding": winnow.rotary_embedding,
     "rms_norm": winnow.rms_norm,
     "add_rms_norm": winnow.add_rms_norm,

@@ -49,6 +49,14 @@ def test_every_operator_has_samples():
     assert sampled == registered
 
 
+def test_every_differentiable_operator_has_its_package_function():
+    # The compile checks call operators through FUNCTIONS; one missing there fails only where
+    # torch.compile runs (torch >= 2.4), so check the table here too.
+    assert set(FUNCTIONS) == set(DIFFERENTIABLE)
+    for name, fn in FUNCTIONS.items():
+        assert fn is getattr(winnow, name)
+
+
 @pytest.mark.parametrize("sample", samples(requires_grad=False), ids=str)
 def test_meta_outputs_match_real_outputs(sample):
     real = tensors_of(operator(sample)(*sample.args, **sample.kwargs))
