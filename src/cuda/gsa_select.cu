@@ -5,6 +5,13 @@
 //      row's variance and count, and the indices of every row whose budget covers all its
 //      visible keys, which then need no ranking; select_keys_kernel below skips those rows and
 //      takes the others' counts as given.
+// Where the rows are few (decoding) or the scores of a group of rows fit a scratch buffer,
+// indexer_scores_kernel first writes every visible key's score, many blocks per row, with the
+// same function and so the same bits as the passes below, which then read them instead of
+// recomputing them: one block per row then does memory passes only. Otherwise the passes
+// recompute every score, and a row's block does three or more passes of the indexer's products
+// alone, which leaves most of the GPU idle when the rows number fewer than the multiprocessors
+// (at 128K keys and one row, 10 ms).
 // Then one block per query row:
 //   1. statistics: the row's mean and population variance (hence its budget k_t) and the
 //      smallest and largest sort key;
@@ -20,7 +27,9 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "cuda/attention/row_blocks.cuh"
@@ -313,10 +322,57 @@ __global__ void __launch_bounds__(32 * kStatWarps, 1) indexer_statistics_kernel(
   }
 }
 
+// A row's scaled queries, head gates and biases into shared memory, as indexer_score reads them.
+template <class T>
+__device__ void load_row_query(const detail::AttentionParams& p, const detail::IndexerConfig& c, const QueryRow& row,
+                               float* q, float* gate, float* bias) {
+  const int heads = static_cast<int>(p.heads_q), dim = static_cast<int>(p.dim_qk);
+  const std::int64_t q_row = row.operand_row();
+  for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) {
+    const int j = i / dim, d = i % dim;
+    q[i] = widen(p.q.at<const T>(row.b, q_row, j)[d * p.q.dim]) * static_cast<float>(p.scale);
+  }
+  if (static_cast<int>(threadIdx.x) < heads) {
+    gate[threadIdx.x] = math::gsa::gate(c.form, widen(*c.weights.at<const T>(row.b, q_row, threadIdx.x)));
+    bias[threadIdx.x] = c.bias_at<float>(threadIdx.x);
+  }
+}
+
+// Where the selection reads stored scores: row i's key s at scores[(i - first_row) * ld + s].
+struct StoredScores {
+  float* scores = nullptr;
+  std::int64_t ld = 0, first_row = 0;
+};
+
+constexpr int kScoreThreads = 256, kScoreKeys = 2048;  // keys a scoring block covers
+
+// Rows first_row + blockIdx.y: every visible key's score in blocks of kScoreKeys keys.
+template <class T>
+__global__ void __launch_bounds__(kScoreThreads) indexer_scores_kernel(const detail::AttentionParams p,
+                                                                        const detail::IndexerConfig c, bool packed,
+                                                                        StoredScores stored) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* q = reinterpret_cast<float*>(smem_raw);
+  float* gate = q + p.heads_q * p.dim_qk;
+  float* bias = gate + 32;
+  const std::int64_t i = stored.first_row + blockIdx.y;
+  const QueryRow row = locate_query_row(p, i);
+  const std::int64_t visible = row.position() + 1, first = static_cast<std::int64_t>(blockIdx.x) * kScoreKeys;
+  if (first >= visible) return;
+  load_row_query<T>(p, c, row, q, gate, bias);
+  __syncthreads();
+  const std::int64_t end = first + kScoreKeys < visible ? first + kScoreKeys : visible;
+  float* out = stored.scores + static_cast<std::int64_t>(blockIdx.y) * stored.ld;
+  for (std::int64_t key = first + threadIdx.x; key < end; key += kScoreThreads) {
+    out[key] = indexer_score<T>(q, gate, bias, static_cast<int>(p.heads_q), static_cast<int>(p.dim_qk), c.form,
+                                p.k.at<const T>(row.b, row.s.k_start + key, 0), p.k.dim, packed);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detail::AttentionParams p,
                                                                       const detail::IndexerConfig c, bool packed,
-                                                                      bool counted) {
+                                                                      bool counted, StoredScores stored) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const SelectLayout layout(p, c);
   auto* candidates = reinterpret_cast<std::uint64_t*>(smem_raw);
@@ -340,25 +396,22 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
   __shared__ int emitted, collected;
   __shared__ std::int64_t shared_count;
 
-  const QueryRow row = locate_query_row(p, blockIdx.x);
+  const std::int64_t row_index = stored.first_row + blockIdx.x;
+  const QueryRow row = locate_query_row(p, row_index);
   const int tid = threadIdx.x, heads = static_cast<int>(p.heads_q), dim = static_cast<int>(p.dim_qk);
   const std::int64_t t = row.position(), visible = t + 1, q_row = row.operand_row();
   const math::gsa::ScoreForm form = c.form;
   // Counted by indexer_statistics_kernel: a row that keeps every visible key is done.
   if (counted && *c.counts.at<const std::int32_t>(row.b, q_row, 0) == visible) return;
 
-  for (int i = tid; i < heads * dim; i += kSelectThreads) {
-    const int j = i / dim, d = i % dim;
-    q[i] = widen(p.q.at<const T>(row.b, q_row, j)[d * p.q.dim]) * static_cast<float>(p.scale);
-  }
-  if (tid < heads) {
-    gate[tid] = math::gsa::gate(form, widen(*c.weights.at<const T>(row.b, q_row, tid)));
-    bias[tid] = c.bias_at<float>(tid);
-  }
+  const float* row_scores = stored.scores != nullptr ? stored.scores + static_cast<std::int64_t>(blockIdx.x) * stored.ld
+                                                     : nullptr;
+  if (row_scores == nullptr) load_row_query<T>(p, c, row, q, gate, bias);
   if (tid == 0) emitted = 0;
   __syncthreads();
 
   auto score_of = [&](std::int64_t key) {
+    if (row_scores != nullptr) return row_scores[key];
     return indexer_score<T>(q, gate, bias, heads, dim, form, p.k.at<const T>(row.b, row.s.k_start + key, 0),
                             p.k.dim, packed);
   };
@@ -528,11 +581,52 @@ void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConf
     kernel<<<grid, 32 * kStatWarps, stat_bytes, stream_of(p)>>>(p, c);
     check_launch("gsa indexer_statistics_kernel");
   };
-  auto launch = [&](auto kernel) {
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+  // Stored scores unless pass 0 settles the rows (its rows need no scores at all), in groups of
+  // rows whose scores fit kStoredScoreBytes. WINNOW_GSA_SELECT_SCORES=recompute or =stored
+  // forces one way (for tests and A/B runs); read on every call so that a test can switch it.
+  constexpr std::int64_t kStoredScoreBytes = std::int64_t{256} << 20;
+  const char* forced = std::getenv("WINNOW_GSA_SELECT_SCORES");
+  const std::string forced_path = forced != nullptr ? forced : "";
+  bool stored_path = forced_path == "stored" || (forced_path != "recompute" && !counted);
+  const std::int64_t ld = p.max_len_k > 0 ? p.max_len_k : 1;
+  // WINNOW_GSA_SELECT_GROUP_ROWS=n: groups of at most n rows (tests cover the grouping with it).
+  const char* group_cap = std::getenv("WINNOW_GSA_SELECT_GROUP_ROWS");
+  const std::int64_t cap = group_cap != nullptr ? std::max(1LL, std::atoll(group_cap)) : 65535;
+  const std::int64_t group_rows =
+      stored_path ? std::max<std::int64_t>(1, std::min<std::int64_t>({p.rows_q, kStoredScoreBytes / (ld * 4), cap, 65535}))
+                  : p.rows_q;
+  std::optional<DeviceBuffer> scratch;
+  if (stored_path) {
+    try {
+      scratch.emplace(p, static_cast<std::size_t>(group_rows * ld) * sizeof(float));
+    } catch (const Error&) {
+      if (forced_path == "stored") throw;
+      stored_path = false;  // no room for the scores: recompute them, as slowly as that is
+    }
+  }
+  const std::size_t score_bytes = (static_cast<std::size_t>(p.heads_q * p.dim_qk) + 64) * sizeof(float);
+  auto launch = [&](auto score_kernel, auto select_kernel) {
+    check(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
           "raising the selection kernel's shared memory");
-    kernel<<<static_cast<unsigned>(p.rows_q), kSelectThreads, bytes, stream_of(p)>>>(p, c, packed, counted);
-    check_launch("gsa select_keys_kernel");
+    if (stored_path) {
+      check(cudaFuncSetAttribute(score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(score_bytes)),
+            "raising the scoring kernel's shared memory");
+    }
+    for (std::int64_t first = 0; first < p.rows_q; first += group_rows) {
+      const std::int64_t rows = std::min(group_rows, p.rows_q - first);
+      StoredScores stored;
+      if (stored_path) {
+        stored = {scratch->as<float>(), ld, first};
+        const dim3 grid(static_cast<unsigned>((ld + kScoreKeys - 1) / kScoreKeys), static_cast<unsigned>(rows));
+        score_kernel<<<grid, kScoreThreads, score_bytes, stream_of(p)>>>(p, c, packed, stored);
+        check_launch("gsa indexer_scores_kernel");
+      } else {
+        stored.first_row = first;
+      }
+      select_kernel<<<static_cast<unsigned>(rows), kSelectThreads, bytes, stream_of(p)>>>(p, c, packed, counted, stored);
+      check_launch("gsa select_keys_kernel");
+    }
   };
   auto select = [&](auto element) {
     using T = decltype(element);
@@ -540,7 +634,7 @@ void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConf
       if (counted) p.dim_qk == 64 ? count_rows(indexer_statistics_kernel<T, 64>)
                                   : count_rows(indexer_statistics_kernel<T, 128>);
     }
-    launch(select_keys_kernel<T>);
+    launch(indexer_scores_kernel<T>, select_keys_kernel<T>);
   };
   switch (p.dtype) {
     case DType::bfloat16: return select(__nv_bfloat16{});

@@ -17,6 +17,7 @@
 #include "cuda_placement.h"
 #include "support/expect_error.h"
 #include "support/gsa_case.h"
+#include "support/scoped_env.h"
 
 namespace winnow::testing {
 namespace {
@@ -87,6 +88,55 @@ TEST(CudaGsaSelection, SelectsTheTopKeysOfEveryRow) {
         const SelectionResult got = run_selection(c, o, on_cuda(), with_bias, &gpu);
         // scores_of reads the rounded values; the kernel's float32 sums trail them by ~1e-6.
         expect_valid_selection(c, o, got, 1e-4, 1e-4, with_bias);
+      }
+    }
+  }
+}
+
+// The passes read stored scores (many blocks per row first write them) unless the tensor-core
+// statistics pass settles the rows; both ways must select the same keys bit for bit, since the
+// scores are the same function's. Groups of 7 rows make the stored path take several groups.
+TEST(CudaGsaSelection, StoredScoresSelectWhatRecomputedScoresSelect) {
+  const std::vector<IndexerShape> shapes = {
+      {{{37, 37}, {37, 37}}, false, 3, 8},
+      {{{9, 9}, {0, 0}, {30, 33}, {1, 1}}, true, 4, 8},
+      {{{24, 5000}}, false, 4, 64},  // keys over several scoring blocks (2048 keys each)
+      {{{3, 4100}, {2, 2049}}, true, 4, 64},  // decoding-like: few rows, long caches
+      {{{1, 4100}, {1, 4100}}, false, 4, 64},
+      {{{40, 40}}, false, 16, 64},
+  };
+  std::vector<std::pair<gsa::IndexerOptions, bool>> options;
+  options.push_back({inverse_variance(4, 2, 6, 0.05), true});
+  options.push_back({fixed(300, 512), true});
+  gsa::IndexerOptions relu = inverse_variance(30, 1, 512, 0.5);
+  relu.form = gsa::ScoreForm::relu;
+  relu.scale = 1.0;
+  options.push_back({relu, false});
+  for (const IndexerShape& shape : shapes) {
+    for (const DType dtype : {DType::float32, DType::bfloat16}) {
+      for (const auto& [o, with_bias] : options) {
+        for (const char* group : {"65535", "7"}) {
+          SCOPED_TRACE(::testing::Message() << shape.seqs.size() << " sequences of " << shape.seqs.back().second
+                                            << " keys, " << to_string(dtype) << ", k_max " << o.k_max
+                                            << ", groups of " << group);
+          const IndexerCase c(shape, dtype, 53);
+          const ScopedEnv rows("WINNOW_GSA_SELECT_GROUP_ROWS", group);
+          SelectionResult stored, recomputed;
+          {
+            const ScopedEnv path("WINNOW_GSA_SELECT_SCORES", "stored");
+            CudaPlacement gpu;
+            stored = run_selection(c, o, on_cuda(), with_bias, &gpu);
+          }
+          {
+            const ScopedEnv path("WINNOW_GSA_SELECT_SCORES", "recompute");
+            CudaPlacement gpu;
+            recomputed = run_selection(c, o, on_cuda(), with_bias, &gpu);
+          }
+          EXPECT_EQ(stored.indices, recomputed.indices);
+          EXPECT_EQ(stored.counts, recomputed.counts);
+          EXPECT_EQ(stored.variance, recomputed.variance);
+          expect_valid_selection(c, o, stored, 1e-4, 1e-4, with_bias);
+        }
       }
     }
   }
