@@ -34,8 +34,10 @@ all: build
 deps:
 	@tools/install-deps.sh
 
+# Where ccache is installed (tools/install-deps.sh installs it), the library's C++ files go through
+# build/ccache, which `pip install .` in tools/check_pip_install.sh then reads (CMakeLists.txt).
 configure: deps
-	cmake --preset default -B $(BUILD) $(CMAKE_ARGS)
+	cmake --preset default -B $(BUILD) $$(command -v ccache >/dev/null && echo -DWINNOW_CCACHE_DIR=$(CURDIR)/build/ccache) $(CMAKE_ARGS)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
@@ -50,8 +52,9 @@ demo: $(DEMO_DEPS)
 	cmake --build $(BUILD) -j $(JOBS) --target winnow_cli
 	$(BUILD)/apps/winnow study studies/mqrar.json
 
-bench-cpu: build
+bench-cpu: configure
 	@tools/install-deps.sh bench
+	cmake --build $(BUILD) -j $(JOBS) --target cpu_attention_bench
 	$(BUILD)/bench/cpu_attention_bench
 
 corpus:

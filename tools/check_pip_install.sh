@@ -11,8 +11,8 @@
 # present (or $WINNOW_CUDA_ARCHITECTURES).
 # With a system Python it then checks `pip install -e .` too: the package from the source tree,
 # the library from the environment. scikit-build-core builds an editable install in a folder
-# of its own, so both builds go through ccache where it is installed (a cache in the check's
-# folder): the second compiles nothing and costs seconds instead of two minutes.
+# of its own, so both builds go through ccache where it is installed (build/ccache, which `make
+# test`'s build fills first): the pip builds then compile little or nothing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${1:-}
@@ -28,8 +28,14 @@ rm -rf "$work"
 mkdir -p "$work"
 if command -v ccache >/dev/null && [[ -z "${CMAKE_CXX_COMPILER_LAUNCHER:-}" ]]; then
   # CMake reads the launcher from the environment; the build folders differ, the sources don't.
+  # build/ccache is also where `make test`'s own build put the library's files (CMakeLists.txt,
+  # WINNOW_CCACHE_DIR). The same compiler as that build's (CMake's default, c++): Debian's
+  # Python would otherwise name x86_64-linux-gnu-g++, which ccache counts as another compiler.
   export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
-  export CCACHE_DIR="$work/ccache" CCACHE_NOHASHDIR=1 CCACHE_BASEDIR="$root"
+  # No CCACHE_BASEDIR: absolute paths keep the preprocessed text the same in every build folder.
+  export CCACHE_DIR="${WINNOW_CCACHE_DIR:-$root/build/ccache}" CCACHE_NOHASHDIR=1
+  unset CCACHE_BASEDIR
+  export CXX="${CXX:-c++}"
 fi
 start=$(date +%s)
 if "$python" -c 'import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)'; then
