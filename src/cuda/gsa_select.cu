@@ -1,17 +1,15 @@
-// GSA's indexer with exact top-k selection on CUDA (spec/gsa.md; winnow/gsa.h). The row's
-// scores are never stored: every pass recomputes them from q and k.
+// GSA's indexer with exact top-k selection on CUDA (spec/gsa.md; winnow/gsa.h).
 //   0. (16-bit inputs, d_I 64 or 128, rows as aligned_rows requires, k_max covering the longest
 //      row) indexer_statistics_kernel scores 16 rows at a time on tensor cores and writes each
 //      row's variance and count, and the indices of every row whose budget covers all its
 //      visible keys, which then need no ranking; select_keys_kernel below skips those rows and
 //      takes the others' counts as given.
-// Where the rows are few (decoding) or the scores of a group of rows fit a scratch buffer,
-// indexer_scores_kernel first writes every visible key's score, many blocks per row, with the
-// same function and so the same bits as the passes below, which then read them instead of
-// recomputing them: one block per row then does memory passes only. Otherwise the passes
-// recompute every score, and a row's block does three or more passes of the indexer's products
-// alone, which leaves most of the GPU idle when the rows number fewer than the multiprocessors
-// (at 128K keys and one row, 10 ms).
+// Otherwise the rows' scores are first stored, a group of rows at a time (as many as fit 256 MB):
+// on tensor cores (indexer_scores_tc_kernel, 16 rows a block) where pass 0's conditions hold and
+// the sequences have 64 rows or more, else by indexer_score with a block per (row, 2048 keys)
+// (indexer_scores_kernel), so that decoding's few rows still fill the GPU. The passes below then
+// read them. Without room for the scores the passes recompute them with indexer_score, three or
+// more times a row on one block (at 128K keys and one row, 10 ms).
 // Then one block per query row:
 //   1. statistics: the row's mean and population variance (hence its budget k_t) and the
 //      smallest and largest sort key;
@@ -176,90 +174,129 @@ struct StatisticsLayout {
   __host__ __device__ int bytes() const { return count_offset() + kStatRows * 8; }
 };
 
+// The kStatRows query rows r0 .. of sequence b scored on tensor cores, key tile by key tile (pass
+// 0 and indexer_scores_tc_kernel share it): each warp takes the tiles warp, warp + kStatWarps, ...
+// with two stages of shared memory of its own, scores a tile head by head (Q_j K^T on m16n8k16
+// products, the block's queries in one shared tile per head), adds math::gsa::gated_term in
+// float32 with the given logistic, and hands the tile to `epilogue(score, tile)`: score[n][e] is
+// row g + 8 (e / 2) (g = lane / 4) and key tile * kKeys + 8 n + 2 (lane % 4) + e % 2.
 template <class T, int DI>
-__global__ void __launch_bounds__(32 * kStatWarps, 1) indexer_statistics_kernel(const detail::AttentionParams p,
-                                                                                 const detail::IndexerConfig c) {
+struct TileScorer {
   using Layout = StatisticsLayout<T, DI>;
   using QTile = typename Layout::QTile;
   using KTile = typename Layout::KTile;
-  constexpr int kKeys = Layout::kKeys, KS = DI / 16, NT = kKeys / 8, kThreads = 32 * kStatWarps;
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // 16 is what cp.async and ldmatrix need
-  const int heads = static_cast<int>(p.heads_q);
-  const Layout layout(heads);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
-  const std::int64_t b = blockIdx.y;
-  const detail::SequenceExtent s = p.sequence(b);
-  const std::int64_t r0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * kStatRows;  // heaviest first
-  if (r0 >= s.q_len) return;
-  const int rows = static_cast<int>(s.q_len - r0 < kStatRows ? s.q_len - r0 : kStatRows);
-  const std::int64_t t0 = r0 + s.q_offset();  // position of the block's first row
-  const std::int64_t t_last = t0 + rows - 1;
-  const int tiles = static_cast<int>(t_last / kKeys + 1);
+  static constexpr int kKeys = Layout::kKeys, KS = DI / 16, NT = kKeys / 8, kThreads = 32 * kStatWarps;
 
-  auto q_tile = [&](int j) { return QTile{reinterpret_cast<T*>(smem_raw + j * Layout::kQTileBytes)}; };
-  auto k_tile = [&](int stage) {
-    return KTile{reinterpret_cast<T*>(smem_raw + layout.k_offset() + (warp * 2 + stage) * Layout::kKTileBytes)};
-  };
-  float* gate = reinterpret_cast<float*>(smem_raw + layout.gate_offset());  // [row][head]
-  float* bias = reinterpret_cast<float*>(smem_raw + layout.bias_offset());
-  Moments* partial = reinterpret_cast<Moments*>(smem_raw + layout.partial_offset());  // [warp][row]
-  std::int64_t* row_count = reinterpret_cast<std::int64_t*>(smem_raw + layout.count_offset());
-  const math::gsa::ScoreForm form = c.form;
+  const detail::AttentionParams& p;
+  const detail::IndexerConfig& c;
+  unsigned char* smem;
+  Layout layout;
+  detail::SequenceExtent s;
+  std::int64_t b, r0, t0, t_last;
+  int heads, tid, warp, lane, g, tig, rows, tiles;
 
-  for (int j = 0; j < heads; ++j) {
-    q_tile(j).template load_async<kThreads>(tid, [&](int r) -> const T* {
-      return r < rows ? p.q.at<const T>(b, s.q_start + r0 + r, j) : nullptr;
-    });
+  __device__ TileScorer(const detail::AttentionParams& p_, const detail::IndexerConfig& c_, unsigned char* smem_,
+                        std::int64_t b_, std::int64_t r0_)
+      : p(p_), c(c_), smem(smem_), layout(static_cast<int>(p_.heads_q)), s(p_.sequence(b_)), b(b_), r0(r0_) {
+    heads = static_cast<int>(p.heads_q);
+    tid = threadIdx.x;
+    warp = tid / 32;
+    lane = tid % 32;
+    g = lane / 4;
+    tig = lane % 4;
+    rows = static_cast<int>(s.q_len - r0 < kStatRows ? s.q_len - r0 : kStatRows);
+    t0 = r0 + s.q_offset();  // position of the block's first row
+    t_last = t0 + rows - 1;
+    tiles = static_cast<int>(t_last / kKeys + 1);
   }
-  tile::cp_async_commit();
-  for (int i = tid; i < kStatRows * heads; i += kThreads) {
-    const int r = i / heads, j = i % heads;
-    gate[r * kStatMaxHeads + j] =
-        r < rows ? math::gsa::gate(form, widen(*c.weights.at<const T>(b, s.q_start + r0 + r, j))) : 0.f;
+  __device__ QTile q_tile(int j) const { return QTile{reinterpret_cast<T*>(smem + j * Layout::kQTileBytes)}; }
+  __device__ KTile k_tile(int stage) const {
+    return KTile{reinterpret_cast<T*>(smem + layout.k_offset() + (warp * 2 + stage) * Layout::kKTileBytes)};
   }
-  if (tid < heads) bias[tid] = c.bias_at<float>(tid);
+  __device__ float* gate() const { return reinterpret_cast<float*>(smem + layout.gate_offset()); }  // [row][head]
+  __device__ float* bias() const { return reinterpret_cast<float*>(smem + layout.bias_offset()); }
 
-  auto load_keys = [&](int tile_index, int stage) {
+  __device__ void load_keys(int tile_index, int stage) const {
     const std::int64_t key0 = static_cast<std::int64_t>(tile_index) * kKeys;
     k_tile(stage).template load_async<32>(lane, [&](int r) -> const T* {
       return key0 + r <= t_last ? p.k.at<const T>(b, s.k_start + key0 + r, 0) : nullptr;
     });
     tile::cp_async_commit();
-  };
-  if (warp < tiles) load_keys(warp, 0);
-  tile::cp_async_wait<0>();
-  __syncthreads();
+  }
 
-  const float scale = static_cast<float>(p.scale);
+  template <class Logistic, class Epilogue>
+  __device__ void for_each_tile(Logistic logistic, Epilogue&& epilogue) const {
+    const math::gsa::ScoreForm form = c.form;
+    for (int j = 0; j < heads; ++j) {
+      q_tile(j).template load_async<kThreads>(tid, [&](int r) -> const T* {
+        return r < rows ? p.q.at<const T>(b, s.q_start + r0 + r, j) : nullptr;
+      });
+    }
+    tile::cp_async_commit();
+    float* gates = gate();
+    for (int i = tid; i < kStatRows * heads; i += kThreads) {
+      const int r = i / heads, j = i % heads;
+      gates[r * kStatMaxHeads + j] =
+          r < rows ? math::gsa::gate(form, widen(*c.weights.at<const T>(b, s.q_start + r0 + r, j))) : 0.f;
+    }
+    if (tid < heads) bias()[tid] = c.bias_at<float>(tid);
+    if (warp < tiles) load_keys(warp, 0);
+    tile::cp_async_wait<0>();
+    __syncthreads();
+
+    const float scale = static_cast<float>(p.scale);
+    int stage = 0;
+    for (int tile_index = warp; tile_index < tiles; tile_index += kStatWarps) {
+      if (tile_index + kStatWarps < tiles) {
+        load_keys(tile_index + kStatWarps, stage ^ 1);
+        tile::cp_async_wait<1>();
+      } else {
+        tile::cp_async_wait<0>();
+      }
+      __syncwarp();
+      const KTile keys = k_tile(stage);
+      float score[NT][4];
+      tile::zero(score);
+      for (int j = 0; j < heads; ++j) {
+        float dot[NT][4];
+        tile::zero(dot);
+        tile::mma_smem_a_b_rows<T, KS, NT>(dot, q_tile(j), 0, keys, 0, lane);
+        const float gate_j[2] = {gates[g * kStatMaxHeads + j], gates[(g + 8) * kStatMaxHeads + j]};
+        const float bias_j = bias()[j];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            score[n][e] += math::gsa::gated_term(form, gate_j[e / 2], dot[n][e] * scale, bias_j, logistic);
+          }
+        }
+      }
+      epilogue(score, tile_index);
+      __syncwarp();  // every lane has read this stage before the next load into it
+      stage ^= 1;
+    }
+  }
+};
+
+template <class T, int DI>
+__global__ void __launch_bounds__(32 * kStatWarps, 1) indexer_statistics_kernel(const detail::AttentionParams p,
+                                                                                 const detail::IndexerConfig c) {
+  using Scorer = TileScorer<T, DI>;
+  constexpr int kKeys = Scorer::kKeys, NT = Scorer::NT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // 16 is what cp.async and ldmatrix need
+  const std::int64_t b = blockIdx.y;
+  const std::int64_t r0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * kStatRows;  // heaviest first
+  if (r0 >= p.sequence(b).q_len) return;
+  const Scorer scorer(p, c, smem_raw, b, r0);
+  const int tid = scorer.tid, warp = scorer.warp, g = scorer.g, tig = scorer.tig, rows = scorer.rows;
+  const std::int64_t t0 = scorer.t0;
+  Moments* partial = reinterpret_cast<Moments*>(smem_raw + scorer.layout.partial_offset());  // [warp][row]
+  std::int64_t* row_count = reinterpret_cast<std::int64_t*>(smem_raw + scorer.layout.count_offset());
+
   int seen[2] = {0, 0};
   float first[2] = {0.f, 0.f};
   double sum[2] = {0, 0}, sum_sq[2] = {0, 0};  // of (score - first)
-  int stage = 0;
-  for (int tile_index = warp; tile_index < tiles; tile_index += kStatWarps) {
-    if (tile_index + kStatWarps < tiles) {
-      load_keys(tile_index + kStatWarps, stage ^ 1);
-      tile::cp_async_wait<1>();
-    } else {
-      tile::cp_async_wait<0>();
-    }
-    __syncwarp();
-    const KTile keys = k_tile(stage);
-    float score[NT][4];
-    tile::zero(score);
-    for (int j = 0; j < heads; ++j) {
-      float dot[NT][4];
-      tile::zero(dot);
-      tile::mma_smem_a_b_rows<T, KS, NT>(dot, q_tile(j), 0, keys, 0, lane);
-      const float gate_j[2] = {gate[g * kStatMaxHeads + j], gate[(g + 8) * kStatMaxHeads + j]};
-      const float bias_j = bias[j];
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          score[n][e] += math::gsa::gated_term(form, gate_j[e / 2], dot[n][e] * scale, bias_j, FastLogistic{});
-        }
-      }
-    }
+  scorer.for_each_tile(FastLogistic{}, [&](const float (&score)[NT][4], int tile_index) {
     const std::int64_t key0 = static_cast<std::int64_t>(tile_index) * kKeys + 2 * tig;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -279,9 +316,7 @@ __global__ void __launch_bounds__(32 * kStatWarps, 1) indexer_statistics_kernel(
         }
       }
     }
-    __syncwarp();  // every lane has read this stage before the next load into it
-    stage ^= 1;
-  }
+  });
 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -296,6 +331,7 @@ __global__ void __launch_bounds__(32 * kStatWarps, 1) indexer_statistics_kernel(
     if (tig == 0) partial[warp * kStatRows + g + 8 * half] = m;
   }
   __syncthreads();
+  const detail::SequenceExtent& s = scorer.s;
   if (tid < rows) {
     Moments m;
     for (int w = 0; w < kStatWarps; ++w) m.add(partial[w * kStatRows + tid]);
@@ -316,7 +352,7 @@ __global__ void __launch_bounds__(32 * kStatWarps, 1) indexer_statistics_kernel(
     const std::int64_t visible = t0 + r + 1;
     if (row_count[r] != visible) continue;
     std::int32_t* indices = c.indices.at<std::int32_t>(b, s.q_start + r0 + r, 0);
-    for (std::int64_t i = tid; i < k_max; i += kThreads) {
+    for (std::int64_t i = tid; i < k_max; i += Scorer::kThreads) {
       indices[i * c.indices.head] = i < visible ? static_cast<std::int32_t>(i) : -1;
     }
   }
@@ -338,15 +374,31 @@ __device__ void load_row_query(const detail::AttentionParams& p, const detail::I
   }
 }
 
-// Where the selection reads stored scores: row i's key s at scores[(i - first_row) * ld + s].
+// A group of rows whose scores are stored: rows row0 .. row0 + span - 1 of every sequence (those
+// a sequence has), row r of sequence b at scores + (b span + r - row0) ld. Without scores
+// (nullptr) the group is every row and the selection recomputes them.
 struct StoredScores {
   float* scores = nullptr;
-  std::int64_t ld = 0, first_row = 0;
+  std::int64_t ld = 0, row0 = 0, span = 0;
+  __device__ float* row(std::int64_t b, std::int64_t r) const { return scores + (b * span + r - row0) * ld; }
 };
+
+// The query row a block of the group (blockIdx.x, blockIdx.y = sequence) or, without stored
+// scores, of all rows (blockIdx.x) selects for; r >= the sequence's q_len: none.
+__device__ __forceinline__ QueryRow group_row(const detail::AttentionParams& p, const StoredScores& stored) {
+  if (stored.scores == nullptr) return locate_query_row(p, blockIdx.x);
+  QueryRow row;
+  row.b = blockIdx.y;
+  row.r = stored.row0 + blockIdx.x;
+  row.s = p.sequence(row.b);
+  return row;
+}
 
 constexpr int kScoreThreads = 256, kScoreKeys = 2048;  // keys a scoring block covers
 
-// Rows first_row + blockIdx.y: every visible key's score in blocks of kScoreKeys keys.
+// The group's row blockIdx.y of sequence blockIdx.z: its visible keys' scores, kScoreKeys keys a
+// block, with indexer_score (the bits the recomputing selection would get). For rows too few
+// for indexer_scores_tc_kernel, as in decoding.
 template <class T>
 __global__ void __launch_bounds__(kScoreThreads) indexer_scores_kernel(const detail::AttentionParams p,
                                                                         const detail::IndexerConfig c, bool packed,
@@ -355,18 +407,62 @@ __global__ void __launch_bounds__(kScoreThreads) indexer_scores_kernel(const det
   float* q = reinterpret_cast<float*>(smem_raw);
   float* gate = q + p.heads_q * p.dim_qk;
   float* bias = gate + 32;
-  const std::int64_t i = stored.first_row + blockIdx.y;
-  const QueryRow row = locate_query_row(p, i);
+  QueryRow row;
+  row.b = blockIdx.z;
+  row.r = stored.row0 + blockIdx.y;
+  row.s = p.sequence(row.b);
+  if (row.r >= row.s.q_len) return;
   const std::int64_t visible = row.position() + 1, first = static_cast<std::int64_t>(blockIdx.x) * kScoreKeys;
   if (first >= visible) return;
   load_row_query<T>(p, c, row, q, gate, bias);
   __syncthreads();
   const std::int64_t end = first + kScoreKeys < visible ? first + kScoreKeys : visible;
-  float* out = stored.scores + static_cast<std::int64_t>(blockIdx.y) * stored.ld;
+  float* out = stored.row(row.b, row.r);
   for (std::int64_t key = first + threadIdx.x; key < end; key += kScoreThreads) {
     out[key] = indexer_score<T>(q, gate, bias, static_cast<int>(p.heads_q), static_cast<int>(p.dim_qk), c.form,
                                 p.k.at<const T>(row.b, row.s.k_start + key, 0), p.k.dim, packed);
   }
+}
+
+// The same scores on tensor cores (TileScorer with the exact logistic), kStatRows rows a block,
+// heaviest first: for groups of many rows (prefill, training), where indexer_scores_kernel would
+// do the indexer's products on CUDA cores. Their rounding differs from indexer_score's (the
+// products' order), as any two float32 evaluations of the same score may; the selection stays
+// exact for the scores it is given.
+template <class T, int DI>
+__global__ void __launch_bounds__(32 * kStatWarps, 1) indexer_scores_tc_kernel(const detail::AttentionParams p,
+                                                                                const detail::IndexerConfig c,
+                                                                                StoredScores stored) {
+  using Scorer = TileScorer<T, DI>;
+  constexpr int kKeys = Scorer::kKeys, NT = Scorer::NT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const std::int64_t b = blockIdx.y;
+  const std::int64_t r0 = stored.row0 + static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * kStatRows;
+  if (r0 >= p.sequence(b).q_len) return;
+  const Scorer scorer(p, c, smem_raw, b, r0);
+  const int g = scorer.g, tig = scorer.tig;
+  // The group's span is a multiple of kStatRows (the launcher's), so a block's rows are all in it.
+  const int rows = scorer.rows;
+  const std::int64_t t0 = scorer.t0;
+  scorer.for_each_tile(math::gsa::Sigmoid{}, [&](const float (&score)[NT][4], int tile_index) {
+    const std::int64_t key0 = static_cast<std::int64_t>(tile_index) * kKeys + 2 * tig;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = g + 8 * half;
+      if (r >= rows) continue;
+      const std::int64_t last_key = t0 + r;
+      float* out = stored.row(b, r0 + r);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const std::int64_t key = key0 + 8 * n;
+        if (key + 1 <= last_key) {
+          *reinterpret_cast<float2*>(out + key) = make_float2(score[n][2 * half], score[n][2 * half + 1]);
+        } else if (key <= last_key) {
+          out[key] = score[n][2 * half];
+        }
+      }
+    }
+  });
 }
 
 template <class T>
@@ -396,16 +492,15 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
   __shared__ int emitted, collected;
   __shared__ std::int64_t shared_count;
 
-  const std::int64_t row_index = stored.first_row + blockIdx.x;
-  const QueryRow row = locate_query_row(p, row_index);
+  const QueryRow row = group_row(p, stored);
+  if (row.r >= row.s.q_len) return;
   const int tid = threadIdx.x, heads = static_cast<int>(p.heads_q), dim = static_cast<int>(p.dim_qk);
   const std::int64_t t = row.position(), visible = t + 1, q_row = row.operand_row();
   const math::gsa::ScoreForm form = c.form;
   // Counted by indexer_statistics_kernel: a row that keeps every visible key is done.
   if (counted && *c.counts.at<const std::int32_t>(row.b, q_row, 0) == visible) return;
 
-  const float* row_scores = stored.scores != nullptr ? stored.scores + static_cast<std::int64_t>(blockIdx.x) * stored.ld
-                                                     : nullptr;
+  const float* row_scores = stored.scores != nullptr ? stored.row(row.b, row.r) : nullptr;
   if (row_scores == nullptr) load_row_query<T>(p, c, row, q, gate, bias);
   if (tid == 0) emitted = 0;
   __syncthreads();
@@ -568,10 +663,11 @@ void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConf
   const int heads = static_cast<int>(p.heads_q);
   const int stat_bytes = p.dim_qk == 64 ? StatisticsLayout<__half, 64>(heads).bytes()
                                         : StatisticsLayout<__half, 128>(heads).bytes();
-  const bool counted = !scalar_forced && (p.dtype == DType::bfloat16 || p.dtype == DType::float16) &&
-                       (p.dim_qk == 64 || p.dim_qk == 128) && p.heads_q <= kStatMaxHeads &&
-                       stat_bytes <= limit && aligned_rows(p.q, p.dtype) && aligned_rows(p.k, p.dtype) &&
-                       p.num_seqs <= 65535 && c.budget.k_max >= p.max_len_k;
+  const bool tensor_cores = (p.dtype == DType::bfloat16 || p.dtype == DType::float16) &&
+                            (p.dim_qk == 64 || p.dim_qk == 128) && p.heads_q <= kStatMaxHeads &&
+                            stat_bytes <= limit && aligned_rows(p.q, p.dtype) && aligned_rows(p.k, p.dtype) &&
+                            p.num_seqs <= 65535;
+  const bool counted = !scalar_forced && tensor_cores && c.budget.k_max >= p.max_len_k;
   auto count_rows = [&](auto kernel) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stat_bytes),
           "raising the indexer statistics kernel's shared memory");
@@ -581,50 +677,69 @@ void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConf
     kernel<<<grid, 32 * kStatWarps, stat_bytes, stream_of(p)>>>(p, c);
     check_launch("gsa indexer_statistics_kernel");
   };
-  // Stored scores unless pass 0 settles the rows (its rows need no scores at all), in groups of
-  // rows whose scores fit kStoredScoreBytes. WINNOW_GSA_SELECT_SCORES=recompute or =stored
-  // forces one way (for tests and A/B runs); read on every call so that a test can switch it.
+
+  // Stored scores unless pass 0 settles the rows (its rows need no scores at all). Groups of the
+  // same rows of every sequence, as many as fit kStoredScoreBytes. Scored on tensor cores where
+  // pass 0 could run and the sequences have rows enough to fill its 16-row blocks; else a block
+  // per (row, 2048 keys), the way decoding's few rows fill the GPU.
+  // WINNOW_GSA_SELECT_SCORES = recompute | stored | stored-scalar forces a path, and
+  // WINNOW_GSA_SELECT_GROUP_ROWS=n caps a group at n rows of each sequence (tests and A/B runs;
+  // read on every call so that a test can switch them).
   constexpr std::int64_t kStoredScoreBytes = std::int64_t{256} << 20;
+  constexpr std::int64_t kTensorCoreRows = 64;  // fewer rows a sequence: the scalar scoring
   const char* forced = std::getenv("WINNOW_GSA_SELECT_SCORES");
   const std::string forced_path = forced != nullptr ? forced : "";
-  bool stored_path = forced_path == "stored" || (forced_path != "recompute" && !counted);
-  const std::int64_t ld = p.max_len_k > 0 ? p.max_len_k : 1;
-  // WINNOW_GSA_SELECT_GROUP_ROWS=n: groups of at most n rows (tests cover the grouping with it).
+  bool stored_path = p.num_seqs <= 65535 &&
+                     (forced_path == "stored" || forced_path == "stored-scalar" ||
+                      (forced_path != "recompute" && !counted));
+  const bool tc_scores = stored_path && tensor_cores && forced_path != "stored-scalar" &&
+                         (p.max_len_q >= kTensorCoreRows || forced_path == "stored");
+  const std::int64_t ld = (std::max<std::int64_t>(p.max_len_k, 1) + 3) / 4 * 4;  // float2 stores
   const char* group_cap = std::getenv("WINNOW_GSA_SELECT_GROUP_ROWS");
-  const std::int64_t cap = group_cap != nullptr ? std::max(1LL, std::atoll(group_cap)) : 65535;
-  const std::int64_t group_rows =
-      stored_path ? std::max<std::int64_t>(1, std::min<std::int64_t>({p.rows_q, kStoredScoreBytes / (ld * 4), cap, 65535}))
-                  : p.rows_q;
+  std::int64_t span = std::min<std::int64_t>({std::max<std::int64_t>(p.max_len_q, 1),
+                                              kStoredScoreBytes / (p.num_seqs * ld * 4), 65535});
+  if (group_cap != nullptr) span = std::min<std::int64_t>(span, std::atoll(group_cap));
+  span = std::max<std::int64_t>(span, 1);
+  // A tensor-core block's 16 rows stay inside one group.
+  if (tc_scores && span < p.max_len_q) span = std::max<std::int64_t>(span / kStatRows, 1) * kStatRows;
   std::optional<DeviceBuffer> scratch;
   if (stored_path) {
     try {
-      scratch.emplace(p, static_cast<std::size_t>(group_rows * ld) * sizeof(float));
+      scratch.emplace(p, static_cast<std::size_t>(p.num_seqs * span * ld) * sizeof(float));
     } catch (const Error&) {
-      if (forced_path == "stored") throw;
+      if (!forced_path.empty() && forced_path != "recompute") throw;
       stored_path = false;  // no room for the scores: recompute them, as slowly as that is
     }
   }
   const std::size_t score_bytes = (static_cast<std::size_t>(p.heads_q * p.dim_qk) + 64) * sizeof(float);
-  auto launch = [&](auto score_kernel, auto select_kernel) {
+  // tc_launch(stored, rows): the tensor-core scoring of a group (16-bit inputs only).
+  auto launch = [&](auto scalar_scores, auto tc_launch, auto select_kernel) {
     check(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
           "raising the selection kernel's shared memory");
-    if (stored_path) {
-      check(cudaFuncSetAttribute(score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (!stored_path) {
+      select_kernel<<<static_cast<unsigned>(p.rows_q), kSelectThreads, bytes, stream_of(p)>>>(p, c, packed, counted,
+                                                                                            StoredScores{});
+      check_launch("gsa select_keys_kernel");
+      return;
+    }
+    if (!tc_scores) {
+      check(cudaFuncSetAttribute(scalar_scores, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(score_bytes)),
             "raising the scoring kernel's shared memory");
     }
-    for (std::int64_t first = 0; first < p.rows_q; first += group_rows) {
-      const std::int64_t rows = std::min(group_rows, p.rows_q - first);
-      StoredScores stored;
-      if (stored_path) {
-        stored = {scratch->as<float>(), ld, first};
-        const dim3 grid(static_cast<unsigned>((ld + kScoreKeys - 1) / kScoreKeys), static_cast<unsigned>(rows));
-        score_kernel<<<grid, kScoreThreads, score_bytes, stream_of(p)>>>(p, c, packed, stored);
-        check_launch("gsa indexer_scores_kernel");
+    const unsigned seqs = static_cast<unsigned>(p.num_seqs);
+    for (std::int64_t row0 = 0; row0 < p.max_len_q; row0 += span) {
+      const std::int64_t rows = std::min(span, p.max_len_q - row0);
+      const StoredScores stored{scratch->as<float>(), ld, row0, span};
+      if (tc_scores) {
+        tc_launch(stored, rows);
       } else {
-        stored.first_row = first;
+        const dim3 grid(static_cast<unsigned>((ld + kScoreKeys - 1) / kScoreKeys), static_cast<unsigned>(rows), seqs);
+        scalar_scores<<<grid, kScoreThreads, score_bytes, stream_of(p)>>>(p, c, packed, stored);
+        check_launch("gsa indexer_scores_kernel");
       }
-      select_kernel<<<static_cast<unsigned>(rows), kSelectThreads, bytes, stream_of(p)>>>(p, c, packed, counted, stored);
+      select_kernel<<<dim3(static_cast<unsigned>(rows), seqs), kSelectThreads, bytes, stream_of(p)>>>(p, c, packed,
+                                                                                                    counted, stored);
       check_launch("gsa select_keys_kernel");
     }
   };
@@ -633,8 +748,19 @@ void gsa_select_keys(const detail::AttentionParams& p, const detail::IndexerConf
     if constexpr (!std::is_same_v<T, float>) {
       if (counted) p.dim_qk == 64 ? count_rows(indexer_statistics_kernel<T, 64>)
                                   : count_rows(indexer_statistics_kernel<T, 128>);
+      auto tc_launch = [&](const StoredScores& stored, std::int64_t rows) {
+        auto kernel = p.dim_qk == 64 ? indexer_scores_tc_kernel<T, 64> : indexer_scores_tc_kernel<T, 128>;
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stat_bytes),
+              "raising the tensor-core scoring kernel's shared memory");
+        const dim3 grid(static_cast<unsigned>((rows + kStatRows - 1) / kStatRows), static_cast<unsigned>(p.num_seqs));
+        kernel<<<grid, 32 * kStatWarps, stat_bytes, stream_of(p)>>>(p, c, stored);
+        check_launch("gsa indexer_scores_tc_kernel");
+      };
+      launch(indexer_scores_kernel<T>, tc_launch, select_keys_kernel<T>);
+    } else {
+      auto no_tensor_cores = [](const StoredScores&, std::int64_t) {};  // tc_scores is false for float32
+      launch(indexer_scores_kernel<T>, no_tensor_cores, select_keys_kernel<T>);
     }
-    launch(indexer_scores_kernel<T>, select_keys_kernel<T>);
   };
   switch (p.dtype) {
     case DType::bfloat16: return select(__nv_bfloat16{});

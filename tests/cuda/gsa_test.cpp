@@ -93,9 +93,11 @@ TEST(CudaGsaSelection, SelectsTheTopKeysOfEveryRow) {
   }
 }
 
-// The passes read stored scores (many blocks per row first write them) unless the tensor-core
-// statistics pass settles the rows; both ways must select the same keys bit for bit, since the
-// scores are the same function's. Groups of 7 rows make the stored path take several groups.
+// The passes read stored scores unless the tensor-core statistics pass settles the rows. Scored
+// by indexer_score (a block per row and 2048 keys), they are the recomputing selection's bits, so
+// both must select the same keys bit for bit. Scored on tensor cores ("stored" forces that where
+// the inputs allow it, whatever the row count), the rounding differs, so those selections are
+// checked against the float64 scores. Groups of 7 rows (16 on tensor cores) take several groups.
 TEST(CudaGsaSelection, StoredScoresSelectWhatRecomputedScoresSelect) {
   const std::vector<IndexerShape> shapes = {
       {{{37, 37}, {37, 37}}, false, 3, 8},
@@ -104,6 +106,8 @@ TEST(CudaGsaSelection, StoredScoresSelectWhatRecomputedScoresSelect) {
       {{{3, 4100}, {2, 2049}}, true, 4, 64},  // decoding-like: few rows, long caches
       {{{1, 4100}, {1, 4100}}, false, 4, 64},
       {{{40, 40}}, false, 16, 64},
+      {{{9, 9}, {0, 0}, {70, 200}, {1, 1}}, true, 4, 64},  // tensor cores: packed, a row tile cut short
+      {{{100, 300}, {100, 300}}, false, 3, 128},
   };
   std::vector<std::pair<gsa::IndexerOptions, bool>> options;
   options.push_back({inverse_variance(4, 2, 6, 0.05), true});
@@ -121,21 +125,18 @@ TEST(CudaGsaSelection, StoredScoresSelectWhatRecomputedScoresSelect) {
                                             << ", groups of " << group);
           const IndexerCase c(shape, dtype, 53);
           const ScopedEnv rows("WINNOW_GSA_SELECT_GROUP_ROWS", group);
-          SelectionResult stored, recomputed;
-          {
-            const ScopedEnv path("WINNOW_GSA_SELECT_SCORES", "stored");
+          auto select = [&](const char* path) {
+            const ScopedEnv forced("WINNOW_GSA_SELECT_SCORES", path);
             CudaPlacement gpu;
-            stored = run_selection(c, o, on_cuda(), with_bias, &gpu);
-          }
-          {
-            const ScopedEnv path("WINNOW_GSA_SELECT_SCORES", "recompute");
-            CudaPlacement gpu;
-            recomputed = run_selection(c, o, on_cuda(), with_bias, &gpu);
-          }
-          EXPECT_EQ(stored.indices, recomputed.indices);
-          EXPECT_EQ(stored.counts, recomputed.counts);
-          EXPECT_EQ(stored.variance, recomputed.variance);
-          expect_valid_selection(c, o, stored, 1e-4, 1e-4, with_bias);
+            return run_selection(c, o, on_cuda(), with_bias, &gpu);
+          };
+          const SelectionResult scalar = select("stored-scalar"), recomputed = select("recompute");
+          EXPECT_EQ(scalar.indices, recomputed.indices);
+          EXPECT_EQ(scalar.counts, recomputed.counts);
+          EXPECT_EQ(scalar.variance, recomputed.variance);
+          expect_valid_selection(c, o, scalar, 1e-4, 1e-4, with_bias);
+          SCOPED_TRACE("tensor-core scores where the inputs allow them");
+          expect_valid_selection(c, o, select("stored"), 1e-4, 1e-4, with_bias);
         }
       }
     }
