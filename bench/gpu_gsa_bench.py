@@ -20,7 +20,11 @@ L = 512, 8 heads of 64, H_I = 4 of d_I = 64, lists of k = 256 from the selection
 backward: winnow.gsa_indexer_loss against the same KL written in PyTorch (float32, the whole
 (B, H, L, L) weights at once), over the lists and dense.
 Random inputs make each row's selection independent of its neighbours': every row gathers its
-own k keys, which is the sparse attention's worst case for memory traffic.
+own k keys, which is the sparse attention's worst case for memory traffic. The "gather floor"
+column measures that traffic alone: a Triton kernel that reads every listed K and V row of every
+(query row, kv head), exactly the bytes any sparse attention over these lists must load, and
+only sums them. No kernel on these lists can be faster than it; dense / floor is the most any
+GSA prefill could gain over dense attention here, with a free selection.
 Writes JSON (--json) and prints a table.
 """
 
@@ -36,6 +40,30 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import winnow  # noqa: E402
 from gpu_attention_bench import median_ms  # noqa: E402
+
+
+try:  # Triton is only for the gather floor; the other rows run without it
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_kernel(K, V, IDX, CNT, OUT, k_max, kv_heads, D: tl.constexpr, CHUNK: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        count = tl.load(CNT + row)
+        d = tl.arange(0, D)
+        acc = tl.zeros([D], dtype=tl.float32)
+        for start in range(0, count, CHUNK):
+            slot = start + tl.arange(0, CHUNK)
+            live = slot < count
+            key = tl.load(IDX + row * k_max + slot, mask=live, other=0)
+            at = (key[:, None] * kv_heads + head) * D + d[None, :]
+            kk = tl.load(K + at, mask=live[:, None], other=0.0).to(tl.float32)
+            vv = tl.load(V + at, mask=live[:, None], other=0.0).to(tl.float32)
+            acc += tl.sum(kk + vv, axis=0)
+        tl.store(OUT + (row * kv_heads + head) * D + d, acc)
+except ImportError:
+    gather_kernel = None
 
 
 def dense(backend, q, k, v):
@@ -55,6 +83,22 @@ def dense(backend, q, k, v):
         with sdpa_kernel([backend]):
             return fn()
     return run, label
+
+
+def gather_floor(k, v, indices, counts):
+    """Milliseconds of reading every listed K and V row once per (query row, kv head), and None
+    where Triton is missing. B = 1 only (the prefill rows)."""
+    if gather_kernel is None:
+        return None
+    assert k.shape[0] == 1 and k.shape[-1] == v.shape[-1]
+    L, kv_heads, D = k.shape[1], k.shape[2], k.shape[3]
+    idx, cnt = indices[0].contiguous(), counts[0].contiguous()
+    out = torch.empty(L, kv_heads, D, device=k.device, dtype=torch.float32)
+    kc, vc = k[0].contiguous(), v[0].contiguous()
+
+    def run():
+        gather_kernel[(L, kv_heads)](kc, vc, idx, cnt, out, idx.shape[1], kv_heads, D=D, CHUNK=64)
+    return median_ms(run)
 
 
 def case(L, k_sel, args):
@@ -88,6 +132,8 @@ def case(L, k_sel, args):
     row["gsa_ms"] = median_ms(both)
     pairs = sum(min(k_sel, t + 1) for t in range(L))
     row["sparse_tflops"] = 4 * B * H * pairs * D / row["sparse_ms"] / 1e9
+    row["gather_floor_ms"] = gather_floor(k, v, indices, counts)
+    row["gathered_gb"] = 2 * B * HKV * pairs * D * k.element_size() / 1e9
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             fn, label = dense(backend, q, k, v)
@@ -100,6 +146,8 @@ def case(L, k_sel, args):
     row["fastest_dense_ms"] = min(dense_times) if dense_times else None
     if row["fastest_dense_ms"]:
         row["gsa_speedup_vs_fastest_dense"] = row["fastest_dense_ms"] / row["gsa_ms"]
+    if row["fastest_dense_ms"] and row["gather_floor_ms"]:
+        row["dense_over_gather_floor"] = row["fastest_dense_ms"] / row["gather_floor_ms"]
     if row.get("sdpa_flash_ms"):
         row["sparse_vs_flash"] = row["sparse_ms"] / row["sdpa_flash_ms"]
     return row
@@ -228,13 +276,14 @@ def main():
         print(json.dumps(row), flush=True)
     print()
     print(f"{'L':>7} {'k':>5} {'select ms':>10} {'sparse ms':>10} {'GSA ms':>9} {'flash ms':>9} "
-          f"{'cudnn ms':>9} {'dense/GSA':>9} {'sparse/flash':>12}")
+          f"{'cudnn ms':>9} {'dense/GSA':>9} {'sparse/flash':>12} {'floor ms':>9} {'dense/floor':>11}")
     for r in rows:
         def f(x, fmt="{:9.2f}"):
             return fmt.format(x) if x is not None else "-".rjust(9)
         print(f"{r['L']:>7} {r['k']:>5} {f(r['select_ms'], '{:10.2f}')} {f(r['sparse_ms'], '{:10.2f}')} "
               f"{f(r['gsa_ms'])} {f(r.get('sdpa_flash_ms'))} {f(r.get('sdpa_cudnn_ms'))} "
-              f"{f(r.get('gsa_speedup_vs_fastest_dense'))} {f(r.get('sparse_vs_flash'), '{:12.2f}')}")
+              f"{f(r.get('gsa_speedup_vs_fastest_dense'))} {f(r.get('sparse_vs_flash'), '{:12.2f}')} "
+              f"{f(r.get('gather_floor_ms'))} {f(r.get('dense_over_gather_floor'), '{:11.2f}')}")
     if decode_rows:
         print()
         print(f"{'decode L':>9} {'batch':>5} {'select ms':>10} {'GSA step ms':>12} {'flash ms':>9} "

@@ -510,21 +510,53 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
     return indexer_score<T>(q, gate, bias, heads, dim, form, p.k.at<const T>(row.b, row.s.k_start + key, 0),
                             p.k.dim, packed);
   };
+  // Every visible key's (key, score) to f, a thread's keys in quads 4 i .. 4 i + 3 for i = tid,
+  // tid + kSelectThreads, ... in that order either way, so that stored and recomputed scores give
+  // the same sums bit for bit. Stored rows (16-byte aligned: ld is a multiple of 4) are read a
+  // quad a load with kQuadsInFlight loads issued before the first is used: one load at a time
+  // left the passes waiting on L1TEX for over half their cycles (ncu, 2026-11-27).
+  constexpr int kQuadsInFlight = 4;
+  auto for_each_key = [&](auto&& f) {
+    const std::int64_t quads = (visible + 3) / 4;
+    if (row_scores != nullptr) {
+      const float4* rows4 = reinterpret_cast<const float4*>(row_scores);
+      std::int64_t i = tid;
+      for (; i + (kQuadsInFlight - 1) * kSelectThreads < quads - 1; i += kQuadsInFlight * kSelectThreads) {
+        float4 x[kQuadsInFlight];
+#pragma unroll
+        for (int u = 0; u < kQuadsInFlight; ++u) x[u] = rows4[i + u * kSelectThreads];
+#pragma unroll
+        for (int u = 0; u < kQuadsInFlight; ++u) {
+          const std::int64_t key = 4 * (i + u * kSelectThreads);
+          f(key, x[u].x);
+          f(key + 1, x[u].y);
+          f(key + 2, x[u].z);
+          f(key + 3, x[u].w);
+        }
+      }
+      for (; i < quads; i += kSelectThreads) {  // the rest, the last (possibly partial) quad among them
+        for (std::int64_t key = 4 * i; key < 4 * i + 4 && key < visible; ++key) f(key, row_scores[key]);
+      }
+    } else {
+      for (std::int64_t i = tid; i < quads; i += kSelectThreads) {
+        for (std::int64_t key = 4 * i; key < 4 * i + 4 && key < visible; ++key) f(key, score_of(key));
+      }
+    }
+  };
 
   // 1. Statistics. Sums of (x - x_0), x_0 the first key's score: close rows (small variance
   // next to a large mean) would otherwise cancel away in E[x^2] - E[x]^2.
   const float shift = score_of(0);
   double sum = 0, sum_sq = 0;
   std::uint64_t lo = ~std::uint64_t{0}, hi = 0;
-  for (std::int64_t key = tid; key < visible; key += kSelectThreads) {
-    const float x = score_of(key);
+  for_each_key([&](std::int64_t key, float x) {
     const double centered = static_cast<double>(x) - static_cast<double>(shift);
     sum += centered;
     sum_sq += centered * centered;
     const std::uint64_t sk = sort_key(x, key);
     lo = sk < lo ? sk : lo;
     hi = sk > hi ? sk : hi;
-  }
+  });
   sum = Reduce(temp.reduce).Sum(sum);
   if (tid == 0) shared_sum = sum;
   __syncthreads();
@@ -572,11 +604,11 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
     while (((hi - lo) >> shift_bits) >= static_cast<std::uint64_t>(kBins)) ++shift_bits;
     for (int b = tid; b < kBins; b += kSelectThreads) hist[b] = 0;
     __syncthreads();
-    for (std::int64_t key = tid; key < visible; key += kSelectThreads) {
-      const std::uint64_t sk = sort_key(score_of(key), key);
+    for_each_key([&](std::int64_t key, float x) {
+      const std::uint64_t sk = sort_key(x, key);
       if (sk > emit_lo && sk <= emit_hi) out[atomicAdd(&emitted, 1)] = static_cast<std::int32_t>(key);
       if (sk >= lo && sk <= hi) atomicAdd(&hist[(sk - lo) >> shift_bits], 1u);
-    }
+    });
     __syncthreads();
     // Thread i owns the bins kBins - 8 (i + 1) .. kBins - 8 i - 1: thread 0 the highest, so an
     // exclusive scan in thread order counts the keys above each thread's bins.
@@ -606,11 +638,11 @@ __global__ void __launch_bounds__(kSelectThreads) select_keys_kernel(const detai
     if (in_bin <= static_cast<std::uint32_t>(kCandidates)) {
       if (tid == 0) collected = 0;
       __syncthreads();
-      for (std::int64_t key = tid; key < visible; key += kSelectThreads) {
-        const std::uint64_t sk = sort_key(score_of(key), key);
+      for_each_key([&](std::int64_t key, float x) {
+        const std::uint64_t sk = sort_key(x, key);
         if (sk > emit_lo && sk <= emit_hi) out[atomicAdd(&emitted, 1)] = static_cast<std::int32_t>(key);
         if (sk >= bin_lo && sk <= bin_hi) candidates[atomicAdd(&collected, 1)] = sk;
-      }
+      });
       __syncthreads();
       const int n = SelectLayout::pow2_at_least(in_bin);
       for (int i = static_cast<int>(in_bin) + tid; i < n; i += kSelectThreads) candidates[i] = 0;
