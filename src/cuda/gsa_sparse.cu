@@ -28,6 +28,8 @@
 #include "cuda/element_types.cuh"
 #include "cuda/launch.h"
 #include "cuda/launch_attention.cuh"
+#include "cuda/tile/fragment.cuh"
+#include "cuda/tile/smem_tile.cuh"
 
 namespace winnow::cuda {
 namespace {
@@ -233,6 +235,186 @@ __global__ void __launch_bounds__(kThreads) sparse_forward_kernel(const Attentio
   }
   for (int g = tid; g < L.group; g += kThreads) {
     *p.stats.at<float>(row.b, q_row, h0 + g) = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
+  }
+}
+
+// ---- The forward on tensor cores: 16-bit inputs, D = Dv = 64 or 128, at most 16 query heads per
+// kv head, rows 16-byte aligned (fused_path_applies). The group's query rows are the 16 rows of
+// an m16n8k16 A operand (rows past the group are zero and their results dropped), so a
+// gathered key serves every head of its group as in the scalar kernel. Each warp walks its own
+// chunks of kTcChunk listed keys (chunk warp, warp + kTcWarps, ...) with a private online
+// softmax and output, double-buffered: the next chunk's K and V rows are in flight (cp.async)
+// while the current one is multiplied, and the chunk after that's list entries are being read.
+// The warps' partial outputs are merged at the end. The kernel is bound by the gathers, not
+// the products: ~0.5 KB of K and V per listed key for 2 x 2 x group x D multiply-adds.
+constexpr int kTcChunk = 16;
+constexpr int kTcWarps = 4;
+constexpr int kTcThreads = 32 * kTcWarps;
+static_assert(kTcThreads >= kCompleteBlockRows, "a thread per row of a dense block");
+
+template <int D>
+struct TcForwardLayout {
+  static constexpr int kTileElems = kTcChunk * D;  // one K or V chunk
+  static constexpr int kQElems = 16 * D;
+  // 16-bit elements: the query tile, then per warp two stages of (K, V). After the chunks, a
+  // warp's stages hold its 16 x D float partial output; the merge's statistics follow.
+  static constexpr int kStageElems = 2 * kTileElems;
+  static constexpr int kWarpElems = 2 * kStageElems;
+  static_assert(kWarpElems * 2 >= 16 * D * 4, "a warp's stages hold its float output");
+  static constexpr std::size_t kStatsOffset = 2 * (kQElems + kTcWarps * kWarpElems);  // bytes
+  static constexpr std::size_t kBytes = kStatsOffset + 2 * kTcWarps * 16 * sizeof(float);
+};
+
+template <class T, int D>
+__global__ void __launch_bounds__(kTcThreads, 3) sparse_forward_tc_kernel(const AttentionParams p, const KeyListConfig c,
+                                                                       bool dense_took_complete_blocks) {
+  using Layout = TcForwardLayout<D>;
+  using Tile = tile::SmemTile<T, kTcChunk, D>;
+  constexpr int KS = D / 16, NT_O = D / 8;
+  extern __shared__ __align__(128) unsigned char tc_smem[];
+  T* const base = reinterpret_cast<T*>(tc_smem);
+  const QueryRow row = locate_query_row(p, blockIdx.x);
+  if (dense_took_complete_blocks && taken_by_dense_kernel(c, row)) return;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, tig = lane % 4;
+  const int group = static_cast<int>(p.group_size());
+  const std::int64_t hk = blockIdx.y, h0 = hk * group, q_row = row.operand_row();
+
+  const tile::SmemTile<T, 16, D> q_tile{base};
+  q_tile.template load_async<kTcThreads>(tid, [&](int r) -> const T* {
+    return r < group ? p.q.at<const T>(row.b, q_row, h0 + r) : nullptr;
+  });
+  tile::cp_async_commit();
+  tile::cp_async_wait<0>();
+  __syncthreads();
+  std::uint32_t qa[KS][4];
+  tile::load_rows_operand<KS>(qa, q_tile, 0, lane);
+
+  T* const warp_base = base + Layout::kQElems + warp * Layout::kWarpElems;
+  auto k_tile = [&](int stage) { return Tile{warp_base + stage * Layout::kStageElems}; };
+  auto v_tile = [&](int stage) { return Tile{warp_base + stage * Layout::kStageElems + Layout::kTileElems}; };
+
+  const std::int64_t n = list_length(c, row);
+  const int chunks = static_cast<int>((n + kTcChunk - 1) / kTcChunk);
+  // Lane i < kTcChunk holds the key of the chunk's entry i (-1: none or outside [0, t]).
+  auto chunk_key = [&](int chunk) -> int {
+    const std::int64_t i = static_cast<std::int64_t>(chunk) * kTcChunk + lane;
+    return lane < kTcChunk && chunk < chunks && i < n ? static_cast<int>(listed_key(c, row, i)) : -1;
+  };
+  auto issue = [&](int stage, int key_of_lane) {
+    auto rows_of = [&](const detail::Operand& op) {
+      return [&, key_of_lane](int r) -> const T* {
+        const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
+        return key < 0 ? nullptr : op.at<const T>(row.b, row.s.k_start + key, hk);
+      };
+    };
+    k_tile(stage).template load_async<32>(lane, rows_of(p.k));
+    v_tile(stage).template load_async<32>(lane, rows_of(p.v));
+    tile::cp_async_commit();
+  };
+
+  const float scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  float o[NT_O][4];
+  tile::zero(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8 (l: this thread's part)
+  int key_now = chunk_key(warp);
+  if (warp < chunks) issue(0, key_now);
+  int key_next = chunk_key(warp + kTcWarps);
+  int stage = 0;
+  for (int chunk = warp; chunk < chunks; chunk += kTcWarps) {
+    const bool more = chunk + kTcWarps < chunks;
+    if (more) issue(stage ^ 1, key_next);
+    const int key_later = chunk_key(chunk + 2 * kTcWarps);
+    const unsigned live = __ballot_sync(0xffffffffu, key_now >= 0);
+    if (more) {
+      tile::cp_async_wait<1>();
+    } else {
+      tile::cp_async_wait<0>();
+    }
+    __syncwarp();
+    float s[2][4];
+    tile::zero(s);
+    tile::mma_b_rows<T, 2, KS>(s, qa, k_tile(stage), 0, lane);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float x[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = 8 * (j / 2) + 2 * tig + (j % 2);
+        x[j] = (live >> key) & 1u ? s[j / 2][2 * half + j % 2] * scale_log2 : -INFINITY;
+      }
+      float top = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+      const float m_new = fmaxf(m[half], top);
+      const float rescale = m_new == -INFINITY ? 1.f : exp2f(m[half] - m_new);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float e = m_new == -INFINITY ? 0.f : exp2f(x[j] - m_new);
+        s[j / 2][2 * half + j % 2] = e;
+        sum += e;
+      }
+      l[half] = l[half] * rescale + sum;
+      m[half] = m_new;
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt) {
+        o[nt][2 * half] *= rescale;
+        o[nt][2 * half + 1] *= rescale;
+      }
+    }
+    std::uint32_t pa[1][4];
+    tile::to_operand<T, 1>(s, pa);
+    tile::mma_b_cols<T, NT_O, 1>(o, pa, v_tile(stage), 0, lane);
+    __syncwarp();
+    key_now = key_next;
+    key_next = key_later;
+    stage ^= 1;
+  }
+
+  // Merge the warps: each row's largest running max, every warp's output and sum rescaled to it.
+  float* const stat_m = reinterpret_cast<float*>(tc_smem + Layout::kStatsOffset);
+  float* const stat_l = stat_m + kTcWarps * 16;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+    if (tig == 0) {
+      stat_m[warp * 16 + g + 8 * half] = m[half];
+      stat_l[warp * 16 + g + 8 * half] = l[half];
+    }
+  }
+  __syncthreads();
+  float* const partial = reinterpret_cast<float*>(warp_base);  // this warp's [16][D] floats
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kTcWarps; ++w) top = fmaxf(top, stat_m[w * 16 + r]);
+    const float mine = m[half] == -INFINITY ? 0.f : exp2f(m[half] - top);
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) {
+      partial[r * D + 8 * nt + 2 * tig] = o[nt][2 * half] * mine;
+      partial[r * D + 8 * nt + 2 * tig + 1] = o[nt][2 * half + 1] * mine;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < group * D; e += kTcThreads) {
+    const int r = e / D, d = e % D;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kTcWarps; ++w) top = fmaxf(top, stat_m[w * 16 + r]);
+    float sum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kTcWarps; ++w) {
+      const float mw = stat_m[w * 16 + r];
+      if (mw != -INFINITY) sum += stat_l[w * 16 + r] * exp2f(mw - top);
+      acc += reinterpret_cast<const float*>(base + Layout::kQElems + w * Layout::kWarpElems)[r * D + d];
+    }
+    p.out.at<T>(row.b, q_row, h0 + r)[d] = narrow_to<T>(sum > 0.f ? acc / sum : 0.f);
+    if (d == 0) {
+      *p.stats.at<float>(row.b, q_row, h0 + r) = sum > 0.f ? (top + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    }
   }
 }
 
@@ -496,14 +678,36 @@ struct DenseCompleteBlocks {
   }
 };
 
+struct TcSparseForward {
+  const AttentionParams& p;
+  const KeyListConfig& c;
+  bool dense_took_complete_blocks;
+  template <class T, int D>
+  void operator()() const {
+    const std::size_t bytes = TcForwardLayout<D>::kBytes;
+    allow_shared(sparse_forward_tc_kernel<T, D>, bytes);
+    sparse_forward_tc_kernel<T, D><<<dim3(static_cast<unsigned>(p.rows_q), static_cast<unsigned>(p.heads_kv)),
+                                     kTcThreads, bytes, stream_of(p)>>>(p, c, dense_took_complete_blocks);
+    check_launch("gsa sparse_forward_tc_kernel");
+  }
+};
+
 }  // namespace
 
 void gsa_sparse_forward(const AttentionParams& p, const KeyListConfig& c) {
   if (p.rows_q == 0) return;
   const QuerySideLayout L(p, /*backward=*/false);
   check_sizes(p, L.bytes(), "sparse_forward");
-  const bool dense = fused_path_applies(p, nullptr) && std::getenv("WINNOW_GSA_GATHER_ONLY") == nullptr;
+  const bool fused = fused_path_applies(p, nullptr);
+  const bool dense = fused && std::getenv("WINNOW_GSA_GATHER_ONLY") == nullptr;
   if (dense) dispatch_fused(p, DenseCompleteBlocks{p, c});
+  // WINNOW_GSA_SPARSE_FORWARD=scalar keeps the CUDA-core kernel where the tensor cores apply (A/B).
+  const char* forced = std::getenv("WINNOW_GSA_SPARSE_FORWARD");
+  const bool scalar = forced != nullptr && std::string(forced) == "scalar";
+  if (fused && p.group_size() <= 16 && !scalar) {
+    dispatch_fused(p, TcSparseForward{p, c, dense});
+    return;
+  }
   by_dtype(p, [&](auto tag) {
     using T = decltype(tag);
     allow_shared(sparse_forward_kernel<T>, L.bytes());

@@ -208,6 +208,10 @@ TEST(CudaGsaSparse, MatchesTheReference) {
       {{{{129, 300}}, false, 4, 64}, 1, 96, 77, true},                      // Dv != D, lists of 77
       {{{{70, 70}}, false, 4, 64}, 2, 64, 0, false},                        // every visible key
       {{{{300, 300}}, false, 4, 64}, 2, 64, 150, false},  // rows 0-127 complete: the dense kernel's block
+      // The tensor-core forward (16-bit, D = Dv = 64 / 128): 16 heads on one kv head, suffix
+      // queries, permuted strides, lists ending mid-chunk; three heads a group, a warp left idle.
+      {{{{40, 300}}, false, 16, 64}, 1, 64, 37, true},
+      {{{{150, 150}}, false, 12, 128}, 4, 128, 33, false},
   };
   for (const Shape& shape : shapes) {
     for (const DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
