@@ -15,6 +15,8 @@ of CUDA-event timings after warm-up; TFLOP/s of the sparse attention count its o
 batch --decode-batch): the indexer over the cache, the selection of k keys and the sparse
 attention of the one query, against SDPA's flash back end and winnow's softmax paged_decode on
 the same cache.
+--backward adds the sparse attention's forward + backward on the selection's lists (and SDPA's
+forward + backward on the same q, k, v) at each length.
 --indexer-loss adds the indexer's training loss (003 section 6) at the LM study's layer (B = 64,
 L = 512, 8 heads of 64, H_I = 4 of d_I = 64, lists of k = 256 from the selection), forward and
 backward: winnow.gsa_indexer_loss against the same KL written in PyTorch (float32, the whole
@@ -127,6 +129,25 @@ def case(L, k_sel, args):
         return winnow.gsa_sparse_attention(q, k, v, i, c, trusted=True)
 
     row = {"L": L, "k": k_sel, "heads": H, "kv_heads": HKV, "D": D}
+    if args.backward:
+        # Forward and backward of the sparse attention on the selection's lists, beside SDPA's.
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        dout = torch.randn_like(q)
+
+        def sparse_fb():
+            out = winnow.gsa_sparse_attention(qg, kg, vg, indices, counts, trusted=True)
+            out.backward(dout)
+        row["sparse_fb_ms"] = median_ms(sparse_fb)
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                fn, _ = dense(backend, qg, kg, vg)
+
+                def dense_fb(fn=fn):
+                    fn().backward(dout.transpose(1, 2))
+                row[f"sdpa_{name}_fb_ms"] = median_ms(dense_fb)
+            except RuntimeError as e:
+                row[f"sdpa_{name}_fb_ms"] = None
+                row[f"sdpa_{name}_fb_error"] = str(e).splitlines()[0][:200]
     row["select_ms"] = median_ms(select)
     row["sparse_ms"] = median_ms(sparse)
     row["gsa_ms"] = median_ms(both)
@@ -264,6 +285,8 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=1)
     ap.add_argument("--indexer-loss", action="store_true",
                     help="add the indexer loss (forward + backward) at the LM study's layer")
+    ap.add_argument("--backward", action="store_true",
+                    help="also time the sparse attention's forward + backward (and SDPA's) at each length")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
@@ -284,6 +307,13 @@ def main():
               f"{f(r['gsa_ms'])} {f(r.get('sdpa_flash_ms'))} {f(r.get('sdpa_cudnn_ms'))} "
               f"{f(r.get('gsa_speedup_vs_fastest_dense'))} {f(r.get('sparse_vs_flash'), '{:12.2f}')} "
               f"{f(r.get('gather_floor_ms'))} {f(r.get('dense_over_gather_floor'), '{:11.2f}')}")
+    if args.backward:
+        print()
+        print(f"{'L':>7} {'sparse f+b ms':>14} {'flash f+b ms':>13} {'cudnn f+b ms':>13}")
+        for r in rows:
+            def f(x):
+                return f"{x:13.2f}" if x is not None else "-".rjust(13)
+            print(f"{r['L']:>7} {r['sparse_fb_ms']:14.2f} {f(r.get('sdpa_flash_fb_ms'))} {f(r.get('sdpa_cudnn_fb_ms'))}")
     if decode_rows:
         print()
         print(f"{'decode L':>9} {'batch':>5} {'select ms':>10} {'GSA step ms':>12} {'flash ms':>9} "

@@ -418,6 +418,194 @@ __global__ void __launch_bounds__(kTcThreads, 3) sparse_forward_tc_kernel(const 
   }
 }
 
+// The backward's query side on tensor cores, under the forward's conditions (and 16-byte dout
+// and dq rows): per chunk of 16 listed keys and warp, S = Q K^T and dP = dO V^T again, P from
+// the forward's log-sum-exps, dS = P (dP - delta) scale, dq += dS K; with dk_acc / dv_acc the
+// chunk's dk = dS^T Q and dv = P^T dO (dS and P through a small shared tile for the transpose)
+// are added into the fp32 accumulators with atomics, as the scalar kernel does. Padding rows of
+// the group get P = 0, so they add nothing.
+template <int D>
+struct TcBackwardLayout {
+  static constexpr int kTileElems = kTcChunk * D;
+  static constexpr int kRowsElems = 16 * D;                // Q or dO
+  static constexpr int kStageElems = 2 * kTileElems;       // K and V
+  static constexpr int kSmallElems = 16 * 16;              // dS or P, [row][key]
+  static constexpr int kWarpElems = 2 * kStageElems + 2 * kSmallElems;
+  static_assert(2 * kStageElems * 2 >= 16 * D * 4, "a warp's stages hold its float dq");
+  static constexpr std::size_t kStatsOffset = 2 * (2 * kRowsElems + kTcWarps * kWarpElems);  // bytes
+  static constexpr std::size_t kBytes = kStatsOffset + 2 * 16 * sizeof(float);
+};
+
+template <class T, int D>
+__global__ void __launch_bounds__(kTcThreads, 2)
+    sparse_backward_query_tc_kernel(const AttentionParams p, const GradientParams gr, const KeyListConfig c,
+                                    float* delta_out, float* dk_acc, float* dv_acc) {
+  using Layout = TcBackwardLayout<D>;
+  using Tile = tile::SmemTile<T, kTcChunk, D>;
+  using RowsTile = tile::SmemTile<T, 16, D>;
+  using SmallTile = tile::SmemTile<T, 16, 16>;
+  constexpr int KS = D / 16, NT = D / 8;
+  extern __shared__ __align__(128) unsigned char tc_smem[];
+  T* const base = reinterpret_cast<T*>(tc_smem);
+  const QueryRow row = locate_query_row(p, blockIdx.x);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, tig = lane % 4;
+  const int group = static_cast<int>(p.group_size());
+  const std::int64_t hk = blockIdx.y, h0 = hk * group, q_row = row.operand_row();
+
+  const RowsTile q_tile{base}, do_tile{base + Layout::kRowsElems};
+  q_tile.template load_async<kTcThreads>(tid, [&](int r) -> const T* {
+    return r < group ? p.q.at<const T>(row.b, q_row, h0 + r) : nullptr;
+  });
+  do_tile.template load_async<kTcThreads>(tid, [&](int r) -> const T* {
+    return r < group ? gr.dout.at<const T>(row.b, q_row, h0 + r) : nullptr;
+  });
+  tile::cp_async_commit();
+  // Per row: the log-sum-exp in base 2 (+inf for padding and empty rows: P = 0) and delta.
+  float* const lse2 = reinterpret_cast<float*>(tc_smem + Layout::kStatsOffset);
+  float* const delta = lse2 + 16;
+  for (int r = warp; r < 16; r += kTcWarps) {
+    float x = 0.f, lse = INFINITY;
+    if (r < group) {
+      const T* out = p.out.at<const T>(row.b, q_row, h0 + r);
+      const T* dout = gr.dout.at<const T>(row.b, q_row, h0 + r);
+      for (int d = lane; d < D; d += 32) x = fmaf(widen(dout[d]), widen(out[d]), x);
+      x = warp_sum(x);
+      const float l = *p.stats.at<const float>(row.b, q_row, h0 + r);
+      lse = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+      if (lane == 0 && delta_out != nullptr) delta_out[p.batch_row_q(row.b, q_row) * p.heads_q + h0 + r] = x;
+    }
+    if (lane == 0) {
+      lse2[r] = lse;
+      delta[r] = x;
+    }
+  }
+  tile::cp_async_wait<0>();
+  __syncthreads();
+  std::uint32_t qa[KS][4];
+  tile::load_rows_operand<KS>(qa, q_tile, 0, lane);
+  const float row_lse[2] = {lse2[g], lse2[g + 8]}, row_delta[2] = {delta[g], delta[g + 8]};
+
+  T* const warp_base = base + 2 * Layout::kRowsElems + warp * Layout::kWarpElems;
+  auto k_tile = [&](int stage) { return Tile{warp_base + stage * Layout::kStageElems}; };
+  auto v_tile = [&](int stage) { return Tile{warp_base + stage * Layout::kStageElems + Layout::kTileElems}; };
+  const SmallTile ds_tile{warp_base + 2 * Layout::kStageElems};
+  const SmallTile p_tile{warp_base + 2 * Layout::kStageElems + Layout::kSmallElems};
+
+  const std::int64_t n = list_length(c, row);
+  const int chunks = static_cast<int>((n + kTcChunk - 1) / kTcChunk);
+  auto chunk_key = [&](int chunk) -> int {
+    const std::int64_t i = static_cast<std::int64_t>(chunk) * kTcChunk + lane;
+    return lane < kTcChunk && chunk < chunks && i < n ? static_cast<int>(listed_key(c, row, i)) : -1;
+  };
+  auto issue = [&](int stage, int key_of_lane) {
+    auto rows_of = [&](const detail::Operand& op) {
+      return [&, key_of_lane](int r) -> const T* {
+        const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
+        return key < 0 ? nullptr : op.at<const T>(row.b, row.s.k_start + key, hk);
+      };
+    };
+    k_tile(stage).template load_async<32>(lane, rows_of(p.k));
+    v_tile(stage).template load_async<32>(lane, rows_of(p.v));
+    tile::cp_async_commit();
+  };
+
+  const float scale = static_cast<float>(p.scale), scale_log2 = scale * 1.4426950408889634f;
+  float dq[NT][4];
+  tile::zero(dq);
+  int key_now = chunk_key(warp);
+  if (warp < chunks) issue(0, key_now);
+  int key_next = chunk_key(warp + kTcWarps);
+  int stage = 0;
+  for (int chunk = warp; chunk < chunks; chunk += kTcWarps) {
+    const bool more = chunk + kTcWarps < chunks;
+    if (more) issue(stage ^ 1, key_next);
+    const int key_later = chunk_key(chunk + 2 * kTcWarps);
+    const unsigned live = __ballot_sync(0xffffffffu, key_now >= 0);
+    if (more) {
+      tile::cp_async_wait<1>();
+    } else {
+      tile::cp_async_wait<0>();
+    }
+    __syncwarp();
+    float s[2][4], dp[2][4];
+    tile::zero(s);
+    tile::zero(dp);
+    tile::mma_b_rows<T, 2, KS>(s, qa, k_tile(stage), 0, lane);
+    tile::mma_smem_a_b_rows<T, KS, 2>(dp, do_tile, 0, v_tile(stage), 0, lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int nt = j / 4, e = j % 4, half = e / 2;
+      const int key = 8 * nt + 2 * tig + (e % 2);
+      const float prob = (live >> key) & 1u ? exp2f(s[nt][e] * scale_log2 - row_lse[half]) : 0.f;
+      s[nt][e] = prob;
+      dp[nt][e] = prob * (dp[nt][e] - row_delta[half]) * scale;
+    }
+    std::uint32_t dsa[1][4];
+    tile::to_operand<T, 1>(dp, dsa);
+    tile::mma_b_cols<T, NT, 1>(dq, dsa, k_tile(stage), 0, lane);
+    if (dk_acc != nullptr) {
+      ds_tile.store_c(dp[0], 0, 0, lane);
+      ds_tile.store_c(dp[1], 0, 8, lane);
+      p_tile.store_c(s[0], 0, 0, lane);
+      p_tile.store_c(s[1], 0, 8, lane);
+      __syncwarp();
+      const int key_lo = __shfl_sync(0xffffffffu, key_now, g), key_hi = __shfl_sync(0xffffffffu, key_now, g + 8);
+      // dk then dv: the chunk's keys (rows g, g + 8 of the accumulator) times the group's rows.
+#pragma unroll
+      for (int which = 0; which < 2; ++which) {
+        std::uint32_t ta[1][4];
+        (which == 0 ? ds_tile : p_tile).a_cols(ta[0], 0, 0, lane);
+        float acc[NT][4];
+        tile::zero(acc);
+        tile::mma_b_cols<T, NT, 1>(acc, ta, which == 0 ? q_tile : do_tile, 0, lane);
+        float* const into = which == 0 ? dk_acc : dv_acc;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int key = half == 0 ? key_lo : key_hi;
+          if (key < 0) continue;
+          float* const at = into + (p.batch_row_k(row.b, row.s.k_start + key) * p.heads_kv + hk) * D + 2 * tig;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(at + 8 * nt), make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]));
+#else
+            atomicAdd(at + 8 * nt, acc[nt][2 * half]);
+            atomicAdd(at + 8 * nt + 1, acc[nt][2 * half + 1]);
+#endif
+          }
+        }
+      }
+    }
+    __syncwarp();
+    key_now = key_next;
+    key_next = key_later;
+    stage ^= 1;
+  }
+
+  // Sum the warps' dq.
+  __syncthreads();
+  float* const partial = reinterpret_cast<float*>(warp_base);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      partial[r * D + 8 * nt + 2 * tig] = dq[nt][2 * half];
+      partial[r * D + 8 * nt + 2 * tig + 1] = dq[nt][2 * half + 1];
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < group * D; e += kTcThreads) {
+    const int r = e / D, d = e % D;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kTcWarps; ++w) {
+      acc += reinterpret_cast<const float*>(base + 2 * Layout::kRowsElems + w * Layout::kWarpElems)[r * D + d];
+    }
+    gr.dq.at<T>(row.b, q_row, h0 + r)[d] = narrow_to<T>(acc);
+  }
+}
+
 // The backward's query side: dq of the group's heads, and delta = <dout, out> per head (kept
 // for the key side). With dk_acc / dv_acc (fp32, [key row][kv head][dim], zeroed) it also adds
 // the key gradients there with atomics.
@@ -678,6 +866,28 @@ struct DenseCompleteBlocks {
   }
 };
 
+struct TcSparseBackwardQuery {
+  const AttentionParams& p;
+  const GradientParams& g;
+  const KeyListConfig& c;
+  float *delta_out, *dk_acc, *dv_acc;
+  template <class T, int D>
+  void operator()() const {
+    const std::size_t bytes = TcBackwardLayout<D>::kBytes;
+    allow_shared(sparse_backward_query_tc_kernel<T, D>, bytes);
+    sparse_backward_query_tc_kernel<T, D>
+        <<<dim3(static_cast<unsigned>(p.rows_q), static_cast<unsigned>(p.heads_kv)), kTcThreads, bytes, stream_of(p)>>>(
+            p, g, c, delta_out, dk_acc, dv_acc);
+    check_launch("gsa sparse_backward_query_tc_kernel");
+  }
+};
+
+// Whether an environment switch forces the CUDA-core kernel (A/B runs): NAME=scalar.
+bool forced_scalar(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string(v) == "scalar";
+}
+
 struct TcSparseForward {
   const AttentionParams& p;
   const KeyListConfig& c;
@@ -702,9 +912,7 @@ void gsa_sparse_forward(const AttentionParams& p, const KeyListConfig& c) {
   const bool dense = fused && std::getenv("WINNOW_GSA_GATHER_ONLY") == nullptr;
   if (dense) dispatch_fused(p, DenseCompleteBlocks{p, c});
   // WINNOW_GSA_SPARSE_FORWARD=scalar keeps the CUDA-core kernel where the tensor cores apply (A/B).
-  const char* forced = std::getenv("WINNOW_GSA_SPARSE_FORWARD");
-  const bool scalar = forced != nullptr && std::string(forced) == "scalar";
-  if (fused && p.group_size() <= 16 && !scalar) {
+  if (fused && p.group_size() <= 16 && !forced_scalar("WINNOW_GSA_SPARSE_FORWARD")) {
     dispatch_fused(p, TcSparseForward{p, c, dense});
     return;
   }
@@ -728,6 +936,8 @@ void gsa_sparse_backward(const AttentionParams& p, const GradientParams& g, cons
                 "winnow::gsa::sparse_backward: the deterministic CUDA backward sorts every list slot (rows x k_max = " +
                     std::to_string(total) + "), at most 2^31 - 1");
   }
+  // The query side on tensor cores where the forward's conditions hold (WINNOW_GSA_SPARSE_BACKWARD=scalar: not).
+  const bool tc = fused_path_applies(p, &g) && p.group_size() <= 16 && !forced_scalar("WINNOW_GSA_SPARSE_BACKWARD");
   by_dtype(p, [&](auto tag) {
     using T = decltype(tag);
     allow_shared(sparse_backward_query_kernel<T>, L.bytes());
@@ -738,7 +948,9 @@ void gsa_sparse_backward(const AttentionParams& p, const GradientParams& g, cons
       float* dv_acc = dk_acc + key_floats * p.dim_qk;
       check(cudaMemsetAsync(dk_acc, 0, key_floats * (p.dim_qk + p.dim_v) * sizeof(float), stream),
             "clearing the key gradient accumulators");
-      if (p.rows_q > 0) {
+      if (p.rows_q > 0 && tc) {
+        dispatch_fused(p, TcSparseBackwardQuery{p, g, c, nullptr, dk_acc, dv_acc});
+      } else if (p.rows_q > 0) {
         sparse_backward_query_kernel<T><<<grid, kThreads, L.bytes(), stream>>>(p, g, c, nullptr, dk_acc, dv_acc,
                                                                               packed_rows(p));
         check_launch("gsa sparse_backward_query_kernel");
@@ -747,7 +959,9 @@ void gsa_sparse_backward(const AttentionParams& p, const GradientParams& g, cons
       return;
     }
     DeviceBuffer delta(p, static_cast<std::size_t>(p.rows_q * p.heads_q) * sizeof(float));
-    if (p.rows_q > 0) {
+    if (p.rows_q > 0 && tc) {
+      dispatch_fused(p, TcSparseBackwardQuery{p, g, c, delta.as<float>(), nullptr, nullptr});
+    } else if (p.rows_q > 0) {
       sparse_backward_query_kernel<T><<<grid, kThreads, L.bytes(), stream>>>(p, g, c, delta.as<float>(), nullptr, nullptr,
                                                                               packed_rows(p));
       check_launch("gsa sparse_backward_query_kernel");
