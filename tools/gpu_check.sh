@@ -20,7 +20,8 @@
 #              kernels when $BASELINES has snap-research/TDA's triton_threshold_attention.py)
 #   gbench     bench/gpu_gsa_bench.py (GSA's selection and sparse attention beside SDPA flash and
 #              cuDNN at 16K-128K, issue 16; $GBENCH_ARGS, e.g. --lengths 16384 --full-lists;
-#              --decode: one decoding step; --indexer-loss: the indexer's training loss)
+#              --decode: one decoding step; --backward: the sparse attention's forward +
+#              backward; --indexer-loss: the indexer's training loss; a Triton gather floor)
 #   dbench     bench/gpu_decode_bench.py (split-KV decoding, contiguous and paged, beside SDPA
 #              flash and cuDNN, the fused kernels it replaced, and the copy bandwidth; issue 17;
 #              $DBENCH_ARGS, e.g. --lengths 4096 32768)
