@@ -252,6 +252,58 @@ constexpr int kTcWarps = 4;
 constexpr int kTcThreads = 32 * kTcWarps;
 static_assert(kTcThreads >= kCompleteBlockRows, "a thread per row of a dense block");
 
+// A warp's walk over its chunks of a row's list (chunk warp, warp + kTcWarps, ...) through two
+// stages of K and V tiles at `stages`: while `body` uses a chunk, the next chunk's K and V rows
+// are in flight (cp.async) and the list entries of the chunk after that are being read.
+// body(k_tile, v_tile, live, key_of_lane): live has bit i set where entry i is a key, and lane
+// i < kTcChunk holds that key (-1: none, or outside [0, t]).
+template <class T, int D, class Body>
+__device__ __forceinline__ void walk_listed_chunks(const AttentionParams& p, const KeyListConfig& c, const QueryRow& row,
+                                                   std::int64_t hk, T* stages, int stage_elems, int lane, int warp,
+                                                   Body&& body) {
+  using Tile = tile::SmemTile<T, kTcChunk, D>;
+  auto k_tile = [&](int stage) { return Tile{stages + stage * stage_elems}; };
+  auto v_tile = [&](int stage) { return Tile{stages + stage * stage_elems + kTcChunk * D}; };
+  const std::int64_t n = list_length(c, row);
+  const int chunks = static_cast<int>((n + kTcChunk - 1) / kTcChunk);
+  auto chunk_key = [&](int chunk) -> int {
+    const std::int64_t i = static_cast<std::int64_t>(chunk) * kTcChunk + lane;
+    return lane < kTcChunk && chunk < chunks && i < n ? static_cast<int>(listed_key(c, row, i)) : -1;
+  };
+  auto issue = [&](int stage, int key_of_lane) {
+    auto rows_of = [&](const detail::Operand& op) {
+      return [&, key_of_lane](int r) -> const T* {
+        const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
+        return key < 0 ? nullptr : op.at<const T>(row.b, row.s.k_start + key, hk);
+      };
+    };
+    k_tile(stage).template load_async<32>(lane, rows_of(p.k));
+    v_tile(stage).template load_async<32>(lane, rows_of(p.v));
+    tile::cp_async_commit();
+  };
+  int key_now = chunk_key(warp);
+  if (warp < chunks) issue(0, key_now);
+  int key_next = chunk_key(warp + kTcWarps);
+  int stage = 0;
+  for (int chunk = warp; chunk < chunks; chunk += kTcWarps) {
+    const bool more = chunk + kTcWarps < chunks;
+    if (more) issue(stage ^ 1, key_next);
+    const int key_later = chunk_key(chunk + 2 * kTcWarps);
+    const unsigned live = __ballot_sync(0xffffffffu, key_now >= 0);
+    if (more) {
+      tile::cp_async_wait<1>();
+    } else {
+      tile::cp_async_wait<0>();
+    }
+    __syncwarp();
+    body(k_tile(stage), v_tile(stage), live, key_now);
+    __syncwarp();
+    key_now = key_next;
+    key_next = key_later;
+    stage ^= 1;
+  }
+}
+
 template <int D>
 struct TcForwardLayout {
   static constexpr int kTileElems = kTcChunk * D;  // one K or V chunk
@@ -290,50 +342,15 @@ __global__ void __launch_bounds__(kTcThreads, 3) sparse_forward_tc_kernel(const 
   tile::load_rows_operand<KS>(qa, q_tile, 0, lane);
 
   T* const warp_base = base + Layout::kQElems + warp * Layout::kWarpElems;
-  auto k_tile = [&](int stage) { return Tile{warp_base + stage * Layout::kStageElems}; };
-  auto v_tile = [&](int stage) { return Tile{warp_base + stage * Layout::kStageElems + Layout::kTileElems}; };
-
-  const std::int64_t n = list_length(c, row);
-  const int chunks = static_cast<int>((n + kTcChunk - 1) / kTcChunk);
-  // Lane i < kTcChunk holds the key of the chunk's entry i (-1: none or outside [0, t]).
-  auto chunk_key = [&](int chunk) -> int {
-    const std::int64_t i = static_cast<std::int64_t>(chunk) * kTcChunk + lane;
-    return lane < kTcChunk && chunk < chunks && i < n ? static_cast<int>(listed_key(c, row, i)) : -1;
-  };
-  auto issue = [&](int stage, int key_of_lane) {
-    auto rows_of = [&](const detail::Operand& op) {
-      return [&, key_of_lane](int r) -> const T* {
-        const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
-        return key < 0 ? nullptr : op.at<const T>(row.b, row.s.k_start + key, hk);
-      };
-    };
-    k_tile(stage).template load_async<32>(lane, rows_of(p.k));
-    v_tile(stage).template load_async<32>(lane, rows_of(p.v));
-    tile::cp_async_commit();
-  };
-
   const float scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   float o[NT_O][4];
   tile::zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8 (l: this thread's part)
-  int key_now = chunk_key(warp);
-  if (warp < chunks) issue(0, key_now);
-  int key_next = chunk_key(warp + kTcWarps);
-  int stage = 0;
-  for (int chunk = warp; chunk < chunks; chunk += kTcWarps) {
-    const bool more = chunk + kTcWarps < chunks;
-    if (more) issue(stage ^ 1, key_next);
-    const int key_later = chunk_key(chunk + 2 * kTcWarps);
-    const unsigned live = __ballot_sync(0xffffffffu, key_now >= 0);
-    if (more) {
-      tile::cp_async_wait<1>();
-    } else {
-      tile::cp_async_wait<0>();
-    }
-    __syncwarp();
+  walk_listed_chunks<T, D>(p, c, row, hk, warp_base, Layout::kStageElems, lane, warp,
+                           [&](const Tile& k_tile, const Tile& v_tile, unsigned live, int) {
     float s[2][4];
     tile::zero(s);
-    tile::mma_b_rows<T, 2, KS>(s, qa, k_tile(stage), 0, lane);
+    tile::mma_b_rows<T, 2, KS>(s, qa, k_tile, 0, lane);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float x[4];
@@ -364,12 +381,8 @@ __global__ void __launch_bounds__(kTcThreads, 3) sparse_forward_tc_kernel(const 
     }
     std::uint32_t pa[1][4];
     tile::to_operand<T, 1>(s, pa);
-    tile::mma_b_cols<T, NT_O, 1>(o, pa, v_tile(stage), 0, lane);
-    __syncwarp();
-    key_now = key_next;
-    key_next = key_later;
-    stage ^= 1;
-  }
+    tile::mma_b_cols<T, NT_O, 1>(o, pa, v_tile, 0, lane);
+  });
 
   // Merge the warps: each row's largest running max, every warp's output and sum rescaled to it.
   float* const stat_m = reinterpret_cast<float*>(tc_smem + Layout::kStatsOffset);
@@ -486,52 +499,18 @@ __global__ void __launch_bounds__(kTcThreads, 2)
   const float row_lse[2] = {lse2[g], lse2[g + 8]}, row_delta[2] = {delta[g], delta[g + 8]};
 
   T* const warp_base = base + 2 * Layout::kRowsElems + warp * Layout::kWarpElems;
-  auto k_tile = [&](int stage) { return Tile{warp_base + stage * Layout::kStageElems}; };
-  auto v_tile = [&](int stage) { return Tile{warp_base + stage * Layout::kStageElems + Layout::kTileElems}; };
   const SmallTile ds_tile{warp_base + 2 * Layout::kStageElems};
   const SmallTile p_tile{warp_base + 2 * Layout::kStageElems + Layout::kSmallElems};
-
-  const std::int64_t n = list_length(c, row);
-  const int chunks = static_cast<int>((n + kTcChunk - 1) / kTcChunk);
-  auto chunk_key = [&](int chunk) -> int {
-    const std::int64_t i = static_cast<std::int64_t>(chunk) * kTcChunk + lane;
-    return lane < kTcChunk && chunk < chunks && i < n ? static_cast<int>(listed_key(c, row, i)) : -1;
-  };
-  auto issue = [&](int stage, int key_of_lane) {
-    auto rows_of = [&](const detail::Operand& op) {
-      return [&, key_of_lane](int r) -> const T* {
-        const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
-        return key < 0 ? nullptr : op.at<const T>(row.b, row.s.k_start + key, hk);
-      };
-    };
-    k_tile(stage).template load_async<32>(lane, rows_of(p.k));
-    v_tile(stage).template load_async<32>(lane, rows_of(p.v));
-    tile::cp_async_commit();
-  };
-
   const float scale = static_cast<float>(p.scale), scale_log2 = scale * 1.4426950408889634f;
   float dq[NT][4];
   tile::zero(dq);
-  int key_now = chunk_key(warp);
-  if (warp < chunks) issue(0, key_now);
-  int key_next = chunk_key(warp + kTcWarps);
-  int stage = 0;
-  for (int chunk = warp; chunk < chunks; chunk += kTcWarps) {
-    const bool more = chunk + kTcWarps < chunks;
-    if (more) issue(stage ^ 1, key_next);
-    const int key_later = chunk_key(chunk + 2 * kTcWarps);
-    const unsigned live = __ballot_sync(0xffffffffu, key_now >= 0);
-    if (more) {
-      tile::cp_async_wait<1>();
-    } else {
-      tile::cp_async_wait<0>();
-    }
-    __syncwarp();
+  walk_listed_chunks<T, D>(p, c, row, hk, warp_base, Layout::kStageElems, lane, warp,
+                           [&](const Tile& k_tile, const Tile& v_tile, unsigned live, int key_of_lane) {
     float s[2][4], dp[2][4];
     tile::zero(s);
     tile::zero(dp);
-    tile::mma_b_rows<T, 2, KS>(s, qa, k_tile(stage), 0, lane);
-    tile::mma_smem_a_b_rows<T, KS, 2>(dp, do_tile, 0, v_tile(stage), 0, lane);
+    tile::mma_b_rows<T, 2, KS>(s, qa, k_tile, 0, lane);
+    tile::mma_smem_a_b_rows<T, KS, 2>(dp, do_tile, 0, v_tile, 0, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int nt = j / 4, e = j % 4, half = e / 2;
@@ -542,45 +521,39 @@ __global__ void __launch_bounds__(kTcThreads, 2)
     }
     std::uint32_t dsa[1][4];
     tile::to_operand<T, 1>(dp, dsa);
-    tile::mma_b_cols<T, NT, 1>(dq, dsa, k_tile(stage), 0, lane);
-    if (dk_acc != nullptr) {
-      ds_tile.store_c(dp[0], 0, 0, lane);
-      ds_tile.store_c(dp[1], 0, 8, lane);
-      p_tile.store_c(s[0], 0, 0, lane);
-      p_tile.store_c(s[1], 0, 8, lane);
-      __syncwarp();
-      const int key_lo = __shfl_sync(0xffffffffu, key_now, g), key_hi = __shfl_sync(0xffffffffu, key_now, g + 8);
-      // dk then dv: the chunk's keys (rows g, g + 8 of the accumulator) times the group's rows.
+    tile::mma_b_cols<T, NT, 1>(dq, dsa, k_tile, 0, lane);
+    if (dk_acc == nullptr) return;
+    ds_tile.store_c(dp[0], 0, 0, lane);
+    ds_tile.store_c(dp[1], 0, 8, lane);
+    p_tile.store_c(s[0], 0, 0, lane);
+    p_tile.store_c(s[1], 0, 8, lane);
+    __syncwarp();
+    const int keys[2] = {__shfl_sync(0xffffffffu, key_of_lane, g), __shfl_sync(0xffffffffu, key_of_lane, g + 8)};
+    // dk then dv: the chunk's keys (rows g, g + 8 of the accumulator) times the group's rows.
 #pragma unroll
-      for (int which = 0; which < 2; ++which) {
-        std::uint32_t ta[1][4];
-        (which == 0 ? ds_tile : p_tile).a_cols(ta[0], 0, 0, lane);
-        float acc[NT][4];
-        tile::zero(acc);
-        tile::mma_b_cols<T, NT, 1>(acc, ta, which == 0 ? q_tile : do_tile, 0, lane);
-        float* const into = which == 0 ? dk_acc : dv_acc;
+    for (int which = 0; which < 2; ++which) {
+      std::uint32_t ta[1][4];
+      (which == 0 ? ds_tile : p_tile).a_cols(ta[0], 0, 0, lane);
+      float acc[NT][4];
+      tile::zero(acc);
+      tile::mma_b_cols<T, NT, 1>(acc, ta, which == 0 ? q_tile : do_tile, 0, lane);
+      float* const into = which == 0 ? dk_acc : dv_acc;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int key = half == 0 ? key_lo : key_hi;
-          if (key < 0) continue;
-          float* const at = into + (p.batch_row_k(row.b, row.s.k_start + key) * p.heads_kv + hk) * D + 2 * tig;
+      for (int half = 0; half < 2; ++half) {
+        if (keys[half] < 0) continue;
+        float* const at = into + (p.batch_row_k(row.b, row.s.k_start + keys[half]) * p.heads_kv + hk) * D + 2 * tig;
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            atomicAdd(reinterpret_cast<float2*>(at + 8 * nt), make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]));
+          atomicAdd(reinterpret_cast<float2*>(at + 8 * nt), make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]));
 #else
-            atomicAdd(at + 8 * nt, acc[nt][2 * half]);
-            atomicAdd(at + 8 * nt + 1, acc[nt][2 * half + 1]);
+          atomicAdd(at + 8 * nt, acc[nt][2 * half]);
+          atomicAdd(at + 8 * nt + 1, acc[nt][2 * half + 1]);
 #endif
-          }
         }
       }
     }
-    __syncwarp();
-    key_now = key_next;
-    key_next = key_later;
-    stage ^= 1;
-  }
+  });
 
   // Sum the warps' dq.
   __syncthreads();
