@@ -242,11 +242,9 @@ __global__ void __launch_bounds__(kThreads) sparse_forward_kernel(const Attentio
 // kv head, rows 16-byte aligned (fused_path_applies). The group's query rows are the 16 rows of
 // an m16n8k16 A operand (rows past the group are zero and their results dropped), so a
 // gathered key serves every head of its group as in the scalar kernel. Each warp walks its own
-// chunks of kTcChunk listed keys (chunk warp, warp + kTcWarps, ...) with a private online
-// softmax and output, double-buffered: the next chunk's K and V rows are in flight (cp.async)
-// while the current one is multiplied, and the chunk after that's list entries are being read.
-// The warps' partial outputs are merged at the end. The kernel is bound by the gathers, not
-// the products: ~0.5 KB of K and V per listed key for 2 x 2 x group x D multiply-adds.
+// chunks of kTcChunk listed keys (walk_listed_chunks) with a private online softmax and output;
+// the warps' partial outputs are merged at the end. The kernel is bound by the gathers, not the
+// products: ~0.5 KB of K and V per listed key for 2 x 2 x group x D multiply-adds.
 constexpr int kTcChunk = 16;
 constexpr int kTcWarps = 4;
 constexpr int kTcThreads = 32 * kTcWarps;
