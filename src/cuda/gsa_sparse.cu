@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/attention/row_blocks.cuh"
 #include "cuda/attention/softmax_rows.cuh"
@@ -250,6 +251,17 @@ constexpr int kTcWarps = 4;
 constexpr int kTcThreads = 32 * kTcWarps;
 static_assert(kTcThreads >= kCompleteBlockRows, "a thread per row of a dense block");
 
+// The group's query rows of `op` (heads h0 .. h0 + group - 1 at the row) into a 16-row tile,
+// rows past the group zero: the m16n8k16 A operand (or B, for dk and dv) of the tensor-core kernels.
+template <class Tile>
+__device__ __forceinline__ void load_group_rows(const Tile& tile, const detail::Operand& op, const QueryRow& row,
+                                                std::int64_t h0, int group, int tid) {
+  using T = std::remove_cv_t<std::remove_pointer_t<decltype(tile.data)>>;
+  tile.template load_async<kTcThreads>(tid, [&](int r) -> const T* {
+    return r < group ? op.at<const T>(row.b, row.operand_row(), h0 + r) : nullptr;
+  });
+}
+
 // A warp's walk over its chunks of a row's list (chunk warp, warp + kTcWarps, ...) through two
 // stages of K and V tiles at `stages`: while `body` uses a chunk, the next chunk's K and V rows
 // are in flight (cp.async) and the list entries of the chunk after that are being read.
@@ -330,9 +342,7 @@ __global__ void __launch_bounds__(kTcThreads, 3) sparse_forward_tc_kernel(const 
   const std::int64_t hk = blockIdx.y, h0 = hk * group, q_row = row.operand_row();
 
   const tile::SmemTile<T, 16, D> q_tile{base};
-  q_tile.template load_async<kTcThreads>(tid, [&](int r) -> const T* {
-    return r < group ? p.q.at<const T>(row.b, q_row, h0 + r) : nullptr;
-  });
+  load_group_rows(q_tile, p.q, row, h0, group, tid);
   tile::cp_async_commit();
   tile::cp_async_wait<0>();
   __syncthreads();
@@ -340,7 +350,7 @@ __global__ void __launch_bounds__(kTcThreads, 3) sparse_forward_tc_kernel(const 
   tile::load_rows_operand<KS>(qa, q_tile, 0, lane);
 
   T* const warp_base = base + Layout::kQElems + warp * Layout::kWarpElems;
-  const float scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  const float scale_log2 = static_cast<float>(p.scale) * static_cast<float>(M_LOG2E);
   float o[NT_O][4];
   tile::zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8 (l: this thread's part)
@@ -424,7 +434,7 @@ __global__ void __launch_bounds__(kTcThreads, 3) sparse_forward_tc_kernel(const 
     }
     p.out.at<T>(row.b, q_row, h0 + r)[d] = narrow_to<T>(sum > 0.f ? acc / sum : 0.f);
     if (d == 0) {
-      *p.stats.at<float>(row.b, q_row, h0 + r) = sum > 0.f ? (top + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+      *p.stats.at<float>(row.b, q_row, h0 + r) = sum > 0.f ? (top + log2f(sum)) * static_cast<float>(M_LN2) : -INFINITY;
     }
   }
 }
@@ -464,12 +474,8 @@ __global__ void __launch_bounds__(kTcThreads, 2)
   const std::int64_t hk = blockIdx.y, h0 = hk * group, q_row = row.operand_row();
 
   const RowsTile q_tile{base}, do_tile{base + Layout::kRowsElems};
-  q_tile.template load_async<kTcThreads>(tid, [&](int r) -> const T* {
-    return r < group ? p.q.at<const T>(row.b, q_row, h0 + r) : nullptr;
-  });
-  do_tile.template load_async<kTcThreads>(tid, [&](int r) -> const T* {
-    return r < group ? gr.dout.at<const T>(row.b, q_row, h0 + r) : nullptr;
-  });
+  load_group_rows(q_tile, p.q, row, h0, group, tid);
+  load_group_rows(do_tile, gr.dout, row, h0, group, tid);
   tile::cp_async_commit();
   // Per row: the log-sum-exp in base 2 (+inf for padding and empty rows: P = 0) and delta.
   float* const lse2 = reinterpret_cast<float*>(tc_smem + Layout::kStatsOffset);
@@ -482,7 +488,7 @@ __global__ void __launch_bounds__(kTcThreads, 2)
       for (int d = lane; d < D; d += 32) x = fmaf(widen(dout[d]), widen(out[d]), x);
       x = warp_sum(x);
       const float l = *p.stats.at<const float>(row.b, q_row, h0 + r);
-      lse = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+      lse = l == -INFINITY ? INFINITY : l * static_cast<float>(M_LOG2E);
       if (lane == 0 && delta_out != nullptr) delta_out[p.batch_row_q(row.b, q_row) * p.heads_q + h0 + r] = x;
     }
     if (lane == 0) {
@@ -499,7 +505,7 @@ __global__ void __launch_bounds__(kTcThreads, 2)
   T* const warp_base = base + 2 * Layout::kRowsElems + warp * Layout::kWarpElems;
   const SmallTile ds_tile{warp_base + 2 * Layout::kStageElems};
   const SmallTile p_tile{warp_base + 2 * Layout::kStageElems + Layout::kSmallElems};
-  const float scale = static_cast<float>(p.scale), scale_log2 = scale * 1.4426950408889634f;
+  const float scale = static_cast<float>(p.scale), scale_log2 = scale * static_cast<float>(M_LOG2E);
   float dq[NT][4];
   tile::zero(dq);
   walk_listed_chunks<T, D>(p, c, row, hk, warp_base, Layout::kStageElems, lane, warp,
