@@ -99,6 +99,7 @@ def softmax_attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     attend_current: bool = True,
+    rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Causal softmax attention, differentiable in q, k and v.
 
@@ -107,10 +108,17 @@ def softmax_attention(
     or packed (T, H, D) tensors with ``cu_seqlens_q`` (int32, B + 1 offsets) and optionally
     ``cu_seqlens_k``. Any strides. ``scale`` defaults to 1 / sqrt(D). Returns out
     (B, Lq, Hq, Dv); a query that sees no key outputs zero.
+
+    ``rotary=(cos, sin)``: rotary embedding inside the operator, the same as rotating q and k
+    with :func:`rotary_embedding` first. The tables are (Lk, D/2) as that function takes them;
+    the keys sit at positions 0 .. Lk - 1 and the queries at the last Lq. Not with
+    ``cu_seqlens``. When q and k are heads of one tensor (``qkv.split``), one launch rotates
+    both, and when q, k and v are, their gradients come back as views of one tensor.
     """
+    cos, sin = rotary if rotary is not None else (None, None)
     return torch.ops.winnow.softmax_attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
-        attend_current=attend_current)
+        attend_current=attend_current, rotary_cos=cos, rotary_sin=sin)
 
 
 def stick_breaking_attention(

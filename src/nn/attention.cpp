@@ -72,6 +72,12 @@ PositionalEncoding::Prepared PositionalEncoding::prepare(const torch::Tensor& q,
   return p;
 }
 
+std::optional<std::pair<torch::Tensor, torch::Tensor>> PositionalEncoding::operator_tables(
+    const torch::Tensor& q, const torch::Tensor& k, const LayerCache* cache) const {
+  if (!rope_ || cache != nullptr || q.dim() != 4 || k.dim() != 4 || q.size(1) != k.size(1)) return std::nullopt;
+  return rope_->kernel_tables(q);
+}
+
 std::shared_ptr<AttentionLayer> make_attention(const ModelConfig& model, std::int64_t layer_index) {
   return find_mechanism(model.attention.kind, "model.attention.kind").make(model, layer_index);
 }

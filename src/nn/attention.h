@@ -85,6 +85,13 @@ class PositionalEncoding {
   Prepared prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                    LayerCache* cache) const;
 
+  // For an operator that rotates queries and keys itself (AttentionCall's rotary_cos /
+  // rotary_sin; RoPE only): the tables for a full pass over q and k without a cache, which then
+  // go to the operator unrotated. Nothing otherwise: prepare() rotates.
+  std::optional<std::pair<torch::Tensor, torch::Tensor>> operator_tables(const torch::Tensor& q,
+                                                                         const torch::Tensor& k,
+                                                                         const LayerCache* cache) const;
+
   const std::string& kind() const { return kind_; }
 
  private:

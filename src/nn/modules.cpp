@@ -296,42 +296,53 @@ std::pair<torch::Tensor, torch::Tensor> Rope::compute(std::int64_t offset, std::
   return {full.cos() * attention_factor, full.sin() * attention_factor};
 }
 
-torch::Tensor Rope::apply(const torch::Tensor& x, std::int64_t offset, std::int64_t seen) const {
+std::pair<torch::Tensor, torch::Tensor> Rope::tables(const torch::Tensor& x, std::int64_t offset,
+                                                     std::int64_t seen) const {
   const std::int64_t len = x.size(1);
   const torch::ScalarType work = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   const auto options = torch::TensorOptions().dtype(work).device(x.device());
   torch::Tensor cos, sin;
   if (length_dependent()) {
     std::tie(cos, sin) = compute(offset, len, seen);
-    cos = cos.to(options);
-    sin = sin.to(options);
-  } else {
-    if (!cos_.defined() || cos_.size(0) < offset + len || cos_.device() != x.device() ||
-        cos_.scalar_type() != work) {
-      const std::int64_t have = cos_.defined() ? cos_.size(0) : 0;
-      const std::int64_t n = std::max<std::int64_t>({offset + len, 2 * have, 64});
-      auto [c, s] = compute(0, n, n);
-      if (cos_.defined()) {
-        retired_.push_back(cos_);
-        retired_.push_back(sin_);
-      }
-      cos_ = c.to(options);
-      sin_ = s.to(options);
-    }
-    cos = cos_.narrow(0, offset, len);
-    sin = sin_.narrow(0, offset, len);
+    return {cos.to(options), sin.to(options)};
   }
-  const std::int64_t half = head_dim_ / 2;
-  if (fused_ && (x.is_cuda() || x.scalar_type() == torch::kFloat32 ||
-                 x.scalar_type() == torch::kFloat64)) {
+  if (!cos_.defined() || cos_.size(0) < offset + len || cos_.device() != x.device() || cos_.scalar_type() != work) {
+    const std::int64_t have = cos_.defined() ? cos_.size(0) : 0;
+    const std::int64_t n = std::max<std::int64_t>({offset + len, 2 * have, 64});
+    auto [c, s] = compute(0, n, n);
+    if (cos_.defined()) {
+      retired_.push_back(cos_);
+      retired_.push_back(sin_);
+    }
+    cos_ = c.to(options);
+    sin_ = s.to(options);
+  }
+  return {cos_.narrow(0, offset, len), sin_.narrow(0, offset, len)};
+}
+
+bool Rope::runs_kernel(const torch::Tensor& x) const {
+  return fused_ && (x.is_cuda() || x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);
+}
+
+torch::Tensor Rope::apply(const torch::Tensor& x, std::int64_t offset, std::int64_t seen) const {
+  const std::int64_t len = x.size(1), half = head_dim_ / 2;
+  auto [cos, sin] = tables(x, offset, seen);
+  if (runs_kernel(x)) {
     // The tables repeat their first half (the pairs (i, i + D/2) share an angle).
     return torch_ops::rotary_embedding(x, cos.narrow(1, 0, half), sin.narrow(1, 0, half));
   }
   cos = cos.view({1, len, 1, head_dim_});
   sin = sin.view({1, len, 1, head_dim_});
-  const torch::Tensor xw = x.to(work);
+  const torch::Tensor xw = x.to(cos.scalar_type());
   const torch::Tensor rotated = torch::cat({-xw.narrow(-1, half, half), xw.narrow(-1, 0, half)}, -1);
   return (xw * cos + rotated * sin).to(x.scalar_type());
+}
+
+std::optional<std::pair<torch::Tensor, torch::Tensor>> Rope::kernel_tables(const torch::Tensor& x) const {
+  if (!runs_kernel(x)) return std::nullopt;
+  const std::int64_t half = head_dim_ / 2;
+  auto [cos, sin] = tables(x, 0, x.size(1));
+  return std::make_pair(cos.narrow(1, 0, half), sin.narrow(1, 0, half));
 }
 
 // ------------------------------------------------------------------ KV cache

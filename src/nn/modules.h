@@ -110,7 +110,19 @@ class Rope {
   // x's precision, at least float32.
   torch::Tensor apply(const torch::Tensor& x, std::int64_t offset, std::int64_t seen) const;
 
+  // The (L, D/2) tables rotary_embedding takes for x's tokens at positions 0 .. L - 1 of a
+  // sequence of L (a full pass): what an attention operator that rotates its queries and keys
+  // itself is given (torch_ops::AttentionCall's rotary_cos / rotary_sin). Nothing where apply()
+  // would not run the kernel (16-bit inputs on the CPU, or the layer's composed path).
+  std::optional<std::pair<torch::Tensor, torch::Tensor>> kernel_tables(const torch::Tensor& x) const;
+
  private:
+  // cos and sin (len, D) for x's tokens at offset .. offset + len - 1, in x's precision (at
+  // least float32) on its device.
+  std::pair<torch::Tensor, torch::Tensor> tables(const torch::Tensor& x, std::int64_t offset,
+                                                 std::int64_t seen) const;
+  bool runs_kernel(const torch::Tensor& x) const;
+
   // cos and sin (len, D) in float64 on the CPU, YaRN's attention factor included.
   std::pair<torch::Tensor, torch::Tensor> compute(std::int64_t offset, std::int64_t len,
                                                   std::int64_t seen) const;

@@ -2,6 +2,7 @@
 // extrapolation scalings), NoPE or ALiBi; scalable softmax (SSMax); QK-norm; the output gate G1
 // and the value gate G2 of gated attention.
 #include <cmath>
+#include <cstdlib>
 
 #include "nn/attention.h"
 #include "nn/composed.h"
@@ -76,7 +77,16 @@ class SoftmaxAttention final : public AttentionLayer {
     }
     torch::Tensor v = qkv[2].view({B, L, h_.kv_heads, h_.value_dim});
     if (value_gate_) v = v * torch::sigmoid(value_gate_(x)).view({B, L, h_.kv_heads, h_.value_dim});
-    auto in = position_.prepare(q, k, v, cache);
+    // RoPE inside the operator where it can (a full pass, nothing between the rotation and the
+    // kernels): one launch rotates q and k, and the gradients come back as one buffer.
+    // WINNOW_ROPE_OUTSIDE_OPERATOR=1 rotates first instead (for A/B measurements).
+    static const bool rope_outside = [] {
+      const char* e = std::getenv("WINNOW_ROPE_OUTSIDE_OPERATOR");
+      return e != nullptr && std::string(e) == "1";
+    }();
+    std::optional<std::pair<torch::Tensor, torch::Tensor>> rotary;
+    if (kernel_ && !options_.ssmax && !probe() && !rope_outside) rotary = position_.operator_tables(q, k, cache);
+    auto in = rotary ? PositionalEncoding::Prepared{q, k, v, 0} : position_.prepare(q, k, v, cache);
     if (options_.ssmax) {
       // Query j (absolute position p) sees n_j = p + 1 keys.
       const torch::Tensor n = torch::arange(in.offset + 1, in.offset + L + 1,
@@ -90,6 +100,10 @@ class SoftmaxAttention final : public AttentionLayer {
     if (kernel_) {
       torch_ops::AttentionCall call;
       call.scale = h_.scale;
+      if (rotary) {
+        call.rotary_cos = rotary->first;
+        call.rotary_sin = rotary->second;
+      }
       o = torch_ops::softmax_attention(qv, kv, in.v, call);
     } else {
       o = composed::softmax_attention(qv, kv, in.v, h_.scale, /*attend_current=*/true, alibi());

@@ -123,6 +123,30 @@ at::Tensor side_by_side(at::TensorList parts) {
   return first.as_strided(shape, first.strides(), first.storage_offset());
 }
 
+at::Tensor heads_side_by_side(at::TensorList parts) {
+  const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  std::vector<at::Tensor> rows;
+  for (const at::Tensor& t : parts) {
+    if (!t.defined() || t.dim() != 4 || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || t.is_meta() ||
+        !(t.key_set() & traced).empty()) {
+      return at::Tensor();
+    }
+    if (t.stride(3) != 1 || (t.size(2) > 1 && t.stride(2) != t.size(3))) return at::Tensor();
+    rows.push_back(t.as_strided({t.size(0), t.size(1), t.size(2) * t.size(3)}, {t.stride(0), t.stride(1), 1},
+                                t.storage_offset()));
+  }
+  return side_by_side(rows);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_grads(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v) {
+  const int64_t B = q.size(0), L = q.size(1);
+  const int64_t nq = q.size(2) * q.size(3), nk = k.size(2) * k.size(3), nv = v.size(2) * v.size(3);
+  const at::Tensor all = at::empty({B, L, nq + nk + nv}, q.options());
+  return std::make_tuple(all.narrow(2, 0, nq).view(q.sizes()), all.narrow(2, nq, nk).view(k.sizes()),
+                         all.narrow(2, nq + nk, nv).view(v.sizes()));
+}
+
 at::ScalarType stats_dtype(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }

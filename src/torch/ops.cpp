@@ -78,44 +78,7 @@ AttentionGrads grad_views(const char* op, const at::Tensor& dq, const at::Tensor
   return {view_of(dq, op, "dq"), view_of(dk, op, "dk"), view_of(dv, op, "dv")};
 }
 
-// ------------------------------------------------------------------ softmax
-
-std::tuple<at::Tensor, at::Tensor> softmax_forward_op(const at::Tensor& q, const at::Tensor& k,
-                                                      const at::Tensor& v,
-                                                      const Opt<at::Tensor>& cu_q,
-                                                      const Opt<at::Tensor>& cu_k,
-                                                      Opt<double> scale, bool attend_current,
-                                                      bool reference) {
-  constexpr const char* op = "winnow.softmax_attention_forward";
-  return translate_errors([&] {
-    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
-    at::Tensor out = at::empty(out_shape(q, v), q.options());
-    at::Tensor lse = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
-    softmax::Options options{std_opt(scale), attend_current};
-    const DeviceScope scope(q);
-    softmax::forward(in, options, {view_of(out, op, "out"), view_of(lse, op, "lse")},
-                     scope.context(false, reference));
-    return std::make_tuple(out, lse);
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_backward_op(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
-    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, bool deterministic,
-    bool reference) {
-  constexpr const char* op = "winnow.softmax_attention_backward";
-  return translate_errors([&] {
-    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
-    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-    softmax::Options options{std_opt(scale), attend_current};
-    const DeviceScope scope(q);
-    softmax::backward(in, options, {view_of(out, op, "out"), view_of(lse, op, "lse")},
-                      view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
-                      scope.context(deterministic, reference));
-    return std::make_tuple(dq, dk, dv);
-  });
-}
+// ------------------------------------------------------------------ shared by the Functions
 
 // What every autograd Function here saves after its own tensors: the varlen offsets (undefined
 // when absent) through save_for_backward, so that torch.compile's tracing sees them as saved
@@ -169,6 +132,199 @@ struct Dispatched {
   }
 };
 
+// q, k and v split from one projection (nn::project) get their gradients as views of one
+// buffer with the same layout, so that the projection's backward reads them without a
+// concatenation. The forward notes the layout; the backward then writes straight into such
+// a buffer (`into`, the kernels called directly), or else calls the backward operator
+// (`separate`), which traced code always does: it sees no layout (heads_side_by_side).
+// WINNOW_SEPARATE_ATTENTION_GRADS=1 always takes the operator (for A/B measurements).
+void note_layout(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  static const bool separate = [] {
+    const char* e = std::getenv("WINNOW_SEPARATE_ATTENTION_GRADS");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  ctx->saved_data["one_buffer"] = !separate && heads_side_by_side({q, k, v}).defined();
+}
+
+template <class Into, class Separate>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_grads(AutogradContext* ctx, const at::Tensor& q,
+                                                               const at::Tensor& k, const at::Tensor& v,
+                                                               Into&& into, Separate&& separate) {
+  if (!ctx->saved_data["one_buffer"].toBool()) return separate();
+  auto grads = packed_grads(q, k, v);
+  translate_errors([&] { into(std::get<0>(grads), std::get<1>(grads), std::get<2>(grads)); });
+  return grads;
+}
+
+// ------------------------------------------------------------------ rotary embedding
+
+at::Tensor rotary_apply_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                           bool transpose) {
+  constexpr const char* op = "winnow.rotary_embedding_apply";
+  return translate_errors([&] {
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    const DeviceScope scope(x);
+    rotary::apply(view_of(x, op, "x"), view_of(cos, op, "cos"), view_of(sin, op, "sin"), transpose,
+                  view_of(out, op, "out"), scope.context(false, false));
+    return out;
+  });
+}
+
+constexpr Dispatched<&rotary_apply_op> rotary_apply{"winnow::rotary_embedding_apply"};
+
+// Gradients flow to x only: the tables are functions of positions, not parameters.
+struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                               const at::Tensor& sin, bool transpose) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["transpose"] = transpose;
+    return {rotary_apply(x, cos, sin, transpose)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const bool transpose = ctx->saved_data["transpose"].toBool();
+    at::Tensor dx;
+    if (grads[0].defined()) dx = rotary_apply(grads[0], saved[0], saved[1], !transpose);
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor rotary_embedding_autograd(const at::Tensor& x, const at::Tensor& cos,
+                                     const at::Tensor& sin, bool transpose) {
+  return RotaryFunction::apply(x, cos, sin, transpose)[0];
+}
+
+at::Tensor rotary_embedding_no_grad(const at::Tensor& x, const at::Tensor& cos,
+                                    const at::Tensor& sin, bool transpose) {
+  return rotary_apply(x, cos, sin, transpose);
+}
+
+// Rotary embedding inside an attention operator (its rotary_cos / rotary_sin arguments): the
+// keys are positions 0 .. Lk - 1 and the queries the last Lq of them; q and k are rotated before
+// the kernels and their gradients rotated back after. Packed sequences restart their positions
+// per sequence, which (B, L) tables cannot say: not with cu_seqlens.
+struct AttentionRotary {
+  at::Tensor cos, sin;  // (Lk, D/2)
+  explicit operator bool() const { return cos.defined(); }
+};
+
+AttentionRotary attention_rotary(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                 const Opt<at::Tensor>& cos, const Opt<at::Tensor>& sin,
+                                 const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k) {
+  const bool has_cos = cos.has_value() && cos->defined(), has_sin = sin.has_value() && sin->defined();
+  check_value(has_cos == has_sin, [&] {
+    return std::string(op) + ": argument 'rotary_sin': expected " + (has_cos ? "a tensor" : "None") +
+           " as 'rotary_cos' is " + (has_cos ? "given" : "None") + ", got " + (has_sin ? "a tensor" : "None");
+  });
+  if (!has_cos) return {};
+  check_value(!(cu_q.has_value() && cu_q->defined()) && !(cu_k.has_value() && cu_k->defined()), [&] {
+    return std::string(op) +
+           ": argument 'cu_seqlens_q': expected None with rotary tables (positions restart in each packed "
+           "sequence), got a tensor";
+  });
+  check_value(q.dim() == 4 && k.dim() == 4 && q.sym_size(1) <= k.sym_size(1), [&] {
+    return std::string(op) + ": argument 'q': expected (B, Lq, Hq, D) with Lq <= Lk = k's second size, got q " +
+           shape_text(q) + " and k " + shape_text(k);
+  });
+  check_value(cos->dim() == 2 && cos->sym_size(0) == k.sym_size(1) && cos->sym_size(1) * 2 == q.sym_size(3), [&] {
+    return std::string(op) + ": argument 'rotary_cos': expected (Lk, D/2) with Lk = " + std::to_string(k.size(1)) +
+           " and D = " + std::to_string(q.size(3)) + ", got " + shape_text(*cos);
+  });
+  check_value(sin->sym_sizes() == cos->sym_sizes(), [&] {
+    return std::string(op) + ": argument 'rotary_sin': expected the shape of 'rotary_cos', " + shape_text(*cos) +
+           ", got " + shape_text(*sin);
+  });
+  return {*cos, *sin};
+}
+
+// The table rows of the queries: the last Lq.
+at::Tensor query_rows(const at::Tensor& table, const at::Tensor& q) {
+  if (table.sym_size(0) == q.sym_size(1)) return table;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  return table.narrow_symint(0, table.sym_size(0) - q.sym_size(1), q.sym_size(1));
+#else
+  return table.narrow(0, table.size(0) - q.size(1), q.size(1));
+#endif
+}
+
+// q and k rotated (transpose: by the negative angles, the gradient's way), in one launch when
+// their heads lie side by side in one buffer.
+std::pair<at::Tensor, at::Tensor> rotate_queries_keys(const AttentionRotary& r, const at::Tensor& q,
+                                                      const at::Tensor& k, bool transpose) {
+  if (heads_side_by_side({q, k}).defined() && q.size(3) == k.size(3)) {
+    const int64_t hq = q.size(2), hk = k.size(2);
+    const at::Tensor both = q.as_strided({q.size(0), q.size(1), hq + hk, q.size(3)},
+                                         {q.stride(0), q.stride(1), q.size(3), 1}, q.storage_offset());
+    const at::Tensor rotated = rotary_apply(both, r.cos, r.sin, transpose);
+    return {rotated.narrow(2, 0, hq), rotated.narrow(2, hq, hk)};
+  }
+  return {rotary_apply(q, query_rows(r.cos, q), query_rows(r.sin, q), transpose),
+          rotary_apply(k, r.cos, r.sin, transpose)};
+}
+
+// The gradients of rotated queries and keys side by side in one buffer (packed_grads), turned
+// back in place: one launch, and they stay where the projection's backward reads them.
+void rotate_back_in_place(const char* op, const AttentionRotary& r, const at::Tensor& dq, const at::Tensor& dk) {
+  const int64_t hq = dq.size(2), hk = dk.size(2);
+  const at::Tensor both = dq.as_strided({dq.size(0), dq.size(1), hq + hk, dq.size(3)},
+                                        {dq.stride(0), dq.stride(1), dq.size(3), 1}, dq.storage_offset());
+  const TensorView view = view_of(both, op, "dq");
+  const DeviceScope scope(dq);
+  rotary::apply(view, view_of(r.cos, op, "rotary_cos"), view_of(r.sin, op, "rotary_sin"), /*transpose=*/true,
+                view, scope.context(false, false));
+}
+
+// ------------------------------------------------------------------ softmax
+
+std::tuple<at::Tensor, at::Tensor> softmax_forward_op(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v,
+                                                      const Opt<at::Tensor>& cu_q,
+                                                      const Opt<at::Tensor>& cu_k,
+                                                      Opt<double> scale, bool attend_current,
+                                                      bool reference) {
+  constexpr const char* op = "winnow.softmax_attention_forward";
+  return translate_errors([&] {
+    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+    at::Tensor out = at::empty(out_shape(q, v), q.options());
+    at::Tensor lse = at::empty(stats_shape(q), q.options().dtype(stats_dtype(q)));
+    softmax::Options options{std_opt(scale), attend_current};
+    const DeviceScope scope(q);
+    softmax::forward(in, options, {view_of(out, op, "out"), view_of(lse, op, "lse")},
+                     scope.context(false, reference));
+    return std::make_tuple(out, lse);
+  });
+}
+
+// The backward into given gradient tensors: the operator below allocates them; the autograd
+// Function may pass views of one buffer (grads_like).
+void softmax_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout,
+                           const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, Opt<double> scale,
+                           bool attend_current, bool deterministic, bool reference, const at::Tensor& dq,
+                           const at::Tensor& dk, const at::Tensor& dv) {
+  constexpr const char* op = "winnow.softmax_attention_backward";
+  const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+  softmax::Options options{std_opt(scale), attend_current};
+  const DeviceScope scope(q);
+  softmax::backward(in, options, {view_of(out, op, "out"), view_of(lse, op, "lse")},
+                    view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
+                    scope.context(deterministic, reference));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
+    const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, bool deterministic,
+    bool reference) {
+  return translate_errors([&] {
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    softmax_backward_into(q, k, v, out, lse, dout, cu_q, cu_k, scale, attend_current, deterministic,
+                          reference, dq, dk, dv);
+    return std::make_tuple(dq, dk, dv);
+  });
+}
+
 constexpr Dispatched<&softmax_forward_op> softmax_forward{"winnow::softmax_attention_forward"};
 constexpr Dispatched<&softmax_backward_op> softmax_backward{"winnow::softmax_attention_backward"};
 
@@ -176,9 +332,14 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, Opt<double> scale,
-                               bool attend_current) {
-    auto [out, lse] = softmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, false);
-    save_call(ctx, {q, k, v, out, lse}, cu_q, cu_k, scale, attend_current);
+                               bool attend_current, const Opt<at::Tensor>& rotary_cos,
+                               const Opt<at::Tensor>& rotary_sin) {
+    const AttentionRotary rotary =
+        attention_rotary("winnow.softmax_attention", q, k, rotary_cos, rotary_sin, cu_q, cu_k);
+    const auto [qr, kr] = rotary ? rotate_queries_keys(rotary, q, k, false) : std::make_pair(q, k);
+    auto [out, lse] = softmax_forward(qr, kr, v, cu_q, cu_k, scale, attend_current, false);
+    save_call(ctx, {qr, kr, v, out, lse, rotary.cos, rotary.sin}, cu_q, cu_k, scale, attend_current);
+    note_layout(ctx, q, k, v);
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -186,24 +347,41 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const SavedCall c = saved_call(ctx);
     const variable_list& saved = c.tensors;
+    const AttentionRotary rotary{saved[5], saved[6]};
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
-    auto [dq, dk, dv] = softmax_backward(saved[0], saved[1], saved[2], saved[3], saved[4], dout,
-                                         c.cu_q, c.cu_k, c.scale, c.attend_current,
-                                         at::globalContext().deterministicAlgorithms(), false);
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const bool deterministic = at::globalContext().deterministicAlgorithms();
+    auto [dq, dk, dv] = attention_grads(
+        ctx, saved[0], saved[1], saved[2],
+        [&](const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+          softmax_backward_into(saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
+                                c.attend_current, deterministic, false, dq, dk, dv);
+          if (rotary) rotate_back_in_place("winnow.softmax_attention", rotary, dq, dk);
+        },
+        [&] {
+          auto g = softmax_backward(saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
+                                    c.attend_current, deterministic, false);
+          if (rotary) std::tie(std::get<0>(g), std::get<1>(g)) = rotate_queries_keys(rotary, std::get<0>(g), std::get<1>(g), true);
+          return g;
+        });
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor softmax_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
-                                      Opt<double> scale, bool attend_current) {
-  return SoftmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current)[0];
+                                      Opt<double> scale, bool attend_current, const Opt<at::Tensor>& rotary_cos,
+                                      const Opt<at::Tensor>& rotary_sin) {
+  return SoftmaxFunction::apply(q, k, v, cu_q, cu_k, scale, attend_current, rotary_cos, rotary_sin)[0];
 }
 
 at::Tensor softmax_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
-                                     Opt<double> scale, bool attend_current) {
-  return std::get<0>(softmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, false));
+                                     Opt<double> scale, bool attend_current, const Opt<at::Tensor>& rotary_cos,
+                                     const Opt<at::Tensor>& rotary_sin) {
+  const AttentionRotary rotary =
+      attention_rotary("winnow.softmax_attention", q, k, rotary_cos, rotary_sin, cu_q, cu_k);
+  const auto [qr, kr] = rotary ? rotate_queries_keys(rotary, q, k, false) : std::make_pair(q, k);
+  return std::get<0>(softmax_forward(qr, kr, v, cu_q, cu_k, scale, attend_current, false));
 }
 
 // ------------------------------------------------------------------ stick-breaking
@@ -228,23 +406,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_forward_op(
   });
 }
 
+void stick_breaking_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& out, const at::Tensor& log_rem,
+                                  const Opt<at::Tensor>& kept_from, const at::Tensor& dout,
+                                  const Opt<at::Tensor>& dlog_rem, const Opt<at::Tensor>& cu_q,
+                                  const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current,
+                                  double halt_cutoff, bool deterministic, bool reference, const at::Tensor& dq,
+                                  const at::Tensor& dk, const at::Tensor& dv) {
+  constexpr const char* op = "winnow.stick_breaking_attention_backward";
+  const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+  stick_breaking::Options options{std_opt(scale), attend_current, halt_cutoff};
+  const DeviceScope scope(q);
+  stick_breaking::backward(in, options,
+                           {view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
+                            view_of(kept_from, op, "kept_from")},
+                           view_of(dout, op, "dout"), view_of(dlog_rem, op, "dlog_rem"),
+                           grad_views(op, dq, dk, dv), scope.context(deterministic, reference));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> stick_breaking_backward_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& log_rem, const Opt<at::Tensor>& kept_from, const at::Tensor& dout,
     const Opt<at::Tensor>& dlog_rem, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
     Opt<double> scale,
     bool attend_current, double halt_cutoff, bool deterministic, bool reference) {
-  constexpr const char* op = "winnow.stick_breaking_attention_backward";
   return translate_errors([&] {
-    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-    stick_breaking::Options options{std_opt(scale), attend_current, halt_cutoff};
-    const DeviceScope scope(q);
-    stick_breaking::backward(in, options,
-                             {view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
-                              view_of(kept_from, op, "kept_from")},
-                             view_of(dout, op, "dout"), view_of(dlog_rem, op, "dlog_rem"),
-                             grad_views(op, dq, dk, dv), scope.context(deterministic, reference));
+    stick_breaking_backward_into(q, k, v, out, log_rem, kept_from, dout, dlog_rem, cu_q, cu_k, scale,
+                                 attend_current, halt_cutoff, deterministic, reference, dq, dk, dv);
     return std::make_tuple(dq, dk, dv);
   });
 }
@@ -262,6 +451,7 @@ struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFun
     auto [out, log_rem, kept_from] =
         stick_breaking_forward(q, k, v, cu_q, cu_k, scale, attend_current, halt_cutoff, false);
     save_call(ctx, {q, k, v, out, log_rem, kept_from}, cu_q, cu_k, scale, attend_current);
+    note_layout(ctx, q, k, v);
     ctx->mark_non_differentiable({kept_from});
     ctx->saved_data["halt_cutoff"] = halt_cutoff;
     return {out, log_rem};
@@ -273,10 +463,20 @@ struct StickBreakingFunction : public torch::autograd::Function<StickBreakingFun
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
     Opt<at::Tensor> dlog_rem;
     if (grads[1].defined()) dlog_rem = grads[1];
-    auto [dq, dk, dv] = stick_breaking_backward(
-        saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, c.cu_q, c.cu_k,
-        c.scale, c.attend_current, ctx->saved_data["halt_cutoff"].toDouble(),
-        at::globalContext().deterministicAlgorithms(), false);
+    const double halt_cutoff = ctx->saved_data["halt_cutoff"].toDouble();
+    const bool deterministic = at::globalContext().deterministicAlgorithms();
+    auto [dq, dk, dv] = attention_grads(
+        ctx, saved[0], saved[1], saved[2],
+        [&](const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+          stick_breaking_backward_into(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem,
+                                       c.cu_q, c.cu_k, c.scale, c.attend_current, halt_cutoff, deterministic, false,
+                                       dq, dk, dv);
+        },
+        [&] {
+          return stick_breaking_backward(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem,
+                                         c.cu_q, c.cu_k, c.scale, c.attend_current, halt_cutoff, deterministic,
+                                         false);
+        });
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -333,21 +533,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_forward_op(
   });
 }
 
+void entmax_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                          const at::Tensor& tau, const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
+                          const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
+                          bool deterministic, bool reference, const Opt<at::Tensor>& support, const at::Tensor& dq,
+                          const at::Tensor& dk, const at::Tensor& dv) {
+  constexpr const char* op = "winnow.entmax_attention_backward";
+  const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+  entmax::Options options{std_opt(scale), attend_current, alpha, std::nullopt};
+  entmax::Outputs saved{view_of(out, op, "out"), view_of(tau, op, "tau"), std::nullopt};
+  if (support && support->defined()) saved.support = view_of(*support, op, "support");
+  const DeviceScope scope(q);
+  entmax::backward(in, options, saved, view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
+                   scope.context(deterministic, reference));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_backward_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& tau, const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
     const Opt<at::Tensor>& cu_k, Opt<double> scale, bool attend_current, double alpha,
     bool deterministic, bool reference, const Opt<at::Tensor>& support) {
-  constexpr const char* op = "winnow.entmax_attention_backward";
   return translate_errors([&] {
-    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-    entmax::Options options{std_opt(scale), attend_current, alpha, std::nullopt};
-    entmax::Outputs saved{view_of(out, op, "out"), view_of(tau, op, "tau"), std::nullopt};
-    if (support && support->defined()) saved.support = view_of(*support, op, "support");
-    const DeviceScope scope(q);
-    entmax::backward(in, options, saved, view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
-                     scope.context(deterministic, reference));
+    entmax_backward_into(q, k, v, out, tau, dout, cu_q, cu_k, scale, attend_current, alpha, deterministic,
+                         reference, support, dq, dk, dv);
     return std::make_tuple(dq, dk, dv);
   });
 }
@@ -367,6 +576,7 @@ struct EntmaxFunction : public torch::autograd::Function<EntmaxFunction> {
     auto [out, tau, support] = entmax_forward(q, k, v, cu_q, cu_k, scale, attend_current, alpha,
                                               Opt<double>(), false, keep_support);
     save_call(ctx, {q, k, v, out, tau, support}, cu_q, cu_k, scale, attend_current);
+    note_layout(ctx, q, k, v);
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["keep_support"] = keep_support;
     ctx->mark_non_differentiable({tau});
@@ -379,10 +589,18 @@ struct EntmaxFunction : public torch::autograd::Function<EntmaxFunction> {
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
     Opt<at::Tensor> support;
     if (ctx->saved_data["keep_support"].toBool()) support = saved[5];
-    auto [dq, dk, dv] = entmax_backward(
-        saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
-        c.attend_current, ctx->saved_data["alpha"].toDouble(),
-        at::globalContext().deterministicAlgorithms(), false, support);
+    const double alpha = ctx->saved_data["alpha"].toDouble();
+    const bool deterministic = at::globalContext().deterministicAlgorithms();
+    auto [dq, dk, dv] = attention_grads(
+        ctx, saved[0], saved[1], saved[2],
+        [&](const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+          entmax_backward_into(saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
+                               c.attend_current, alpha, deterministic, false, support, dq, dk, dv);
+        },
+        [&] {
+          return entmax_backward(saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
+                                 c.attend_current, alpha, deterministic, false, support);
+        });
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -1109,50 +1327,6 @@ at::Tensor gsa_indexer_loss_no_grad(const at::Tensor& q, const at::Tensor& k, co
                                               cu_q, cu_k, form, scale, attention_scale, false));
 }
 
-// ------------------------------------------------------------------ rotary embedding
-
-at::Tensor rotary_apply_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                           bool transpose) {
-  constexpr const char* op = "winnow.rotary_embedding_apply";
-  return translate_errors([&] {
-    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-    const DeviceScope scope(x);
-    rotary::apply(view_of(x, op, "x"), view_of(cos, op, "cos"), view_of(sin, op, "sin"), transpose,
-                  view_of(out, op, "out"), scope.context(false, false));
-    return out;
-  });
-}
-
-constexpr Dispatched<&rotary_apply_op> rotary_apply{"winnow::rotary_embedding_apply"};
-
-// Gradients flow to x only: the tables are functions of positions, not parameters.
-struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
-                               const at::Tensor& sin, bool transpose) {
-    ctx->save_for_backward({cos, sin});
-    ctx->saved_data["transpose"] = transpose;
-    return {rotary_apply(x, cos, sin, transpose)};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const bool transpose = ctx->saved_data["transpose"].toBool();
-    at::Tensor dx;
-    if (grads[0].defined()) dx = rotary_apply(grads[0], saved[0], saved[1], !transpose);
-    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-at::Tensor rotary_embedding_autograd(const at::Tensor& x, const at::Tensor& cos,
-                                     const at::Tensor& sin, bool transpose) {
-  return RotaryFunction::apply(x, cos, sin, transpose)[0];
-}
-
-at::Tensor rotary_embedding_no_grad(const at::Tensor& x, const at::Tensor& cos,
-                                    const at::Tensor& sin, bool transpose) {
-  return rotary_apply(x, cos, sin, transpose);
-}
-
 // ------------------------------------------------------------------ RMSNorm
 
 // x (..., C) as the (N, C) rows the kernels take: a view when x's leading dimensions allow one.
@@ -1768,7 +1942,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 TORCH_LIBRARY(winnow, m) {
   m.def(
       "softmax_attention(Tensor q, Tensor k, Tensor v, *, Tensor? cu_seqlens_q=None, "
-      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=True) -> Tensor");
+      "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=True, "
+      "Tensor? rotary_cos=None, Tensor? rotary_sin=None) -> Tensor");
   m.def(
       "softmax_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q=None, "
       "Tensor? cu_seqlens_k=None, float? scale=None, bool attend_current=True, "
@@ -2039,8 +2214,9 @@ at::Tensor softmax_attention(const at::Tensor& q, const at::Tensor& k, const at:
                        .findSchemaOrThrow("winnow::softmax_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const Opt<at::Tensor>&, const Opt<at::Tensor>&,
-                                         Opt<double>, bool)>();
-  return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current);
+                                         Opt<double>, bool, const Opt<at::Tensor>&, const Opt<at::Tensor>&)>();
+  return op.call(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.scale, call.attend_current,
+                 call.rotary_cos, call.rotary_sin);
 }
 
 std::tuple<at::Tensor, at::Tensor> stick_breaking_attention(const at::Tensor& q,

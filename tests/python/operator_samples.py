@@ -85,6 +85,22 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
     out.append(Sample("sieve_attention", _qkv(1, 11, 11, 2, 1, d, d, dtype, device,
                                               requires_grad, gen),
                       {"filter": "exact", "alpha": 2.0}, "exact"))
+    # Rotary embedding inside softmax attention: suffix queries of their own, and q, k and v as
+    # heads of one tensor (one launch rotates q and k; the gradients come back as one buffer).
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def tables(n):
+        angles = torch.rand(n, d // 2, generator=gen, dtype=torch.float64) * 6.0
+        return tuple(t.to(device=device, dtype=table_dtype) for t in (angles.cos(), angles.sin()))
+    q, k, v = _qkv(2, 9, 13, 4, 2, d, d // 2, dtype, device, requires_grad, gen)
+    cos, sin = tables(13)
+    out.append(Sample("softmax_attention", (q, k, v), {"rotary_cos": cos, "rotary_sin": sin}, "rotary"))
+    qkv = torch.randn(2, 11, 8 * d, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+    heads = (qkv[..., :4 * d].view(2, 11, 4, d), qkv[..., 4 * d:6 * d].view(2, 11, 2, d),
+             qkv[..., 6 * d:].view(2, 11, 2, d))
+    cos, sin = tables(11)
+    out.append(Sample("softmax_attention", tuple(t.detach().requires_grad_(requires_grad) for t in heads),
+                      {"rotary_cos": cos, "rotary_sin": sin}, "rotary_one_tensor"))
 
     # The forward and backward operators, each with what its forward returned.
     with torch.no_grad():

@@ -305,6 +305,72 @@ def test_rotary_embedding_bad_tables_name_the_argument():
         winnow.rotary_embedding(x, cos, sin)
 
 
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    low, high = x[..., :half], x[..., half:]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([low * c - high * s, high * c + low * s], -1)
+
+
+@pytest.mark.parametrize("layout", ["suffix_queries", "one_projection"])
+def test_softmax_rotary_inside_equals_rotating_first(layout):
+    torch.manual_seed(5)
+    d, hq, hkv = 8, 4, 2
+    if layout == "suffix_queries":
+        lq, lk = 6, 11
+        q = torch.randn(2, lq, hq, d, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, lk, hkv, d, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(2, lk, hkv, d, dtype=torch.float64, requires_grad=True)
+        leaves = (q, k, v)
+    else:
+        lq = lk = 9
+        qkv = torch.randn(2, lk, (hq + 2 * hkv) * d, dtype=torch.float64, requires_grad=True)
+        q, k, v = (t.view(2, lk, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], -1))
+        leaves = (qkv,)
+    cos, sin = rope_tables(lk, d // 2, torch.float64, scale=1.05)
+    w = torch.randn(2, lq, hq, d, dtype=torch.float64)
+    out = winnow.softmax_attention(q, k, v, rotary=(cos, sin))
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v), retain_graph=True)
+    expected = winnow.softmax_attention(_rotate(q, cos[lk - lq:], sin[lk - lq:]), _rotate(k, cos, sin), v)
+    want = torch.autograd.grad((expected * w).sum(), (q, k, v))
+    assert torch.allclose(out, expected, atol=1e-12, rtol=1e-12)
+    for got, ref in zip(grads, want):
+        assert torch.allclose(got, ref, atol=1e-12, rtol=1e-12)
+    if layout == "one_projection":
+        # The gradients come back as views of one tensor, laid out as q, k and v were.
+        assert all(g.storage().data_ptr() == grads[0].storage().data_ptr() for g in grads)
+        assert [g.stride() for g in grads] == [t.stride() for t in (q, k, v)]
+        (g_qkv,) = torch.autograd.grad((out * w).sum(), leaves)
+        assert torch.allclose(g_qkv, torch.cat([g.flatten(2) for g in want], -1), atol=1e-12, rtol=1e-12)
+    if layout == "suffix_queries":
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: winnow.softmax_attention(a, b, c, rotary=(cos, sin)), leaves)
+    else:
+        def split(t):
+            return (x.view(2, lk, -1, d) for x in t.split([hq * d, hkv * d, hkv * d], -1))
+        assert torch.autograd.gradcheck(
+            lambda t: winnow.softmax_attention(*split(t), rotary=(cos, sin)), leaves)
+
+
+def test_softmax_rotary_bad_arguments_name_them():
+    q = torch.randn(1, 5, 2, 8)
+    cos, sin = rope_tables(5, 4, torch.float32)
+    with pytest.raises(ValueError, match="argument 'rotary_sin'"):
+        torch.ops.winnow.softmax_attention(q, q, q, rotary_cos=cos)
+    with pytest.raises(ValueError, match="argument 'rotary_cos': expected \\(Lk, D/2\\) with Lk = 5 and D = 8"):
+        winnow.softmax_attention(q, q, q, rotary=rope_tables(4, 4, torch.float32))
+    with pytest.raises(ValueError, match="argument 'rotary_cos': expected \\(Lk, D/2\\)"):
+        winnow.softmax_attention(q, q, q, rotary=rope_tables(5, 3, torch.float32))
+    with pytest.raises(ValueError, match="argument 'rotary_sin': expected the shape"):
+        winnow.softmax_attention(q, q, q, rotary=(cos, sin[:4]))
+    with pytest.raises(ValueError, match="argument 'cos': expected \\(5, 4\\) float32"):
+        winnow.softmax_attention(q, q, q, rotary=rope_tables(5, 4, torch.float64))
+    packed = torch.randn(5, 2, 8)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="argument 'cu_seqlens_q'"):
+        winnow.softmax_attention(packed, packed, packed, cu_seqlens_q=cu, rotary=(cos, sin))
+
+
 def composed_rms_norm(x, weight, eps):
     xf = x.double()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.double()

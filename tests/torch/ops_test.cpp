@@ -129,6 +129,77 @@ TEST(TorchOps, SoftmaxAutogradMatchesComposedExpressionInFloat32) {
   EXPECT_LT(rel(v.grad(), v2.grad()), 1e-5);
 }
 
+// q, k and v split from one projection (nn::project): their gradients come back as views of
+// one tensor with the same layout (no concatenation in the projection's backward), equal to
+// those of separate tensors.
+TEST(TorchOps, HeadsOfOneProjectionGetGradientsInOneBuffer) {
+  torch::manual_seed(7);
+  const int64_t B = 2, L = 19, Hq = 4, Hkv = 2, D = 16;
+  Tensor qkv = torch::randn({B, L, (Hq + 2 * Hkv) * D}, torch::kDouble).requires_grad_();
+  auto parts = qkv.split_with_sizes({Hq * D, Hkv * D, Hkv * D}, -1);
+  Tensor q = parts[0].view({B, L, Hq, D}), k = parts[1].view({B, L, Hkv, D}), v = parts[2].view({B, L, Hkv, D});
+  ASSERT_TRUE(winnow::torch_ops::heads_side_by_side({q, k, v}).defined());
+  Tensor w = torch::randn({B, L, Hq, D}, torch::kDouble);
+  Tensor qs = q.detach().clone().requires_grad_(), ks = k.detach().clone().requires_grad_(),
+         vs = v.detach().clone().requires_grad_();
+  for (const char* name :
+       {"winnow::softmax_attention", "winnow::stick_breaking_attention", "winnow::entmax_attention"}) {
+    SCOPED_TRACE(name);
+    Tensor out = call(name, {q, k, v})[0].toTensor();
+    auto grads = torch::autograd::grad({(out * w).sum()}, {q, k, v});
+    Tensor ref = call(name, {qs, ks, vs})[0].toTensor();
+    auto want = torch::autograd::grad({(ref * w).sum()}, {qs, ks, vs});
+    EXPECT_LT(rel(out, ref), 1e-14);
+    ASSERT_TRUE(winnow::torch_ops::heads_side_by_side({grads[0], grads[1], grads[2]}).defined());
+    EXPECT_EQ(grads[0].strides(), q.strides());
+    for (int i = 0; i < 3; ++i) EXPECT_LT(rel(grads[i], want[i]), 1e-14) << i;
+    EXPECT_FALSE(winnow::torch_ops::heads_side_by_side({want[0], want[1], want[2]}).defined());
+  }
+}
+
+// Rotary embedding inside softmax attention equals rotating q and k first, for suffix queries
+// (their own tensors) and for heads of one projection (one launch, gradients rotated back in
+// place in one buffer).
+TEST(TorchOps, SoftmaxRotaryInsideEqualsRotatingFirst) {
+  torch::manual_seed(8);
+  const int64_t B = 2, Hq = 4, Hkv = 1, D = 16;
+  for (const bool one_projection : {false, true}) {
+    SCOPED_TRACE(one_projection ? "one projection" : "suffix queries");
+    const int64_t Lk = 23, Lq = one_projection ? Lk : 10;
+    Tensor q, k, v;
+    if (one_projection) {
+      Tensor qkv = torch::randn({B, Lk, (Hq + 2 * Hkv) * D}, torch::kDouble);
+      auto parts = qkv.split_with_sizes({Hq * D, Hkv * D, Hkv * D}, -1);
+      q = parts[0].view({B, Lq, Hq, D});
+      k = parts[1].view({B, Lk, Hkv, D});
+      v = parts[2].view({B, Lk, Hkv, D});
+    } else {
+      q = torch::randn({B, Lq, Hq, D}, torch::kDouble);
+      k = torch::randn({B, Hkv, Lk, D}, torch::kDouble).transpose(1, 2);  // strided
+      v = torch::randn({B, Lk, Hkv, D}, torch::kDouble);
+    }
+    q.requires_grad_();
+    k.requires_grad_();
+    v.requires_grad_();
+    Tensor angles = torch::rand({Lk, D / 2}, torch::kDouble) * 7.0;
+    Tensor cos = angles.cos() * 1.1, sin = angles.sin() * 1.1;
+    Tensor w = torch::randn({B, Lq, Hq, D}, torch::kDouble);
+    winnow::torch_ops::AttentionCall with;
+    with.rotary_cos = cos;
+    with.rotary_sin = sin;
+    Tensor out = winnow::torch_ops::softmax_attention(q, k, v, with);
+    auto grads = torch::autograd::grad({(out * w).sum()}, {q, k, v});
+
+    Tensor qr = winnow::torch_ops::rotary_embedding(q, cos.narrow(0, Lk - Lq, Lq), sin.narrow(0, Lk - Lq, Lq));
+    Tensor kr = winnow::torch_ops::rotary_embedding(k, cos, sin);
+    Tensor ref = winnow::torch_ops::softmax_attention(qr, kr, v, {});
+    auto want = torch::autograd::grad({(ref * w).sum()}, {q, k, v});
+    EXPECT_LT(rel(out, ref), 1e-13);
+    for (int i = 0; i < 3; ++i) EXPECT_LT(rel(grads[i], want[i]), 1e-13) << i;
+    EXPECT_EQ(winnow::torch_ops::heads_side_by_side({grads[0], grads[1], grads[2]}).defined(), one_projection);
+  }
+}
+
 TEST(TorchOps, ForwardAndBackwardOpsAgreeWithTheReferenceBackend) {
   torch::manual_seed(2);
   Tensor q = torch::randn({21, 2, 32}), k = torch::randn({30, 2, 32}), v = torch::randn({30, 2, 16});

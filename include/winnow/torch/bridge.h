@@ -47,6 +47,19 @@ class DeviceScope {
 // has symbolic sizes (traced by torch.compile), whose offsets cannot be compared.
 at::Tensor side_by_side(at::TensorList parts);
 
+// Attention operands (B, L, H_i, D_i) whose heads lie side by side in each row of one buffer,
+// in the order given (nn::project's q, k and v, split from one product): the (B, L, sum H_i
+// D_i) view of those rows. Undefined otherwise, or for tensors that hold no data of their own
+// (traced by torch.compile: fake, functional or meta tensors), which the kernels cannot be
+// called on directly.
+at::Tensor heads_side_by_side(at::TensorList parts);
+
+// Empty gradients of the shapes of q, k and v in one fresh buffer, their heads side by side in
+// each row in that order: what the projection's backward reads as one tensor instead of
+// concatenating three.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_grads(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v);
+
 // Per-row statistics dtype: float64 for float64 inputs, float32 otherwise.
 at::ScalarType stats_dtype(const at::Tensor& q);
 

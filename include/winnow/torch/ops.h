@@ -16,6 +16,12 @@ struct AttentionCall {
   Opt<at::Tensor> cu_seqlens_q, cu_seqlens_k;
   Opt<double> scale;
   bool attend_current = true;
+  // Rotary embedding applied inside the operator (softmax_attention): (Lk, D/2) tables as
+  // rotary_embedding takes them (float32; float64 for float64 inputs), the keys at positions
+  // 0 .. Lk - 1 and the queries at the last Lq; not with cu_seqlens. Queries and keys are
+  // rotated in one launch when they are heads of one buffer, and the gradients of q, k and v
+  // come back side by side in one buffer when q, k and v are.
+  Opt<at::Tensor> rotary_cos, rotary_sin;
 };
 
 // (B, Lq, Hq, D), (B, Lk, Hkv, D), (B, Lk, Hkv, Dv) -> (B, Lq, Hq, Dv).
