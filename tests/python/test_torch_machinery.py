@@ -102,6 +102,9 @@ def call_with_loss(name, tensors, options):
     (x, weight), and a
     scalar of its floating outputs with fixed weights, so every output carries a gradient."""
     fn = FUNCTIONS[name]
+    if "rotary_cos" in options:  # the operator's table arguments are the package's rotary pair
+        options = dict(options)
+        options["rotary"] = (options.pop("rotary_cos"), options.pop("rotary_sin"))
     if name in ("rotary_embedding", "rms_norm", "add_rms_norm", "swiglu"):
         outputs = tensors_of(fn(*tensors, **options))
     elif name == "threshold_attention":  # (q, k, v, beta[, cu_q, cu_k])
