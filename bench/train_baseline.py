@@ -391,9 +391,35 @@ def run_one(kind, mode, L, args, device, batches):
     }
     if args.warmup > 0:
         record["first_step_s"] = first_step_s
+    if args.profile and device.type == "cuda":
+        record["profile"] = profile_steps(step, sync, args.warmup + args.steps, 5)
     if mode == "compile":
         torch._dynamo.reset()  # drops the compiled graph, which holds on to this model
     return record
+
+
+def profile_steps(step, sync, first, steps):
+    """Kernel time per step over `steps` more steps under torch.profiler: GPU busy time, the
+    number of kernels, and the largest kernels by total time (compare with train-bench
+    --profile)."""
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(first, first + steps):
+            step(i)
+        sync()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total, count = kernels.get(e.name, (0.0, 0))
+        kernels[e.name] = (total + e.device_time / 1e3, count + 1)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {
+        "gpu_busy_ms_per_step": sum(t for t, _ in kernels.values()) / steps,
+        "gpu_ops_per_step": sum(n for _, n in kernels.values()) / steps,
+        "top_gpu_ops": [{"name": name, "ms": t / steps, "count": n / steps} for name, (t, n) in top[:25]],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,6 +452,9 @@ def parse_args(argv):
                    help="largest accepted |initial loss - winnow's| (default 1e-4 on the CPU, "
                    "2e-3 under bf16 on CUDA)")
     p.add_argument("--json", default=None, help="write the results to this file")
+    p.add_argument("--profile", action="store_true",
+                   help="on CUDA: after timing, profile 5 steps and report GPU busy time and the "
+                   "largest kernels per step")
     args = p.parse_args(argv)
     if args.tokens == "small":
         args.tokens = SMALL_TOKENS
@@ -587,6 +616,12 @@ def main(argv=None):
                     "%.6f" % r["winnow_initial_loss"] if r.get("winnow_initial_loss") is not None else "-",
                     fmt_rate(r.get("winnow_tokens_per_s")),
                     "%.2fx" % r["winnow_over_this"] if "winnow_over_this" in r else "-"), flush=True)
+                if "profile" in r:
+                    prof = r["profile"]
+                    print("        GPU busy %.3f ms/step, %.0f kernels/step; largest:" % (
+                        prof["gpu_busy_ms_per_step"], prof["gpu_ops_per_step"]))
+                    for op in prof["top_gpu_ops"][:12]:
+                        print("        %8.3f ms %5.1fx  %s" % (op["ms"], op["count"], op["name"][:100]))
 
     # The issue's table: winnow (fused and composed) beside eager and compile, with ratios.
     print()
