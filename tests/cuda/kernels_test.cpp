@@ -848,8 +848,9 @@ TEST(CudaSwiGLU, MatchesFloat64ForEveryDtype) {
 
 TEST(CudaRotary, MatchesTheRotationInFloat64ForEveryDtype) {
   std::mt19937_64 rng(11);
-  // D = 96: four pairs a thread with vector accesses; D = 10: the general kernel.
-  for (const std::int64_t D : {96, 10}) {
+  // D = 96: eight pairs a thread for 16-bit x (four for float32) with vector accesses; D = 40:
+  // four pairs; D = 10: the general kernel.
+  for (const std::int64_t D : {96, 40, 10}) {
     const std::int64_t B = 3, L = 37, H = 5, half = D / 2;
     for (DType dtype : {DType::bfloat16, DType::float16, DType::float32, DType::float64}) {
       for (bool transpose : {false, true}) {
