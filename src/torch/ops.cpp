@@ -667,24 +667,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sieve_forward_op(
   });
 }
 
+void sieve_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                         const at::Tensor& log_rem, const at::Tensor& threshold, const at::Tensor& dout,
+                         const Opt<at::Tensor>& dlog_rem, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
+                         Opt<double> scale, bool attend_current, double alpha, c10::string_view filter,
+                         Opt<double> eps, bool deterministic, bool reference, const at::Tensor& dq,
+                         const at::Tensor& dk, const at::Tensor& dv) {
+  constexpr const char* op = "winnow.sieve_attention_backward";
+  const sieve::Options options = sieve_options(op, scale, attend_current, alpha, std::string(filter), eps,
+                                               Opt<double>());
+  const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
+  const DeviceScope scope(q);
+  sieve::backward(in, options,
+                  {view_of(out, op, "out"), view_of(log_rem, op, "log_rem"), view_of(threshold, op, "threshold"),
+                   std::nullopt},
+                  view_of(dout, op, "dout"), view_of(dlog_rem, op, "dlog_rem"), grad_views(op, dq, dk, dv),
+                  scope.context(deterministic, reference));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sieve_backward_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& log_rem, const at::Tensor& threshold, const at::Tensor& dout,
     const Opt<at::Tensor>& dlog_rem, const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
     Opt<double> scale, bool attend_current, double alpha, c10::string_view filter,
     Opt<double> eps, bool deterministic, bool reference) {
-  constexpr const char* op = "winnow.sieve_attention_backward";
   return translate_errors([&] {
-    const sieve::Options options = sieve_options(op, scale, attend_current, alpha,
-                                                 std::string(filter), eps, Opt<double>());
-    const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-    const DeviceScope scope(q);
-    sieve::backward(in, options,
-                    {view_of(out, op, "out"), view_of(log_rem, op, "log_rem"),
-                     view_of(threshold, op, "threshold"), std::nullopt},
-                    view_of(dout, op, "dout"), view_of(dlog_rem, op, "dlog_rem"),
-                    grad_views(op, dq, dk, dv), scope.context(deterministic, reference));
+    sieve_backward_into(q, k, v, out, log_rem, threshold, dout, dlog_rem, cu_q, cu_k, scale, attend_current, alpha,
+                        filter, eps, deterministic, reference, dq, dk, dv);
     return std::make_tuple(dq, dk, dv);
   });
 }
@@ -700,6 +710,7 @@ struct SieveFunction : public torch::autograd::Function<SieveFunction> {
     auto [out, log_rem, threshold, count] = sieve_forward(
         q, k, v, cu_q, cu_k, scale, attend_current, alpha, filter, eps, Opt<double>(), false);
     save_call(ctx, {q, k, v, out, log_rem, threshold}, cu_q, cu_k, scale, attend_current);
+    note_layout(ctx, q, k, v);
     ctx->mark_non_differentiable({count});
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["filter"] = std::string(filter);
@@ -716,10 +727,18 @@ struct SieveFunction : public torch::autograd::Function<SieveFunction> {
     Opt<double> eps;
     if (!ctx->saved_data["eps"].isNone()) eps = ctx->saved_data["eps"].toDouble();
     const std::string filter = ctx->saved_data["filter"].toStringRef();
-    auto [dq, dk, dv] = sieve_backward(
-        saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, c.cu_q,
-        c.cu_k, c.scale, c.attend_current, ctx->saved_data["alpha"].toDouble(), filter, eps,
-        at::globalContext().deterministicAlgorithms(), false);
+    const double alpha = ctx->saved_data["alpha"].toDouble();
+    const bool deterministic = at::globalContext().deterministicAlgorithms();
+    auto [dq, dk, dv] = attention_grads(
+        ctx, saved[0], saved[1], saved[2],
+        [&](const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+          sieve_backward_into(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, c.cu_q,
+                              c.cu_k, c.scale, c.attend_current, alpha, filter, eps, deterministic, false, dq, dk, dv);
+        },
+        [&] {
+          return sieve_backward(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], dout, dlog_rem, c.cu_q,
+                                c.cu_k, c.scale, c.attend_current, alpha, filter, eps, deterministic, false);
+        });
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }

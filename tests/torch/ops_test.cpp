@@ -142,8 +142,8 @@ TEST(TorchOps, HeadsOfOneProjectionGetGradientsInOneBuffer) {
   Tensor w = torch::randn({B, L, Hq, D}, torch::kDouble);
   Tensor qs = q.detach().clone().requires_grad_(), ks = k.detach().clone().requires_grad_(),
          vs = v.detach().clone().requires_grad_();
-  for (const char* name :
-       {"winnow::softmax_attention", "winnow::stick_breaking_attention", "winnow::entmax_attention"}) {
+  for (const char* name : {"winnow::softmax_attention", "winnow::stick_breaking_attention",
+                           "winnow::entmax_attention", "winnow::sieve_attention"}) {
     SCOPED_TRACE(name);
     Tensor out = call(name, {q, k, v})[0].toTensor();
     auto grads = torch::autograd::grad({(out * w).sum()}, {q, k, v});
