@@ -297,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_forward_op(const at::Tensor& q, const
 }
 
 // The backward into given gradient tensors: the operator below allocates them; the autograd
-// Function may pass views of one buffer (grads_like).
+// Function may pass views of one buffer (packed_grads).
 void softmax_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout,
                            const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, Opt<double> scale,
