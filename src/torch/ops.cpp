@@ -248,28 +248,35 @@ at::Tensor query_rows(const at::Tensor& table, const at::Tensor& q) {
 #endif
 }
 
+// q's and k's heads as one (B, L, Hq + Hkv, D) view, for heads that lie side by side in one
+// buffer (heads_side_by_side) with one head dimension.
+at::Tensor joined_heads(const at::Tensor& q, const at::Tensor& k) {
+  return q.as_strided({q.size(0), q.size(1), q.size(2) + k.size(2), q.size(3)},
+                      {q.stride(0), q.stride(1), q.size(3), 1}, q.storage_offset());
+}
+
 // q and k rotated (transpose: by the negative angles, the gradient's way), in one launch when
 // their heads lie side by side in one buffer.
 std::pair<at::Tensor, at::Tensor> rotate_queries_keys(const AttentionRotary& r, const at::Tensor& q,
                                                       const at::Tensor& k, bool transpose) {
   if (heads_side_by_side({q, k}).defined() && q.size(3) == k.size(3)) {
-    const int64_t hq = q.size(2), hk = k.size(2);
-    const at::Tensor both = q.as_strided({q.size(0), q.size(1), hq + hk, q.size(3)},
-                                         {q.stride(0), q.stride(1), q.size(3), 1}, q.storage_offset());
-    const at::Tensor rotated = rotary_apply(both, r.cos, r.sin, transpose);
-    return {rotated.narrow(2, 0, hq), rotated.narrow(2, hq, hk)};
+    const at::Tensor rotated = rotary_apply(joined_heads(q, k), r.cos, r.sin, transpose);
+    return {rotated.narrow(2, 0, q.size(2)), rotated.narrow(2, q.size(2), k.size(2))};
   }
   return {rotary_apply(q, query_rows(r.cos, q), query_rows(r.sin, q), transpose),
           rotary_apply(k, r.cos, r.sin, transpose)};
 }
 
+// The operator's q and k as the kernels take them: rotated when it was given tables.
+std::pair<at::Tensor, at::Tensor> kernel_queries_keys(const AttentionRotary& r, const at::Tensor& q,
+                                                      const at::Tensor& k) {
+  return r ? rotate_queries_keys(r, q, k, false) : std::make_pair(q, k);
+}
+
 // The gradients of rotated queries and keys side by side in one buffer (packed_grads), turned
 // back in place: one launch, and they stay where the projection's backward reads them.
 void rotate_back_in_place(const char* op, const AttentionRotary& r, const at::Tensor& dq, const at::Tensor& dk) {
-  const int64_t hq = dq.size(2), hk = dk.size(2);
-  const at::Tensor both = dq.as_strided({dq.size(0), dq.size(1), hq + hk, dq.size(3)},
-                                        {dq.stride(0), dq.stride(1), dq.size(3), 1}, dq.storage_offset());
-  const TensorView view = view_of(both, op, "dq");
+  const TensorView view = view_of(joined_heads(dq, dk), op, "dq");
   const DeviceScope scope(dq);
   rotary::apply(view, view_of(r.cos, op, "rotary_cos"), view_of(r.sin, op, "rotary_sin"), /*transpose=*/true,
                 view, scope.context(false, false));
@@ -336,7 +343,7 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
                                const Opt<at::Tensor>& rotary_sin) {
     const AttentionRotary rotary =
         attention_rotary("winnow.softmax_attention", q, k, rotary_cos, rotary_sin, cu_q, cu_k);
-    const auto [qr, kr] = rotary ? rotate_queries_keys(rotary, q, k, false) : std::make_pair(q, k);
+    const auto [qr, kr] = kernel_queries_keys(rotary, q, k);
     auto [out, lse] = softmax_forward(qr, kr, v, cu_q, cu_k, scale, attend_current, false);
     save_call(ctx, {qr, kr, v, out, lse, rotary.cos, rotary.sin}, cu_q, cu_k, scale, attend_current);
     note_layout(ctx, q, k, v);
@@ -380,7 +387,7 @@ at::Tensor softmax_attention_no_grad(const at::Tensor& q, const at::Tensor& k, c
                                      const Opt<at::Tensor>& rotary_sin) {
   const AttentionRotary rotary =
       attention_rotary("winnow.softmax_attention", q, k, rotary_cos, rotary_sin, cu_q, cu_k);
-  const auto [qr, kr] = rotary ? rotate_queries_keys(rotary, q, k, false) : std::make_pair(q, k);
+  const auto [qr, kr] = kernel_queries_keys(rotary, q, k);
   return std::get<0>(softmax_forward(qr, kr, v, cu_q, cu_k, scale, attend_current, false));
 }
 
