@@ -1,6 +1,7 @@
 // Everything a C++ caller needs: include this one header and link winnow::winnow.
 #pragma once
 
+#include "winnow/adamw.h"
 #include "winnow/attention.h"
 #include "winnow/decode.h"
 #include "winnow/entmax.h"

@@ -4,6 +4,7 @@
 
 #include "core/params.h"
 #include "core/layer_params.h"
+#include "core/optimizer_params.h"
 #include "core/rotary_params.h"
 
 namespace winnow::cpu {
@@ -51,5 +52,8 @@ void rms_norm_backward(const detail::RMSNormParams& p);
 
 void swiglu_forward(const detail::SwiGLUParams& p);
 void swiglu_backward(const detail::SwiGLUParams& p);
+
+// AdamW with the global-norm clip (winnow/adamw.h).
+void adamw_clipped_step(const detail::AdamWParams& p);
 
 }  // namespace winnow::cpu

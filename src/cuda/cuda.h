@@ -6,6 +6,7 @@
 #include "core/decode_params.h"
 #include "core/params.h"
 #include "core/layer_params.h"
+#include "core/optimizer_params.h"
 #include "core/rotary_params.h"
 
 namespace winnow::cuda {
@@ -86,5 +87,8 @@ void rms_norm_backward(const detail::RMSNormParams& p);
 
 void swiglu_forward(const detail::SwiGLUParams& p);
 void swiglu_backward(const detail::SwiGLUParams& p);
+
+// AdamW with the global-norm clip (winnow/adamw.h).
+void adamw_clipped_step(const detail::AdamWParams& p);
 
 }  // namespace winnow::cuda

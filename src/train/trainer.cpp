@@ -5,16 +5,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/version.h>
 
-// LibTorch's fused multi-tensor AdamW (CUDA) and the multi-tensor norm and scale, where this
-// LibTorch has them (2.x); older ones take torch::optim::AdamW's per-parameter loop.
-#if __has_include(<ATen/ops/_fused_adamw.h>)
-#include <ATen/ops/_fused_adamw.h>
-#include <ATen/ops/_foreach_add.h>
-#include <ATen/ops/_foreach_sub.h>
-#define WINNOW_FUSED_ADAMW 1
-#else
-#define WINNOW_FUSED_ADAMW 0
-#endif
+// The multi-tensor norm and scale of the CPU's clip, where this LibTorch has them (2.4 on);
+// older ones take a norm per parameter.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
 #include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_norm.h>
@@ -22,12 +14,11 @@
 #else
 #define WINNOW_FOREACH_CLIP 0
 #endif
-#if defined(WINNOW_TORCH_CUDA) && __has_include(<ATen/cuda/CUDAGraph.h>) && WINNOW_FUSED_ADAMW
+#if defined(WINNOW_TORCH_CUDA) && __has_include(<ATen/cuda/CUDAGraph.h>) && TORCH_VERSION_MAJOR >= 2
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <ATen/cuda/CUDAEvent.h>
 #define WINNOW_CUDA_GRAPHS 1
 #else
 #define WINNOW_CUDA_GRAPHS 0
@@ -47,6 +38,7 @@
 #include "train/files.h"
 #include "train/runtime.h"
 #include "winnow/error.h"
+#include "winnow/torch/ops.h"
 #include "winnow/winnow.h"
 
 namespace winnow::train {
@@ -157,12 +149,6 @@ typename StateMap::key_type state_key(const StateMap&, const torch::Tensor& p) {
   } else {
     return static_cast<typename StateMap::key_type>(p.unsafeGetTensorImpl());
   }
-}
-
-// The fused AdamW's found_inf from a step's report: 1 where its loss or gradient norm (the
-// first two entries) is not finite, else 0.
-torch::Tensor non_finite(const torch::Tensor& report) {
-  return report.narrow(0, 0, 2).isfinite().all().logical_not().to(torch::kFloat32);
 }
 
 // One phase of a profiled step (see StepProfile); does nothing without a profile. `scope` is the
@@ -342,7 +328,7 @@ Trainer::Trainer(const ExperimentConfig& config)
 
   // Parameter groups by learning-rate multiplier (the longest matching substring wins) and by
   // weight decay (matrices decay; norms, biases, gains and per-head scalars do not; without
-  // weight decay they share a group, one fused update fewer a step).
+  // weight decay they share a group).
   std::map<std::pair<double, bool>, std::vector<torch::Tensor>> groups;
   for (const auto& item : named) {
     double mult = 1.0;
@@ -457,8 +443,8 @@ Trainer::PinnedSlot& Trainer::stage_pinned(const tasks::Batch& batch) {
   return slot;
 }
 
-bool fused_adamw_available(const torch::Device& device) {
-  return WINNOW_FUSED_ADAMW != 0 && device.is_cuda();
+bool device_adamw_available(const torch::Device& device) {
+  return device.is_cuda() && winnow::built_with_cuda();
 }
 
 torch::optim::AdamWParamState& ensure_adamw_state(torch::optim::AdamW& optimizer,
@@ -482,101 +468,45 @@ torch::optim::AdamWParamState& ensure_adamw_state(torch::optim::AdamW& optimizer
   return state;
 }
 
-#if WINNOW_CUDA_GRAPHS
-// The streams and events that run parameter groups' updates side by side, kept for the
-// process rather than made per step: they are recorded inside graph captures.
-struct GroupStreams {
-  at::cuda::CUDAEvent ready;
-  std::vector<c10::cuda::CUDAStream> streams;
-  std::vector<at::cuda::CUDAEvent> done;
-};
-
-GroupStreams& group_streams(c10::DeviceIndex device, std::size_t groups) {
-  // Leaked: destroying events at exit could run after the CUDA runtime has gone.
-  static auto* all = new std::map<c10::DeviceIndex, GroupStreams>();
-  GroupStreams& s = (*all)[device];
-  while (s.streams.size() < groups) {
-    s.streams.push_back(c10::cuda::getStreamFromPool(false, device));
-    s.done.emplace_back();
-  }
-  return s;
-}
-#endif
-
-void fused_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
-                      const torch::Tensor& found_inf, const std::vector<torch::Tensor>* group_lrs) {
-#if WINNOW_FUSED_ADAMW
-  // LibTorch's fused AdamW: a few kernels per parameter group instead of about ten
-  // operations per parameter. Same update as torch::optim::AdamW's, whose state it keeps.
+torch::Tensor device_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
+                                const std::vector<torch::Tensor>& group_lrs, double max_norm,
+                                const std::vector<torch::Tensor>& guards) {
   auto& param_groups = optimizer.param_groups();
-#if WINNOW_CUDA_GRAPHS
-  // Each group's update on a stream of its own: LibTorch's fused AdamW gives every chunk of
-  // 65,536 elements one block, so a small model's update is a few dozen blocks that take
-  // about 20 us whatever their number, and the groups' updates can as well run side by side.
-  const c10::cuda::CUDAStream main_stream = c10::cuda::getCurrentCUDAStream();
-  GroupStreams& streams = group_streams(main_stream.device_index(), param_groups.size());
-  if (param_groups.size() > 1) streams.ready.record(main_stream);
-#endif
-  for (std::size_t g = 0; g < param_groups.size(); ++g) {
-    auto& group = param_groups[g];
-    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
-#if WINNOW_CUDA_GRAPHS
-    std::optional<c10::cuda::CUDAStreamGuard> side;
-    if (g > 0) {
-      streams.ready.block(streams.streams[g]);
-      side.emplace(streams.streams[g]);
-    }
-#endif
-    std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      if (!p.is_cuda()) {
-        throw Error(ErrorKind::invalid_argument,
-                    "fused_adamw_step: argument 'optimizer': expected CUDA parameters, got one on " +
-                        p.device().str());
-      }
-      auto& state = ensure_adamw_state(optimizer, device_steps, p);
-      // The host count is what checkpoints hold; under a CUDA graph only the device count
-      // moves, and sync_optimizer_steps() brings the host's up to date.
-      state.step(state.step() + 1);
-      params.push_back(p);
-      grads.push_back(p.grad());
-      exp_avgs.push_back(state.exp_avg());
-      exp_avg_sqs.push_back(state.exp_avg_sq());
-      steps.push_back(device_steps.at(p.unsafeGetTensorImpl()));
-    }
-    if (params.empty()) continue;
-    if (o.amsgrad()) {
-      throw Error(ErrorKind::unsupported, "fused_adamw_step: amsgrad is not supported");
-    }
-    // A step with found_inf nonzero leaves parameters, moments and step counts as they were.
-    at::_foreach_add_(steps, 1);
-    std::optional<at::Tensor> skip;
-    if (found_inf.defined()) skip = found_inf;
-    if (group_lrs != nullptr && group_lrs->size() == param_groups.size()) {
-      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps,
-                        (*group_lrs)[g], std::get<0>(o.betas()), std::get<1>(o.betas()),
-                        o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false,
-                        /*grad_scale=*/std::nullopt, skip);
-    } else {
-      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
-                        std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
-                        /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
-    }
-    if (found_inf.defined()) {
-      at::_foreach_sub_(steps, std::vector<torch::Tensor>(steps.size(), found_inf));
-    }
-#if WINNOW_CUDA_GRAPHS
-    if (side) {
-      streams.done[g].record(streams.streams[g]);
-      side.reset();
-      streams.done[g].block(main_stream);
-    }
-#endif
+  if (group_lrs.size() != param_groups.size()) {
+    throw Error(ErrorKind::invalid_argument,
+                "device_adamw_step: argument 'group_lrs': expected " + std::to_string(param_groups.size()) +
+                    " tensors (one per parameter group), got " + std::to_string(group_lrs.size()));
   }
-#else
-  throw Error(ErrorKind::unsupported, "fused_adamw_step: this LibTorch has no fused AdamW");
-#endif
+  std::vector<torch_ops::AdamWGroup> groups;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  for (std::size_t g = 0; g < param_groups.size(); ++g) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups[g].options());
+    if (o.amsgrad()) throw Error(ErrorKind::unsupported, "device_adamw_step: amsgrad is not supported");
+    if (g == 0) {
+      beta1 = std::get<0>(o.betas());
+      beta2 = std::get<1>(o.betas());
+      eps = o.eps();
+    } else if (std::get<0>(o.betas()) != beta1 || std::get<1>(o.betas()) != beta2 || o.eps() != eps) {
+      throw Error(ErrorKind::unsupported, "device_adamw_step: parameter groups with different betas or eps");
+    }
+    torch_ops::AdamWGroup group;
+    group.lr = group_lrs[g];
+    group.weight_decay = o.weight_decay();
+    for (auto& p : param_groups[g].params()) {
+      if (!p.grad().defined()) continue;
+      auto& state = ensure_adamw_state(optimizer, device_steps, p);
+      // The host count is what checkpoints hold; on the device only the device count moves,
+      // and sync_optimizer_steps() brings the host's up to date.
+      state.step(state.step() + 1);
+      group.params.push_back(p.detach());
+      group.grads.push_back(p.grad());
+      group.exp_avgs.push_back(state.exp_avg());
+      group.exp_avg_sqs.push_back(state.exp_avg_sq());
+      group.steps.push_back(device_steps.at(p.unsafeGetTensorImpl()));
+    }
+    groups.push_back(std::move(group));
+  }
+  return torch_ops::clipped_adamw_step(groups, beta1, beta2, eps, max_norm, guards);
 }
 
 void sync_optimizer_steps(torch::optim::AdamW& optimizer,
@@ -597,7 +527,7 @@ std::string Trainer::graph_blocker() const {
 #if WINNOW_CUDA_GRAPHS
   if (!config_.train.cuda_graph) return "train.cuda_graph is false";
   if (!device_.is_cuda()) return "not on CUDA";
-  if (!fused_adamw_available(device_)) return "no fused AdamW";
+  if (!device_adamw_available(device_)) return "this build has no CUDA kernels";
   if (profile != nullptr) return "a profile is attached";
   if (collective_ && !collective_->stream_ordered()) {
     return "data-parallel steps sum their gradients through the host (gloo)";
@@ -676,32 +606,40 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
     if (!reported.empty()) collective_->sum(reported);
   }
 
-  PhaseScope clip(profile, "winnow.step.clip", device_);
-  std::vector<torch::Tensor> grads;
-  for (auto& p : model_->parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  torch::Tensor norm = torch::zeros({}, torch::TensorOptions().device(device_));
-  if (!grads.empty()) {
-    bool foreach = WINNOW_FOREACH_CLIP != 0;
-    for (const auto& g : grads) foreach &= g.scalar_type() == torch::kFloat32;
-    if (foreach) {
-      norm = foreach_norm(grads);
-    } else {
-      std::vector<torch::Tensor> norms;
-      for (const auto& g : grads) norms.push_back(g.to(torch::kFloat32).norm());
-      norm = torch::stack(norms).norm();
+  torch::Tensor norm;
+  if (device_adamw_available(device_)) {
+    // The clip and the update in one call (three kernels), enqueued before the report is read:
+    // a step whose loss or gradient norm is not finite changes nothing, and the error comes
+    // when the report is read.
+    PhaseScope update(profile, "winnow.step.optimizer", device_);
+    norm = device_adamw_step(*optimizer_, device_steps_, lr_tensors_, t.clip, {loss_sum.to(torch::kFloat32)});
+  } else {
+    PhaseScope clip(profile, "winnow.step.clip", device_);
+    std::vector<torch::Tensor> grads;
+    for (auto& p : model_->parameters()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
     }
-    if (t.clip > 0) {
-      const torch::Tensor coef = (t.clip / (norm + 1e-6)).clamp_max(1.0);
+    norm = torch::zeros({}, torch::TensorOptions().device(device_));
+    if (!grads.empty()) {
+      bool foreach = WINNOW_FOREACH_CLIP != 0;
+      for (const auto& g : grads) foreach &= g.scalar_type() == torch::kFloat32;
       if (foreach) {
-        foreach_scale(grads, coef);
+        norm = foreach_norm(grads);
       } else {
-        for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+        std::vector<torch::Tensor> norms;
+        for (const auto& g : grads) norms.push_back(g.to(torch::kFloat32).norm());
+        norm = torch::stack(norms).norm();
+      }
+      if (t.clip > 0) {
+        const torch::Tensor coef = (t.clip / (norm + 1e-6)).clamp_max(1.0);
+        if (foreach) {
+          foreach_scale(grads, coef);
+        } else {
+          for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+        }
       }
     }
   }
-  clip.close();
   std::vector<torch::Tensor> report = {loss_sum, norm};
   aux_names.clear();
   for (auto& [name, value] : aux_sums) {
@@ -754,7 +692,9 @@ void Trainer::enqueue_step() {
   pending.stats.phase = t.phases.empty() ? "" : t.phases[phase_].name;
   pending.stats.step = step_ + 1;
   torch::Tensor values;
-  const bool fused = fused_adamw_available(device_);
+  // On CUDA the step body ends with the update (device_adamw_step); elsewhere the report is
+  // read first, and the update follows.
+  const bool update_in_body = device_adamw_available(device_);
 #if WINNOW_CUDA_GRAPHS
   const bool graphs = graph_blocker().empty();
   if (graphs && graph_ && graph_->phase != phase_) graph_.reset();  // frozen sets changed
@@ -787,20 +727,14 @@ void Trainer::enqueue_step() {
     // gradient would still move them through the moments and weight decay).
     for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
     torch::Tensor counted_tensor = torch::full({}, counted, torch::TensorOptions().device(device_));
+    if (update_in_body) set_lr_tensors(lr);
     values = step_body(batch, counted_tensor, pending.aux_names);
-    PhaseScope optimizer(profile, "winnow.step.optimizer", device_);
-    // On CUDA the update is enqueued before the report is read; the fused AdamW then skips a
-    // step whose loss or gradient norm is not finite, and the error comes when the report is
-    // read. Elsewhere the report is read first.
-    if (fused) {
-      set_lr_tensors(lr);
-      optimizer_step(non_finite(values));
-    } else {
+    if (!update_in_body) {
+      PhaseScope optimizer(profile, "winnow.step.optimizer", device_);
       pending.values = values;
       resolve(pending);
-      optimizer_step({});
+      optimizer_step();
     }
-    optimizer.close();
     ++eager_steps_in_phase_;
 #if WINNOW_CUDA_GRAPHS
     if (side) {
@@ -852,13 +786,7 @@ void Trainer::set_lr_tensors(double lr) {
   for (std::size_t g = 0; g < groups.size(); ++g) lr_tensors_[g].fill_(lr * group_multipliers_[g]);
 }
 
-void Trainer::optimizer_step(const torch::Tensor& found_inf) {
-  if (fused_adamw_available(device_)) {
-    fused_adamw_step(*optimizer_, device_steps_, found_inf, lr_tensors_.empty() ? nullptr : &lr_tensors_);
-  } else {
-    optimizer_->step();
-  }
-}
+void Trainer::optimizer_step() { optimizer_->step(); }
 
 #if WINNOW_CUDA_GRAPHS
 // Captures this step on a side stream after one more ordinary step there (lazily created
@@ -895,7 +823,6 @@ void Trainer::capture_and_replay(const tasks::Batch& batch, double counted, doub
     state->graph.capture_begin();
     try {
       state->values = step_body(on_device, state->counted, state->aux_names);
-      optimizer_step(non_finite(state->values));
       state->graph.capture_end();
     } catch (const std::exception& e) {
       // End the capture so that the stream (and with it the process) stays usable.

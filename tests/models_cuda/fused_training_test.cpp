@@ -1,5 +1,6 @@
 // The model layer's fused pieces on CUDA against the composed LibTorch expressions they replace
-// (rotary embedding, RMSNorm, AdamW), forward and gradients; and the CUDA trainer's
+// (rotary embedding, RMSNorm), forward and gradients; winnow's clipped AdamW against
+// torch::optim::AdamW; and the CUDA trainer's
 // asynchronous step (pinned batches drawn ahead, reports read two steps later, the update
 // skipped on the device for a diverged step) against synchronous steps and across a resume.
 // Label `cuda`: runs on a machine with a GPU (tools/gpu_check.sh).
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "models/trainer_test_support.h"
+#include "support/adamw_case.h"
 #include "nn/language_model.h"
 #include "nn/modules.h"
 #include "train/autocast.h"
@@ -143,8 +145,41 @@ TEST(CudaFusedPieces, AddRmsNormMatchesTheComposedExpressionUnderAutocast) {
   EXPECT_LT(rel(g[2], ge[2]), 1e-5);
 }
 
-TEST(CudaFusedPieces, FusedAdamWMatchesTorchOptimAdamW) {
-  ASSERT_TRUE(fused_adamw_available(kCuda)) << "this LibTorch has no fused AdamW";
+// winnow's clipped AdamW kernels (winnow/adamw.h) against torch::optim::AdamW in float64 after
+// torch's clip, over more tensors than one launch takes (48) and tensors of many chunks, one
+// chunk, part of one and none; then a step skipped by a non-finite guard.
+TEST(CudaAdamW, MatchesTorchOptimAdamWAfterTheClip) {
+  torch::manual_seed(5);
+  std::vector<std::vector<std::int64_t>> shapes;
+  for (int i = 0; i < 110; ++i) shapes.push_back({1 + (i * 37) % 300});
+  shapes.push_back({0});
+  shapes.push_back({2048});
+  shapes.push_back({3, 5000});
+  shapes.push_back({257, 256});
+  testing::AdamWCase c(shapes, kCuda);
+  const std::pair<double, double> steps[] = {{1.0, 1.0}, {1e-3, 1.0}, {1.0, 0.0}, {3.0, 2.0}};
+  for (const auto& [size, max_norm] : steps) {
+    const std::vector<Tensor> grads = c.gradients(size);
+    const Tensor norm = torch_ops::clipped_adamw_step(c.groups(grads), testing::AdamWCase::kBeta1,
+                                                      testing::AdamWCase::kBeta2, testing::AdamWCase::kEps, max_norm);
+    const double expected = c.reference_step(grads, max_norm);
+    EXPECT_TRUE(norm.is_cuda());
+    EXPECT_NEAR(norm.item<double>(), expected, 1e-6 * expected);
+    EXPECT_LT(c.worst_parameter_error(), 1e-6) << "gradient size " << size << ", max_norm " << max_norm;
+  }
+  std::vector<Tensor> before;
+  for (const Tensor& p : c.params) before.push_back(p.clone());
+  const Tensor nan_loss = torch::full({}, std::numeric_limits<float>::quiet_NaN(), torch::TensorOptions().device(kCuda));
+  torch_ops::clipped_adamw_step(c.groups(c.gradients(1.0)), testing::AdamWCase::kBeta1, testing::AdamWCase::kBeta2,
+                                testing::AdamWCase::kEps, 1.0, {nan_loss});
+  for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], c.params[i])) << i;
+  for (const Tensor& s : c.steps) EXPECT_EQ(s.item<float>(), 4.0f);
+}
+
+// The trainer's step on the optimizer's own state: moments and step counts where
+// torch::optim::AdamW keeps them, so that checkpoints read the same.
+TEST(CudaAdamW, TrainerStepKeepsTorchOptimState) {
+  ASSERT_TRUE(device_adamw_available(kCuda));
   torch::manual_seed(4);
   std::vector<Tensor> mine, theirs;
   for (auto shape : {std::vector<std::int64_t>{64, 48}, {48}, {7, 3, 5}}) {
@@ -162,7 +197,9 @@ TEST(CudaFusedPieces, FusedAdamWMatchesTorchOptimAdamW) {
     groups.emplace_back(std::vector<Tensor>{params[1]}, std::move(plain));
     return torch::optim::AdamW(groups, torch::optim::AdamWOptions(1e-3));
   };
-  torch::optim::AdamW fused = make(mine), reference = make(theirs);
+  torch::optim::AdamW device = make(mine), reference = make(theirs);
+  const auto on_cuda = torch::TensorOptions().device(kCuda);
+  const std::vector<Tensor> lrs = {torch::full({}, 2e-3, on_cuda), torch::full({}, 1e-3, on_cuda)};
   std::map<const void*, Tensor> steps;
   for (int step = 0; step < 5; ++step) {
     for (std::size_t i = 0; i < mine.size(); ++i) {
@@ -174,13 +211,18 @@ TEST(CudaFusedPieces, FusedAdamWMatchesTorchOptimAdamW) {
       // A skipped step: nothing moves, and the next step is the reference's third.
       std::vector<Tensor> before;
       for (const Tensor& p : mine) before.push_back(p.detach().clone());
-      fused_adamw_step(fused, steps, torch::ones({}, torch::TensorOptions().device(kCuda)));
+      device_adamw_step(device, steps, lrs, 0.0, {torch::full({}, INFINITY, on_cuda)});
       for (std::size_t i = 0; i < mine.size(); ++i) EXPECT_TRUE(torch::equal(before[i], mine[i]));
       continue;
     }
-    fused_adamw_step(fused, steps, torch::zeros({}, torch::TensorOptions().device(kCuda)));
+    device_adamw_step(device, steps, lrs, 0.0, {torch::zeros({}, on_cuda)});
     reference.step();
     for (std::size_t i = 0; i < mine.size(); ++i) EXPECT_LT(rel(mine[i], theirs[i]), 1e-6) << step << " " << i;
+  }
+  sync_optimizer_steps(device, steps);
+  EXPECT_EQ(device.state().size(), mine.size());
+  for (const auto& entry : device.state()) {
+    EXPECT_EQ(static_cast<const torch::optim::AdamWParamState&>(*entry.second).step(), 4);
   }
 }
 

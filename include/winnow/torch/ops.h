@@ -6,6 +6,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "winnow/gsa.h"
 #include "winnow/torch/bridge.h"
@@ -133,5 +134,19 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // SwiGLU's gate silu(gate) * up (winnow/swiglu.h), one kernel each way; gate and up of one
 // shape and dtype. Gradients reach both.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+
+// AdamW with the gradients clipped by their global norm (winnow/adamw.h) over float32 tensors:
+// three kernels on CUDA for any number of groups and parameters. Parameters, moments and step
+// counts (0-dim float32 tensors) are updated in place; the gradients are only read. Not an
+// autograd operator: an optimizer step for C++ training loops (winnow's trainer).
+struct AdamWGroup {
+  at::Tensor lr;  // 0-dim float32 on the parameters' device, read when the update runs
+  double weight_decay = 0;
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+};
+// Returns the gradients' norm before the clip (0-dim float32). A step whose norm or one of the
+// guards (0-dim float32, e.g. the loss) is not finite changes nothing.
+at::Tensor clipped_adamw_step(const std::vector<AdamWGroup>& groups, double beta1, double beta2, double eps,
+                              double max_norm, const std::vector<at::Tensor>& guards = {});
 
 }  // namespace winnow::torch_ops
