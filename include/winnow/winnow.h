@@ -3,6 +3,7 @@
 
 #include "winnow/adamw.h"
 #include "winnow/attention.h"
+#include "winnow/cross_entropy.h"
 #include "winnow/decode.h"
 #include "winnow/entmax.h"
 #include "winnow/error.h"

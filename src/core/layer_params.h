@@ -59,4 +59,25 @@ struct SwiGLUParams {
   void* cuda_stream = nullptr;
 };
 
+// The masked cross-entropy (winnow/cross_entropy.h). Forward reads logits, targets, mask; writes
+// loss, lse. Backward reads dloss, logits, targets, mask, lse; writes dlogits.
+struct CrossEntropyParams {
+  const void* logits = nullptr;
+  DType logits_dtype = DType::float32;  // also dlogits'
+  DType stat_dtype = DType::float32;    // mask, loss, lse, dloss: float64 for float64 logits
+  std::int64_t rows = 0, cols = 0;
+  std::int64_t logits_row_stride = 0, dlogits_row_stride = 0;  // elements; columns are unit-stride
+  const std::int64_t* targets = nullptr;
+  std::int64_t targets_stride = 1;
+  const void* mask = nullptr;
+  std::int64_t mask_stride = 1;
+  void* loss = nullptr;  // forward
+  void* lse = nullptr;   // (rows), contiguous
+  const void* dloss = nullptr;  // backward
+  void* dlogits = nullptr;
+  int num_threads = 0;
+  void* cuda_stream = nullptr;
+  DeviceAllocator* allocator = nullptr;  // the CUDA forward's per-block sums
+};
+
 }  // namespace winnow::detail

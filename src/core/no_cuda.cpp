@@ -67,6 +67,8 @@ void rms_norm_backward(const detail::RMSNormParams&) { no_cuda(); }
 void swiglu_forward(const detail::SwiGLUParams&) { no_cuda(); }
 void swiglu_backward(const detail::SwiGLUParams&) { no_cuda(); }
 void adamw_clipped_step(const detail::AdamWParams&) { no_cuda(); }
+void cross_entropy_forward(const detail::CrossEntropyParams&) { no_cuda(); }
+void cross_entropy_backward(const detail::CrossEntropyParams&) { no_cuda(); }
 void sieve_forward(const detail::AttentionParams&, const detail::SieveConfig&) { no_cuda(); }
 void sieve_backward(const detail::AttentionParams&, const detail::GradientParams&,
                     const detail::SieveConfig&) {

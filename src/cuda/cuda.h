@@ -91,4 +91,8 @@ void swiglu_backward(const detail::SwiGLUParams& p);
 // AdamW with the global-norm clip (winnow/adamw.h).
 void adamw_clipped_step(const detail::AdamWParams& p);
 
+// The masked cross-entropy of logits (winnow/cross_entropy.h).
+void cross_entropy_forward(const detail::CrossEntropyParams& p);
+void cross_entropy_backward(const detail::CrossEntropyParams& p);
+
 }  // namespace winnow::cuda

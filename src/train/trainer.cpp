@@ -70,10 +70,11 @@ bool contains(const std::string& name, const std::vector<std::string>& patterns)
 }
 
 // Sum of the cross entropy over the positions the mask keeps (divided by the caller).
+// One kernel each way on the logits as the model returns them (bf16 under autocast): no float32
+// copy, log_softmax, gather and sum, nor their backward kernels.
 torch::Tensor masked_cross_entropy_sum(const torch::Tensor& logits, const tasks::Batch& batch) {
-  const torch::Tensor logp = torch::log_softmax(logits.to(torch::kFloat32), -1);
-  const torch::Tensor target = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1);
-  return -(target * batch.loss_mask).sum();
+  const auto stats = logits.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  return torch_ops::masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask.to(stats));
 }
 
 // Asynchronous from pinned memory (training batches on CUDA).
@@ -550,7 +551,7 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
                                  std::vector<std::string>& aux_names) {
   const TrainConfig& t = config_.train;
   const std::int64_t micro = t.batch_size / world_.world / t.grad_accum;
-  torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(device_));
+  torch::Tensor loss_sum;  // the first micro-batch's loss itself: no zeros and no addition a step
   std::map<std::string, torch::Tensor> aux_sums;
   std::vector<torch::Tensor> reported;  // summed over the ranks apart from the gradients
   for (std::int64_t m = 0; m < t.grad_accum; ++m) {
@@ -587,7 +588,9 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
           it->second = it->second + v.detach();
         }
       }
-      loss_sum = loss_sum + loss.detach();
+      // The data-parallel report sums it over the ranks in place after the backward: safe, since
+      // the division's backward keeps counted, not the quotient.
+      loss_sum = m == 0 ? loss.detach() : loss_sum + loss.detach();
     }
     PhaseScope backward(profile, "winnow.step.backward", device_);
     if (gradient_buckets_ && m + 1 == t.grad_accum) {

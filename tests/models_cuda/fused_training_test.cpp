@@ -226,6 +226,43 @@ TEST(CudaAdamW, TrainerStepKeepsTorchOptimState) {
   }
 }
 
+// The trainer's loss (winnow/cross_entropy.h) on CUDA against log_softmax, gather and sum in
+// float64 on the CPU: the loss and the logits' gradient in every logits dtype, rows that are not
+// a multiple of the block's eight, one-column, odd and wide vocabularies, fractional and zero
+// mask values; a counted row with a target out of range makes the loss NaN.
+TEST(CudaCrossEntropy, MatchesLogSoftmaxGatherAndSum) {
+  torch::manual_seed(8);
+  for (auto dtype : {torch::kBFloat16, torch::kFloat16, torch::kFloat32, torch::kFloat64}) {
+    for (std::int64_t v : {1, 259, 5000}) {
+      const Tensor wide = torch::randn({1001, v + 3}, torch::kFloat64) * 3;
+      const Tensor logits = wide.to(torch::TensorOptions().device(kCuda).dtype(dtype)).narrow(-1, 1, v);
+      const Tensor targets = torch::randint(0, v, {1001}, torch::kInt64);
+      const auto stats = dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+      const Tensor mask = ((torch::rand({1001}) > 0.25).to(torch::kFloat64) * torch::rand({1001}, torch::kFloat64));
+      const Tensor x = logits.detach().requires_grad_(true);
+      const Tensor loss = torch_ops::masked_cross_entropy_sum(x, targets.to(kCuda), mask.to(kCuda, stats));
+      const Tensor grad = torch::autograd::grad({loss * 0.5}, {x})[0];
+      const Tensor ref_x = logits.detach().to(torch::kCPU, torch::kFloat64).requires_grad_(true);
+      const Tensor logp = torch::log_softmax(ref_x, -1);
+      const Tensor expected = -(logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask.to(stats).to(torch::kFloat64)).sum();
+      const Tensor ref_grad = torch::autograd::grad({expected * 0.5}, {ref_x})[0];
+      const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+      const double grad_tol = dtype == torch::kBFloat16 ? 1e-2 : dtype == torch::kFloat16 ? 2e-3 : tol;
+      EXPECT_EQ(loss.scalar_type(), stats);
+      EXPECT_NEAR(loss.item<double>(), expected.item<double>(), tol * std::abs(expected.item<double>()))
+          << dtype << " V " << v;
+      EXPECT_EQ(grad.scalar_type(), dtype);
+      EXPECT_LT(rel(grad, ref_grad), grad_tol) << dtype << " V " << v;
+    }
+  }
+  const Tensor logits = torch::randn({9, 4}, torch::TensorOptions().device(kCuda));
+  const Tensor targets = torch::tensor({0, 1, 2, 3, 0, 1, 2, 3, 7}, torch::TensorOptions().dtype(torch::kInt64).device(kCuda));
+  Tensor mask = torch::ones({9}, torch::TensorOptions().device(kCuda));
+  EXPECT_TRUE(std::isnan(torch_ops::masked_cross_entropy_sum(logits, targets, mask).item<float>()));
+  mask[8] = 0.0f;
+  EXPECT_TRUE(std::isfinite(torch_ops::masked_cross_entropy_sum(logits, targets, mask).item<float>()));
+}
+
 // ------------------------------------------------------------------ the CUDA trainer
 
 ExperimentConfig small(const std::string& out_dir, const std::string& kind) {

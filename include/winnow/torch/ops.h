@@ -135,6 +135,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // shape and dtype. Gradients reach both.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 
+// The masked sum of token cross-entropies, sum_n mask_n (logsumexp(logits_n) - logits_n[targets_n])
+// (winnow/cross_entropy.h), with autograd (gradients reach logits only): logits (..., V) in any
+// float dtype, targets (...) int64, mask (...) float32 (float64 for float64 logits); returns a
+// 0-dim float32 (float64). Two kernels forward, one backward. A C++ helper for training loops
+// (winnow's trainer), not a registered operator.
+at::Tensor masked_cross_entropy_sum(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask);
+
 // AdamW with the gradients clipped by their global norm (winnow/adamw.h) over float32 tensors:
 // three kernels on CUDA for any number of groups and parameters. Parameters, moments and step
 // counts (0-dim float32 tensors) are updated in place; the gradients are only read. Not an

@@ -1,0 +1,93 @@
+// The masked cross-entropy (winnow/cross_entropy.h) through its LibTorch entry point on the CPU,
+// against log_softmax, gather and sum in float64 with autograd; errors naming the argument.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <limits>
+#include <string>
+
+#include "winnow/torch/ops.h"
+
+namespace {
+
+using torch::Tensor;
+using winnow::torch_ops::masked_cross_entropy_sum;
+
+Tensor composed(const Tensor& logits, const Tensor& targets, const Tensor& mask) {
+  const Tensor logp = torch::log_softmax(logits.to(torch::kFloat64), -1);
+  return -(logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask.to(torch::kFloat64)).sum();
+}
+
+double rel(const Tensor& a, const Tensor& b) {
+  const Tensor a64 = a.to(torch::kFloat64), b64 = b.to(torch::kFloat64);
+  return ((a64 - b64).norm() / b64.norm().clamp_min(1e-300)).item<double>();
+}
+
+TEST(MaskedCrossEntropy, MatchesLogSoftmaxGatherAndSum) {
+  torch::manual_seed(6);
+  for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (std::int64_t v : {1, 7, 300}) {
+      // (3, 37) positions; logits a column slice of a wider tensor (row stride > V).
+      const Tensor wide = torch::randn({3, 37, v + 5}, torch::TensorOptions().dtype(dtype)) * 4;
+      const Tensor logits = wide.narrow(-1, 2, v).detach().requires_grad_(true);
+      const Tensor targets = torch::randint(0, v, {3, 37}, torch::kInt64);
+      Tensor mask = (torch::rand({3, 37}) > 0.3).to(dtype) * torch::rand({3, 37}).to(dtype);
+      const Tensor loss = masked_cross_entropy_sum(logits, targets, mask);
+      const Tensor mine = torch::autograd::grad({loss * 1.7}, {logits})[0];
+      const Tensor reference_logits = logits.detach().to(torch::kFloat64).requires_grad_(true);
+      const Tensor expected = composed(reference_logits, targets, mask);
+      const Tensor theirs = torch::autograd::grad({expected * 1.7}, {reference_logits})[0];
+      const double tol = dtype == torch::kFloat32 ? 2e-6 : 1e-12;
+      EXPECT_EQ(loss.scalar_type(), dtype);
+      EXPECT_EQ(loss.dim(), 0);
+      EXPECT_NEAR(loss.item<double>(), expected.item<double>(), tol * std::abs(expected.item<double>()) + 1e-12)
+          << dtype << " V " << v;
+      EXPECT_EQ(mine.scalar_type(), dtype);
+      EXPECT_LT(rel(mine, theirs), tol) << dtype << " V " << v;
+    }
+  }
+}
+
+TEST(MaskedCrossEntropy, MaskedRowsContributeNothingWhateverTheyHold) {
+  Tensor logits = torch::randn({4, 6}).requires_grad_(false);
+  logits[1][2] = std::numeric_limits<float>::quiet_NaN();
+  logits = logits.requires_grad_(true);
+  const Tensor targets = torch::tensor({0, -5, 3, 99}, torch::kInt64);
+  const Tensor mask = torch::tensor({1.0f, 0.0f, 1.0f, 0.0f});
+  const Tensor loss = masked_cross_entropy_sum(logits, targets, mask);
+  const Tensor rows = torch::tensor({0, 2}, torch::kInt64);
+  const Tensor expected = composed(logits.detach().index_select(0, rows), targets.index_select(0, rows),
+                                   mask.index_select(0, rows));
+  EXPECT_NEAR(loss.item<double>(), expected.item<double>(), 1e-5);
+  loss.backward();
+  EXPECT_TRUE(torch::equal(logits.grad()[1], torch::zeros({6})));
+  EXPECT_TRUE(torch::equal(logits.grad()[3], torch::zeros({6})));
+  EXPECT_TRUE(torch::isfinite(logits.grad()).all().item<bool>());
+}
+
+void expect_value_error(const std::function<void()>& f, const std::string& fragment) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning " << fragment;
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(MaskedCrossEntropy, BadArgumentsRaiseValueErrorsNamingTheArgument) {
+  const Tensor logits = torch::randn({5, 4});
+  const Tensor targets = torch::tensor({0, 1, 2, 3, 0}, torch::kInt64);
+  const Tensor mask = torch::ones({5});
+  expect_value_error([&] { masked_cross_entropy_sum(logits, torch::tensor({0, 1, 4, 3, 0}, torch::kInt64), mask); },
+                     "argument 'targets': expected values in [0, 4) where mask is nonzero, got 4 at row 2");
+  expect_value_error([&] { masked_cross_entropy_sum(logits, targets.to(torch::kInt32), mask); },
+                     "argument 'targets': expected int64 (5,) on cpu, got int32 (5,) on cpu");
+  expect_value_error([&] { masked_cross_entropy_sum(logits, targets, mask.to(torch::kFloat64)); },
+                     "argument 'mask': expected float32 (5,) on cpu");
+  expect_value_error([&] { masked_cross_entropy_sum(logits, targets.narrow(0, 0, 4), mask); },
+                     "arguments 'targets' and 'mask': expected one value per row of logits (5), got 4 and 5");
+  expect_value_error([&] { masked_cross_entropy_sum(logits.t(), targets.narrow(0, 0, 4), mask.narrow(0, 0, 4)); },
+                     "argument 'logits': expected unit stride along V");
+}
+
+}  // namespace
