@@ -194,6 +194,7 @@ class Trainer {
   StepStats resolve(PendingReport& report);
   struct PinnedSlot {
     tasks::Batch batch;
+    torch::Tensor packed;  // a replayed step's inputs in one buffer (pack_batch), this rank's rows
     std::shared_ptr<c10::Event> read;  // recorded after the step that copied from it
   };
   // The step's batch drawn on the host, in pageable memory.
