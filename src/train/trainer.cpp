@@ -5,15 +5,6 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/version.h>
 
-// The multi-tensor norm and scale of the CPU's clip, where this LibTorch has them (2.4 on);
-// older ones take a norm per parameter.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-#include <ATen/ops/_foreach_mul.h>
-#include <ATen/ops/_foreach_norm.h>
-#define WINNOW_FOREACH_CLIP 1
-#else
-#define WINNOW_FOREACH_CLIP 0
-#endif
 #if defined(WINNOW_TORCH_CUDA) && __has_include(<ATen/cuda/CUDAGraph.h>) && TORCH_VERSION_MAJOR >= 2
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -154,24 +145,6 @@ bool may_differ_on_resume(const std::string& key) {
       "train.eval_batches", "train.checkpoint_every", "train.spike_threshold", "train.keep_checkpoints", "train.out_dir"};
   return free.count(key) > 0;
 }
-
-// The gradients' norm and their scaling by a device scalar, one multi-tensor kernel each where
-// LibTorch has them (float32 gradients).
-#if WINNOW_FOREACH_CLIP
-torch::Tensor foreach_norm(const std::vector<torch::Tensor>& grads) {
-  return torch::stack(at::_foreach_norm(grads, 2)).norm();
-}
-void foreach_scale(std::vector<torch::Tensor>& grads, const torch::Tensor& coef) {
-  at::_foreach_mul_(grads, coef);
-}
-#else
-torch::Tensor foreach_norm(const std::vector<torch::Tensor>&) {
-  throw Error(ErrorKind::unsupported, "multi-tensor norm needs LibTorch >= 2.4");
-}
-void foreach_scale(std::vector<torch::Tensor>&, const torch::Tensor&) {
-  throw Error(ErrorKind::unsupported, "multi-tensor scaling needs LibTorch >= 2.4");
-}
-#endif
 
 // c10::Event::synchronize arrived in LibTorch 2.x; before it, poll.
 template <class Event>
@@ -490,7 +463,7 @@ Trainer::PinnedSlot& Trainer::stage_pinned(const tasks::Batch& batch) {
 }
 
 bool device_adamw_available(const torch::Device& device) {
-  return device.is_cuda() && winnow::built_with_cuda();
+  return device.is_cpu() || (device.is_cuda() && winnow::built_with_cuda());
 }
 
 torch::optim::AdamWParamState& ensure_adamw_state(torch::optim::AdamW& optimizer,
@@ -654,40 +627,13 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
     if (!reported.empty()) collective_->sum(reported);
   }
 
-  torch::Tensor norm;
-  if (device_adamw_available(device_)) {
-    // The clip and the update in one call (three kernels), enqueued before the report is read:
-    // a step whose loss or gradient norm is not finite changes nothing, and the error comes
-    // when the report is read.
-    PhaseScope update(profile, "winnow.step.optimizer", device_);
-    norm = device_adamw_step(*optimizer_, device_steps_, lr_tensors_, t.clip, {loss_sum.to(torch::kFloat32)});
-  } else {
-    PhaseScope clip(profile, "winnow.step.clip", device_);
-    std::vector<torch::Tensor> grads;
-    for (auto& p : model_->parameters()) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
-    norm = torch::zeros({}, torch::TensorOptions().device(device_));
-    if (!grads.empty()) {
-      bool foreach = WINNOW_FOREACH_CLIP != 0;
-      for (const auto& g : grads) foreach &= g.scalar_type() == torch::kFloat32;
-      if (foreach) {
-        norm = foreach_norm(grads);
-      } else {
-        std::vector<torch::Tensor> norms;
-        for (const auto& g : grads) norms.push_back(g.to(torch::kFloat32).norm());
-        norm = torch::stack(norms).norm();
-      }
-      if (t.clip > 0) {
-        const torch::Tensor coef = (t.clip / (norm + 1e-6)).clamp_max(1.0);
-        if (foreach) {
-          foreach_scale(grads, coef);
-        } else {
-          for (auto& g : grads) g.mul_(coef.to(g.scalar_type()));
-        }
-      }
-    }
-  }
+  // The clip and the update in one call (three kernels on CUDA), enqueued before the report is
+  // read: a step whose loss or gradient norm is not finite changes nothing, and the error comes
+  // when the report is read.
+  PhaseScope update(profile, "winnow.step.optimizer", device_);
+  const torch::Tensor norm =
+      device_adamw_step(*optimizer_, device_steps_, lr_tensors_, t.clip, {loss_sum.to(torch::kFloat32)});
+  update.close();
   std::vector<torch::Tensor> report = {loss_sum, norm};
   aux_names.clear();
   for (auto& [name, value] : aux_sums) {
@@ -740,9 +686,6 @@ void Trainer::enqueue_step() {
   pending.stats.phase = t.phases.empty() ? "" : t.phases[phase_].name;
   pending.stats.step = step_ + 1;
   torch::Tensor values;
-  // On CUDA the step body ends with the update (device_adamw_step); elsewhere the report is
-  // read first, and the update follows.
-  const bool update_in_body = device_adamw_available(device_);
 #if WINNOW_CUDA_GRAPHS
   const bool graphs = graph_blocker().empty();
   if (graphs && graph_ && graph_->phase != phase_) graph_.reset();  // frozen sets changed
@@ -780,13 +723,13 @@ void Trainer::enqueue_step() {
     // gradient would still move them through the moments and weight decay).
     for (auto& p : model_->parameters()) p.mutable_grad() = torch::Tensor();
     torch::Tensor counted_tensor = torch::full({}, counted, torch::TensorOptions().device(device_));
-    if (update_in_body) set_lr_tensors(lr);
+    set_lr_tensors(lr);
     values = step_body(batch, counted_tensor, pending.aux_names);
-    if (!update_in_body) {
-      PhaseScope optimizer(profile, "winnow.step.optimizer", device_);
+    if (!device_.is_cuda()) {
+      // The report is at hand on the CPU: a diverged step (its update skipped) throws here,
+      // before it counts.
       pending.values = values;
       resolve(pending);
-      optimizer_step();
     }
     ++eager_steps_in_phase_;
 #if WINNOW_CUDA_GRAPHS
@@ -838,8 +781,6 @@ void Trainer::set_lr_tensors(double lr) {
   }
   for (std::size_t g = 0; g < groups.size(); ++g) lr_tensors_[g].fill_(lr * group_multipliers_[g]);
 }
-
-void Trainer::optimizer_step() { optimizer_->step(); }
 
 #if WINNOW_CUDA_GRAPHS
 // Captures this step on a side stream after one more ordinary step there (lazily created

@@ -90,12 +90,13 @@ struct StepProfile {
   void add(const std::string& phase, double s);
 };
 
-// On CUDA the optimizer step is winnow's clipped AdamW (winnow/adamw.h, three kernels) over the
+// The optimizer step is winnow's clipped AdamW (winnow/adamw.h; three kernels on CUDA) over the
 // parameters of `optimizer` that have gradients: torch::optim::AdamW's update after clipping the
 // gradients to max_norm (<= 0: no clip), kept in its state (moments, and step counts through
-// device_steps, so checkpoints read the same). group_lrs: one float32 device scalar per group,
-// read by the kernel (what a CUDA graph replays). A step whose gradient norm or one of the
-// guards (0-dim float32) is not finite changes nothing. Returns the norm before the clip.
+// device_steps, so checkpoints read the same). group_lrs: one float32 scalar per group on the
+// parameters' device, read by the kernel (what a CUDA graph replays). A step whose gradient norm
+// or one of the guards (0-dim float32) is not finite changes nothing. Returns the norm before
+// the clip. device_adamw_available: whether this build has the kernels for `device`.
 bool device_adamw_available(const torch::Device& device);
 torch::Tensor device_adamw_step(torch::optim::AdamW& optimizer, std::map<const void*, torch::Tensor>& device_steps,
                                 const std::vector<torch::Tensor>& group_lrs, double max_norm,
@@ -205,11 +206,9 @@ class Trainer {
   // about 10 ms a step on the H100, more than the step. A buffer is reused only after the
   // step that read it has landed.
   PinnedSlot& stage_pinned(const tasks::Batch& batch);
-  // torch::optim::AdamW's step, where the step body does not end with the update (not CUDA).
-  void optimizer_step();
   void set_lr_tensors(double lr);
-  // Forward and backward over the micro-batches, and the gradient clipping (on CUDA with the
-  // update, device_adamw_step, which reads lr_tensors_: set them first); returns the report
+  // Forward and backward over the micro-batches, the gradient clipping and the update
+  // (device_adamw_step, which reads lr_tensors_: set them first); returns the report
   // (loss, gradient norm, auxiliary losses named in aux_names) as a float64 device vector.
   torch::Tensor step_body(const tasks::Batch& batch, const torch::Tensor& counted,
                           std::vector<std::string>& aux_names);
@@ -240,7 +239,7 @@ class Trainer {
   std::int64_t next_batch_step_ = -1;
   std::array<PinnedSlot, 3> pinned_slots_;
   std::size_t next_pinned_slot_ = 0;
-  // The optimizer's step counts as device tensors, for device_adamw_step (kept equal to
+  // The optimizer's step counts as tensors on the parameters' device, for device_adamw_step (kept equal to
   // the counts in the optimizer's state, which checkpoints hold).
   std::map<const void*, torch::Tensor> device_steps_;
   std::vector<torch::Tensor> lr_tensors_;  // per parameter group, float32 on the device
