@@ -7,12 +7,14 @@
 #include <string>
 
 #include "support/adamw_case.h"
+#include "support/expect_value_error.h"
 #include "winnow/torch/ops.h"
 
 namespace {
 
 using torch::Tensor;
 using winnow::testing::AdamWCase;
+using winnow::testing::expect_value_error;
 using winnow::torch_ops::clipped_adamw_step;
 
 const std::vector<std::vector<std::int64_t>> kShapes = {{64, 48}, {48}, {7, 3, 5}, {0}, {3, 2, 2, 2, 2}, {40000}};
@@ -63,15 +65,6 @@ TEST(ClippedAdamW, NonFiniteNormOrGuardChangesNothing) {
   clipped_adamw_step(c.groups(good), AdamWCase::kBeta1, AdamWCase::kBeta2, AdamWCase::kEps, 1.0);
   c.reference_step(good, 1.0);
   EXPECT_LT(c.worst_parameter_error(), 1e-6);
-}
-
-void expect_value_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning " << fragment;
-  } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
 }
 
 TEST(ClippedAdamW, BadArgumentsRaiseValueErrorsNamingTheArgument) {

@@ -6,11 +6,13 @@
 #include <limits>
 #include <string>
 
+#include "support/expect_value_error.h"
 #include "winnow/torch/ops.h"
 
 namespace {
 
 using torch::Tensor;
+using winnow::testing::expect_value_error;
 using winnow::torch_ops::masked_cross_entropy_sum;
 
 Tensor composed(const Tensor& logits, const Tensor& targets, const Tensor& mask) {
@@ -63,15 +65,6 @@ TEST(MaskedCrossEntropy, MaskedRowsContributeNothingWhateverTheyHold) {
   EXPECT_TRUE(torch::equal(logits.grad()[1], torch::zeros({6})));
   EXPECT_TRUE(torch::equal(logits.grad()[3], torch::zeros({6})));
   EXPECT_TRUE(torch::isfinite(logits.grad()).all().item<bool>());
-}
-
-void expect_value_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning " << fragment;
-  } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
 }
 
 TEST(MaskedCrossEntropy, BadArgumentsRaiseValueErrorsNamingTheArgument) {

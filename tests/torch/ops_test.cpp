@@ -11,6 +11,7 @@
 #include "winnow/gsa.h"
 #include "winnow/torch/bridge.h"
 #include "winnow/torch/ops.h"
+#include "support/expect_value_error.h"
 
 namespace {
 
@@ -568,35 +569,31 @@ TEST(TorchOps, GsaSelectKeysOutputsRequireNoGradient) {
   for (int i = 0; i < 3; ++i) EXPECT_FALSE(sel[i].toTensor().requires_grad()) << "output " << i;
 }
 
-void expect_value_error(const std::function<void()>& fn, const std::string& argument) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error (expected one naming " << argument << ")";
-  } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("argument '" + argument + "'"), std::string::npos) << e.what();
-  }
+// The error names the argument.
+void expect_value_error_naming(const std::function<void()>& fn, const std::string& argument) {
+  winnow::testing::expect_value_error(fn, "argument '" + argument + "'");
 }
 
 TEST(TorchOps, GsaBadArgumentsRaiseValueErrorsNamingTheArgument) {
   torch::manual_seed(16);
   Indexer in = make_indexer(1, 8, 8, torch::kFloat);
-  expect_value_error([&] { select_keys(in, in.bias, 4, "sigmoid", "inverse_variance", c10::IValue(), 4, 5); },
+  expect_value_error_naming([&] { select_keys(in, in.bias, 4, "sigmoid", "inverse_variance", c10::IValue(), 4, 5); },
                      "k_min");
-  expect_value_error([&] { select_keys(in, in.bias, 0, "sigmoid", "fixed"); }, "k_max");
-  expect_value_error([&] { select_keys(in, in.bias, 4, "softmax", "fixed"); }, "form");
-  expect_value_error([&] { select_keys(in, in.bias, 4, "sigmoid", "top-k"); }, "budget");
-  expect_value_error([&] { select_keys(in, in.bias, 4, "sigmoid", "eq8", int64_t{3}, 4); }, "k_fixed");
-  expect_value_error([&] { select_keys(in, in.bias, 4, "relu", "fixed"); }, "bias");
+  expect_value_error_naming([&] { select_keys(in, in.bias, 0, "sigmoid", "fixed"); }, "k_max");
+  expect_value_error_naming([&] { select_keys(in, in.bias, 4, "softmax", "fixed"); }, "form");
+  expect_value_error_naming([&] { select_keys(in, in.bias, 4, "sigmoid", "top-k"); }, "budget");
+  expect_value_error_naming([&] { select_keys(in, in.bias, 4, "sigmoid", "eq8", int64_t{3}, 4); }, "k_fixed");
+  expect_value_error_naming([&] { select_keys(in, in.bias, 4, "relu", "fixed"); }, "bias");
 
   Tensor q = torch::randn({1, 8, 2, 16}), k = torch::randn({1, 8, 1, 16}), v = torch::randn({1, 8, 1, 16});
   auto sel = select_keys(in, in.bias, 4, "sigmoid", "fixed");
   Tensor indices = sel[0].toTensor(), counts = sel[1].toTensor();
   Tensor future = indices.clone();
   future[0][2][2] = 3;  // query 2 cannot see key 3
-  expect_value_error([&] { call("winnow::gsa_sparse_attention", {q, k, v, future, counts}); }, "indices");
-  expect_value_error([&] { call("winnow::gsa_sparse_attention", {q, k, v, indices.to(torch::kLong), counts}); },
+  expect_value_error_naming([&] { call("winnow::gsa_sparse_attention", {q, k, v, future, counts}); }, "indices");
+  expect_value_error_naming([&] { call("winnow::gsa_sparse_attention", {q, k, v, indices.to(torch::kLong), counts}); },
                      "indices");
-  expect_value_error([&] { call("winnow::gsa_sparse_attention", {q, k, v, indices, counts + 5}); }, "counts");
+  expect_value_error_naming([&] { call("winnow::gsa_sparse_attention", {q, k, v, indices, counts + 5}); }, "counts");
 }
 
 }  // namespace
