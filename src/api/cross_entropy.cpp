@@ -1,6 +1,7 @@
 #include "winnow/cross_entropy.h"
 
 #include <string>
+#include <vector>
 
 #include "api/view_checks.h"
 #include "core/layer_params.h"
@@ -52,7 +53,8 @@ void check_targets(const char* op, const TensorView& targets, const TensorView& 
 }
 
 detail::CrossEntropyParams params_of(const TensorView& logits, const TensorView& targets, const TensorView& mask,
-                                     const TensorView& lse, const ExecContext& ctx) {
+                                     const TensorView& lse, const std::optional<TensorView>& divisor,
+                                     const ExecContext& ctx) {
   detail::CrossEntropyParams p;
   p.logits = logits.data;
   p.logits_dtype = logits.dtype;
@@ -65,6 +67,7 @@ detail::CrossEntropyParams params_of(const TensorView& logits, const TensorView&
   p.mask = mask.data;
   p.mask_stride = mask.stride[0];
   p.lse = lse.data;
+  p.divisor = divisor ? divisor->data : nullptr;
   p.num_threads = ctx.num_threads;
   p.cuda_stream = ctx.cuda_stream;
   p.allocator = ctx.allocator;
@@ -74,7 +77,8 @@ detail::CrossEntropyParams params_of(const TensorView& logits, const TensorView&
 }  // namespace
 
 void masked_sum_forward(const TensorView& logits, const TensorView& targets, const TensorView& mask,
-                        const TensorView& loss, const TensorView& lse, const ExecContext& ctx) {
+                        const TensorView& loss, const TensorView& lse, const std::optional<TensorView>& divisor,
+                        const ExecContext& ctx) {
   constexpr const char* op = "winnow::cross_entropy::masked_sum_forward";
   check_logits(op, "logits", logits);
   const DType stats = stat_dtype(logits);
@@ -82,13 +86,16 @@ void masked_sum_forward(const TensorView& logits, const TensorView& targets, con
   check_vector(op, "mask", mask, stats, logits, false);
   check_vector(op, "loss", loss, stats, logits, true);
   check_vector(op, "lse", lse, stats, logits, false, true);
-  for (const TensorView* in : {&logits, &targets, &mask}) {
+  if (divisor) check_vector(op, "divisor", *divisor, stats, logits, true);
+  std::vector<const TensorView*> inputs = {&logits, &targets, &mask};
+  if (divisor) inputs.push_back(&*divisor);
+  for (const TensorView* in : inputs) {
     if (api::overlaps(loss, *in) || api::overlaps(loss, lse)) fail(op, "loss", "memory apart from the inputs and lse", "an overlapping view");
     if (api::overlaps(lse, *in)) fail(op, "lse", "memory apart from the inputs", "an overlapping view");
   }
   if (logits.shape[1] == 0 && logits.shape[0] > 0) fail(op, "logits", "at least one column", describe(logits));
   check_targets(op, targets, mask, logits.shape[1]);
-  detail::CrossEntropyParams p = params_of(logits, targets, mask, lse, ctx);
+  detail::CrossEntropyParams p = params_of(logits, targets, mask, lse, divisor, ctx);
   p.loss = loss.data;
   if (logits.device.kind == DeviceKind::cuda) {
     cuda::cross_entropy_forward(p);
@@ -99,7 +106,7 @@ void masked_sum_forward(const TensorView& logits, const TensorView& targets, con
 
 void masked_sum_backward(const TensorView& dloss, const TensorView& logits, const TensorView& targets,
                          const TensorView& mask, const TensorView& lse, const TensorView& dlogits,
-                         const ExecContext& ctx) {
+                         const std::optional<TensorView>& divisor, const ExecContext& ctx) {
   constexpr const char* op = "winnow::cross_entropy::masked_sum_backward";
   check_logits(op, "logits", logits);
   const DType stats = stat_dtype(logits);
@@ -107,6 +114,7 @@ void masked_sum_backward(const TensorView& dloss, const TensorView& logits, cons
   check_vector(op, "targets", targets, DType::int64, logits, false);
   check_vector(op, "mask", mask, stats, logits, false);
   check_vector(op, "lse", lse, stats, logits, false, true);
+  if (divisor) check_vector(op, "divisor", *divisor, stats, logits, true);
   if (dlogits.ndim != 2 || dlogits.shape[0] != logits.shape[0] || dlogits.shape[1] != logits.shape[1] ||
       dlogits.dtype != logits.dtype || dlogits.device != logits.device) {
     fail(op, "dlogits", describe(logits.dtype, logits.shape_string(), logits.device), describe(dlogits));
@@ -115,11 +123,13 @@ void masked_sum_backward(const TensorView& dloss, const TensorView& logits, cons
     fail(op, "dlogits", "unit stride along V", "stride " + std::to_string(dlogits.stride[1]));
   }
   api::check_data(op, "dlogits", dlogits);
-  for (const TensorView* in : {&dloss, &logits, &targets, &mask, &lse}) {
+  std::vector<const TensorView*> inputs = {&dloss, &logits, &targets, &mask, &lse};
+  if (divisor) inputs.push_back(&*divisor);
+  for (const TensorView* in : inputs) {
     if (api::overlaps(dlogits, *in)) fail(op, "dlogits", "memory apart from the inputs", "an overlapping view");
   }
   check_targets(op, targets, mask, logits.shape[1]);
-  detail::CrossEntropyParams p = params_of(logits, targets, mask, lse, ctx);
+  detail::CrossEntropyParams p = params_of(logits, targets, mask, lse, divisor, ctx);
   p.dloss = dloss.data;
   p.dlogits = dlogits.data;
   p.dlogits_row_stride = dlogits.stride[0];

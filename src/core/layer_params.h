@@ -73,6 +73,7 @@ struct CrossEntropyParams {
   std::int64_t mask_stride = 1;
   void* loss = nullptr;  // forward
   void* lse = nullptr;   // (rows), contiguous
+  const void* divisor = nullptr;  // one value in the statistics dtype, or none: loss = sum / divisor
   const void* dloss = nullptr;  // backward
   void* dlogits = nullptr;
   int num_threads = 0;

@@ -32,7 +32,7 @@ void forward_rows(const detail::CrossEntropyParams& p) {
   }
   double total = 0;
   for (double t : terms) total += t;
-  *static_cast<T*>(p.loss) = static_cast<T>(total);
+  *static_cast<T*>(p.loss) = math::cross_entropy::divided(static_cast<T>(total), static_cast<const T*>(p.divisor));
 }
 
 template <class T>
@@ -41,7 +41,7 @@ void backward_rows(const detail::CrossEntropyParams& p) {
   const T* mask = static_cast<const T*>(p.mask);
   const T* lse = static_cast<const T*>(p.lse);
   T* dlogits = static_cast<T*>(p.dlogits);
-  const T dloss = *static_cast<const T*>(p.dloss);
+  const T dloss = math::cross_entropy::divided(*static_cast<const T*>(p.dloss), static_cast<const T*>(p.divisor));
   const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (std::int64_t n = 0; n < p.rows; ++n) {

@@ -1,6 +1,7 @@
 // The masked cross-entropy on CUDA: a warp per row (two passes over the row's logits, the second
 // from cache), eight rows a block. The forward's block sums are added by one block in a fixed
-// order; the backward writes each row's gradient in the logits' dtype.
+// order (then divided by the divisor, if any); the backward writes each row's gradient in the
+// logits' dtype.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -68,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(detail::CrossEntropyP
 
 // One block: the blocks' sums in a fixed order (threads stride over them, then a fixed tree).
 template <class C>
-__global__ void __launch_bounds__(kSumThreads) total_kernel(const C* sums, int count, C* loss) {
+__global__ void __launch_bounds__(kSumThreads) total_kernel(const C* sums, int count, const C* divisor, C* loss) {
   __shared__ double partial[kSumThreads];
   double s = 0;
   for (int i = static_cast<int>(threadIdx.x); i < count; i += kSumThreads) s += sums[i];
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(kSumThreads) total_kernel(const C* sums, int c
     if (static_cast<int>(threadIdx.x) < half) partial[threadIdx.x] += partial[threadIdx.x + half];
     __syncthreads();
   }
-  if (threadIdx.x == 0) *loss = static_cast<C>(partial[0]);
+  if (threadIdx.x == 0) *loss = math::cross_entropy::divided(static_cast<C>(partial[0]), divisor);
 }
 
 template <class T>
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(detail::CrossEntropy
     for (std::int64_t v = lane; v < p.cols; v += 32) dx[v] = narrow_to<T>(C(0));
     return;
   }
-  const C scale = *static_cast<const C*>(p.dloss) * w;
+  const C scale = math::cross_entropy::divided(*static_cast<const C*>(p.dloss), static_cast<const C*>(p.divisor)) * w;
   const C lse = static_cast<const C*>(p.lse)[n];
   const std::int64_t t = p.targets[n * p.targets_stride];
   for (std::int64_t v = lane; v < p.cols; v += 32) {
@@ -116,7 +117,8 @@ void forward(const detail::CrossEntropyParams& p) {
     forward_kernel<T><<<blocks, kThreads, 0, stream>>>(p, sums.as<C>());
     check_launch("cross_entropy forward_kernel");
   }
-  total_kernel<C><<<1, kSumThreads, 0, stream>>>(sums.as<C>(), static_cast<int>(blocks), static_cast<C*>(p.loss));
+  total_kernel<C><<<1, kSumThreads, 0, stream>>>(sums.as<C>(), static_cast<int>(blocks),
+                                                  static_cast<const C*>(p.divisor), static_cast<C*>(p.loss));
   check_launch("cross_entropy total_kernel");
 }
 

@@ -21,6 +21,14 @@ WINNOW_HD T row_loss(T lse, T target_logit, T mask) {
   return mask * (lse - target_logit);
 }
 
+// The loss divided by the caller's divisor (a mean over positions counted elsewhere, such as the
+// whole batch of every rank), and the gradient arriving at the sum: the same two roundings as
+// dividing the sum afterwards, in the kernels instead of two launches of their own.
+template <class T>
+WINNOW_HD T divided(T value, const T* divisor) {
+  return divisor != nullptr ? value / *divisor : value;
+}
+
 // d loss / d x_v = dloss mask (softmax_v - [v is the target]), with scale = dloss * mask.
 template <class T>
 WINNOW_HD T logit_grad(T x, T lse, bool is_target, T scale) {

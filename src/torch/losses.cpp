@@ -16,18 +16,24 @@ at::ScalarType stats_of(const at::Tensor& logits) {
 }
 
 struct MaskedCrossEntropyFunction : public torch::autograd::Function<MaskedCrossEntropyFunction> {
+  // An optional, not an undefined tensor: LibTorch 2's Function::apply rejects undefined inputs.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
-                               const at::Tensor& mask) {
+                               const at::Tensor& mask, const c10::optional<at::Tensor>& divisor_arg) {
+    const at::Tensor divisor = divisor_arg.has_value() ? *divisor_arg : at::Tensor();
     constexpr const char* op = "winnow::masked_cross_entropy_sum";
     return translate_errors([&]() -> variable_list {
       const auto stats = logits.options().dtype(stats_of(logits));
       at::Tensor loss = at::empty({}, stats);
       at::Tensor lse = at::empty({logits.size(0)}, stats);
+      std::optional<TensorView> divided;
+      if (divisor.defined()) divided = view_of(divisor, op, "divisor");
       DeviceScope scope(logits);
       cross_entropy::masked_sum_forward(view_of(logits, op, "logits"), view_of(targets, op, "targets"),
                                         view_of(mask, op, "mask"), view_of(loss, op, "loss"),
-                                        view_of(lse, op, "lse"), scope.context(false, false));
-      ctx->save_for_backward({logits, targets, mask, lse});
+                                        view_of(lse, op, "lse"), divided, scope.context(false, false));
+      // The loss itself only for the divisor's gradient: callers may then change it in place.
+      const bool divisor_grad = divisor.defined() && divisor.requires_grad();
+      ctx->save_for_backward({logits, targets, mask, lse, divisor, divisor_grad ? loss : at::Tensor()});
       return {loss};
     });
   }
@@ -35,23 +41,33 @@ struct MaskedCrossEntropyFunction : public torch::autograd::Function<MaskedCross
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     constexpr const char* op = "winnow::masked_cross_entropy_sum_backward";
     const auto saved = ctx->get_saved_variables();
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor& divisor = saved[4];
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     return translate_errors([&]() -> variable_list {
       const at::Tensor dloss = grads[0].to(stats_of(saved[0])).contiguous();
-      at::Tensor dlogits = at::empty_like(saved[0], at::MemoryFormat::Contiguous);
-      DeviceScope scope(saved[0]);
-      cross_entropy::masked_sum_backward(view_of(dloss, op, "dloss"), view_of(saved[0], op, "logits"),
-                                         view_of(saved[1], op, "targets"), view_of(saved[2], op, "mask"),
-                                         view_of(saved[3], op, "lse"), view_of(dlogits, op, "dlogits"),
-                                         scope.context(false, false));
-      return {dlogits, at::Tensor(), at::Tensor()};
+      at::Tensor dlogits;
+      if (ctx->needs_input_grad(0)) {
+        dlogits = at::empty_like(saved[0], at::MemoryFormat::Contiguous);
+        std::optional<TensorView> divided;
+        if (divisor.defined()) divided = view_of(divisor, op, "divisor");
+        DeviceScope scope(saved[0]);
+        cross_entropy::masked_sum_backward(view_of(dloss, op, "dloss"), view_of(saved[0], op, "logits"),
+                                           view_of(saved[1], op, "targets"), view_of(saved[2], op, "mask"),
+                                           view_of(saved[3], op, "lse"), view_of(dlogits, op, "dlogits"), divided,
+                                           scope.context(false, false));
+      }
+      // loss = sum / divisor: d loss / d divisor = -loss / divisor (edge 3 exists only with a divisor).
+      at::Tensor ddivisor;
+      if (divisor.defined() && ctx->needs_input_grad(3)) ddivisor = (-dloss * saved[5] / divisor).reshape(divisor.sizes());
+      return {dlogits, at::Tensor(), at::Tensor(), ddivisor};
     });
   }
 };
 
 }  // namespace
 
-at::Tensor masked_cross_entropy_sum(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask) {
+at::Tensor masked_cross_entropy_sum(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask,
+                                    const at::Tensor& divisor) {
   TORCH_CHECK_VALUE(logits.defined() && logits.dim() >= 1,
                     "winnow::masked_cross_entropy_sum: argument 'logits': expected a tensor of at least 1 dimension");
   TORCH_CHECK_VALUE(targets.defined() && mask.defined() && targets.numel() * logits.size(-1) == logits.numel() &&
@@ -59,8 +75,12 @@ at::Tensor masked_cross_entropy_sum(const at::Tensor& logits, const at::Tensor& 
                     "winnow::masked_cross_entropy_sum: arguments 'targets' and 'mask': expected one value per row "
                     "of logits (", logits.numel() / std::max<int64_t>(logits.size(-1), 1), "), got ",
                     targets.defined() ? targets.numel() : 0, " and ", mask.defined() ? mask.numel() : 0);
+  TORCH_CHECK_VALUE(!divisor.defined() || divisor.numel() == 1,
+                    "winnow::masked_cross_entropy_sum: argument 'divisor': expected one value, got ",
+                    divisor.numel(), " values of shape ", divisor.sizes());
   const int64_t v = logits.size(-1);
-  return MaskedCrossEntropyFunction::apply(logits.reshape({-1, v}), targets.reshape({-1}), mask.reshape({-1}))[0];
+  return MaskedCrossEntropyFunction::apply(logits.reshape({-1, v}), targets.reshape({-1}), mask.reshape({-1}),
+                                           divisor.defined() ? c10::optional<at::Tensor>(divisor) : c10::nullopt)[0];
 }
 
 }  // namespace winnow::torch_ops

@@ -1,5 +1,6 @@
 // The masked cross-entropy (winnow/cross_entropy.h) through its LibTorch entry point on the CPU,
-// against log_softmax, gather and sum in float64 with autograd; errors naming the argument.
+// against log_softmax, gather and sum in float64 with autograd, with and without a divisor;
+// errors naming the argument.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -50,6 +51,33 @@ TEST(MaskedCrossEntropy, MatchesLogSoftmaxGatherAndSum) {
   }
 }
 
+// The divisor divides inside the kernels: the same bits as dividing the sum afterwards, forward
+// and backward, and the divisor's own gradient -loss / divisor against autograd on the division.
+TEST(MaskedCrossEntropy, DivisorEqualsDividingTheSumAfterwards) {
+  torch::manual_seed(11);
+  for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    const Tensor logits = (torch::randn({41, 13}, torch::TensorOptions().dtype(dtype)) * 3).requires_grad_(true);
+    const Tensor targets = torch::randint(0, 13, {41}, torch::kInt64);
+    const Tensor mask = (torch::rand({41}) > 0.2).to(dtype);
+    const Tensor divisor = torch::full({}, 29.0, torch::TensorOptions().dtype(dtype)).requires_grad_(true);
+    const Tensor inside = masked_cross_entropy_sum(logits, targets, mask, divisor);
+    const auto [dlogits, ddivisor] = [&] {
+      const auto g = torch::autograd::grad({inside * 1.3}, {logits, divisor});
+      return std::make_pair(g[0], g[1]);
+    }();
+    const Tensor divisor2 = divisor.detach().clone().requires_grad_(true);
+    const Tensor after = masked_cross_entropy_sum(logits, targets, mask) / divisor2;
+    const auto g = torch::autograd::grad({after * 1.3}, {logits, divisor2});
+    EXPECT_TRUE(torch::equal(inside, after)) << dtype;
+    EXPECT_TRUE(torch::equal(dlogits, g[0])) << dtype;
+    EXPECT_EQ(ddivisor.sizes(), divisor.sizes());
+    EXPECT_NEAR(ddivisor.item<double>(), g[1].item<double>(), 1e-6 * std::abs(g[1].item<double>())) << dtype;
+    const Tensor reference = composed(logits.detach(), targets, mask) / 29.0;
+    EXPECT_NEAR(inside.item<double>(), reference.item<double>(), (dtype == torch::kFloat32 ? 2e-6 : 1e-12) *
+                                                                     std::abs(reference.item<double>()));
+  }
+}
+
 TEST(MaskedCrossEntropy, MaskedRowsContributeNothingWhateverTheyHold) {
   Tensor logits = torch::randn({4, 6}).requires_grad_(false);
   logits[1][2] = std::numeric_limits<float>::quiet_NaN();
@@ -81,6 +109,10 @@ TEST(MaskedCrossEntropy, BadArgumentsRaiseValueErrorsNamingTheArgument) {
                      "arguments 'targets' and 'mask': expected one value per row of logits (5), got 4 and 5");
   expect_value_error([&] { masked_cross_entropy_sum(logits.t(), targets.narrow(0, 0, 4), mask.narrow(0, 0, 4)); },
                      "argument 'logits': expected unit stride along V");
+  expect_value_error([&] { masked_cross_entropy_sum(logits, targets, mask, torch::ones({2})); },
+                     "argument 'divisor': expected one value, got 2 values of shape [2]");
+  expect_value_error([&] { masked_cross_entropy_sum(logits, targets, mask, torch::ones({}, torch::kFloat64)); },
+                     "argument 'divisor': expected float32 one element on cpu, got float64");
 }
 
 }  // namespace

@@ -138,9 +138,12 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 // The masked sum of token cross-entropies, sum_n mask_n (logsumexp(logits_n) - logits_n[targets_n])
 // (winnow/cross_entropy.h), with autograd (gradients reach logits only): logits (..., V) in any
 // float dtype, targets (...) int64, mask (...) float32 (float64 for float64 logits); returns a
-// 0-dim float32 (float64). Two kernels forward, one backward. A C++ helper for training loops
-// (winnow's trainer), not a registered operator.
-at::Tensor masked_cross_entropy_sum(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask);
+// 0-dim float32 (float64). Two kernels forward, one backward. divisor (one value in the mask's
+// dtype, on the logits' device) divides the result inside the kernels: a mean over positions
+// counted elsewhere without two more launches; it gets a gradient too when it needs one. A C++
+// helper for training loops (winnow's trainer), not a registered operator.
+at::Tensor masked_cross_entropy_sum(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask,
+                                    const at::Tensor& divisor = {});
 
 // AdamW with the gradients clipped by their global norm (winnow/adamw.h) over float32 tensors:
 // three kernels on CUDA for any number of groups and parameters. Parameters, moments and step
