@@ -60,12 +60,14 @@ bool contains(const std::string& name, const std::vector<std::string>& patterns)
   return false;
 }
 
-// Sum of the cross entropy over the positions the mask keeps (divided by the caller).
-// One kernel each way on the logits as the model returns them (bf16 under autocast): no float32
-// copy, log_softmax, gather and sum, nor their backward kernels.
-torch::Tensor masked_cross_entropy_sum(const torch::Tensor& logits, const tasks::Batch& batch) {
+// Sum of the cross entropy over the positions the mask keeps, divided by `divisor` when given
+// (inside the kernels). One kernel each way on the logits as the model returns them (bf16 under
+// autocast): no float32 copy, log_softmax, gather, sum and division, nor their backward kernels.
+torch::Tensor masked_cross_entropy_sum(const torch::Tensor& logits, const tasks::Batch& batch,
+                                       const torch::Tensor& divisor = {}) {
   const auto stats = logits.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-  return torch_ops::masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask.to(stats));
+  return torch_ops::masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask.to(stats),
+                                             divisor.defined() ? divisor.to(stats) : divisor);
 }
 
 // Asynchronous from pinned memory (training batches on CUDA).
@@ -581,7 +583,7 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
       PhaseScope forward(profile, "winnow.step.forward", device_);
       Autocast autocast(autocast_);
       const torch::Tensor logits = model_->forward(mb.inputs);
-      const torch::Tensor loss = masked_cross_entropy_sum(logits, mb) / counted;
+      const torch::Tensor loss = masked_cross_entropy_sum(logits, mb, counted);
       std::map<std::string, torch::Tensor> aux = model_->aux_losses();
       for (auto& [name, fn] : aux_loss_fns) {
         torch::Tensor value = fn(*this, mb, logits);
@@ -607,7 +609,7 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
         }
       }
       // The data-parallel report sums it over the ranks in place after the backward: safe, since
-      // the division's backward keeps counted, not the quotient.
+      // the loss's backward keeps counted, not the quotient (counted needs no gradient).
       loss_sum = m == 0 ? loss.detach() : loss_sum + loss.detach();
     }
     PhaseScope backward(profile, "winnow.step.backward", device_);
@@ -634,13 +636,16 @@ torch::Tensor Trainer::step_body(const tasks::Batch& batch, const torch::Tensor&
   const torch::Tensor norm =
       device_adamw_step(*optimizer_, device_steps_, lr_tensors_, t.clip, {loss_sum.to(torch::kFloat32)});
   update.close();
-  std::vector<torch::Tensor> report = {loss_sum, norm};
+  // On CUDA in the loss's dtype (float32 but for float64 models), widened on the host when read:
+  // one launch fewer a step than a float64 copy on the device.
+  const auto dtype = device_.is_cuda() ? loss_sum.scalar_type() : torch::kFloat64;
+  std::vector<torch::Tensor> report = {loss_sum.to(dtype), norm.to(dtype)};
   aux_names.clear();
   for (auto& [name, value] : aux_sums) {
-    report.push_back(value.to(torch::kFloat32));
+    report.push_back(value.to(dtype));
     aux_names.push_back(name);
   }
-  return torch::stack(report).to(torch::kFloat64);
+  return torch::stack(report);
 }
 
 void Trainer::enqueue_step() {
@@ -743,7 +748,7 @@ void Trainer::enqueue_step() {
   PhaseScope report_phase(profile, "winnow.step.report", device_);
   if (device_.is_cuda()) {
     // One device-to-host transfer per step for everything the step reports, read later.
-    pending.values = torch::empty(values.sizes(), torch::TensorOptions().dtype(torch::kFloat64).pinned_memory(true));
+    pending.values = torch::empty(values.sizes(), torch::TensorOptions().dtype(values.scalar_type()).pinned_memory(true));
     pending.values.copy_(values, /*non_blocking=*/true);
     auto event = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
     event->record(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device_));
@@ -909,7 +914,8 @@ std::vector<double> Trainer::measure_activations() {
 StepStats Trainer::resolve(PendingReport& report) {
   if (report.landed) wait_for(*report.landed, 0);
   StepStats s = report.stats;
-  const double* v = report.values.data_ptr<double>();
+  const torch::Tensor values = report.values.to(torch::kFloat64);
+  const double* v = values.data_ptr<double>();
   s.loss = v[0];
   s.grad_norm = v[1];
   for (std::size_t i = 0; i < report.aux_names.size(); ++i) s.aux[report.aux_names[i]] = v[2 + i];

@@ -189,7 +189,8 @@ class Trainer {
   struct PendingReport {
     StepStats stats;  // all but the numbers the device reports
     std::vector<std::string> aux_names;
-    torch::Tensor values;  // float64 on the host (pinned on CUDA), filled when `landed` is
+    // On the host, filled when `landed` is; on CUDA pinned, and float32 but for float64 models.
+    torch::Tensor values;
     std::shared_ptr<c10::Event> landed;  // recorded after the copy; null on the CPU
   };
   StepStats resolve(PendingReport& report);
