@@ -69,6 +69,7 @@ void swiglu_backward(const detail::SwiGLUParams&) { no_cuda(); }
 void adamw_clipped_step(const detail::AdamWParams&) { no_cuda(); }
 void cross_entropy_forward(const detail::CrossEntropyParams&) { no_cuda(); }
 void cross_entropy_backward(const detail::CrossEntropyParams&) { no_cuda(); }
+void cast_concatenate(const detail::CastParams&) { no_cuda(); }
 void sieve_forward(const detail::AttentionParams&, const detail::SieveConfig&) { no_cuda(); }
 void sieve_backward(const detail::AttentionParams&, const detail::GradientParams&,
                     const detail::SieveConfig&) {

@@ -5,6 +5,7 @@
 
 #include "core/decode_params.h"
 #include "core/params.h"
+#include "core/cast_params.h"
 #include "core/layer_params.h"
 #include "core/optimizer_params.h"
 #include "core/rotary_params.h"
@@ -94,5 +95,8 @@ void adamw_clipped_step(const detail::AdamWParams& p);
 // The masked cross-entropy of logits (winnow/cross_entropy.h).
 void cross_entropy_forward(const detail::CrossEntropyParams& p);
 void cross_entropy_backward(const detail::CrossEntropyParams& p);
+
+// Sources converted into one buffer side by side (winnow/cast.h).
+void cast_concatenate(const detail::CastParams& p);
 
 }  // namespace winnow::cuda

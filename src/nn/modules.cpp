@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
+#include <string>
 
 #include "winnow/torch/ops.h"
 
@@ -44,11 +46,15 @@ std::optional<torch::ScalarType> autocast_dtype(const torch::Tensor& x) {
 }
 
 struct Projections : public torch::autograd::Function<Projections> {
+  // cast: the weights in `compute`, concatenated, when a WeightCastPlan made them (an optional:
+  // LibTorch 2's Function::apply rejects undefined inputs).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                                                at::TensorList weights, torch::ScalarType compute) {
+                                                at::TensorList weights, torch::ScalarType compute,
+                                                const c10::optional<torch::Tensor>& cast) {
     std::vector<std::int64_t> rows;
     for (const torch::Tensor& w : weights) rows.push_back(w.size(0));
-    const torch::Tensor w = (weights.size() == 1 ? weights[0] : torch::cat(weights, 0)).to(compute);
+    const torch::Tensor w =
+        cast.has_value() ? *cast : (weights.size() == 1 ? weights[0] : torch::cat(weights, 0)).to(compute);
     const torch::Tensor xc = x.to(compute);
     const torch::Tensor y = torch::matmul(xc, w.t());
     ctx->save_for_backward({xc, w});
@@ -79,7 +85,7 @@ struct Projections : public torch::autograd::Function<Projections> {
       }
       dy = parts.size() == 1 ? parts[0] : torch::cat(parts, -1);
     }
-    torch::autograd::variable_list out(1 + rows.size() + 1);
+    torch::autograd::variable_list out(1 + rows.size() + 2);  // x, the weights, compute, cast
     if (ctx->needs_input_grad(0)) out[0] = torch::matmul(dy, w);
     const std::int64_t n = dy.size(-1), k = xc.size(-1);
     const torch::Tensor dy2 = dy.reshape({-1, n}).t(), x2 = xc.reshape({-1, k});
@@ -144,13 +150,106 @@ std::vector<torch::Tensor> project(const torch::Tensor& x, const std::vector<tor
     floating &= w.scalar_type() == torch::kFloat32;
   }
   if (!weights.empty() && ((autocast && floating) || (weights.size() > 1 && same_dtype))) {
+    const torch::ScalarType compute = autocast && floating ? *autocast : x.scalar_type();
+    c10::optional<torch::Tensor> cast;
+    if (WeightCastPlan::Scope* scope = WeightCastPlan::Scope::active();
+        scope != nullptr && (weights.size() > 1 || weights[0].scalar_type() != compute)) {
+      if (torch::Tensor copy = scope->lookup(weights, compute); copy.defined()) cast = copy;
+    }
     // As a TensorList: a std::vector would not count as variables (autograd would not see the
     // weights as inputs).
-    return Projections::apply(x, at::TensorList(weights), autocast && floating ? *autocast : x.scalar_type());
+    return Projections::apply(x, at::TensorList(weights), compute, cast);
   }
   std::vector<torch::Tensor> out;
   for (const torch::Tensor& w : weights) out.push_back(torch::nn::functional::linear(x, w));
   return out;
+}
+
+// ------------------------------------------------------------------ weight casts
+
+namespace {
+
+thread_local WeightCastPlan::Scope* active_weight_casts = nullptr;
+
+bool separate_weight_casts() {
+  static const bool separate = [] {
+    const char* v = std::getenv("WINNOW_SEPARATE_WEIGHT_CASTS");
+    return v != nullptr && *v != '\0' && std::string(v) != "0";
+  }();
+  return separate;
+}
+
+bool same_weights(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].unsafeGetTensorImpl() != b[i].unsafeGetTensorImpl()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+WeightCastPlan::Scope::Scope(WeightCastPlan& plan) : plan_(plan), previous_(active_weight_casts) {
+  active_weight_casts = this;
+  copies_.resize(plan_.groups_.size());
+  if (plan_.groups_.empty() || separate_weight_casts()) return;
+  // One launch per (weights' dtype and device, copies' dtype): each group's weights side by side,
+  // for the groups whose weights are still 2-D, contiguous and of one width, dtype and device.
+  struct Launch {
+    torch::ScalarType from, to;
+    torch::Device device;
+    std::vector<torch::Tensor> sources;
+    std::vector<std::size_t> groups;
+  };
+  std::vector<Launch> launches;
+  for (std::size_t g = 0; g < plan_.groups_.size(); ++g) {
+    const Group& group = plan_.groups_[g];
+    const torch::Tensor& head = group.weights.front();
+    bool ok = head.defined();
+    for (const torch::Tensor& w : group.weights) {
+      ok = ok && w.defined() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == head.scalar_type() &&
+           w.device() == head.device() && w.size(1) == head.size(1);
+    }
+    if (!ok) continue;
+    auto it = std::find_if(launches.begin(), launches.end(), [&](const Launch& l) {
+      return l.from == head.scalar_type() && l.to == group.dtype && l.device == head.device();
+    });
+    if (it == launches.end()) it = launches.insert(launches.end(), Launch{head.scalar_type(), group.dtype, head.device(), {}, {}});
+    it->sources.insert(it->sources.end(), group.weights.begin(), group.weights.end());
+    it->groups.push_back(g);
+  }
+  torch::NoGradGuard no_grad;
+  for (const Launch& l : launches) {
+    const torch::Tensor arena = torch_ops::cast_concatenate(l.sources, l.to);
+    std::int64_t at = 0;
+    for (std::size_t g : l.groups) {
+      const std::vector<torch::Tensor>& weights = plan_.groups_[g].weights;
+      std::int64_t rows = 0;
+      for (const torch::Tensor& w : weights) rows += w.size(0);
+      const std::int64_t width = weights.front().size(1);
+      copies_[g] = arena.narrow(0, at, rows * width).view({rows, width});
+      at += rows * width;
+    }
+  }
+}
+
+WeightCastPlan::Scope::~Scope() {
+  active_weight_casts = previous_;
+  // A pass that asked for a group the plan did not cast: the next casts exactly this pass's groups.
+  if (missed_) plan_.groups_ = std::move(seen_);
+}
+
+WeightCastPlan::Scope* WeightCastPlan::Scope::active() { return active_weight_casts; }
+
+torch::Tensor WeightCastPlan::Scope::lookup(const std::vector<torch::Tensor>& weights, torch::ScalarType dtype) {
+  if (separate_weight_casts()) return {};
+  const auto same = [&](const Group& g) { return g.dtype == dtype && same_weights(g.weights, weights); };
+  if (std::none_of(seen_.begin(), seen_.end(), same)) seen_.push_back({weights, dtype});
+  for (std::size_t g = 0; g < plan_.groups_.size(); ++g) {
+    if (same(plan_.groups_[g]) && copies_[g].defined()) return copies_[g];
+  }
+  missed_ = true;
+  return {};
 }
 
 // ------------------------------------------------------------------ norms

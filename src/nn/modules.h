@@ -34,6 +34,47 @@ torch::nn::Linear make_linear(torch::nn::Module& owner, const std::string& name,
 // N_i) tensor. Elsewhere, and for a single weight outside autocast, linear() per weight.
 std::vector<torch::Tensor> project(const torch::Tensor& x, const std::vector<torch::Tensor>& weights);
 
+// The converted (and, for grouped weights, concatenated) weights a model's forward pass projects
+// with, made in one launch at its start (torch_ops::cast_concatenate, each group's weights side
+// by side so their concatenation is a view) instead of a cast and a concatenation per product:
+// MQRAR's model spent 13 launches a step on them. The plan learns its groups from the passes
+// it sees (the first casts as before) and casts at every pass, so the copies always reflect the
+// weights as they are when the pass starts. WINNOW_SEPARATE_WEIGHT_CASTS=1 turns it off.
+class WeightCastPlan {
+  struct Group {
+    std::vector<torch::Tensor> weights;
+    torch::ScalarType dtype;
+  };
+
+ public:
+  // While alive (on this thread), project() takes its weights' copies from here, and tells the
+  // plan which groups it cast itself.
+  class Scope {
+   public:
+    explicit Scope(WeightCastPlan& plan);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    // weights in `dtype`, concatenated along dim 0, when this pass cast them; undefined otherwise
+    // (and the group is noted for the next pass).
+    torch::Tensor lookup(const std::vector<torch::Tensor>& weights, torch::ScalarType dtype);
+    static Scope* active();
+
+   private:
+    WeightCastPlan& plan_;
+    Scope* previous_;
+    std::vector<torch::Tensor> copies_;  // per plan group; undefined where not cast this pass
+    std::vector<Group> seen_;            // the groups this pass asked for, in order
+    bool missed_ = false;
+  };
+
+  // The groups the next pass casts.
+  std::size_t size() const { return groups_.size(); }
+
+ private:
+  std::vector<Group> groups_;
+};
+
 // weight[tokens]: embedding(), with a backward that sums the gradient's rows per token as one
 // matrix product, one_hot(tokens)^T dy (in the autocast dtype under CUDA autocast, the weight's
 // otherwise, with a float32 result), instead of LibTorch's sort of the token ids, whose eight

@@ -48,6 +48,7 @@ torch::Tensor TransformerLMImpl::run(const torch::Tensor& tokens, KVCache* cache
                     std::to_string(blocks_.size()) + " layers, got " +
                     std::to_string(cache->layers.size()));
   }
+  WeightCastPlan::Scope weight_casts(weight_casts_);
   // Each residual add happens inside the norm after it (RMSNormImpl::add_forward).
   torch::Tensor x = embed(embedding_->weight, tokens), pending;
   for (std::size_t i = 0; i < blocks_.size(); ++i) {

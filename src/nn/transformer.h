@@ -40,6 +40,7 @@ class TransformerLMImpl : public LanguageModelImpl {
   explicit TransformerLMImpl(ModelConfig c);
 
   KVCache new_cache() const override { return KVCache{std::vector<LayerCache>(blocks_.size())}; }
+  const WeightCastPlan& weight_casts() const { return weight_casts_; }
   std::map<std::string, torch::Tensor> aux_losses() const override;
   void set_phase(const std::string& phase) override;
   void attach_probe(AttentionProbe* probe) override;
@@ -54,6 +55,7 @@ class TransformerLMImpl : public LanguageModelImpl {
   std::vector<Block> blocks_;
   RMSNorm final_norm_{nullptr};
   torch::nn::Linear head_{nullptr};
+  WeightCastPlan weight_casts_;  // the low-precision weights of a pass, in one launch
 };
 TORCH_MODULE(TransformerLM);
 

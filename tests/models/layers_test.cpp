@@ -754,6 +754,35 @@ TEST(TransformerLM, GeluMlpAndUntiedHeadDecodeLikeTheFullPass) {
   EXPECT_TRUE(tied->named_parameters().contains("block0.mlp.gate.weight"));
 }
 
+// The weight-cast plan: the first pass learns the model's grouped projections (q, k and v and
+// gate and up each one group; the CPU copies them, concatenated, in one call) and every later
+// pass projects with its copies: the same logits and gradients, bit for bit, and a plan that
+// follows the model into another dtype.
+TEST(WeightCasts, LaterPassesEqualTheFirstBitForBit) {
+  torch::manual_seed(12);
+  TransformerLM model(tiny(variant("softmax_rope"), "kernel"));
+  const Tensor tokens = torch::randint(0, model->config().vocab_size, {2, 9}, torch::kInt64);
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    model->to(dtype);
+    std::vector<Tensor> logits, grads;
+    for (int pass = 0; pass < 3; ++pass) {
+      model->zero_grad();
+      const Tensor y = model->forward(tokens);
+      (y * torch::linspace(-1, 1, y.size(-1), y.options())).sum().backward();
+      logits.push_back(y.detach());
+      std::vector<Tensor> g;
+      for (const auto& p : model->parameters()) g.push_back(p.grad().reshape(-1));
+      grads.push_back(torch::cat(g));
+      // Two groups a block (q, k, v and gate, up): the single weights need no copy outside autocast.
+      EXPECT_EQ(model->weight_casts().size(), static_cast<std::size_t>(2 * model->config().layers)) << pass;
+    }
+    for (int pass = 1; pass < 3; ++pass) {
+      EXPECT_TRUE(torch::equal(logits[pass], logits[0])) << dtype << " pass " << pass;
+      EXPECT_TRUE(torch::equal(grads[pass], grads[0])) << dtype << " pass " << pass;
+    }
+  }
+}
+
 TEST(KvCache, RejectsKeysThatDoNotContinueTheCache) {
   LayerCache cache;
   cache.append(torch::zeros({1, 3, 2, 8}), torch::zeros({1, 3, 2, 8}));

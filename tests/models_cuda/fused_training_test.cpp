@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <string>
@@ -16,6 +17,7 @@
 #include "support/adamw_case.h"
 #include "nn/language_model.h"
 #include "nn/modules.h"
+#include "nn/transformer.h"
 #include "train/autocast.h"
 #include "train/config.h"
 #include "train/files.h"
@@ -255,6 +257,19 @@ TEST(CudaCrossEntropy, MatchesLogSoftmaxGatherAndSum) {
       EXPECT_LT(rel(grad, ref_grad), grad_tol) << dtype << " V " << v;
     }
   }
+  // A divisor on the device: the same bits as dividing afterwards (the trainer's old expression).
+  for (auto dtype : {torch::kBFloat16, torch::kFloat32}) {
+    const Tensor x = (torch::randn({777, 64}, torch::TensorOptions().device(kCuda)) * 2).to(dtype).requires_grad_(true);
+    const Tensor targets = torch::randint(0, 64, {777}, torch::TensorOptions().dtype(torch::kInt64).device(kCuda));
+    const Tensor mask = (torch::rand({777}, torch::TensorOptions().device(kCuda)) > 0.5).to(torch::kFloat32);
+    const Tensor counted = mask.sum();
+    const Tensor inside = torch_ops::masked_cross_entropy_sum(x, targets, mask, counted);
+    const Tensor grad_inside = torch::autograd::grad({inside}, {x})[0];
+    const Tensor after = torch_ops::masked_cross_entropy_sum(x, targets, mask) / counted;
+    const Tensor grad_after = torch::autograd::grad({after}, {x})[0];
+    EXPECT_TRUE(torch::equal(inside, after)) << dtype;
+    EXPECT_TRUE(torch::equal(grad_inside, grad_after)) << dtype;
+  }
   const Tensor logits = torch::randn({9, 4}, torch::TensorOptions().device(kCuda));
   const Tensor targets = torch::tensor({0, 1, 2, 3, 0, 1, 2, 3, 7}, torch::TensorOptions().dtype(torch::kInt64).device(kCuda));
   Tensor mask = torch::ones({9}, torch::TensorOptions().device(kCuda));
@@ -278,6 +293,71 @@ ExperimentConfig small(const std::string& out_dir, const std::string& kind) {
   };
   if (kind == "softmax") j["model"]["attention"]["position"] = "rope";
   return parse_experiment(j);
+}
+
+// The casting concatenation (winnow/cast.h) on CUDA: every pair of float dtypes, 70 sources
+// (two launches of at most 64), odd sizes, an empty one and one long enough for several blocks,
+// bit for bit what LibTorch's concatenation and conversion give (float64 to 16 bits: at least as
+// close to the float64 value, since LibTorch rounds twice).
+TEST(CudaCast, MatchesCatThenToForEveryPairOfDtypes) {
+  torch::manual_seed(14);
+  const std::vector<torch::ScalarType> dtypes = {torch::kBFloat16, torch::kFloat16, torch::kFloat32, torch::kFloat64};
+  for (const auto from : dtypes) {
+    std::vector<Tensor> sources, flat;
+    for (int s = 0; s < 70; ++s) {
+      const std::int64_t n = s == 5 ? 0 : s == 9 ? 300007 : 1 + (s * 37) % 301;
+      // Values past float16's range, and below its smallest normal, for the rounding's edges.
+      sources.push_back((torch::randn({n}, torch::kFloat64) * std::pow(10.0, s % 9 - 4)).to(torch::TensorOptions().dtype(from).device(kCuda)));
+      flat.push_back(sources.back());
+    }
+    for (const auto to : dtypes) {
+      const Tensor out = torch_ops::cast_concatenate(sources, to);
+      const Tensor expected = torch::cat(flat).to(to);
+      EXPECT_EQ(out.scalar_type(), to);
+      if (from == torch::kFloat64 && (to == torch::kBFloat16 || to == torch::kFloat16)) {
+        // LibTorch rounds float64 to float32 first, then to 16 bits (twice); the kernel rounds
+        // once, so it is never further from the float64 value.
+        const Tensor exact = torch::cat(flat).to(torch::kFloat64);
+        EXPECT_TRUE(((out.to(torch::kFloat64) - exact).abs() <= (expected.to(torch::kFloat64) - exact).abs()).all().item<bool>())
+            << from << " to " << to;
+        continue;
+      }
+      EXPECT_TRUE(torch::equal(out, expected)) << from << " to " << to;
+    }
+  }
+}
+
+// The weight-cast plan under bf16 autocast (nn::WeightCastPlan): the first pass casts per
+// product and learns the groups, the later ones project with copies made in one launch; logits
+// and every gradient bit for bit the same, and the plan holds all nine products of a two-layer
+// model (q k v, the output, gate and up, down per block; the tied head).
+TEST(CudaWeightCasts, LaterPassesEqualTheFirstBitForBit) {
+  const ExperimentConfig config = small(scratch("cuda-weight-casts"), "softmax");
+  torch::manual_seed(15);
+  const nn::LanguageModel model = nn::make_language_model(config.model);
+  model->to(kCuda);
+  const Tensor tokens = torch::randint(config.model.vocab_size, {3, 40}, torch::TensorOptions().dtype(torch::kInt64).device(kCuda));
+  std::vector<Tensor> logits, grads;
+  for (int pass = 0; pass < 3; ++pass) {
+    model->zero_grad();
+    Tensor y;
+    {
+      Autocast autocast(true);
+      y = model->forward(tokens);
+    }
+    (y.to(torch::kFloat32) * torch::linspace(-1, 1, y.size(-1), torch::TensorOptions().device(kCuda))).sum().backward();
+    logits.push_back(y.detach());
+    std::vector<Tensor> g;
+    for (const auto& p : model->parameters()) g.push_back(p.grad().reshape(-1));
+    grads.push_back(torch::cat(g));
+  }
+  const auto* transformer = dynamic_cast<const nn::TransformerLMImpl*>(model.get());
+  ASSERT_NE(transformer, nullptr);
+  EXPECT_EQ(transformer->weight_casts().size(), static_cast<std::size_t>(4 * config.model.layers + 1));
+  for (int pass = 1; pass < 3; ++pass) {
+    EXPECT_TRUE(torch::equal(logits[pass], logits[0])) << "pass " << pass;
+    EXPECT_TRUE(torch::equal(grads[pass], grads[0])) << "pass " << pass;
+  }
 }
 
 // The Multiscreen model on CUDA through the screening kernels (the simple path in float32,

@@ -145,6 +145,12 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor masked_cross_entropy_sum(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& mask,
                                     const at::Tensor& divisor = {});
 
+// The sources converted to `dtype` side by side in one new 1-D tensor (winnow/cast.h): one
+// launch for any number of sources of one dtype on one device (float32 / float64 on the CPU,
+// every float dtype on CUDA). No autograd: the low-precision copies of weights whose gradients
+// the caller routes itself (nn::project).
+at::Tensor cast_concatenate(at::TensorList sources, at::ScalarType dtype);
+
 // AdamW with the gradients clipped by their global norm (winnow/adamw.h) over float32 tensors:
 // three kernels on CUDA for any number of groups and parameters. Parameters, moments and step
 // counts (0-dim float32 tensors) are updated in place; the gradients are only read. Not an
