@@ -190,8 +190,12 @@ bool same_weights(const std::vector<torch::Tensor>& a, const std::vector<torch::
 }  // namespace
 
 WeightCastPlan::Scope::Scope(WeightCastPlan& plan) : plan_(plan), previous_(active_weight_casts) {
-  active_weight_casts = this;
   copies_.resize(plan_.groups_.size());
+  cast();
+  active_weight_casts = this;  // last: a constructor that throws leaves no dangling scope behind
+}
+
+void WeightCastPlan::Scope::cast() {
   if (plan_.groups_.empty() || separate_weight_casts()) return;
   // One launch per (weights' dtype and device, copies' dtype): each group's weights side by side,
   // for the groups whose weights are still 2-D, contiguous and of one width, dtype and device.

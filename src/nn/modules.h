@@ -61,6 +61,7 @@ class WeightCastPlan {
     static Scope* active();
 
    private:
+    void cast();
     WeightCastPlan& plan_;
     Scope* previous_;
     std::vector<torch::Tensor> copies_;  // per plan group; undefined where not cast this pass
