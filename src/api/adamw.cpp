@@ -17,21 +17,12 @@ using api::fail;
 
 constexpr const char* kOp = "winnow::adamw::clipped_step";
 
-bool contiguous(const TensorView& t) {
-  std::int64_t expected = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    if (t.shape[d] != 1 && t.stride[d] != expected) return false;
-    expected *= t.shape[d];
-  }
-  return true;
-}
-
 // A float32 view on `device`: of `like`'s shape and contiguous, or (like == nullptr) one element.
 void check_operand(const std::string& name, const TensorView& t, const Device& device, const TensorView* like) {
   const std::string expected_shape = like != nullptr ? like->shape_string() : "one element";
   const bool shape_ok = like != nullptr ? t.numel() == like->numel() && t.shape_string() == like->shape_string()
                                         : t.numel() == 1;
-  if (!contiguous(t)) fail(kOp, name, "a contiguous tensor", "strides that are not row-major");
+  if (!api::contiguous(t)) fail(kOp, name, "a contiguous tensor", "strides that are not row-major");
   if (t.dtype != DType::float32 || t.device != device || !shape_ok) {
     fail(kOp, name, describe(DType::float32, expected_shape, device), describe(t));
   }

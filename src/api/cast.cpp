@@ -15,22 +15,13 @@ using api::fail;
 
 constexpr const char* kOp = "winnow::cast::concatenate";
 
-bool contiguous(const TensorView& t) {
-  std::int64_t expected = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    if (t.shape[d] != 1 && t.stride[d] != expected) return false;
-    expected *= t.shape[d];
-  }
-  return true;
-}
-
 }  // namespace
 
 void concatenate(const std::vector<TensorView>& sources, const TensorView& destination, const ExecContext& ctx) {
   if (!is_floating(destination.dtype)) {
     fail(kOp, "destination", "a float16, bfloat16, float32 or float64 tensor", describe(destination));
   }
-  if (!contiguous(destination)) fail(kOp, "destination", "a contiguous tensor", "strides that are not row-major");
+  if (!api::contiguous(destination)) fail(kOp, "destination", "a contiguous tensor", "strides that are not row-major");
   api::check_device(kOp, "destination", destination);
   api::check_data(kOp, "destination", destination);
   detail::CastParams p;
@@ -47,7 +38,7 @@ void concatenate(const std::vector<TensorView>& sources, const TensorView& desti
     if (t.dtype != p.source_dtype || t.device != destination.device) {
       fail(kOp, name, describe(p.source_dtype, "any shape", destination.device) + " (like sources[0])", describe(t));
     }
-    if (!contiguous(t)) fail(kOp, name, "a contiguous tensor", "strides that are not row-major");
+    if (!api::contiguous(t)) fail(kOp, name, "a contiguous tensor", "strides that are not row-major");
     api::check_data(kOp, name.c_str(), t);
     if (api::overlaps(destination, t)) fail(kOp, "destination", "memory apart from every source", "an overlap with " + name);
     if (t.numel() > 0) p.segments.push_back({t.data, t.numel(), total});

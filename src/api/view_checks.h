@@ -24,6 +24,16 @@ inline std::string describe(DType dtype, const std::string& shape, const Device&
   return std::string(to_string(dtype)) + " " + shape + " on " + to_string(device);
 }
 
+// Row-major without gaps (sizes of 1 may have any stride).
+inline bool contiguous(const TensorView& t) {
+  std::int64_t expected = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.shape[d] != 1 && t.stride[d] != expected) return false;
+    expected *= t.shape[d];
+  }
+  return true;
+}
+
 inline void check_data(const char* op, const char* name, const TensorView& t) {
   if (t.data == nullptr && t.numel() > 0) fail(op, name, "a view with data", "a null pointer");
 }

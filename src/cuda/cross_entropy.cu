@@ -103,7 +103,12 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(detail::CrossEntropy
   }
 }
 
+// A block per kRowsPerBlock rows, well inside a grid's x extent (below 2^31); checked before
+// anything is allocated or launched.
 unsigned blocks_of(const detail::CrossEntropyParams& p) {
+  if (p.rows >= (std::int64_t{1} << 31) * kRowsPerBlock / 2) {
+    throw Error(ErrorKind::unsupported, "winnow::cross_entropy: more than 2^33 rows");
+  }
   return static_cast<unsigned>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock);
 }
 
@@ -132,9 +137,6 @@ void backward(const detail::CrossEntropyParams& p) {
 }  // namespace
 
 void cross_entropy_forward(const detail::CrossEntropyParams& p) {
-  if (p.rows >= (std::int64_t{1} << 31) * kRowsPerBlock / 2) {
-    throw Error(ErrorKind::unsupported, "winnow::cross_entropy: more than 2^33 rows");
-  }
   switch (p.logits_dtype) {
     case DType::bfloat16: return forward<__nv_bfloat16>(p);
     case DType::float16: return forward<__half>(p);
@@ -144,9 +146,6 @@ void cross_entropy_forward(const detail::CrossEntropyParams& p) {
 }
 
 void cross_entropy_backward(const detail::CrossEntropyParams& p) {
-  if (p.rows >= (std::int64_t{1} << 31) * kRowsPerBlock / 2) {
-    throw Error(ErrorKind::unsupported, "winnow::cross_entropy: more than 2^33 rows");
-  }
   switch (p.logits_dtype) {
     case DType::bfloat16: return backward<__nv_bfloat16>(p);
     case DType::float16: return backward<__half>(p);
