@@ -25,12 +25,11 @@ struct MaskedCrossEntropyFunction : public torch::autograd::Function<MaskedCross
       const auto stats = logits.options().dtype(stats_of(logits));
       at::Tensor loss = at::empty({}, stats);
       at::Tensor lse = at::empty({logits.size(0)}, stats);
-      std::optional<TensorView> divided;
-      if (divisor.defined()) divided = view_of(divisor, op, "divisor");
       DeviceScope scope(logits);
       cross_entropy::masked_sum_forward(view_of(logits, op, "logits"), view_of(targets, op, "targets"),
                                         view_of(mask, op, "mask"), view_of(loss, op, "loss"),
-                                        view_of(lse, op, "lse"), divided, scope.context(false, false));
+                                        view_of(lse, op, "lse"), view_of(divisor_arg, op, "divisor"),
+                                        scope.context(false, false));
       // The loss itself only for the divisor's gradient: callers may then change it in place.
       const bool divisor_grad = divisor.defined() && divisor.requires_grad();
       ctx->save_for_backward({logits, targets, mask, lse, divisor, divisor_grad ? loss : at::Tensor()});
@@ -48,12 +47,11 @@ struct MaskedCrossEntropyFunction : public torch::autograd::Function<MaskedCross
       at::Tensor dlogits;
       if (ctx->needs_input_grad(0)) {
         dlogits = at::empty_like(saved[0], at::MemoryFormat::Contiguous);
-        std::optional<TensorView> divided;
-        if (divisor.defined()) divided = view_of(divisor, op, "divisor");
         DeviceScope scope(saved[0]);
         cross_entropy::masked_sum_backward(view_of(dloss, op, "dloss"), view_of(saved[0], op, "logits"),
                                            view_of(saved[1], op, "targets"), view_of(saved[2], op, "mask"),
-                                           view_of(saved[3], op, "lse"), view_of(dlogits, op, "dlogits"), divided,
+                                           view_of(saved[3], op, "lse"), view_of(dlogits, op, "dlogits"),
+                                           view_of(c10::optional<at::Tensor>(divisor), op, "divisor"),
                                            scope.context(false, false));
       }
       // loss = sum / divisor: d loss / d divisor = -loss / divisor (edge 3 exists only with a divisor).
