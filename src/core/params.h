@@ -25,6 +25,9 @@ struct Operand {
   WINNOW_HD T* at(std::int64_t b, std::int64_t abs_row, std::int64_t h) const {
     return static_cast<T*>(data) + b * batch + abs_row * row + h * head;
   }
+  // Whether sequences of len rows lie end to end, so that (b, r) is also (0, b len + r); an
+  // absent operand does.
+  WINNOW_HD bool sequences_end_to_end(std::int64_t len) const { return data == nullptr || batch == len * row; }
 };
 
 // Rows of one sequence: queries occupy the last q_len of its k_len positions.
@@ -50,6 +53,10 @@ struct AttentionParams {
 
   double scale = 1.0;
   bool attend_current = true;
+  // > 0: the batch's sequences were laid end to end as one (num_seqs 1, len_q == len_k), in
+  // segments of this many rows that each see only their own keys: the CUDA kernels' packing
+  // of short sequences (launch_attention.cuh, packed_short_sequences). 0 elsewhere.
+  std::int64_t segment_len = 0;
 
   int num_threads = 0;
   bool deterministic = false;
@@ -85,6 +92,10 @@ struct AttentionParams {
   // Last key index visible to the query at absolute position j (-1: none).
   WINNOW_HD std::int64_t last_visible_key(std::int64_t j) const {
     return attend_current ? j : j - 1;
+  }
+  // First key index visible to the query at absolute position j: its segment's first.
+  WINNOW_HD std::int64_t first_visible_key(std::int64_t j) const {
+    return segment_len > 0 ? j - j % segment_len : 0;
   }
 };
 

@@ -4,6 +4,10 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #include "cuda/attention/backward.cuh"
 #include "cuda/attention/backward_sm90.cuh"
@@ -53,9 +57,62 @@ inline detail::AttentionParams with_heads_per_sweep(const detail::AttentionParam
   return q;
 }
 
-template <class T, int D, class Rows, class Config>
+template <class Rows, class Config, class = void>
+inline constexpr bool kPacksShortSequences = false;
+template <class Rows, class Config>
+inline constexpr bool kPacksShortSequences<
+    Rows, Config, std::void_t<decltype(Rows::packs_short_sequences(std::declval<const Config&>(), std::int64_t{}))>> =
+    true;
+
+// Whether this call's rows visit every key they see (no halting, no tile skipping), and may be
+// packed when short (below). Rows::packs_short_sequences says so for its mechanism: its
+// weights depend on positions through the causal mask alone, and it skips no visible key.
+template <class Rows, class Config>
+bool rows_pack(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live) {
+  if constexpr (kPacksShortSequences<Rows, Config>) {
+    return live.bits == nullptr && Rows::packs_short_sequences(cfg, p.len_k);
+  } else {
+    return false;
+  }
+}
+
+// Short sequences packed end to end. A block of the fused kernels owns 128 query rows of one
+// sequence, so sequences of L <= 64 leave 128 - L rows of every block idle: at L = 64, one of
+// the Hopper forward's two consumer warpgroups and half of the backward's rows, and twice the
+// blocks, each paying its loads' latency alone. Where a batch's sequences lie end to end in
+// every operand (`more`: the pass's others), they run as one sequence of B L rows in
+// segments of L (AttentionParams::segment_len), 128 / L of them to a block, and the kernels'
+// masks keep each segment to its own keys. Only for rows_pack mechanisms, batched with
+// Lq = Lk; WINNOW_PACK_SHORT_SEQUENCES=0 turns it off, for comparison.
+template <class Rows, class Config>
+detail::AttentionParams packed_short_sequences(const detail::AttentionParams& p, const Config& cfg,
+                                               const LiveKeyTiles& live,
+                                               std::initializer_list<const detail::Operand*> more = {}) {
+  // Read per call (a microsecond beside the launch), so that tests can switch it.
+  const char* e = std::getenv("WINNOW_PACK_SHORT_SEQUENCES");
+  const bool off = e != nullptr && std::string(e) == "0";
+  // L divides 128, so it is a power of two, as RowMask::segment_bits needs.
+  const std::int64_t L = p.len_k;
+  if (off || p.cu_seqlens_q != nullptr || p.num_seqs < 2 || p.len_q != L || L < 1 ||
+      L > 64 || 128 % L != 0 || !rows_pack<Rows>(p, cfg, live)) {
+    return p;
+  }
+  for (const detail::Operand* op : {&p.q, &p.k, &p.v, &p.out, &p.stats}) {
+    if (!op->sequences_end_to_end(L)) return p;
+  }
+  for (const detail::Operand* op : more) {
+    if (!op->sequences_end_to_end(L)) return p;
+  }
+  detail::AttentionParams packed = p;
+  packed.len_q = packed.len_k = packed.max_len_q = packed.max_len_k = p.num_seqs * L;
+  packed.num_seqs = 1;
+  packed.segment_len = L;
+  return packed;
+}
+
+template <class T, int D, class Rows, class Config, bool Segments = false>
 bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live) {
-  auto kernel = attention_forward_sm90_kernel<T, D, Rows, Config>;
+  auto kernel = attention_forward_sm90_kernel<T, D, Rows, Config, Segments>;
   if (!hopper_kernel_runs(kernel)) return false;
   using Shape = Sm90ForwardShape;
   const detail::AttentionParams pq = with_heads_per_sweep(p, Pass::forward, Shape::kBQ);
@@ -83,8 +140,14 @@ void launch_portable_forward(const detail::AttentionParams& p, const Config& cfg
 }
 
 // live: the key tiles each block visits (key_tiles.cuh); by default every one.
+// On Hopper, short sequences packed (packed_short_sequences) take the forward's instantiation
+// for segments; the portable kernel runs them one to a block.
 template <class T, int D, class Rows, class Config>
 void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live = {}) {
+  if constexpr (kPacksShortSequences<Rows, Config>) {
+    const detail::AttentionParams pk = packed_short_sequences<Rows>(p, cfg, live);
+    if (pk.segment_len > 0 && launch_sm90_forward<T, D, Rows, Config, true>(pk, cfg, live)) return;
+  }
   if (launch_sm90_forward<T, D, Rows>(p, cfg, live)) return;
   launch_portable_forward<T, D, D, Rows>(p, cfg, live);
 }
@@ -151,12 +214,24 @@ void launch_fused_backward(const detail::AttentionParams& p, const detail::Gradi
   // kv head per query head, each key's gradient comes from one block (and is deterministic).
   static_assert(Sm90BackwardShape::kBQ == kBackwardBQ, "one test for both kernels");
   static_assert(sizeof(T) == 2, "clear_key_grads clears 16-bit elements");
-  if (p.max_len_q <= kBackwardBQ && p.group_size() == 1 && aligned_rows(g.dk, p.dtype) &&
-      aligned_rows(g.dv, p.dtype) && std::getenv("WINNOW_ACCUMULATED_KEY_GRADS") == nullptr) {
-    acc.direct = true;
-    clear_key_grads(p, g);
-    run_fused_backward<T, D, Rows>(p, g, cfg, acc, live);
-    return;
+  if (p.group_size() == 1 && aligned_rows(g.dk, p.dtype) && aligned_rows(g.dv, p.dtype) &&
+      std::getenv("WINNOW_ACCUMULATED_KEY_GRADS") == nullptr) {
+    // Packed segments of 128 / L sequences also leave each key to one block.
+    const detail::AttentionParams pk =
+        packed_short_sequences<Rows>(p, cfg, live, {&g.dout, &g.dstats, &g.dq, &g.dk, &g.dv});
+    if (pk.max_len_q <= kBackwardBQ || pk.segment_len > 0) {
+      acc.direct = true;
+      // The kernels write the gradient of every key of every tile they visit. Keys in no such
+      // tile keep whatever was there, so they are cleared first, unless there are none:
+      // batched sequences, rows that visit every key they see, and a last key that is seen
+      // or shares its tile with one that is (each block sees every key of its rows' sequences
+      // up to its last row's).
+      const bool every_key_visited = pk.cu_seqlens_k == nullptr && pk.len_q > 0 && rows_pack<Rows>(p, cfg, live) &&
+                                     (pk.attend_current || (pk.len_k - 1) % kBackwardBK != 0);
+      if (!every_key_visited) clear_key_grads(pk, g);
+      run_fused_backward<T, D, Rows>(pk, g, cfg, acc, live);
+      return;
+    }
   }
   acc.deterministic = p.deterministic;
   acc.key_tiles = backward_key_tiles(p);

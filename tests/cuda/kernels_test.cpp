@@ -204,6 +204,74 @@ TEST(CudaBackward, DirectKeyGradsEqualTheAccumulatedOnes) {
   }
 }
 
+// Short batched sequences (L <= 64, dividing 128) run packed, 128 / L to a block of rows
+// (launch_attention.cuh, packed_short_sequences; on Hopper the forward's instantiation for
+// segments, elsewhere the backward alone): against the float64 reference and against the
+// same call unpacked (WINNOW_PACK_SHORT_SEQUENCES=0). Odd batch sizes leave the last block part
+// full; L = 1 puts 128 sequences in a block; both head dimensions, both 16-bit types, both
+// mechanisms that pack, with and without the current key (then the first row of each sequence
+// sees nothing), and the calls that must not pack (a (B, H, L, D) view, whose sequences do not
+// lie end to end; halting stick-breaking).
+TEST(CudaPacking, ShortSequencesMatchTheReferenceAndTheUnpackedKernels) {
+  struct Case {
+    std::int64_t len, batch, heads, dim;
+  };
+  const Case cases[] = {{64, 3, 2, 64}, {32, 5, 2, 128}, {8, 33, 1, 64}, {1, 130, 2, 64}, {16, 9, 3, 128}};
+  int index = 0;
+  for (const Case& c : cases) {
+    ProblemShape shape;
+    shape.name = "L" + std::to_string(c.len) + "_B" + std::to_string(c.batch) + "_D" + std::to_string(c.dim);
+    shape.seqs.assign(static_cast<std::size_t>(c.batch), {c.len, c.len});
+    shape.heads_q = shape.heads_kv = c.heads;
+    shape.dim = shape.dim_v = c.dim;
+    const Problem problem = Problem::random(shape, 900 + static_cast<std::uint64_t>(index));
+    for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        // 0: packs; 1: a permuted view; 2: halting stick-breaking; 3: packs, the current key excluded.
+        if (variant == 2 && m != Mechanism::stick_breaking) continue;
+        RunConfig cfg;
+        cfg.mechanism = m;
+        cfg.dtype = (index + variant) % 2 == 0 ? DType::bfloat16 : DType::float16;
+        cfg.permuted = variant == 1;
+        cfg.halt_cutoff = variant == 2 ? 5.0 : 0.0;
+        cfg.attend_current = variant != 3;
+        cfg.deterministic = index % 2 == 1;
+        CudaPlacement packed_gpu, unpacked_gpu;
+        cfg.placement = &packed_gpu;
+        const Results packed = run(problem, cfg);
+        cfg.placement = &unpacked_gpu;
+        Results unpacked;
+        {
+          const ScopedEnv off("WINNOW_PACK_SHORT_SEQUENCES", "0");
+          unpacked = run(problem, cfg);
+        }
+        RunConfig ref;
+        ref.mechanism = m;
+        ref.attend_current = cfg.attend_current;
+        ref.halt_cutoff = cfg.halt_cutoff;
+        ref.backend = Backend::reference;
+        const Results want = run(rounded(problem, cfg.dtype), ref);
+        SCOPED_TRACE(shape.name + " " + name_of(m) + " variant " + std::to_string(variant) + " " +
+                     to_string(cfg.dtype));
+        const double tol = tolerance(cfg.dtype);
+        if (cfg.halt_cutoff == 0.0) expect_results_close(packed, want, tol);
+        EXPECT_LT(relative_error(packed.out, unpacked.out), tol) << "out against the unpacked kernels";
+        EXPECT_LT(relative_error(packed.stat, unpacked.stat), tol) << "stat against the unpacked kernels";
+        EXPECT_LT(relative_error(packed.dq, unpacked.dq), tol) << "dq against the unpacked kernels";
+        EXPECT_LT(relative_error(packed.dk, unpacked.dk), tol) << "dk against the unpacked kernels";
+        EXPECT_LT(relative_error(packed.dv, unpacked.dv), tol) << "dv against the unpacked kernels";
+        if (m == Mechanism::stick_breaking) {
+          EXPECT_EQ(packed.kept_from, unpacked.kept_from) << "kept_from, in each sequence's own positions";
+          if (cfg.halt_cutoff == 0.0) {
+            for (double k : packed.kept_from) ASSERT_EQ(k, 0.0) << "no halting: every key is kept";
+          }
+        }
+      }
+    }
+    ++index;
+  }
+}
+
 // Softmax's key-stationary backward on Hopper (softmax_backward_keys_sm90.cuh) against the
 // float64 reference and the row kernel: keys that no query sees and a last key block of one
 // or 65 keys, queries shorter than their keys, grouped heads, an empty sequence, both
@@ -888,12 +956,12 @@ TEST(CudaRotary, MatchesTheRotationInFloat64ForEveryDtype) {
                            : dtype == DType::float32 ? 1e-6
                                                      : tolerance(dtype) / 4;
         EXPECT_LT(relative_error(out.values(), want), tol)
-            << to_string(dtype) << " transpose " << transpose;
+            << to_string(dtype) << " transpose " << transpose << ", D " << D;
         // In place over x's own (strided) memory.
         rotary::apply(xd, gpu.place(cos), gpu.place(sin), transpose, xd);
         gpu.fetch(xd, x);
         EXPECT_LT(relative_error(x.values(), want), tol)
-            << to_string(dtype) << " in place, D " << D;
+            << to_string(dtype) << " in place, D " << D << ", L " << L;
       }
     }
   }

@@ -96,8 +96,9 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
   mask.limit[1] = qt.limit(p, row0 + 8);
   mask.tig = tig;
   Rows rows(p, g, cfg, qt, row0, tig);
-  mask.first[0] = rows.first_key(0, mask);
-  mask.first[1] = rows.first_key(1, mask);
+  // A row's first key: where early halting stopped, and at least its segment's first.
+  mask.first[0] = later_key(rows.first_key(0, mask), qt.first_key(p, row0));
+  mask.first[1] = later_key(rows.first_key(1, mask), qt.first_key(p, row0 + 8));
 
   // The sweep starts at the key tile of the smallest first key of the block's rows.
   if (tid == 0) block_first_tile = qt.key_tiles;

@@ -64,13 +64,34 @@ struct RowMask {
   std::int64_t key0;               // first key of the tile
   bool active;                     // false: every key of the tile is visible to every row
   int tig;
+  // Segments (AttentionParams::segment_len) as the Hopper forward's instantiation for them sees
+  // them (forward_sm90.cuh, Segments): rather than two more 64-bit registers live through the
+  // sweep, a row's first key is worked out from its limit where a masked tile needs it. A
+  // row's position is its limit + segment_shift (1 where the current key is not attended), and
+  // segments are a power of two long (they divide 128): a position's segment is its bits under
+  // segment_bits = ~(segment_len - 1). Elsewhere both are 0, constants that fold away.
+  int segment_bits = 0, segment_shift = 0;
 
+  __device__ __forceinline__ std::int64_t first_key(int half) const {
+    return first[half] + ((limit[half] + segment_shift) & static_cast<std::int64_t>(segment_bits));
+  }
   template <int BK>
   __device__ __forceinline__ bool visible(int half, int n, int e) const {
     const std::int64_t key = key0 + key_of<BK>(tig, n, e);
-    return !active || (key >= first[half] && key <= limit[half]);
+    return !active || (key >= first_key(half) && key <= limit[half]);
   }
 };
+
+// RowMask::segment_bits for p's segments.
+__device__ __forceinline__ int segment_bits_of(const AttentionParams& p) {
+  return p.segment_len > 0 ? ~static_cast<int>(p.segment_len - 1) : 0;
+}
+
+// The first key a row's sweep kept (the first key of the last tile it visited), as a position
+// in the row's own sequence: segments (AttentionParams::segment_len) start at `first`.
+__device__ __forceinline__ std::int64_t kept_from_key(std::int64_t tile_key0, std::int64_t first) {
+  return (tile_key0 > first ? tile_key0 : first) - first;
+}
 
 template <class Rows, class = void>
 inline constexpr int kScratchBytes = 0;

@@ -59,7 +59,9 @@ struct Sm90ForwardSmem {
 // Named barriers: 1 producer; 2, 3 each consumer's own; 4, 5 the consumers' turns.
 inline constexpr int kProducerBarrier = 1, kConsumerBarrier = 2, kTurnBarrier = 4;
 
-template <class T, int D, class Rows, class Config>
+// Segments: p.segment_len may be set (short sequences packed, launch_attention.cuh). A
+// separate instantiation, so that the mask of every other call keeps its registers.
+template <class T, int D, class Rows, class Config, bool Segments = false>
 __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     attention_forward_sm90_kernel(const AttentionParams p, const Config cfg, const LiveKeyTiles live) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -162,6 +164,10 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     RowMask mask;
     mask.limit[0] = qt.limit(p, row0);
     mask.limit[1] = qt.limit(p, row0 + 8);
+    if constexpr (Segments) {
+      mask.segment_bits = segment_bits_of(p);
+      mask.segment_shift = p.attend_current ? 0 : 1;
+    }
     mask.tig = tig;
     Rows rows(p, cfg, qt, row0);
     lend_scratch<BQ>(rows, smem + Smem::kV, Smem::kLastBytes, qt, row0, tig);
@@ -305,7 +311,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
           *p.stats.at<float>(qt.b, qt.s.q_start + row, qt.h) = stat[half];
         }
         rows.store_extra(p, cfg, qt.b, qt.s.q_start + row, qt.h,
-                         static_cast<std::int64_t>(kept_from_tile) * BK, half);
+                         kept_from_key(static_cast<std::int64_t>(kept_from_tile) * BK, mask.first_key(half)), half);
       }
     }
   }

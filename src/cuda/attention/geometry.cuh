@@ -26,6 +26,8 @@ __device__ __forceinline__ int key_of(int tig, int n, int e) {
   return tig * (BK / 4) + 2 * n + e;
 }
 
+__device__ __forceinline__ std::int64_t later_key(std::int64_t a, std::int64_t b) { return a > b ? a : b; }
+
 // One block's query tile: rows [r0, r0 + BQ) of sequence b, query head h.
 template <int BQ, int BK>
 struct QueryTile {
@@ -34,6 +36,9 @@ struct QueryTile {
   SequenceExtent s;
   std::int64_t first_limit;  // last key visible to row r0 (clamped to the sequence)
   int key_tiles;             // key tiles 0 .. key_tiles - 1 hold every visible key
+  // Segments (AttentionParams::segment_len): the tiles below first_tile hold no key any row of
+  // the block sees. 0 otherwise.
+  int first_tile;
   bool head_in_range;
 
   // Grid (query_tile_grid): x = query tile, heaviest (rightmost) first, interleaved over
@@ -55,6 +60,7 @@ struct QueryTile {
     const std::int64_t last_row = (r0 + BQ < s.q_len ? r0 + BQ : s.q_len) - 1;
     const std::int64_t last_key = limit(p, last_row);
     key_tiles = last_key < 0 ? 0 : static_cast<int>(last_key / BK + 1);
+    first_tile = static_cast<int>(p.first_visible_key(r0 + s.q_offset()) / BK);
   }
   // Blocks past the sequence's last query tile, or past the last head, have nothing to do.
   __device__ __forceinline__ bool empty() const { return !head_in_range || r0 < 0 || r0 >= s.q_len; }
@@ -66,9 +72,14 @@ struct QueryTile {
     return last < s.k_len - 1 ? last : s.k_len - 1;
   }
   // Whether some row of the tile misses some key of key tile kt (rows past the sequence see
-  // none).
+  // none). Segments are not considered: the forward's only tile with them is the diagonal one,
+  // and the backward masks keys left of a row's first key itself.
   __device__ __forceinline__ bool needs_mask(int kt) const {
     return static_cast<std::int64_t>(kt + 1) * BK - 1 > first_limit || r0 + BQ > s.q_len;
+  }
+  // First key visible to local row r (its segment's first; 0 without segments).
+  __device__ __forceinline__ std::int64_t first_key(const AttentionParams& p, std::int64_t r) const {
+    return p.first_visible_key(r + s.q_offset());
   }
 };
 

@@ -100,14 +100,20 @@ struct KeyTileSweep {
   static constexpr int kTilesPerCell = kCellKeys / BK;
   const std::uint32_t* bits;  // this block's; null: every tile
   int key_tiles;
-  int count;  // tiles visited
+  // Tiles visited. With segments (no live map then: launch_attention.cuh packs no mechanism
+  // that skips tiles), those from the block's first tile on: the forward's sweep, right to
+  // left, stops after `count`; the backward's starts at its rows' first key.
+  int count;
 
   template <int BQ>
   __device__ __forceinline__ KeyTileSweep(const AttentionParams& p, const LiveKeyTiles& live,
                                           const QueryTile<BQ, BK>& qt)
       : bits(nullptr), key_tiles(qt.key_tiles), count(qt.key_tiles) {
     static_assert(BQ == kCellRows, "a block's rows are one row of the map");
-    if (live.bits == nullptr) return;
+    if (live.bits == nullptr) {
+      count = qt.first_tile < key_tiles ? key_tiles - qt.first_tile : 0;
+      return;
+    }
     bits = live.bits + map_block(qt.b, qt.h, p.heads_q, live.q_blocks, qt.r0) * live.words;
     const int cells = (key_tiles + kTilesPerCell - 1) / kTilesPerCell;
     count = 0;

@@ -15,6 +15,7 @@ struct SoftmaxConfig {};
 struct SoftmaxRows {
   static constexpr bool kCanHalt = false;
   static constexpr bool kUsesValues = true;
+  static bool packs_short_sequences(const SoftmaxConfig&, std::int64_t) { return true; }
   float scale_log2;
   float max[2], sum[2];
   float pending[2] = {1.f, 1.f};  // the output's rescale for the last tile's new maximum
@@ -105,6 +106,7 @@ struct SoftmaxRows {
 // dS = scale * P (dP - delta), delta_j = <do_j, o_j>.
 template <class T>
 struct SoftmaxBackwardRows {
+  static bool packs_short_sequences(const SoftmaxConfig&, std::int64_t) { return true; }
   float scale_log2, scale;
   float lse_log2[2], delta[2];
 

@@ -62,6 +62,11 @@ template <class Filter>
 struct StickBreakingRowsOf {
   static constexpr bool kCanHalt = !Filter::kCounts;
   static constexpr bool kUsesValues = true;
+  // Stick-breaking without halting (which drops keys) packs; Sieve, whose thresholds come from
+  // other kernels, does not.
+  static bool packs_short_sequences(const StickBreakingCudaConfig& cfg, std::int64_t len) {
+    return !Filter::kCounts && cfg.halt_cutoff <= 0.f && cfg.kept_from.sequences_end_to_end(len);
+  }
   float scale_log2, cutoff_log2;
   float carry[2];
   int candidates[2] = {0, 0};  // this thread's kept keys per row (Sieve's count)
@@ -172,6 +177,9 @@ using SieveRows = StickBreakingRowsOf<SieveCandidates>;
 // sigmoid 0 and log weight -inf, hence g = 0 and dS = 0.
 template <class T, class Filter>
 struct StickBreakingBackwardRowsOf {
+  static bool packs_short_sequences(const StickBreakingCudaConfig& cfg, std::int64_t len) {
+    return StickBreakingRowsOf<Filter>::packs_short_sequences(cfg, len);
+  }
   float scale_log2, scale;
   float stick[2], g_sum[2], dlog_rem[2];
   std::int64_t kept_from[2];
