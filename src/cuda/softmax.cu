@@ -51,10 +51,11 @@ bool launch_keys_backward(const detail::AttentionParams& p, const detail::Gradie
   buf.lse_log2 = buf.dq + rows * D;
   buf.delta = buf.lse_log2 + rows;
   check(cudaMemsetAsync(buf.dq, 0, rows * D * sizeof(float), stream_of(p)), "clearing the dq accumulator");
-  constexpr int kRowsPerBlock = 8;
+  constexpr int kRowsPerBlock = kHelperRowsPerBlock<D>, kThreads = kHelperThreads;
+  static_assert(Shape::kBQ % kRowsPerBlock == 0, "the padded rows fill whole blocks");
   const dim3 stats_grid(static_cast<unsigned>(buf.padded_len / kRowsPerBlock), static_cast<unsigned>(p.heads_q),
                         static_cast<unsigned>(p.num_seqs));
-  softmax_backward_row_stats_kernel<T, D><<<stats_grid, 32 * kRowsPerBlock, 0, stream_of(p)>>>(p, g, buf);
+  softmax_backward_row_stats_kernel<T, D><<<stats_grid, kThreads, 0, stream_of(p)>>>(p, g, buf);
   check_launch("softmax_backward_row_stats_kernel");
   const std::int64_t key_blocks = (p.max_len_k + Shape::kBK - 1) / Shape::kBK;
   buf.heads_per_sweep = heads_per_sweep(Pass::backward, key_blocks, p.heads_kv);
@@ -67,7 +68,7 @@ bool launch_keys_backward(const detail::AttentionParams& p, const detail::Gradie
   check_launch("softmax_backward_keys_sm90_kernel");
   const dim3 store_grid(static_cast<unsigned>((p.max_len_q + kRowsPerBlock - 1) / kRowsPerBlock),
                         static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
-  softmax_backward_store_dq_kernel<T, D><<<store_grid, 32 * kRowsPerBlock, 0, stream_of(p)>>>(p, g, buf);
+  softmax_backward_store_dq_kernel<T, D><<<store_grid, kThreads, 0, stream_of(p)>>>(p, g, buf);
   check_launch("softmax_backward_store_dq_kernel");
   return true;
 }
