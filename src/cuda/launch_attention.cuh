@@ -93,7 +93,7 @@ detail::AttentionParams packed_short_sequences(const detail::AttentionParams& p,
   const bool off = e != nullptr && std::string(e) == "0";
   // L divides 128, so it is a power of two, as RowMask::segment_bits needs.
   const std::int64_t L = p.len_k;
-  if (off || p.cu_seqlens_q != nullptr || p.num_seqs < 2 || p.len_q != L || L < 1 ||
+  if (off || p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.num_seqs < 2 || p.len_q != L || L < 1 ||
       L > 64 || 128 % L != 0 || !rows_pack<Rows>(p, cfg, live)) {
     return p;
   }
