@@ -11,6 +11,12 @@ namespace winnow::softmax {
 struct Options {
   std::optional<double> scale;  // default 1 / sqrt(D)
   bool attend_current = true;   // query j sees key j
+  // Backward only. q and k were rotated by these RoPE tables before the call (rotary::apply's
+  // (Lk, D/2) cos and sin, float32, or float64 for float64 inputs; the queries at the last Lq
+  // positions), and dq and dk are wanted with respect to the unrotated q and k: they are
+  // written rotated back, on Hopper by the kernels as they store them. Both or neither;
+  // batched inputs only.
+  std::optional<TensorView> rotary_cos = std::nullopt, rotary_sin = std::nullopt;
 };
 
 struct Outputs {

@@ -32,6 +32,7 @@ bool decode_path_applies(const detail::AttentionParams&) { return false; }
 detail::DecodeParams decode_params_of(const detail::AttentionParams&) { no_cuda(); }
 std::int64_t first_bad_paged_sequence(const detail::DecodeParams&, std::int64_t) { no_cuda(); }
 void softmax_backward(const detail::AttentionParams&, const detail::GradientParams&) { no_cuda(); }
+bool softmax_backward_rotates(const detail::AttentionParams&, const detail::GradientParams&) { return false; }
 void stick_breaking_forward(const detail::AttentionParams&, const detail::StickBreakingConfig&) { no_cuda(); }
 void stick_breaking_backward(const detail::AttentionParams&, const detail::GradientParams&,
                              const detail::StickBreakingConfig&) {

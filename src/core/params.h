@@ -104,6 +104,12 @@ struct GradientParams {
   Operand dout;
   Operand dstats;  // gradient of the per-row statistic; data == nullptr means zero
   Operand dq, dk, dv;
+  // Softmax's Hopper backward: dq and dk stored rotated back by these RoPE tables (float32,
+  // (Lk, D/2), rows at stride rotary_row, columns contiguous; a row's or key's position in its
+  // sequence picks the table row). nullptr: stored as computed.
+  const float* rotary_cos = nullptr;
+  const float* rotary_sin = nullptr;
+  std::int64_t rotary_row = 0;
 };
 
 struct StickBreakingConfig {

@@ -14,6 +14,9 @@ namespace winnow::cuda {
 
 void softmax_forward(const detail::AttentionParams& p);
 void softmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g);
+// Whether softmax_backward stores dq and dk rotated back by g's RoPE tables
+// (GradientParams::rotary_cos) for this call: the Hopper kernels do; elsewhere the caller rotates.
+bool softmax_backward_rotates(const detail::AttentionParams& p, const detail::GradientParams& g);
 
 void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig& cfg);
 void stick_breaking_backward(const detail::AttentionParams& p, const detail::GradientParams& g,

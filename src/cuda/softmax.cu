@@ -73,6 +73,27 @@ bool launch_keys_backward(const detail::AttentionParams& p, const detail::Gradie
   return true;
 }
 
+// dk rotated back by g's RoPE tables in one pass of its own (batched inputs, as the tables are).
+void rotate_key_grads_back(const detail::AttentionParams& p, const detail::GradientParams& g) {
+  detail::RotaryParams r;
+  r.x = g.dk.data;
+  r.out = g.dk.data;
+  r.cos = g.rotary_cos;
+  r.sin = g.rotary_sin;
+  r.dtype = p.dtype;
+  r.batch = p.num_seqs;
+  r.length = p.len_k;
+  r.heads = p.heads_kv;
+  r.half = p.dim_qk / 2;
+  const std::int64_t strides[4] = {g.dk.batch, g.dk.row, g.dk.head, g.dk.dim};
+  for (int d = 0; d < 4; ++d) r.x_stride[d] = r.out_stride[d] = strides[d];
+  r.table_stride[0] = g.rotary_row;
+  r.table_stride[1] = 1;
+  r.transpose = true;
+  r.cuda_stream = p.cuda_stream;
+  rotary(r);
+}
+
 struct FusedBackward {
   const detail::AttentionParams& p;
   const detail::GradientParams& g;
@@ -80,6 +101,10 @@ struct FusedBackward {
   void operator()() const {
     if (keys_backward_applies(p, g) && launch_keys_backward<T, D>(p, g)) return;
     launch_fused_backward<T, D, SoftmaxBackwardRows<T>>(p, g, SoftmaxConfig{});
+    // The row kernel rotates dq back as it stores it, but not dk: dK goes out a key tile at a
+    // time inside its loop, where the rotation's registers made ptxas spill 376 bytes at
+    // D = 128 (48 without).
+    if (g.rotary_cos != nullptr) rotate_key_grads_back(p, g);
   }
 };
 struct SimpleForward {
@@ -104,6 +129,14 @@ void softmax_forward(const detail::AttentionParams& p) {
   if (decode_path_applies(p)) return softmax_decode(decode_params_of(p));
   if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedForward{p});
   dispatch_simple(p, SimpleForward{p});
+}
+
+// On Hopper dq and dk come out rotated back: the key-stationary kernel rotates both as it
+// stores them, the row kernel dq (and a pass after it dk). Every instantiation is built for the
+// same architectures, so one stands for all.
+bool softmax_backward_rotates(const detail::AttentionParams& p, const detail::GradientParams& g) {
+  return fused_path_applies(p, &g) &&
+         fused_backward_on_hopper<__nv_bfloat16, 64, SoftmaxBackwardRows<__nv_bfloat16>, SoftmaxConfig>();
 }
 
 void softmax_backward(const detail::AttentionParams& p, const detail::GradientParams& g) {

@@ -273,15 +273,6 @@ std::pair<at::Tensor, at::Tensor> kernel_queries_keys(const AttentionRotary& r, 
   return r ? rotate_queries_keys(r, q, k, false) : std::make_pair(q, k);
 }
 
-// The gradients of rotated queries and keys side by side in one buffer (packed_grads), turned
-// back in place: one launch, and they stay where the projection's backward reads them.
-void rotate_back_in_place(const char* op, const AttentionRotary& r, const at::Tensor& dq, const at::Tensor& dk) {
-  const TensorView view = view_of(joined_heads(dq, dk), op, "dq");
-  const DeviceScope scope(dq);
-  rotary::apply(view, view_of(r.cos, op, "rotary_cos"), view_of(r.sin, op, "rotary_sin"), /*transpose=*/true,
-                view, scope.context(false, false));
-}
-
 // ------------------------------------------------------------------ softmax
 
 std::tuple<at::Tensor, at::Tensor> softmax_forward_op(const at::Tensor& q, const at::Tensor& k,
@@ -305,14 +296,20 @@ std::tuple<at::Tensor, at::Tensor> softmax_forward_op(const at::Tensor& q, const
 
 // The backward into given gradient tensors: the operator below allocates them; the autograd
 // Function may pass views of one buffer (packed_grads).
+// With rotary tables, q and k are the rotated ones and dq, dk come back rotated back (on Hopper
+// by the kernels as they store them; elsewhere by one more pass each).
 void softmax_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout,
                            const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, Opt<double> scale,
                            bool attend_current, bool deterministic, bool reference, const at::Tensor& dq,
-                           const at::Tensor& dk, const at::Tensor& dv) {
+                           const at::Tensor& dk, const at::Tensor& dv, const AttentionRotary& rotary = {}) {
   constexpr const char* op = "winnow.softmax_attention_backward";
   const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
   softmax::Options options{std_opt(scale), attend_current};
+  if (rotary) {
+    options.rotary_cos = view_of(rotary.cos, op, "rotary_cos");
+    options.rotary_sin = view_of(rotary.sin, op, "rotary_sin");
+  }
   const DeviceScope scope(q);
   softmax::backward(in, options, {view_of(out, op, "out"), view_of(lse, op, "lse")},
                     view_of(dout, op, "dout"), grad_views(op, dq, dk, dv),
@@ -361,8 +358,7 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
         ctx, saved[0], saved[1], saved[2],
         [&](const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
           softmax_backward_into(saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,
-                                c.attend_current, deterministic, false, dq, dk, dv);
-          if (rotary) rotate_back_in_place("winnow.softmax_attention", rotary, dq, dk);
+                                c.attend_current, deterministic, false, dq, dk, dv, rotary);
         },
         [&] {
           auto g = softmax_backward(saved[0], saved[1], saved[2], saved[3], saved[4], dout, c.cu_q, c.cu_k, c.scale,

@@ -1,16 +1,19 @@
 // winnow::rotary::apply on the CPU against the rotation written out in float64, its transpose as
-// the inverse, layouts and in-place calls, and the errors bad arguments get.
+// the inverse, layouts and in-place calls, and the errors bad arguments get; softmax's backward
+// with rotary tables (gradients with respect to the unrotated q and k).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/expect_error.h"
 #include "support/host_tensor.h"
 #include "winnow/error.h"
 #include "winnow/rotary.h"
+#include "winnow/softmax.h"
 
 namespace winnow::testing {
 namespace {
@@ -108,6 +111,126 @@ TEST(Rotary, BadArgumentsNameTheArgumentAndWhatWasExpected) {
   const Tables three = tables(3, 4, DType::float32);
   expect_error([&] { rotary::apply(head, three.cos.view(), three.sin.view(), false, shifted); },
                "'out': expected memory apart from x's");
+}
+
+// softmax::backward with rotary tables (Options::rotary_cos / rotary_sin): q and k were rotated
+// before the call and dq, dk are wanted with respect to the unrotated ones. The float64
+// reference against central differences of the whole composition
+// sum(dout * softmax(R q, R k, v)), queries the last Lq of Lk positions; the CPU kernels
+// (float32) against that reference.
+struct RotatedSoftmax {
+  static constexpr std::int64_t B = 2, Lq = 5, Lk = 9, H = 2, D = 8;
+  std::vector<double> q, k, v, dout;
+  Tables all = tables(Lk, D / 2, DType::float64, 1.1);
+
+  // The last Lq rows of a (Lk, D/2) table.
+  static HostTensor last_rows(const HostTensor& t, DType dtype) {
+    HostTensor rows({Lq, D / 2}, dtype);
+    const std::vector<double> v = t.values();
+    rows.set_values(std::vector<double>(v.end() - Lq * (D / 2), v.end()));
+    return rows;
+  }
+  static HostTensor tensor(std::vector<std::int64_t> shape, DType dtype, const std::vector<double>& values) {
+    HostTensor t(std::move(shape), dtype);
+    t.set_values(values);
+    return t;
+  }
+  // sum(dout * out) for unrotated q and k.
+  double loss(const std::vector<double>& q0, const std::vector<double>& k0) const {
+    const ExecContext ctx{Backend::reference};
+    HostTensor qr = tensor({B, Lq, H, D}, DType::float64, q0), kr = tensor({B, Lk, H, D}, DType::float64, k0);
+    const HostTensor qc = last_rows(all.cos, DType::float64), qs = last_rows(all.sin, DType::float64);
+    rotary::apply(qr.view(), qc.view(), qs.view(), false, qr.view(), ctx);
+    rotary::apply(kr.view(), all.cos.view(), all.sin.view(), false, kr.view(), ctx);
+    HostTensor vv = tensor({B, Lk, H, D}, DType::float64, v), out({B, Lq, H, D}, DType::float64),
+               lse({B, Lq, H}, DType::float64);
+    softmax::forward({qr.view(), kr.view(), vv.view()}, {}, {out.view(), lse.view()}, ctx);
+    double sum = 0;
+    const std::vector<double> o = out.values();
+    for (std::size_t i = 0; i < o.size(); ++i) sum += o[i] * dout[i];
+    return sum;
+  }
+  // dq and dk through softmax::backward with the tables, in `dtype` on `backend`.
+  std::pair<std::vector<double>, std::vector<double>> grads(DType dtype, Backend backend) const {
+    const ExecContext ctx{backend};
+    const DType table_dtype = dtype;
+    HostTensor cos = tensor({Lk, D / 2}, table_dtype, all.cos.values()), sin = tensor({Lk, D / 2}, table_dtype, all.sin.values());
+    HostTensor qr = tensor({B, Lq, H, D}, dtype, q), kr = tensor({B, Lk, H, D}, dtype, k);
+    const HostTensor qc = last_rows(cos, dtype), qs = last_rows(sin, dtype);
+    rotary::apply(qr.view(), qc.view(), qs.view(), false, qr.view(), ctx);
+    rotary::apply(kr.view(), cos.view(), sin.view(), false, kr.view(), ctx);
+    HostTensor vv = tensor({B, Lk, H, D}, dtype, v), out({B, Lq, H, D}, dtype), lse({B, Lq, H}, dtype);
+    HostTensor dd = tensor({B, Lq, H, D}, dtype, dout);
+    HostTensor dq({B, Lq, H, D}, dtype), dk({B, Lk, H, D}, dtype), dv({B, Lk, H, D}, dtype);
+    softmax::Options options;
+    softmax::forward({qr.view(), kr.view(), vv.view()}, options, {out.view(), lse.view()}, ctx);
+    options.rotary_cos = cos.view();
+    options.rotary_sin = sin.view();
+    softmax::backward({qr.view(), kr.view(), vv.view()}, options, {out.view(), lse.view()}, dd.view(),
+                      {dq.view(), dk.view(), dv.view()}, ctx);
+    return {dq.values(), dk.values()};
+  }
+};
+
+TEST(SoftmaxRotary, GradientsAreWithRespectToTheUnrotatedInputs) {
+  std::mt19937_64 rng(21);
+  RotatedSoftmax r;
+  using S = RotatedSoftmax;
+  r.q = random_normal(S::B * S::Lq * S::H * S::D, rng);
+  r.k = random_normal(S::B * S::Lk * S::H * S::D, rng);
+  r.v = random_normal(S::B * S::Lk * S::H * S::D, rng);
+  r.dout = random_normal(S::B * S::Lq * S::H * S::D, rng);
+  const auto [dq, dk] = r.grads(DType::float64, Backend::reference);
+  const double h = 1e-6;
+  std::vector<double> fd_q(r.q.size()), fd_k(r.k.size());
+  for (std::size_t i = 0; i < r.q.size(); ++i) {
+    std::vector<double> plus = r.q, minus = r.q;
+    plus[i] += h;
+    minus[i] -= h;
+    fd_q[i] = (r.loss(plus, r.k) - r.loss(minus, r.k)) / (2 * h);
+  }
+  for (std::size_t i = 0; i < r.k.size(); ++i) {
+    std::vector<double> plus = r.k, minus = r.k;
+    plus[i] += h;
+    minus[i] -= h;
+    fd_k[i] = (r.loss(r.q, plus) - r.loss(r.q, minus)) / (2 * h);
+  }
+  EXPECT_LT(relative_error(dq, fd_q), 1e-7) << "dq against central differences";
+  EXPECT_LT(relative_error(dk, fd_k), 1e-7) << "dk against central differences";
+  const auto [dq32, dk32] = r.grads(DType::float32, Backend::automatic);
+  EXPECT_LT(relative_error(dq32, dq), 1e-5) << "CPU kernels' dq";
+  EXPECT_LT(relative_error(dk32, dk), 1e-5) << "CPU kernels' dk";
+}
+
+TEST(SoftmaxRotary, BadTablesNameTheArgument) {
+  HostTensor q({1, 4, 2, 8}, DType::float32), k({1, 4, 2, 8}, DType::float32), v({1, 4, 2, 8}, DType::float32);
+  HostTensor out({1, 4, 2, 8}, DType::float32), lse({1, 4, 2}, DType::float32);
+  HostTensor dq({1, 4, 2, 8}, DType::float32), dk({1, 4, 2, 8}, DType::float32), dv({1, 4, 2, 8}, DType::float32);
+  const Tables t = tables(4, 4, DType::float32), wrong = tables(3, 4, DType::float32);
+  auto backward = [&](const softmax::Options& o) {
+    softmax::backward({q.view(), k.view(), v.view()}, o, {out.view(), lse.view()}, out.view(),
+                      {dq.view(), dk.view(), dv.view()});
+  };
+  softmax::Options only_cos;
+  only_cos.rotary_cos = t.cos.view();
+  expect_error([&] { backward(only_cos); }, "'rotary_sin': expected a table");
+  softmax::Options short_table;
+  short_table.rotary_cos = wrong.cos.view();
+  short_table.rotary_sin = t.sin.view();
+  expect_error([&] { backward(short_table); }, "'rotary_cos': expected float32 (4, 4)");
+  const HostTensor cu = int32_tensor({0, 2, 4});
+  HostTensor pq({4, 2, 8}, DType::float32), pk({4, 2, 8}, DType::float32), pv({4, 2, 8}, DType::float32);
+  HostTensor pout({4, 2, 8}, DType::float32), plse({4, 2}, DType::float32);
+  HostTensor pdq({4, 2, 8}, DType::float32), pdk({4, 2, 8}, DType::float32), pdv({4, 2, 8}, DType::float32);
+  softmax::Options both;
+  both.rotary_cos = t.cos.view();
+  both.rotary_sin = t.sin.view();
+  expect_error(
+      [&] {
+        softmax::backward({pq.view(), pk.view(), pv.view(), cu.view()}, both, {pout.view(), plse.view()}, pout.view(),
+                          {pdq.view(), pdk.view(), pdv.view()});
+      },
+      "'rotary_cos': expected no tables with packed sequences");
 }
 
 }  // namespace

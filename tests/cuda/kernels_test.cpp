@@ -28,6 +28,7 @@
 #include "winnow/rms_norm.h"
 #include "winnow/swiglu.h"
 #include "winnow/rotary.h"
+#include "winnow/softmax.h"
 
 namespace winnow::testing {
 namespace {
@@ -911,6 +912,86 @@ TEST(CudaSwiGLU, MatchesFloat64ForEveryDtype) {
       EXPECT_LT(relative_error(dgate.values(), want.dgate), tol) << label;
       EXPECT_LT(relative_error(dup.values(), want.dup), tol) << label;
     }
+  }
+}
+
+// softmax's backward with rotary tables (Options::rotary_cos / rotary_sin) on CUDA: on Hopper
+// the kernels rotate dq (the key-stationary one dk too) back as they store them. Against the
+// same call without tables followed by rotary::apply's transpose, on every backward path: the
+// key-stationary kernel (grouped heads; queries shorter than keys; D 128), the row kernel's
+// direct mode unpacked (L 100) and packed (L 64), and its deterministic mode; both 16-bit types.
+TEST(CudaRotaryGradients, MatchRotatingAfterTheBackward) {
+  struct Case {
+    const char* name;
+    std::int64_t B, Lq, Lk, Hq, Hkv, D;
+    bool deterministic;
+  };
+  const Case cases[] = {{"keys_gqa_d64", 2, 300, 300, 4, 2, 64, false},
+                        {"keys_suffix_d128", 1, 200, 300, 2, 2, 128, false},
+                        {"rows_direct_d128", 2, 100, 100, 2, 2, 128, false},
+                        {"rows_packed_d64", 3, 64, 64, 2, 2, 64, false},
+                        {"rows_deterministic_d64", 2, 300, 300, 2, 2, 64, true}};
+  std::mt19937_64 rng(77);
+  int index = 0;
+  for (const Case& c : cases) {
+    const DType dt = index++ % 2 == 0 ? DType::bfloat16 : DType::float16;
+    const std::int64_t half = c.D / 2;
+    auto random = [&](std::vector<std::int64_t> shape) {
+      HostTensor t(std::move(shape), dt);
+      t.set_values(random_normal(t.numel(), rng));
+      return t;
+    };
+    const HostTensor q = random({c.B, c.Lq, c.Hq, c.D}), k = random({c.B, c.Lk, c.Hkv, c.D});
+    const HostTensor v = random({c.B, c.Lk, c.Hkv, c.D}), dout = random({c.B, c.Lq, c.Hq, c.D});
+    HostTensor cos({c.Lk, half}, DType::float32), sin({c.Lk, half}, DType::float32);
+    HostTensor q_cos({c.Lq, half}, DType::float32), q_sin({c.Lq, half}, DType::float32);
+    std::vector<double> cv(c.Lk * half), sv(c.Lk * half);
+    for (std::int64_t l = 0; l < c.Lk; ++l) {
+      for (std::int64_t i = 0; i < half; ++i) {
+        const double angle = static_cast<double>(l) * std::pow(10000.0, -static_cast<double>(i) / half);
+        cv[l * half + i] = std::cos(angle);
+        sv[l * half + i] = std::sin(angle);
+      }
+    }
+    cos.set_values(cv);
+    sin.set_values(sv);
+    const std::int64_t skip = (c.Lk - c.Lq) * half;
+    q_cos.set_values(std::vector<double>(cv.begin() + skip, cv.end()));
+    q_sin.set_values(std::vector<double>(sv.begin() + skip, sv.end()));
+
+    CudaPlacement gpu;
+    const AttentionInputs in{gpu.place(q), gpu.place(k), gpu.place(v)};
+    HostTensor out({c.B, c.Lq, c.Hq, c.D}, dt), lse({c.B, c.Lq, c.Hq}, DType::float32);
+    const softmax::Outputs saved{gpu.place(out), gpu.place(lse)};
+    ExecContext ctx;
+    ctx.deterministic = c.deterministic;
+    softmax::Options plain;
+    softmax::forward(in, plain, saved, ctx);
+    HostTensor dq_in({c.B, c.Lq, c.Hq, c.D}, dt), dk_in({c.B, c.Lk, c.Hkv, c.D}, dt), dv_in({c.B, c.Lk, c.Hkv, c.D}, dt);
+    HostTensor dq_after = dq_in, dk_after = dk_in, dv_after = dv_in;
+    const AttentionGrads in_kernels{gpu.place(dq_in), gpu.place(dk_in), gpu.place(dv_in)};
+    const AttentionGrads after{gpu.place(dq_after), gpu.place(dk_after), gpu.place(dv_after)};
+    softmax::Options rotated = plain;
+    rotated.rotary_cos = gpu.place(cos);
+    rotated.rotary_sin = gpu.place(sin);
+    softmax::backward(in, rotated, saved, gpu.place(dout), in_kernels, ctx);
+    softmax::backward(in, plain, saved, gpu.place(dout), after, ctx);
+    rotary::apply(after.dq, gpu.place(q_cos), gpu.place(q_sin), /*transpose=*/true, after.dq, ctx);
+    rotary::apply(after.dk, *rotated.rotary_cos, *rotated.rotary_sin, /*transpose=*/true, after.dk, ctx);
+    gpu.fetch(in_kernels.dq, dq_in);
+    gpu.fetch(in_kernels.dk, dk_in);
+    gpu.fetch(in_kernels.dv, dv_in);
+    gpu.fetch(after.dq, dq_after);
+    gpu.fetch(after.dk, dk_after);
+    gpu.fetch(after.dv, dv_after);
+    SCOPED_TRACE(std::string(c.name) + " " + to_string(dt));
+    // The kernels round once where the pass after them rounds twice: a 16-bit ulp apart at most.
+    const double tol = tolerance(dt) / 4;
+    EXPECT_LT(relative_error(dq_in.values(), dq_after.values()), tol) << "dq";
+    EXPECT_LT(relative_error(dk_in.values(), dk_after.values()), tol) << "dk";
+    // dv does not rotate; equal up to the order in which the portable kernels' atomics add a
+    // group's query heads (GQA without determinism).
+    EXPECT_LT(relative_error(dv_in.values(), dv_after.values()), tol) << "dv";
   }
 }
 

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "cuda/attention/backward.cuh"
+#include "cuda/attention/rotary_epilogue.cuh"
 #include "cuda/tile/hopper.cuh"
 #include "cuda/tile/panel_tile.cuh"
 
@@ -361,6 +362,15 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
     tile::pin(dp);
 
     if constexpr (kFinishesDq<Rows>) rows.finish_dq(dq, p, cfg, qt, row0, tig);
+    if (g.rotary_cos != nullptr) {
+      std::int64_t pos[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const std::int64_t row = row0 + 8 * half;
+        pos[half] = row < qt.s.q_len ? rotary_position(p, row + qt.s.q_offset()) : -1;
+      }
+      rotate_back_fragment<D>(g, dq, pos, tig);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;

@@ -37,6 +37,7 @@
 #include <cstdint>
 
 #include "cuda/attention/geometry.cuh"
+#include "cuda/attention/rotary_epilogue.cuh"
 #include "cuda/tile/fragment.cuh"
 #include "cuda/tile/hopper.cuh"
 #include "cuda/tile/panel_tile.cuh"
@@ -334,7 +335,11 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       }
     }
 
-    // The block's keys' whole gradients, in T.
+    // The block's keys' whole gradients, in T (dK rotated back first where the operator rotated k).
+    if (g.rotary_cos != nullptr) {
+      const std::int64_t pos[2] = {my_key < seq.k_len ? my_key : -1, my_key + 8 < seq.k_len ? my_key + 8 : -1};
+      rotate_back_fragment<D>(g, dk, pos, tig);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t key = my_key + 8 * half;
@@ -397,21 +402,41 @@ __global__ void softmax_backward_row_stats_kernel(const AttentionParams p, const
   }
 }
 
-// The fp32 dQ accumulator into dq (T).
+// The fp32 dQ accumulator into dq (T), rotated back where the operator rotated q: the lanes
+// holding columns c and c + D/2 are kLanes / 2 apart in the warp.
 template <class T, int D>
 __global__ void softmax_backward_store_dq_kernel(const AttentionParams p, const detail::GradientParams g,
                                                  const SoftmaxKeysBackwardBuffers buf) {
   constexpr int kLanes = kHelperLanesPerRow<D>;
-  const int c = 8 * static_cast<int>(threadIdx.x % kLanes);
+  const int part = static_cast<int>(threadIdx.x % kLanes), c = 8 * part;
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kHelperRowsPerBlock<D> + threadIdx.x / kLanes;
   const std::int64_t h = blockIdx.y, b = blockIdx.z;
   const SequenceExtent seq = p.sequence(b);
-  if (r >= seq.q_len) return;
-  const float* src = buf.dq + buf.row_index(p, h, b, r) * D + c;
-  const float4 x = *reinterpret_cast<const float4*>(src);
-  const float4 y = *reinterpret_cast<const float4*>(src + 4);
+  // A warp's rows may lie on both sides of the sequence's end: no lane returns before the shuffles.
+  const bool in_sequence = r < seq.q_len;
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (in_sequence) {
+    const float* src = buf.dq + buf.row_index(p, h, b, r) * D + c;
+    const float4 x = *reinterpret_cast<const float4*>(src);
+    const float4 y = *reinterpret_cast<const float4*>(src + 4);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+  }
+  if (g.rotary_cos != nullptr) {
+    const bool low = part < kLanes / 2;
+    const int c_low = low ? c : c - D / 2;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float other = __shfl_xor_sync(0xffffffffu, v[k], kLanes / 2);
+      if (!in_sequence) continue;
+      float lo = low ? v[k] : other, hi = low ? other : v[k];
+      rotate_back(g, r + seq.q_offset(), c_low + k, lo, hi);
+      v[k] = low ? lo : hi;
+    }
+  }
+  if (!in_sequence) return;
   *reinterpret_cast<uint4*>(g.dq.at<T>(b, seq.q_start + r, h) + c) =
-      make_uint4(tile::pack2<T>(x.x, x.y), tile::pack2<T>(x.z, x.w), tile::pack2<T>(y.x, y.y), tile::pack2<T>(y.z, y.w));
+      make_uint4(tile::pack2<T>(v[0], v[1]), tile::pack2<T>(v[2], v[3]), tile::pack2<T>(v[4], v[5]),
+                 tile::pack2<T>(v[6], v[7]));
 }
 
 }  // namespace winnow::cuda
