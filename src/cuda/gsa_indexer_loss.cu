@@ -19,11 +19,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/cuda.h"
 #include "cuda/element_types.cuh"
 #include "cuda/launch.h"
+#include "cuda/tile/fragment.cuh"
+#include "cuda/tile/smem_tile.cuh"
 #include "math/gsa.h"
 
 namespace winnow::cuda {
@@ -343,6 +346,440 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_loss_kernel(AttentionPara
   }
 }
 
+// ---- The same three passes on tensor cores, for bf16 inputs with head dimensions 64 or 128 and
+// at most 8 heads of each kind (H D, H_I d_I and H_kv D at most 512). A block holds 64 query
+// rows of one sequence, 16 per warp as an m16n8k16 A operand, and walks key tiles of 32 keys:
+// the heads' logits and the indexer's dot products are tile products (fp32 sums of exact bf16
+// products, as the CUDA-core kernel's), the element-wise terms are the shared math::gsa ones.
+// The gradients' products take dz in two bf16 parts (hi + lo, ~16 bits of mantissa) so that
+// dq and dk keep the CUDA-core kernel's accuracy; each warp adds its rows' dq into their rows
+// (no other block writes them) and its dk share with atomics.
+constexpr int kTcRows = 64, kTcKeys = 32, kTcWarps = 4, kTcMaxHeads = 8;
+constexpr int kTcLossThreads = 32 * kTcWarps;
+
+struct TcLossLayout {
+  int heads, kv_heads, index_heads;
+  std::size_t q, iq, k, ik, dz, rowstate, bytes;  // byte offsets
+  template <int D, int DI>
+  static TcLossLayout of(const AttentionParams& p, const IndexerLossConfig& c) {
+    TcLossLayout l;
+    l.heads = static_cast<int>(c.attention.heads_q);
+    l.kv_heads = static_cast<int>(c.attention.heads_kv);
+    l.index_heads = static_cast<int>(p.heads_q);
+    std::size_t at = 0;
+    auto take = [&](std::size_t elems) {
+      const std::size_t start = at;
+      at += elems * 2;
+      return start;
+    };
+    l.q = take(static_cast<std::size_t>(l.heads) * kTcRows * D);
+    l.iq = take(static_cast<std::size_t>(l.index_heads) * kTcRows * DI);
+    l.k = take(static_cast<std::size_t>(l.kv_heads) * kTcKeys * D);
+    l.ik = take(static_cast<std::size_t>(kTcKeys) * DI);
+    l.dz = take(static_cast<std::size_t>(kTcWarps) * 2 * 16 * kTcKeys);
+    // Per row, floats: the gates, the log-sum-exps (heads, then the indexer's), and the
+    // gradients' row sums for the head weights and biases.
+    l.rowstate = at;
+    at += static_cast<std::size_t>(kTcRows) * (3 * l.index_heads + l.heads + 1) * sizeof(float);
+    l.bytes = at;
+    return l;
+  }
+};
+
+// Whether the tensor-core passes take this call.
+bool tc_loss_applies(const AttentionParams& p, const IndexerLossConfig& c) {
+  const AttentionParams& a = c.attention;
+  if (p.dtype != DType::bfloat16 || a.dtype != DType::bfloat16) return false;
+  if ((a.dim_qk != 64 && a.dim_qk != 128) || (p.dim_qk != 64 && p.dim_qk != 128)) return false;
+  if (a.heads_q > kTcMaxHeads || p.heads_q > kTcMaxHeads || a.heads_q % a.heads_kv != 0) return false;
+  if (a.heads_q * a.dim_qk > 512 || p.heads_q * p.dim_qk > 512 || a.heads_kv * a.dim_qk > 512) return false;
+  if (p.heads_kv != 1) return false;
+  for (const detail::Operand* op : {&a.q, &a.k, &p.q, &p.k}) {
+    if (!aligned_rows(*op, DType::bfloat16)) return false;
+  }
+  return std::getenv("WINNOW_GSA_LOSS_SCALAR") == nullptr;
+}
+
+// x as hi + lo, both bf16 (the products' A operands).
+__device__ __forceinline__ void split_bf16(float x, float& hi, float& lo) {
+  hi = __bfloat162float(__float2bfloat16_rn(x));
+  lo = x - hi;
+}
+
+template <int D, int DI, IndexerLossPass kPass>
+__global__ void __launch_bounds__(kTcLossThreads) indexer_loss_tc_kernel(AttentionParams p, IndexerLossConfig c,
+                                                                          TcLossLayout lay) {
+  using T = __nv_bfloat16;
+  using QTile = tile::SmemTile<T, kTcRows, D>;
+  using IQTile = tile::SmemTile<T, kTcRows, DI>;
+  using KTile = tile::SmemTile<T, kTcKeys, D>;
+  using IKTile = tile::SmemTile<T, kTcKeys, DI>;
+  using DzTile = tile::SmemTile<T, 16, kTcKeys>;
+  constexpr int NT = kTcKeys / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const AttentionParams& a = c.attention;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, tig = lane % 4;
+  const std::int64_t b = blockIdx.y;
+  const detail::SequenceExtent s = p.sequence(b);
+  const std::int64_t blocks = (s.q_len + kTcRows - 1) / kTcRows;
+  if (static_cast<std::int64_t>(blockIdx.x) >= blocks) return;
+  const std::int64_t r0 = (blocks - 1 - blockIdx.x) * kTcRows;  // the last rows see the most keys: first
+  const std::int64_t last_key = (r0 + kTcRows < s.q_len ? r0 + kTcRows : s.q_len) - 1 + s.q_offset();
+  const int H = lay.heads, HI = lay.index_heads, group = lay.heads / lay.kv_heads;
+  auto q_tile = [&](int h) { return QTile{reinterpret_cast<T*>(smem_raw + lay.q) + h * kTcRows * D}; };
+  auto iq_tile = [&](int j) { return IQTile{reinterpret_cast<T*>(smem_raw + lay.iq) + j * kTcRows * DI}; };
+  auto k_tile = [&](int hk) { return KTile{reinterpret_cast<T*>(smem_raw + lay.k) + hk * kTcKeys * D}; };
+  const IKTile ik_tile{reinterpret_cast<T*>(smem_raw + lay.ik)};
+  const DzTile dz_hi{reinterpret_cast<T*>(smem_raw + lay.dz) + warp * 2 * 16 * kTcKeys};
+  const DzTile dz_lo{reinterpret_cast<T*>(smem_raw + lay.dz) + (warp * 2 + 1) * 16 * kTcKeys};
+
+  // The block's query rows (zeros past the sequence).
+  for (int h = 0; h < H; ++h) {
+    q_tile(h).template load_async<kTcLossThreads>(tid, [&](int r) -> const T* {
+      return r0 + r < s.q_len ? a.q.at<const T>(b, s.q_start + r0 + r, h) : nullptr;
+    });
+  }
+  for (int j = 0; j < HI; ++j) {
+    iq_tile(j).template load_async<kTcLossThreads>(tid, [&](int r) -> const T* {
+      return r0 + r < s.q_len ? p.q.at<const T>(b, s.q_start + r0 + r, j) : nullptr;
+    });
+  }
+  tile::cp_async_commit();
+
+  // Per-row state in shared memory (block row i): gates, log-sum-exps, and the row sums of the
+  // gradients for the head weights and biases (added by each row's quad, so never contended).
+  float* const gate_s = reinterpret_cast<float*>(smem_raw + lay.rowstate);
+  float* const lse_s = gate_s + kTcRows * HI;  // [row][H + 1]
+  float* const dw_s = lse_s + kTcRows * (H + 1);
+  float* const db_s = dw_s + kTcRows * HI;
+  for (int e = tid; e < kTcRows * HI; e += kTcLossThreads) {
+    const std::int64_t r = r0 + e / HI;
+    gate_s[e] = r < s.q_len ? math::gsa::gate(c.form, widen(*c.weights.at<const T>(b, s.q_start + r, e % HI))) : 0.f;
+    dw_s[e] = 0.f;
+    db_s[e] = 0.f;
+  }
+  if constexpr (kPass != IndexerLossPass::stats) {
+    for (int e = tid; e < kTcRows * (H + 1); e += kTcLossThreads) {
+      const std::int64_t r = r0 + e / (H + 1);
+      lse_s[e] = r < s.q_len ? static_cast<float>(c.lse.at<const float>(b, s.q_start + r, e % (H + 1))[0]) : 0.f;
+    }
+  }
+
+  // This thread's rows: g and g + 8 of the warp's 16 (half 0 and 1); block rows brow[half].
+  const std::int64_t wrow0 = r0 + 16 * warp;
+  bool active[2];
+  std::int64_t row[2];
+  int brow[2];
+  float m[kTcMaxHeads + 1][2], l[kTcMaxHeads + 1][2];  // the statistics pass's running max and sum
+  float grad_row[2] = {0.f, 0.f}, loss_part[2] = {0.f, 0.f};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t r = wrow0 + g + 8 * half;
+    active[half] = r < s.q_len;
+    row[half] = s.q_start + r;
+    brow[half] = 16 * warp + g + 8 * half;
+#pragma unroll
+    for (int h = 0; h <= kTcMaxHeads; ++h) {
+      m[h][half] = -INFINITY;
+      l[h][half] = 0.f;
+    }
+    if constexpr (kPass == IndexerLossPass::grads) {
+      if (active[half]) grad_row[half] = *c.dloss.at<const float>(b, row[half], 0);
+    }
+  }
+  auto gate_of = [&](int j, int half) { return gate_s[brow[half] * HI + j]; };
+  auto lse_of = [&](int h, int half) { return lse_s[brow[half] * (H + 1) + h]; };  // h = H: the indexer's
+  if constexpr (kPass == IndexerLossPass::grads) {
+    // This warp's rows' dq start from zero (only this warp adds into them).
+    for (int i = 0; i < 16; ++i) {
+      const std::int64_t r = wrow0 + i;
+      if (r >= s.q_len) break;
+      for (int e = lane; e < HI * DI; e += 32) c.dq.at<float>(b, s.q_start + r, e / DI)[(e % DI) * c.dq.dim] = 0.f;
+    }
+    __syncwarp();
+  }
+  // Row i of the warp's 16: lane i holds its list position (the first entry not yet in a tile).
+  const bool listed = c.has_lists();
+  int next = 0, count = 0;
+  if (listed && lane < 16 && wrow0 + lane < s.q_len) count = *c.counts.at<const std::int32_t>(b, s.q_start + wrow0 + lane, 0);
+
+  const float scale = static_cast<float>(p.scale), attention_scale = static_cast<float>(a.scale);
+  const float inv_heads = 1.f / static_cast<float>(H);
+  tile::cp_async_wait<0>();
+  __syncthreads();
+
+  for (std::int64_t k0 = 0; k0 <= last_key; k0 += kTcKeys) {
+    // The warp's rows' sets in this tile, as 32-bit masks; this thread keeps rows g and g + 8.
+    unsigned mask[2] = {0u, 0u};
+    for (int i = 0; i < 16; ++i) {
+      const std::int64_t r = wrow0 + i;
+      unsigned mi = 0u;
+      if (r < s.q_len) {
+        if (listed) {
+          const int at = __shfl_sync(0xffffffffu, next, i) + lane;
+          const int n_i = __shfl_sync(0xffffffffu, count, i);
+          const std::int32_t key = at < n_i ? c.indices.at<const std::int32_t>(b, s.q_start + r, 0)[at * c.indices.head] : -1;
+          const bool here = key >= k0 && key < k0 + kTcKeys;
+          mi = __reduce_or_sync(0xffffffffu, here ? 1u << (key - k0) : 0u);
+          if (lane == i) next += __popc(mi);
+        } else {
+          const std::int64_t t = r + s.q_offset();
+          mi = t >= k0 + kTcKeys - 1 ? 0xffffffffu : (t < k0 ? 0u : (2u << (t - k0)) - 1u);
+        }
+      }
+      if ((i & 7) == g) mask[i >> 3] = mi;
+    }
+    const bool any = (mask[0] | mask[1]) != 0u;
+    // Also the barrier after the previous tile's reads of the staged keys.
+    if (!__syncthreads_or(any)) continue;
+    for (int hk = 0; hk < lay.kv_heads; ++hk) {
+      k_tile(hk).template load_async<kTcLossThreads>(tid, [&](int r) -> const T* {
+        return k0 + r <= last_key ? a.k.at<const T>(b, s.k_start + k0 + r, hk) : nullptr;
+      });
+    }
+    ik_tile.template load_async<kTcLossThreads>(tid, [&](int r) -> const T* {
+      return k0 + r <= last_key ? p.k.at<const T>(b, s.k_start + k0 + r, 0) : nullptr;
+    });
+    tile::cp_async_commit();
+    tile::cp_async_wait<0>();
+    __syncthreads();
+    if (!__any_sync(0xffffffffu, any)) continue;
+    auto mine = [&](int n, int e) { return ((mask[e / 2] >> (8 * n + 2 * tig + (e % 2))) & 1u) != 0u; };
+
+    // The heads' logits: statistics, or the heads' mean probability of each key.
+    float prob[NT][4] = {};
+    for (int h = 0; h < H; ++h) {
+      float x[NT][4];
+      tile::zero(x);
+      tile::mma_smem_a_b_rows<T, D / 16, NT>(x, q_tile(h), 16 * warp, k_tile(h / group), 0, lane);
+#pragma unroll
+      for (int hh = 0; hh < kTcMaxHeads; ++hh) {  // registers indexed by compile-time heads
+        if (hh != h) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if constexpr (kPass == IndexerLossPass::stats) {
+            float top = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+              for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                if (mine(n, e)) top = fmaxf(top, x[n][e] * attention_scale);
+              }
+            }
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+            if (top == -INFINITY) continue;
+            const float m_new = fmaxf(m[hh][half], top);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+              for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                if (mine(n, e)) sum += expf(x[n][e] * attention_scale - m_new);
+              }
+            }
+            l[hh][half] = (m[hh][half] == -INFINITY ? 0.f : l[hh][half] * expf(m[hh][half] - m_new)) + sum;
+            m[hh][half] = m_new;
+          } else {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+              for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                if (mine(n, e)) prob[n][e] += expf(x[n][e] * attention_scale - lse_of(h, half));
+              }
+            }
+          }
+        }
+      }
+    }
+
+    // The indexer's scores.
+    float score[NT][4] = {};
+    for (int j = 0; j < HI; ++j) {
+      float z[NT][4];
+      tile::zero(z);
+      tile::mma_smem_a_b_rows<T, DI / 16, NT>(z, iq_tile(j), 16 * warp, ik_tile, 0, lane);
+      const float bias = c.bias_at<float>(j);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) score[n][e] += math::gsa::gated_term(c.form, gate_of(j, e / 2), z[n][e] * scale, bias);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if constexpr (kPass == IndexerLossPass::stats) {
+        float top = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            if (mine(n, e)) top = fmaxf(top, score[n][e]);
+          }
+        }
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        if (top == -INFINITY) continue;
+        const float m_new = fmaxf(m[kTcMaxHeads][half], top);
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            if (mine(n, e)) sum += expf(score[n][e] - m_new);
+          }
+        }
+        const float m_old = m[kTcMaxHeads][half];
+        l[kTcMaxHeads][half] = (m_old == -INFINITY ? 0.f : l[kTcMaxHeads][half] * expf(m_old - m_new)) + sum;
+        m[kTcMaxHeads][half] = m_new;
+      }
+    }
+    if constexpr (kPass == IndexerLossPass::loss) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (mine(n, e)) loss_part[e / 2] += math::gsa::kl_term(prob[n][e] * inv_heads, score[n][e] - lse_of(H, e / 2));
+        }
+      }
+    }
+    if constexpr (kPass == IndexerLossPass::grads) {
+      float dscore[NT][4];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dscore[n][e] = mine(n, e) ? grad_row[e / 2] * math::gsa::kl_score_slope(prob[n][e] * inv_heads,
+                                                                                  score[n][e] - lse_of(H, e / 2))
+                                    : 0.f;
+        }
+      }
+      for (int j = 0; j < HI; ++j) {
+        float z[NT][4];
+        tile::zero(z);
+        tile::mma_smem_a_b_rows<T, DI / 16, NT>(z, iq_tile(j), 16 * warp, ik_tile, 0, lane);
+        const float bias = c.bias_at<float>(j);
+        float hi[NT][4], lo[NT][4], dw_part[2] = {0.f, 0.f}, db_part[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const math::gsa::TermSlopes<float> slope =
+                math::gsa::term_slopes(c.form, gate_of(j, e / 2), z[n][e] * scale, bias);
+            const float dz = dscore[n][e] * slope.dot;
+            dw_part[e / 2] += dscore[n][e] * slope.weight;
+            db_part[e / 2] += dz;
+            split_bf16(dz * scale, hi[n][e], lo[n][e]);
+          }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float w = dw_part[half], d = db_part[half];
+          w += __shfl_xor_sync(0xffffffffu, w, 1);
+          w += __shfl_xor_sync(0xffffffffu, w, 2);
+          d += __shfl_xor_sync(0xffffffffu, d, 1);
+          d += __shfl_xor_sync(0xffffffffu, d, 2);
+          if (tig == 0) {
+            dw_s[brow[half] * HI + j] += w;
+            db_s[brow[half] * HI + j] += d;
+          }
+        }
+        // dq of the warp's rows: (dz scale) K_I, both parts.
+        std::uint32_t a_hi[NT / 2][4], a_lo[NT / 2][4];
+        tile::to_operand<T, NT / 2>(hi, a_hi);
+        tile::to_operand<T, NT / 2>(lo, a_lo);
+        float dq[DI / 8][4];
+        tile::zero(dq);
+        tile::mma_b_cols<T, DI / 8, NT / 2>(dq, a_hi, ik_tile, 0, lane);
+        tile::mma_b_cols<T, DI / 8, NT / 2>(dq, a_lo, ik_tile, 0, lane);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (!active[half]) continue;
+          float* out = c.dq.at<float>(b, row[half], j);
+#pragma unroll
+          for (int n = 0; n < DI / 8; ++n) {
+            out[(8 * n + 2 * tig) * c.dq.dim] += dq[n][2 * half];
+            out[(8 * n + 2 * tig + 1) * c.dq.dim] += dq[n][2 * half + 1];
+          }
+        }
+        // dk of the tile's keys: (dz scale)^T of the warp's rows times their indexer queries.
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          dz_hi.store_c(hi[n], 0, 8 * n, lane);
+          dz_lo.store_c(lo[n], 0, 8 * n, lane);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int mk = 0; mk < kTcKeys / 16; ++mk) {
+          std::uint32_t th[4], tl[4];
+          dz_hi.a_cols(th, 16 * mk, 0, lane);
+          dz_lo.a_cols(tl, 16 * mk, 0, lane);
+          float dk[DI / 8][4];
+          tile::zero(dk);
+#pragma unroll
+          for (int np = 0; np < DI / 16; ++np) {
+            std::uint32_t bq[4];
+            iq_tile(j).b_cols(bq, 16 * warp, 16 * np, lane);
+            tile::mma_16816<T>(dk[2 * np], th, bq[0], bq[1]);
+            tile::mma_16816<T>(dk[2 * np + 1], th, bq[2], bq[3]);
+            tile::mma_16816<T>(dk[2 * np], tl, bq[0], bq[1]);
+            tile::mma_16816<T>(dk[2 * np + 1], tl, bq[2], bq[3]);
+          }
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const std::int64_t key = k0 + 16 * mk + g + 8 * half;
+            if (key > last_key) continue;
+            float* out = c.dk.at<float>(b, s.k_start + key, 0);
+#pragma unroll
+            for (int n = 0; n < DI / 8; ++n) {
+              const float x0 = dk[n][2 * half], x1 = dk[n][2 * half + 1];
+              if (x0 != 0.f) atomicAdd(out + (8 * n + 2 * tig) * c.dk.dim, x0);
+              if (x1 != 0.f) atomicAdd(out + (8 * n + 2 * tig + 1) * c.dk.dim, x1);
+            }
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
+
+  // The rows' results.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if constexpr (kPass == IndexerLossPass::stats) {
+#pragma unroll
+      for (int h = 0; h <= kTcMaxHeads; ++h) {
+        float sum = l[h][half];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int column = h < kTcMaxHeads ? h : H;
+        if (active[half] && tig == 0 && (h < H || h == kTcMaxHeads)) {
+          c.lse.at<float>(b, row[half], column)[0] = sum > 0.f ? m[h][half] + logf(sum) : -INFINITY;
+        }
+      }
+    } else if constexpr (kPass == IndexerLossPass::loss) {
+      float sum = loss_part[half];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (active[half] && tig == 0) *p.stats.at<float>(b, row[half], 0) = sum;
+    }
+  }
+  if constexpr (kPass == IndexerLossPass::grads) {
+    __syncthreads();
+    for (int e = tid; e < kTcRows * HI; e += kTcLossThreads) {
+      const std::int64_t r = r0 + e / HI;
+      if (r < s.q_len) *c.dweights.at<float>(b, s.q_start + r, e % HI) = dw_s[e];
+    }
+    if (c.dbias.data != nullptr) {
+      for (int j = tid; j < HI; j += kTcLossThreads) {
+        float sum = 0.f;
+        for (int r = 0; r < kTcRows; ++r) sum += db_s[r * HI + j];
+        if (sum != 0.f) atomicAdd(static_cast<float*>(c.dbias.data) + j * c.dbias.head, sum);
+      }
+    }
+  }
+}
+
 __global__ void zero_key_grads_kernel(AttentionParams p, IndexerLossConfig c) {
   const std::int64_t total = p.rows_k * p.dim_qk;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -385,11 +822,30 @@ LossLayout layout_for(const AttentionParams& p, const IndexerLossConfig& c, cons
   return lay;
 }
 
+template <int D, int DI, IndexerLossPass kPass>
+void launch_tc_pass(const AttentionParams& p, const IndexerLossConfig& c) {
+  const TcLossLayout lay = TcLossLayout::of<D, DI>(p, c);
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + kTcRows - 1) / kTcRows), static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.y == 0) return;
+  const auto kernel = indexer_loss_tc_kernel<D, DI, kPass>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(lay.bytes)),
+        "raising the indexer loss kernel's shared memory");
+  kernel<<<grid, kTcLossThreads, lay.bytes, stream_of(p)>>>(p, c, lay);
+  check_launch("gsa indexer_loss_tc_kernel");
+}
+
 template <IndexerLossPass kPass>
 void launch_pass(const AttentionParams& p, const IndexerLossConfig& c, const LossLayout& lay) {
   if (p.num_seqs > 65535) {
     throw Error(ErrorKind::unsupported, "winnow::gsa::indexer_loss: the CUDA kernels take at most 65535 sequences, got " +
                                             std::to_string(p.num_seqs));
+  }
+  if (tc_loss_applies(p, c)) {
+    const bool d64 = c.attention.dim_qk == 64, di64 = p.dim_qk == 64;
+    if (d64 && di64) return launch_tc_pass<64, 64, kPass>(p, c);
+    if (d64) return launch_tc_pass<64, 128, kPass>(p, c);
+    if (di64) return launch_tc_pass<128, 64, kPass>(p, c);
+    return launch_tc_pass<128, 128, kPass>(p, c);
   }
   const dim3 grid(static_cast<unsigned>((p.max_len_q + kRows - 1) / kRows), static_cast<unsigned>(p.num_seqs));
   if (grid.x == 0 || grid.y == 0) return;

@@ -327,6 +327,10 @@ TEST(CudaGsaIndexerLoss, LargeShapesMatchTheReference) {
   expect_indexer_loss_matches_the_reference({
       {{{{200, 200}, {200, 200}}, false, 4, 64}, 8, 8, 64, 50, false},  // the LM study's layer
       {{{{100, 100}}, false, 4, 128}, 16, 4, 128, 40, false},           // kv heads staged in rounds
+      // The tensor-core passes (bf16): D 128 and d_I 128 with GQA and permuted strides; packed
+      // sequences (an empty one) with blocks of 64 rows cut short.
+      {{{{130, 130}}, false, 4, 128}, 4, 2, 128, 40, true},
+      {{{{70, 70}, {0, 0}, {90, 90}}, true, 2, 64}, 4, 4, 64, 20, false},
   });
 }
 
