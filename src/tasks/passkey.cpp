@@ -13,7 +13,7 @@ const std::string kInstruction =
     "A pass key is hidden somewhere in the text below. Find it and remember it.\n";
 const std::string kFiller =
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
-const std::string kQuery = "\nWhat is the pass key? The pass key is ";
+const std::string kQuestion = "\nWhat is the pass key? The pass key is ";
 
 std::string needle(const std::string& key) {
   return "The pass key is " + key + ". Remember it. " + key + " is the pass key. ";
@@ -27,7 +27,7 @@ class Passkey final : public CharacterPromptTask {
   // No filler at all: the needle right after the instruction, then the question.
   std::int64_t min_length() const override {
     const auto n = static_cast<std::int64_t>(
-        (kInstruction + needle(std::string(digits_, '0')) + kQuery).size());
+        (kInstruction + needle(std::string(digits_, '0')) + kQuestion).size());
     return n + digits_;
   }
 
@@ -62,7 +62,7 @@ class Passkey final : public CharacterPromptTask {
 
     Prompt p;
     p.tokens = text::encode(kInstruction + filler.substr(0, at) + needle(key) +
-                            filler.substr(at) + kQuery);
+                            filler.substr(at) + kQuestion);
     p.answer = text::encode(key);
     return p;
   }

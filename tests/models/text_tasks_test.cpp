@@ -44,7 +44,7 @@ bool all_digits(const std::string& s) {
   return true;
 }
 
-std::vector<std::int64_t> row(const torch::Tensor& t, std::int64_t b) {
+std::vector<std::int64_t> row_tokens(const torch::Tensor& t, std::int64_t b) {
   torch::Tensor r = t[b].contiguous();
   return {r.data_ptr<std::int64_t>(), r.data_ptr<std::int64_t>() + r.numel()};
 }
@@ -421,7 +421,7 @@ void check_batch(const Task& task, std::int64_t length, std::int64_t answer,
 
   std::vector<std::string> rows;
   for (std::int64_t r = 0; r < batch; ++r) {
-    const std::vector<std::int64_t> in = row(b.inputs, r), tg = row(b.targets, r);
+    const std::vector<std::int64_t> in = row_tokens(b.inputs, r), tg = row_tokens(b.targets, r);
     const std::string prompt =
         task.render(std::vector<std::int64_t>(in.begin(), in.end() - answer));
     const std::string key = answer_of(prompt);
