@@ -21,7 +21,7 @@ Tensor composed(const Tensor& logits, const Tensor& targets, const Tensor& mask)
   return -(logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask.to(torch::kFloat64)).sum();
 }
 
-double rel(const Tensor& a, const Tensor& b) {
+double relative_difference(const Tensor& a, const Tensor& b) {
   const Tensor a64 = a.to(torch::kFloat64), b64 = b.to(torch::kFloat64);
   return ((a64 - b64).norm() / b64.norm().clamp_min(1e-300)).item<double>();
 }
@@ -46,7 +46,7 @@ TEST(MaskedCrossEntropy, MatchesLogSoftmaxGatherAndSum) {
       EXPECT_NEAR(loss.item<double>(), expected.item<double>(), tol * std::abs(expected.item<double>()) + 1e-12)
           << dtype << " V " << v;
       EXPECT_EQ(mine.scalar_type(), dtype);
-      EXPECT_LT(rel(mine, theirs), tol) << dtype << " V " << v;
+      EXPECT_LT(relative_difference(mine, theirs), tol) << dtype << " V " << v;
     }
   }
 }
