@@ -27,7 +27,9 @@ detail::AttentionParams checked(const AttentionCall& call, const Options& option
 }
 
 // The backward's RoPE tables (Options::rotary_cos / rotary_sin): both or neither, for batched
-// inputs, (Lk, D/2) of the tables' dtype on q's device. Whether there are any.
+// inputs, (Lk, D/2) of the tables' dtype on q's device, with the same strides (as
+// rotary::apply, which runs after the kernels off Hopper, asks: checked here, before any work).
+// Whether there are any.
 bool checked_rotary(const AttentionCall& call, const AttentionInputs& in, const Options& options) {
   const bool has_cos = options.rotary_cos.has_value(), has_sin = options.rotary_sin.has_value();
   if (has_cos != has_sin) {
@@ -48,6 +50,9 @@ bool checked_rotary(const AttentionCall& call, const AttentionInputs& in, const 
                 std::string(to_string(table_dtype)) + " (" + std::to_string(keys) + ", " + std::to_string(half) +
                     ") on q's device (Lk, D/2)",
                 api::describe(t));
+    }
+    if (t.stride[0] != options.rotary_cos->stride[0] || t.stride[1] != options.rotary_cos->stride[1]) {
+      call.fail(name, "the strides of 'rotary_cos'", "other strides");
     }
   }
   return true;
@@ -74,9 +79,9 @@ void backward(const AttentionInputs& in, const Options& options, const Outputs& 
   const detail::AttentionParams p = checked(call, options, saved);
   detail::GradientParams g = call.gradients(dout, grads);
   const bool rotated = checked_rotary(call, in, options);
+  // The kernels read both tables at cos's row stride (checked_rotary: sin's strides are cos's).
   if (rotated && call.route() == Route::cuda && options.rotary_cos->dtype == DType::float32 &&
-      options.rotary_cos->stride[1] == 1 && options.rotary_sin->stride[1] == 1 &&
-      options.rotary_cos->stride[0] == options.rotary_sin->stride[0] && cuda::softmax_backward_rotates(p, g)) {
+      options.rotary_cos->stride[1] == 1 && cuda::softmax_backward_rotates(p, g)) {
     g.rotary_cos = static_cast<const float*>(options.rotary_cos->data);
     g.rotary_sin = static_cast<const float*>(options.rotary_sin->data);
     g.rotary_row = options.rotary_cos->stride[0];

@@ -545,6 +545,32 @@ __global__ void __launch_bounds__(kTcLossThreads) indexer_loss_tc_kernel(Attenti
     __syncthreads();
     if (!__any_sync(0xffffffffu, any)) continue;
     auto mine = [&](int n, int e) { return ((mask[e / 2] >> (8 * n + 2 * tig + (e % 2))) & 1u) != 0u; };
+    // The statistics pass's online log-sum-exp of a row half's listed values (value(n, e)),
+    // into its running max and sum; the quad holds the row's 32 keys.
+    auto add_to_lse = [&](float& m_row, float& l_row, int half, auto value) {
+      float top = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          if (mine(n, e)) top = fmaxf(top, value(n, e));
+        }
+      }
+      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+      if (top == -INFINITY) return;
+      const float m_new = fmaxf(m_row, top);
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          if (mine(n, e)) sum += expf(value(n, e) - m_new);
+        }
+      }
+      l_row = (m_row == -INFINITY ? 0.f : l_row * expf(m_row - m_new)) + sum;
+      m_row = m_new;
+    };
 
     // The heads' logits: statistics, or the heads' mean probability of each key.
     float prob[NT][4] = {};
@@ -558,28 +584,7 @@ __global__ void __launch_bounds__(kTcLossThreads) indexer_loss_tc_kernel(Attenti
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           if constexpr (kPass == IndexerLossPass::stats) {
-            float top = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-              for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                if (mine(n, e)) top = fmaxf(top, x[n][e] * attention_scale);
-              }
-            }
-            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-            if (top == -INFINITY) continue;
-            const float m_new = fmaxf(m[hh][half], top);
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-              for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                if (mine(n, e)) sum += expf(x[n][e] * attention_scale - m_new);
-              }
-            }
-            l[hh][half] = (m[hh][half] == -INFINITY ? 0.f : l[hh][half] * expf(m[hh][half] - m_new)) + sum;
-            m[hh][half] = m_new;
+            add_to_lse(m[hh][half], l[hh][half], half, [&](int n, int e) { return x[n][e] * attention_scale; });
           } else {
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
@@ -609,29 +614,7 @@ __global__ void __launch_bounds__(kTcLossThreads) indexer_loss_tc_kernel(Attenti
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if constexpr (kPass == IndexerLossPass::stats) {
-        float top = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            if (mine(n, e)) top = fmaxf(top, score[n][e]);
-          }
-        }
-        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-        if (top == -INFINITY) continue;
-        const float m_new = fmaxf(m[kTcMaxHeads][half], top);
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            if (mine(n, e)) sum += expf(score[n][e] - m_new);
-          }
-        }
-        const float m_old = m[kTcMaxHeads][half];
-        l[kTcMaxHeads][half] = (m_old == -INFINITY ? 0.f : l[kTcMaxHeads][half] * expf(m_old - m_new)) + sum;
-        m[kTcMaxHeads][half] = m_new;
+        add_to_lse(m[kTcMaxHeads][half], l[kTcMaxHeads][half], half, [&](int n, int e) { return score[n][e]; });
       }
     }
     if constexpr (kPass == IndexerLossPass::loss) {

@@ -218,6 +218,17 @@ TEST(SoftmaxRotary, BadTablesNameTheArgument) {
   short_table.rotary_cos = wrong.cos.view();
   short_table.rotary_sin = t.sin.view();
   expect_error([&] { backward(short_table); }, "'rotary_cos': expected float32 (4, 4)");
+  // sin as columns 0-3 of a (4, 8) table: the right shape, other strides. Refused before the
+  // backward writes anything (its rotation after the kernels would have failed on them).
+  const Tables wide = tables(4, 8, DType::float32);
+  TensorView strided_sin = wide.sin.view();
+  strided_sin.shape[1] = 4;
+  softmax::Options strided;
+  strided.rotary_cos = t.cos.view();
+  strided.rotary_sin = strided_sin;
+  dq.set_values(std::vector<double>(dq.numel(), 7.0));
+  expect_error([&] { backward(strided); }, "'rotary_sin': expected the strides of 'rotary_cos'");
+  EXPECT_EQ(dq.values(), std::vector<double>(dq.numel(), 7.0)) << "dq written before the check failed";
   const HostTensor cu = int32_tensor({0, 2, 4});
   HostTensor pq({4, 2, 8}, DType::float32), pk({4, 2, 8}, DType::float32), pv({4, 2, 8}, DType::float32);
   HostTensor pout({4, 2, 8}, DType::float32), plse({4, 2}, DType::float32);
