@@ -41,7 +41,7 @@ struct FusedSieveForward {
     t.result_scale = static_cast<float>(1.0 / (cfg.alpha - 1.0));
     LiveTileSelection tiles(p);
     find_thresholds<T, D>(p, t, tiles, [&] {
-      launch_fused_forward<T, D, SieveRows>(p, sieve_config(cfg), tiles.select(cfg.threshold, static_cast<float>(p.scale)));
+      launch_fused_forward<T, D, SieveRowsFor<D>>(p, sieve_config(cfg), tiles.select(cfg.threshold, static_cast<float>(p.scale)));
     });
   }
 };

@@ -26,7 +26,7 @@ struct FusedForward {
   const StickBreakingCudaConfig cfg;
   template <class T, int D>
   void operator()() const {
-    launch_fused_forward<T, D, StickBreakingRows>(p, cfg);
+    launch_fused_forward<T, D, StickBreakingRowsFor<D>>(p, cfg);
   }
 };
 struct FusedBackward {

@@ -35,6 +35,27 @@ WINNOW_HD float stick_cost_log2(float x, Exp2 exp2, Log2 log2) {
   return fmaxf(x, 0.f) + log2(1.f + exp2(-fabsf(x)));
 }
 
+// A key's two shares of the stick in linear form, from its logit x in log2 units, with two
+// special-function operations (2^-|x| and a reciprocal) where the cost above and the weight
+// 2^(x - suffix) take three:
+//   sigmoid = 2^min(x, 0) / d  (the share it takes),  keep = 2^-max(x, 0) / d  (1 - sigmoid,
+//   without the cancellation),  d = 1 + 2^-|x| in (1, 2].
+// Kernels multiply keep along a thread's keys for the weights (sigmoid_i times the keeps to its
+// right; a product that underflows belongs to weights below float's range) and take the keys'
+// total cost in log2 from relu and d, which neither overflow nor underflow:
+//   sum_k cost_k = sum_k max(x_k, 0) + log2(prod_k d_k),  prod_k d_k <= 2^(keys).
+// x = -inf (a key left out) gives sigmoid 0, keep 1, d 1: no weight and no cost.
+struct StickShares {
+  float sigmoid, keep, d;
+};
+template <class Exp2, class Rcp>
+WINNOW_HD StickShares stick_shares_log2(float x, Exp2 exp2, Rcp rcp) {
+  const float e = exp2(-fabsf(x));
+  const float d = 1.f + e;
+  const float r = rcp(d);
+  return {x < 0.f ? e * r : r, x < 0.f ? r : e * r, d};
+}
+
 // log A_ij from the logit, the in-tile suffix cost (including key i) and the row's carry.
 template <class X, class C, class R>
 WINNOW_HD auto log_weight(const X& z, const C& suffix_cost, const R& carry) {

@@ -1,8 +1,21 @@
-// Stick-breaking as a row policy of the fused forward kernel (spec/stick-breaking.md), in
-// log2 units. Per tile: cost = log2(1 + 2^z) of every visible key, an inclusive suffix sum of
-// the costs along the keys (thread-local over the thread's consecutive keys, then one quad
-// scan), log2 A = z - suffix + carry, and carry -= the tile's cost. The carry is the log2 of
-// the stick left to the right of the tile; at the end it is log2 rem.
+// Stick-breaking as a row policy of the fused forward kernel (spec/stick-breaking.md), logits
+// in log2 units, in one of two forms (the same weights; which is faster depends on what bounds
+// the kernel):
+// - linear shares (kLinearShares): per tile and row, a thread walks its consecutive keys from
+//   the right with each key's shares (math::stick_shares_log2: sigmoid and keep = 1 - sigmoid,
+//   two special-function operations per score): its weight among the thread's keys is sigmoid
+//   times the product of the keeps to its right. The thread's keys' total cost (log2 of 1 / the
+//   product of their keeps) goes through one quad scan, and the weights are scaled by
+//   2^(carry - the costs of the threads to the right), one exp2 per thread and row.
+// - log form: cost = log2(1 + 2^z) of every visible key, an inclusive suffix sum of the costs
+//   (thread-local, then one quad scan), log2 A = z - suffix + carry: three special-function
+//   operations per score, one running value per row.
+// Either way carry -= the tile's cost; the carry is the log2 of the stick left to the right of
+// the tile, and at the end it is log2 rem. At head dimension 64 the special-function unit
+// bounds the forward, and the linear form is 3% faster; at 128 the products bound it, and the
+// linear form's two extra running values per row make ptxas spill more (94 -> 122 bytes stored):
+// 5.5% slower (H200, docs/performance.md, 2026-11-28 "linear shares"). Hence the choice per head
+// dimension, StickBreakingRowsFor<D>.
 //
 // Sieve (spec/sieve.md) is the same process over each row's candidates only: a Filter decides
 // per score whether the key takes part; a key left out adds no cost and gets no weight.
@@ -58,7 +71,7 @@ struct SieveCandidates {
   }
 };
 
-template <class Filter>
+template <class Filter, bool kLinearShares>
 struct StickBreakingRowsOf {
   static constexpr bool kCanHalt = !Filter::kCounts;
   static constexpr bool kUsesValues = true;
@@ -81,46 +94,81 @@ struct StickBreakingRowsOf {
     carry[0] = carry[1] = 0.f;
   }
 
-  // One pass from the thread's last key to its first turns each logit into
-  //   z - (its cost + the costs of the thread's keys to its right),
-  // in place, so no second array of costs is live beside the scores; the quad scan then
-  // supplies the costs held by the threads to the right, and the carry the tiles to the right:
-  //   log2 A = z - (in-tile inclusive suffix of costs) + carry   (math::log_weight).
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     namespace sb = math::stick_breaking;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float right = 0.f;  // costs of this thread's keys right of the current one
+      if constexpr (kLinearShares) {
+        // One pass from the thread's last key to its first turns each logit into its weight
+        // among the thread's keys (sigmoid times the keeps to its right), in place; the quad
+        // scan then supplies the costs of the threads to the right, the carry those of the
+        // tiles to the right.
+        float keep_right = 1.f;  // product of the keeps of this thread's keys right of the current one
+        float relu_sum = 0.f, d_product = 1.f;  // the keys' cost: sum of relu + log2(product)
 #pragma unroll
-      for (int n = NT - 1; n >= 0; --n) {
+        for (int n = NT - 1; n >= 0; --n) {
 #pragma unroll
-        for (int e = 1; e >= 0; --e) {
-          float& z = s[n][2 * half + e];
-          z *= scale_log2;
-          const bool kept = (!Masked || mask.visible<8 * NT>(half, n, e)) && filter.keep(half, z);
-          if constexpr (Filter::kCounts) candidates[half] += kept ? 1 : 0;
-          // A key left out becomes -inf at once: its cost is then 0 and its weight 0 with no
-          // select further on, so no predicate has to live across the loop (with one per
-          // score, the compiler spilled them into registers and rebuilt them bit by bit).
-          z = kept ? z : -INFINITY;
-          right += sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast);
-          // math::log_weight without the shift, which is added below.
-          z -= right;
+          for (int e = 1; e >= 0; --e) {
+            float& z = s[n][2 * half + e];
+            z = admit<Masked, NT>(z, half, n, e, mask);
+            const sb::StickShares share = sb::stick_shares_log2(z, tile::exp2_fast, tile::rcp_fast);
+            relu_sum += fmaxf(z, 0.f);
+            d_product *= share.d;
+            z = share.sigmoid * keep_right;
+            keep_right *= share.keep;
+          }
         }
-      }
-      const tile::QuadScan quad = tile::quad_scan(right, mask.tig);
-      const float shift = carry[half] - quad.after;
+        const float cost = relu_sum + tile::log2_fast(d_product);
+        const tile::QuadScan quad = tile::quad_scan(cost, mask.tig);
+        const float factor = tile::exp2_fast(carry[half] - quad.after);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& z = s[n][2 * half + e];
-          z = tile::exp2_fast(z + shift);
+        for (int n = 0; n < NT; ++n) {
+          s[n][2 * half] *= factor;
+          s[n][2 * half + 1] *= factor;
         }
+        carry[half] -= quad.total;
+      } else {
+        // One pass from the thread's last key to its first turns each logit into
+        //   z - (its cost + the costs of the thread's keys to its right),
+        // in place, so no second array of costs is live beside the scores; the quad scan then
+        // supplies the costs held by the threads to the right, and the carry the tiles to the
+        // right: log2 A = z - (in-tile inclusive suffix of costs) + carry   (math::log_weight).
+        float right = 0.f;  // costs of this thread's keys right of the current one
+#pragma unroll
+        for (int n = NT - 1; n >= 0; --n) {
+#pragma unroll
+          for (int e = 1; e >= 0; --e) {
+            float& z = s[n][2 * half + e];
+            z = admit<Masked, NT>(z, half, n, e, mask);
+            right += sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast);
+            z -= right;  // math::log_weight without the shift, which is added below
+          }
+        }
+        const tile::QuadScan quad = tile::quad_scan(right, mask.tig);
+        const float shift = carry[half] - quad.after;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& z = s[n][2 * half + e];
+            z = tile::exp2_fast(z + shift);
+          }
+        }
+        carry[half] -= quad.total;
       }
-      carry[half] -= quad.total;
     }
+  }
+
+  // The logit in log2 units if the key takes part, else -inf at once: sigmoid 0, keep 1 and no
+  // cost follow with no select further on, so no predicate has to live across the loop (with
+  // one per score, the compiler spilled them into registers and rebuilt them bit by bit).
+  template <bool Masked, int NT>
+  __device__ __forceinline__ float admit(float z, int half, int n, int e, const RowMask& mask) {
+    z *= scale_log2;
+    const bool kept = (!Masked || mask.visible<8 * NT>(half, n, e)) && filter.keep(half, z);
+    if constexpr (Filter::kCounts) candidates[half] += kept ? 1 : 0;
+    return kept ? z : -INFINITY;
   }
 
   // Weights are absolute (no running maximum): the output never needs rescaling.
@@ -160,25 +208,30 @@ struct StickBreakingRowsOf {
   }
 };
 
-using StickBreakingRows = StickBreakingRowsOf<EveryKey>;
-using SieveRows = StickBreakingRowsOf<SieveCandidates>;
+template <int D>
+using StickBreakingRowsFor = StickBreakingRowsOf<EveryKey, D <= 64>;
+template <int D>
+using SieveRowsFor = StickBreakingRowsOf<SieveCandidates, D <= 64>;
 
 // The backward rows, sweeping key tiles left to right. Per row: a = log2 of the stick left to
 // the right of the tiles visited so far, starting from log2 rem (the forward's statistic) and
 // growing by each tile's cost; b = the sum of g_ij = A_ij dP_ij over the keys visited so far.
 // Per tile, three passes over the thread's consecutive keys, in place:
-//   right to left   cost, sigmoid(z) = exp2(z - cost), s <- z - (thread-local suffix of costs);
-//                   a quad scan adds the other threads' costs:
-//                   log2 A = z - (in-tile suffix) + (a + tile cost)          (math::log_weight)
+//   right to left   the shares (math::stick_shares_log2), s <- sigmoid times the keeps to the
+//                   right; a quad scan of the threads' costs, and A = s 2^(a + tile cost -
+//                   the costs of the threads to the right)
 //   left to right   A, g = A dP (into dp), the thread's sum of g; a quad scan of the sums
 //   left to right   the running prefix of g again, dS = scale (g - sigmoid(z) (prefix + drem))
 //                   (math::grad_logit_given_sigmoid)
 // so only the sigmoids need an array of their own. A key the filter leaves out gets cost 0,
-// sigmoid 0 and log weight -inf, hence g = 0 and dS = 0.
+// sigmoid 0 and log weight -inf, hence g = 0 and dS = 0. The backward is bound by the
+// special-function unit at both head dimensions, so it takes the linear shares at both: two
+// operations per score instead of four, 5.5% faster at D 128 and 11-12% at D 64 than the log
+// form (H200, 2026-11-28).
 template <class T, class Filter>
 struct StickBreakingBackwardRowsOf {
   static bool packs_short_sequences(const StickBreakingCudaConfig& cfg, std::int64_t len) {
-    return StickBreakingRowsOf<Filter>::packs_short_sequences(cfg, len);
+    return StickBreakingRowsOf<Filter, false>::packs_short_sequences(cfg, len);
   }
   float scale_log2, scale;
   float stick[2], g_sum[2], dlog_rem[2];
@@ -220,7 +273,7 @@ struct StickBreakingBackwardRowsOf {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float sigmoid[NT][2];
-      float right = 0.f;  // costs of this thread's keys from the current one rightwards
+      float keep_right = 1.f, relu_sum = 0.f, d_product = 1.f;  // as in the forward's weights
 #pragma unroll
       for (int n = NT - 1; n >= 0; --n) {
 #pragma unroll
@@ -228,23 +281,25 @@ struct StickBreakingBackwardRowsOf {
           float& z = s[n][2 * half + e];
           z *= scale_log2;
           const bool kept = (!Masked || mask.visible<8 * NT>(half, n, e)) && filter.keep(half, z);
-          z = kept ? z : -INFINITY;  // cost 0, sigmoid 0, weight 0: as in the forward
-          const float c = sb::stick_cost_log2(z, tile::exp2_fast, tile::log2_fast);
-          sigmoid[n][e] = tile::exp2_fast(z - c);
-          right += c;
-          z -= right;
+          z = kept ? z : -INFINITY;  // sigmoid 0, keep 1, weight 0: as in the forward
+          const sb::StickShares share = sb::stick_shares_log2(z, tile::exp2_fast, tile::rcp_fast);
+          sigmoid[n][e] = share.sigmoid;
+          relu_sum += fmaxf(z, 0.f);
+          d_product *= share.d;
+          z = share.sigmoid * keep_right;
+          keep_right *= share.keep;
         }
       }
-      const tile::QuadScan costs = tile::quad_scan(right, tig);
+      const tile::QuadScan costs = tile::quad_scan(relu_sum + tile::log2_fast(d_product), tig);
       const float stick_right = stick[half] + costs.total;
-      const float shift = stick_right - costs.after;
+      const float factor = tile::exp2_fast(stick_right - costs.after);
       float g_thread = 0.f;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * half + e;
-          const float w = tile::exp2_fast(s[n][i] + shift);
+          const float w = s[n][i] * factor;
           s[n][i] = w;
           dp[n][i] *= w;  // g
           g_thread += dp[n][i];

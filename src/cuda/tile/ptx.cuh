@@ -131,6 +131,13 @@ __device__ __forceinline__ float log2_fast(float x) {
   return y;
 }
 
+// 1 / x on the special-function unit (relative error about 2^-23).
+__device__ __forceinline__ float rcp_fast(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // fp32 reduction into global memory without a return value.
 __device__ __forceinline__ void red_add(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
