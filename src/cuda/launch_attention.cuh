@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "cuda/attention/backward.cuh"
+#include "cuda/attention/backward_keys_sm90.cuh"
 #include "cuda/attention/backward_sm90.cuh"
 #include "cuda/attention/forward.cuh"
 #include "cuda/attention/forward_sm90.cuh"
@@ -303,6 +304,61 @@ void dispatch_simple(const detail::AttentionParams& p, Fn&& fn) {
     case DType::bfloat16: return fn.template operator()<__nv_bfloat16>();
     default: throw Error(ErrorKind::unsupported, "winnow: no CUDA kernels for this dtype");
   }
+}
+
+// ---------------------------------------------------------------- key-stationary backward
+// (backward_keys_sm90.cuh), for mechanisms whose gradients need only per-row statistics.
+
+// Whether it may take a call: not in the deterministic mode (its dQ sums arrive in any order),
+// not for short sequences whose rows fit one block (the row kernel writes their dK and dV
+// directly, with no accumulator at all), and with dK, dV rows it can store 4 bytes at a time.
+inline bool keys_backward_fits(const detail::AttentionParams& p, const detail::GradientParams& g) {
+  if (p.deterministic) return false;
+  if (!aligned_rows(g.dk, p.dtype) || !aligned_rows(g.dv, p.dtype)) return false;
+  if (p.max_len_q <= kBackwardBQ && p.group_size() == 1) return false;
+  // Its row buffers (and the fp32 dQ accumulator) pad every sequence to the longest one's whole
+  // query tiles. A packed batch of skewed lengths would make that many times the rows there are
+  // (1000 sequences of 100 tokens beside one of 8192: 76x); such batches take the row kernel,
+  // whose accumulators follow the key rows.
+  constexpr int BQ = Sm90KeysBackwardShape::kBQ;
+  const std::int64_t padded = (p.max_len_q + BQ - 1) / BQ * BQ;
+  if (p.num_seqs * padded > 2 * p.rows_q + BQ * p.num_seqs) return false;
+  // Grid and helper-grid dimensions y and z (kv heads, query heads, sequences) stay within 65535.
+  return p.max_len_k / Sm90KeysBackwardShape::kBK < 65535 && p.heads_q <= 65535 && p.num_seqs <= 65535;
+}
+
+// Its buffers' geometry: rows padded to whole query tiles; `padded_rows` per statistic.
+inline KeysBackwardBuffers keys_backward_buffers(const detail::AttentionParams& p) {
+  constexpr int BQ = Sm90KeysBackwardShape::kBQ;
+  KeysBackwardBuffers buf;
+  buf.padded_len = (p.max_len_q + BQ - 1) / BQ * BQ;
+  return buf;
+}
+inline std::size_t keys_backward_padded_rows(const detail::AttentionParams& p, const KeysBackwardBuffers& buf) {
+  return static_cast<std::size_t>(p.heads_q * p.num_seqs * buf.padded_len);
+}
+
+template <class T, int D, class Keys>
+bool keys_backward_runs() {
+  return hopper_kernel_runs(attention_backward_keys_sm90_kernel<T, D, Keys>);
+}
+
+// The kernel over every key block; buf's statistics and the mechanism's dQ accumulators ready.
+template <class T, int D, class Keys>
+void launch_keys_backward_kernel(const detail::AttentionParams& p, const detail::GradientParams& g,
+                                 KeysBackwardBuffers buf, const Keys& keys, const char* name) {
+  using Shape = Sm90KeysBackwardShape;
+  const std::int64_t key_blocks = (p.max_len_k + Shape::kBK - 1) / Shape::kBK;
+  buf.heads_per_sweep = heads_per_sweep(Pass::backward, key_blocks, p.heads_kv);
+  const dim3 grid(static_cast<unsigned>(key_blocks * buf.heads_per_sweep),
+                  static_cast<unsigned>((p.heads_kv + buf.heads_per_sweep - 1) / buf.heads_per_sweep),
+                  static_cast<unsigned>(p.num_seqs));
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  auto kernel = attention_backward_keys_sm90_kernel<T, D, Keys>;
+  const int smem = Sm90KeysBackwardSmem<T, D>::kBytes;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, buf, keys);
+  check_launch(name);
 }
 
 }  // namespace winnow::cuda

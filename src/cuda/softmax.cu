@@ -16,59 +16,35 @@ struct FusedForward {
     launch_fused_forward<T, D, SoftmaxRows>(p, SoftmaxConfig{});
   }
 };
-// Whether the key-stationary Hopper backward (softmax_backward_keys_sm90.cuh) may take this
-// call: not in the deterministic mode (its dQ sums arrive in any order), not for short
-// sequences whose rows fit one block (the row kernel writes their dK and dV directly, with no
-// accumulator at all), and with dK, dV rows it can store to 4 bytes at a time.
+// Whether the key-stationary Hopper backward takes this call (launch_attention.cuh,
+// keys_backward_fits), and not a gradient of the log-sum-exp, which needs the row kernel.
 // WINNOW_SOFTMAX_ROW_BACKWARD forces the row kernel, for comparison.
 bool keys_backward_applies(const detail::AttentionParams& p, const detail::GradientParams& g) {
   static const bool rows_forced = std::getenv("WINNOW_SOFTMAX_ROW_BACKWARD") != nullptr;
-  if (rows_forced || p.deterministic || g.dstats.data != nullptr) return false;
-  if (!aligned_rows(g.dk, p.dtype) || !aligned_rows(g.dv, p.dtype)) return false;
-  if (p.max_len_q <= kBackwardBQ && p.group_size() == 1) return false;
-  // Its row buffers (and the fp32 dQ accumulator) pad every sequence to the longest one's whole
-  // query tiles. A packed batch of skewed lengths would make that many times the rows there are
-  // (1000 sequences of 100 tokens beside one of 8192: 76x); such batches take the row kernel,
-  // whose accumulators follow the key rows.
-  const std::int64_t padded = (p.max_len_q + Sm90KeysBackwardShape::kBQ - 1) / Sm90KeysBackwardShape::kBQ *
-                              Sm90KeysBackwardShape::kBQ;
-  if (p.num_seqs * padded > 2 * p.rows_q + Sm90KeysBackwardShape::kBQ * p.num_seqs) return false;
-  // Grid and helper-grid dimensions y and z (kv heads, query heads, sequences) stay within 65535.
-  return p.max_len_k / Sm90KeysBackwardShape::kBK < 65535 && p.heads_q <= 65535 && p.num_seqs <= 65535;
+  return !rows_forced && g.dstats.data == nullptr && keys_backward_fits(p, g);
 }
 
 template <class T, int D>
 bool launch_keys_backward(const detail::AttentionParams& p, const detail::GradientParams& g) {
-  auto kernel = softmax_backward_keys_sm90_kernel<T, D>;
-  if (!hopper_kernel_runs(kernel)) return false;
-  using Shape = Sm90KeysBackwardShape;
-  SoftmaxKeysBackwardBuffers buf;
-  buf.padded_len = (p.max_len_q + Shape::kBQ - 1) / Shape::kBQ * Shape::kBQ;
-  const std::size_t rows = static_cast<std::size_t>(p.heads_q * p.num_seqs * buf.padded_len);
+  if (!keys_backward_runs<T, D, SoftmaxKeys>()) return false;
+  KeysBackwardBuffers buf = keys_backward_buffers(p);
+  const std::size_t rows = keys_backward_padded_rows(p, buf);
   if (rows == 0) return true;
   DeviceBuffer buffer(p, rows * (2 + D) * sizeof(float));
-  buf.dq = buffer.as<float>();
-  buf.lse_log2 = buf.dq + rows * D;
-  buf.delta = buf.lse_log2 + rows;
-  check(cudaMemsetAsync(buf.dq, 0, rows * D * sizeof(float), stream_of(p)), "clearing the dq accumulator");
+  float* const dq = buffer.as<float>();
+  buf.row_stats[0] = dq + rows * D;
+  buf.row_stats[1] = buf.row_stats[0] + rows;
+  check(cudaMemsetAsync(dq, 0, rows * D * sizeof(float), stream_of(p)), "clearing the dq accumulator");
   constexpr int kRowsPerBlock = kHelperRowsPerBlock<D>, kThreads = kHelperThreads;
-  static_assert(Shape::kBQ % kRowsPerBlock == 0, "the padded rows fill whole blocks");
+  static_assert(Sm90KeysBackwardShape::kBQ % kRowsPerBlock == 0, "the padded rows fill whole blocks");
   const dim3 stats_grid(static_cast<unsigned>(buf.padded_len / kRowsPerBlock), static_cast<unsigned>(p.heads_q),
                         static_cast<unsigned>(p.num_seqs));
   softmax_backward_row_stats_kernel<T, D><<<stats_grid, kThreads, 0, stream_of(p)>>>(p, g, buf);
   check_launch("softmax_backward_row_stats_kernel");
-  const std::int64_t key_blocks = (p.max_len_k + Shape::kBK - 1) / Shape::kBK;
-  buf.heads_per_sweep = heads_per_sweep(Pass::backward, key_blocks, p.heads_kv);
-  const dim3 grid(static_cast<unsigned>(key_blocks * buf.heads_per_sweep),
-                  static_cast<unsigned>((p.heads_kv + buf.heads_per_sweep - 1) / buf.heads_per_sweep),
-                  static_cast<unsigned>(p.num_seqs));
-  const int smem = Sm90KeysBackwardSmem<T, D>::kBytes;
-  allow_shared_memory(kernel, smem);
-  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, buf);
-  check_launch("softmax_backward_keys_sm90_kernel");
+  launch_keys_backward_kernel<T, D>(p, g, buf, SoftmaxKeys(p.scale, dq), "softmax attention_backward_keys_sm90_kernel");
   const dim3 store_grid(static_cast<unsigned>((p.max_len_q + kRowsPerBlock - 1) / kRowsPerBlock),
                         static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
-  softmax_backward_store_dq_kernel<T, D><<<store_grid, kThreads, 0, stream_of(p)>>>(p, g, buf);
+  softmax_backward_store_dq_kernel<T, D><<<store_grid, kThreads, 0, stream_of(p)>>>(p, g, buf, dq);
   check_launch("softmax_backward_store_dq_kernel");
   return true;
 }

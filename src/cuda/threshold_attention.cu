@@ -412,6 +412,24 @@ __global__ void __launch_bounds__(simple::kBackwardThreads)
   }
 }
 
+// The key-stationary backward's row statistics: tau_j and tau_j / beta per (query head,
+// sequence, padded row), a thread per row.
+__global__ void threshold_keys_row_stats_kernel(const AttentionParams p, const KeysBackwardBuffers buf,
+                                                const ThresholdCudaConfig cfg) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  if (r >= buf.padded_len) return;
+  const SequenceExtent seq = p.sequence(b);
+  float tau = INFINITY, unit = 0.f;
+  if (r < seq.q_len) {
+    const std::int64_t last = p.last_visible_key(r + seq.q_offset());
+    unit = cfg.unit(last < seq.k_len - 1 ? last : seq.k_len - 1);
+    tau = cfg.beta[h * cfg.beta_head] * unit;
+  }
+  buf.row_stats[0][buf.row_index(p, h, b, r)] = tau;
+  buf.row_stats[1][buf.row_index(p, h, b, r)] = unit;
+}
+
 // One view's normalized queries and keys.
 struct ViewRows {
   Operand q_hat, k_hat;
@@ -695,9 +713,12 @@ class BackwardBuffer {
  public:
   // Every segment a multiple of four floats: the fused kernels add into dk and dv 16 bytes at a time.
   static std::size_t aligned(std::size_t n) { return (n + 3) / 4 * 4; }
-  BackwardBuffer(const detail::AttentionParams& p, int views, bool with_dq, std::size_t order_per_view)
-      : dk_(aligned(static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_qk))),
-        dv_(aligned(static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_v))),
+  // with_key_sums: the fp32 dk_hat and dv accumulators (not for the key-stationary backward,
+  // which stores dk and dv itself).
+  BackwardBuffer(const detail::AttentionParams& p, int views, bool with_dq, bool with_key_sums,
+                 std::size_t order_per_view)
+      : dk_(with_key_sums ? aligned(static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_qk)) : 0),
+        dv_(with_key_sums ? aligned(static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_v)) : 0),
         dq_(with_dq ? aligned(static_cast<std::size_t>(p.rows_q * p.heads_q * p.dim_qk)) : 0),
         order_(aligned(order_per_view)),
         heads_(aligned(static_cast<std::size_t>(p.heads_q))),
@@ -706,14 +727,14 @@ class BackwardBuffer {
     float* at = buffer_.as<float>();
     if (floats_ > 0) check(cudaMemsetAsync(at, 0, floats_ * sizeof(float), stream_of(p)), "clearing accumulators");
     for (int v = 0; v < views; ++v) {
-      s_.dk_hat[v] = at;
+      s_.dk_hat[v] = with_key_sums ? at : nullptr;
       at += dk_;
       s_.dq_hat[v] = with_dq ? at : nullptr;
       at += dq_;
       s_.order[v] = reinterpret_cast<int*>(at);
       at += order_;
     }
-    s_.dv = at;
+    s_.dv = with_key_sums ? at : nullptr;
     at += dv_;
     s_.dbeta = at;
     s_.lambda_dot = at + heads_;
@@ -725,6 +746,25 @@ class BackwardBuffer {
   DeviceBuffer buffer_;
   BackwardScratch s_;
 };
+
+void store_head_grads(const detail::AttentionParams& p, const ThresholdConfig& cfg, const BackwardScratch& s) {
+  store_head_grads_kernel<<<1, 32, 0, stream_of(p)>>>(s.dbeta, cfg.differential() ? s.lambda_dot : nullptr, cfg,
+                                                     p.heads_q);
+  check_launch("threshold store_head_grads_kernel");
+}
+
+// dq (per view) from its fp32 accumulator through the normalization.
+template <class T>
+void store_query_grads(const detail::AttentionParams& p, const detail::GradientParams& g, const ThresholdConfig& cfg,
+                       const NormalizedViews& views, const BackwardScratch& s) {
+  const RowGeometry qr = views.queries();
+  if (qr.rows * qr.heads == 0) return;
+  for (int v = 0; v < views.count(); ++v) {
+    store_grad_rows_kernel<T><<<warp_blocks(qr), 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
+        s.dq_hat[v], views.view(v).q_hat, views.view(v).q_inv, v == 0 ? g.dq : cfg.dq2, qr);
+    check_launch("threshold store_grad_rows_kernel");
+  }
+}
 
 // dk (per view) through the normalization, dv, and the per-head gradients.
 template <class T>
@@ -740,16 +780,81 @@ void store_backward(const detail::AttentionParams& p, const detail::GradientPara
     store_grad_rows_kernel<T><<<warp_blocks(vr), 32 * kWarpsPerBlock, 0, stream_of(p)>>>(s.dv, Operand{}, nullptr, g.dv, vr);
     check_launch("threshold store_grad_rows_kernel");
   }
-  store_head_grads_kernel<<<1, 32, 0, stream_of(p)>>>(s.dbeta, cfg.differential() ? s.lambda_dot : nullptr, cfg,
-                                                     p.heads_q);
-  check_launch("threshold store_head_grads_kernel");
+  store_head_grads(p, cfg, s);
+}
+
+// The key-stationary Hopper backward (backward_keys_sm90.cuh, ThresholdKeys): a launch per view,
+// dK and dV stored by it (TDA's dV through an fp32 partial), dQ through fp32 accumulators. For
+// the calls softmax's would take (keys_backward_fits) with p = 2 or 1;
+// WINNOW_THRESHOLD_ROW_BACKWARD forces the row kernel, for comparison.
+template <class T, int D, ThresholdPower P>
+bool keys_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const ThresholdConfig& cfg,
+                   const NormalizedViews& views) {
+  using Keys = ThresholdKeys<P>;
+  if (!keys_backward_runs<T, D, Keys>()) return false;
+  BackwardBuffer buffer(p, views.count(), true, false, 0);
+  const BackwardScratch& s = buffer.scratch();
+  KeysBackwardBuffers buf = keys_backward_buffers(p);
+  const std::size_t rows = keys_backward_padded_rows(p, buf);
+  const std::size_t dv_partial = views.count() == 2 ? static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_v) : 0;
+  DeviceBuffer scratch(p, (2 * rows + dv_partial) * sizeof(float));
+  buf.row_stats[0] = scratch.as<float>();
+  buf.row_stats[1] = buf.row_stats[0] + rows;
+  const ThresholdCudaConfig c = view_config(p, cfg, 0);
+  if (rows > 0) {
+    constexpr int kThreads = 256;
+    const dim3 grid(static_cast<unsigned>((buf.padded_len + kThreads - 1) / kThreads), static_cast<unsigned>(p.heads_q),
+                    static_cast<unsigned>(p.num_seqs));
+    threshold_keys_row_stats_kernel<<<grid, kThreads, 0, stream_of(p)>>>(p, buf, c);
+    check_launch("threshold_keys_row_stats_kernel");
+  }
+  for (int v = 0; v < views.count(); ++v) {
+    Keys keys;
+    keys.q_hat = views.view(v).q_hat;
+    keys.k_hat = views.view(v).k_hat;
+    keys.k_inv = views.view(v).k_inv;
+    keys.dq_hat = s.dq_hat[v];
+    keys.dk = v == 0 ? g.dk : cfg.dk2;
+    keys.dv_partial = buf.row_stats[1] + rows;
+    keys.dv_mode = views.count() == 1 ? KeysDv::store : v == 0 ? KeysDv::write_partial : KeysDv::add_partial;
+    keys.power = c.power;
+    if (v == 1) {
+      keys.lambda = static_cast<const float*>(cfg.lambda.data);
+      keys.lambda_head = cfg.lambda.head;
+      keys.clamp_lambda = cfg.clamp_lambda;
+    }
+    keys.dbeta = s.dbeta;
+    keys.lambda_dot = s.lambda_dot;
+    launch_keys_backward_kernel<T, D>(view_params(p, views.view(v)), g, buf, keys,
+                                      "threshold attention_backward_keys_sm90_kernel");
+  }
+  store_query_grads<T>(p, g, cfg, views, s);
+  store_head_grads(p, cfg, s);
+  return true;
+}
+
+template <class T, int D>
+bool keys_backward_applies(const detail::AttentionParams& p, const detail::GradientParams& g,
+                           const ThresholdConfig& cfg) {
+  static const bool rows_forced = std::getenv("WINNOW_THRESHOLD_ROW_BACKWARD") != nullptr;
+  if (rows_forced || !keys_backward_fits(p, g)) return false;
+  if (!cfg.differential()) return true;
+  // The second view applies -lambda to a block's sums over its kv head's query heads
+  // (ThresholdKeys), so it needs one lambda for all of them; with grouped heads and one shared
+  // lambda its dlambda measured 0.15 from the reference on a test shape where the row kernel's
+  // was 0.04 (2026-11-28): grouped heads keep the row kernel until that is understood.
+  return p.group_size() == 1 && aligned_rows(cfg.dk2, p.dtype);
 }
 
 template <class T, int D>
 void fused_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const ThresholdConfig& cfg,
                     const NormalizedViews& views) {
+  if (keys_backward_applies<T, D>(p, g, cfg)) {
+    if (cfg.power == 2.0 && keys_backward<T, D, ThresholdPower::two>(p, g, cfg, views)) return;
+    if (cfg.power == 1.0 && keys_backward<T, D, ThresholdPower::one>(p, g, cfg, views)) return;
+  }
   const bool sm90 = fused_backward_on_hopper<T, D, ThresholdBackwardRows<T>, ThresholdCudaConfig>();
-  BackwardBuffer buffer(p, views.count(), false, backward_order_counters(p, sm90));
+  BackwardBuffer buffer(p, views.count(), false, true, backward_order_counters(p, sm90));
   const BackwardScratch& s = buffer.scratch();
   for (int v = 0; v < views.count(); ++v) {
     const ViewRows& rows = views.view(v);
@@ -774,7 +879,7 @@ void fused_backward(const detail::AttentionParams& p, const detail::GradientPara
 template <class T>
 void simple_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const ThresholdConfig& cfg,
                      const NormalizedViews& views) {
-  BackwardBuffer buffer(p, views.count(), true, 0);
+  BackwardBuffer buffer(p, views.count(), true, true, 0);
   const BackwardScratch& s = buffer.scratch();
   SimpleThreshold x;
   x.view = view_config(p, cfg, cfg.differential() ? 1 : 0);
@@ -797,14 +902,7 @@ void simple_backward(const detail::AttentionParams& p, const detail::GradientPar
     kernel<<<grid, simple::kBackwardThreads, smem, stream_of(p)>>>(view_params(p, views.view(0)), g, x);
     check_launch("threshold simple_backward_kernel");
   }
-  const RowGeometry qr = views.queries();
-  if (qr.rows * qr.heads > 0) {
-    for (int v = 0; v < views.count(); ++v) {
-      store_grad_rows_kernel<T><<<warp_blocks(qr), 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
-          s.dq_hat[v], views.view(v).q_hat, views.view(v).q_inv, v == 0 ? g.dq : cfg.dq2, qr);
-      check_launch("threshold store_grad_rows_kernel");
-    }
-  }
+  store_query_grads<T>(p, g, cfg, views, s);
   store_backward<T>(p, g, cfg, views, s);
 }
 

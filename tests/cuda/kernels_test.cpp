@@ -273,7 +273,7 @@ TEST(CudaPacking, ShortSequencesMatchTheReferenceAndTheUnpackedKernels) {
   }
 }
 
-// Softmax's key-stationary backward on Hopper (softmax_backward_keys_sm90.cuh) against the
+// Softmax's key-stationary backward on Hopper (backward_keys_sm90.cuh, SoftmaxKeys) against the
 // float64 reference and the row kernel: keys that no query sees and a last key block of one
 // or 65 keys, queries shorter than their keys, grouped heads, an empty sequence, both
 // visibility rules. (Off Hopper both runs take the row kernel.)

@@ -1,6 +1,7 @@
 // Threshold attention's CUDA kernels (TRA and TDA) against the float64 reference on the same
 // 16-bit-rounded inputs: the fused path (bf16 / fp16, D = 64 and 128: grouped heads, suffix
-// queries, packed sequences with empty ones, a single token) and the simple path (float32,
+// queries, packed sequences with empty ones, a single token; the row and the key-stationary
+// backward) and the simple path (float32,
 // other head dimensions), powers 2, 1.5 and 1, per-head and shared beta, causal and strict,
 // atomic and deterministic backward; every gradient, beta's and lambda's included.
 //
@@ -48,6 +49,10 @@ const std::vector<ProblemShape>& shapes() {
       {"fused_varlen", {{5, 5}, {0, 0}, {200, 200}, {129, 300}, {1, 1}}, true, 4, 2, 64, 64},
       {"simple_d16_dv48", {{70, 70}, {70, 70}}, false, 2, 1, 16, 48},
       {"simple_varlen_d32", {{3, 70}, {0, 10}, {66, 66}}, true, 2, 2, 32, 32},
+      // The key-stationary Hopper backward (atomic mode, p = 2 and 1): the shapes above give it
+      // TRA of fused_d128_gqa and fused_d64_suffix and TDA of the latter (shared beta and
+      // lambda); this one adds packed sequences with suffix queries and per-head beta and lambda.
+      {"fused_keys_varlen", {{130, 130}, {200, 200}, {70, 150}}, true, 4, 4, 128, 128},
   };
   return all;
 }

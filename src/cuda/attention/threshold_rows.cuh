@@ -3,15 +3,18 @@
 // a score is a cosine and a weight is relu(s - tau_j)^p with tau_j = beta sqrt(2 log n_j / D):
 // no running maximum, no rescaling, no normalization of the output.
 //
-// One launch is one view. TDA's second view runs as a second launch whose weights carry the
-// factor -lambda (the forward adds its output into the first view's, the backward adds its dV
-// into the same accumulator), so the signed weights w1 - lambda w2 are never formed in one
-// tile: see threshold_attention.cu for what that costs.
+// In the forward and the row backward one launch is one view: TDA's second view runs as a
+// second launch whose weights carry the factor -lambda (the forward adds its output into the
+// first view's, the row backward adds its dV into the same accumulator), so the signed weights
+// w1 - lambda w2 are never formed in one tile: see threshold_attention.cu for what that costs.
+// The key-stationary backward (ThresholdKeys) runs a launch per view too, and keeps TDA's first
+// view's dV in fp32 for the second.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/attention/backward.cuh"
+#include "cuda/attention/backward_keys_sm90.cuh"
 #include "cuda/attention/forward.cuh"
 #include "math/threshold.h"
 
@@ -280,6 +283,140 @@ struct ThresholdBackwardRows {
     if ((threadIdx.x & 31) == 0) {
       atomicAdd(cfg.dbeta + qt.h, beta_part);
       if (second_view) atomicAdd(cfg.lambda_dot + qt.h, lambda_part);
+    }
+  }
+};
+
+// Threshold attention in the key-stationary Hopper backward (backward_keys_sm90.cuh), a launch
+// per view. Row statistics: tau_j (padding rows +inf: weight 0) and tau_j / beta (padding 0),
+// per (query head, sequence, padded row). Scores are cosines of the view's normalized rows (unit
+// scale): dQ goes into the fp32 dq_hat ([batch row][head][dim]) and through the normalization
+// afterwards; dK goes through it as it is stored. P is a template parameter (p = 2 and p = 1; any
+// other power takes the row kernel) so the per-score work has no branch on it.
+//
+// TDA's second view: the kernel computes with the unsigned weights w2 and applies its factor
+// -lambda where the sums leave a head: to dQ per tile, to dbeta's share per head, and to dK and
+// dV as they are stored, which needs one lambda for all the block's heads (threshold_attention.cu
+// takes this kernel for TDA with one query head per kv head only). Then sum dP w2, which
+// dlambda needs, is <V, W2^T dO> over the block's keys, from the dV registers as they are
+// stored; taken per score beside P it made ptxas spill (with dbeta's share, 140 bytes at D 128).
+// The first view leaves its dV in fp32 (dv_partial, [batch row][kv head][dim]) and the second
+// adds it before storing: one rounding.
+enum class KeysDv { store, write_partial, add_partial };
+
+template <ThresholdPower P>
+struct ThresholdKeys {
+  detail::Operand q_hat, k_hat, dk;
+  const float* k_inv = nullptr;
+  float* dq_hat = nullptr;
+  float* dv_partial = nullptr;
+  KeysDv dv_mode = KeysDv::store;
+  float power = 2.f;
+  const float* lambda = nullptr;  // set: the second view, factor -lambda
+  std::int64_t lambda_head = 0;
+  bool clamp_lambda = true;
+  float* dbeta = nullptr;       // per query head: sum of -dS tau / beta
+  float* lambda_dot = nullptr;  // per query head: the second view's sum of dP w2
+  float factor = 1.f;           // the current head's: 1, or -lambda in the second view
+  float beta_part = 0.f;
+
+  __device__ __forceinline__ const detail::Operand& queries(const AttentionParams&) const { return q_hat; }
+  __device__ __forceinline__ const detail::Operand& keys(const AttentionParams&) const { return k_hat; }
+  __device__ __forceinline__ void begin(const AttentionParams&, std::int64_t h) {
+    factor = lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
+  }
+  __device__ __forceinline__ void grad(float& z, float& dp, float tau, float, bool visible) const {
+    const float pw = threshold_p<P>(power);
+    const float x = z - tau;
+    dp = visible ? dp * math::threshold::weight_slope(x, pw) : 0.f;
+    z = visible ? math::threshold::weight(x, pw) : 0.f;
+  }
+  // dbeta's share, -sum dS tau / beta, a column (query row) at a time once P is packed.
+  template <int NT>
+  __device__ __forceinline__ void after_grads(const float (&ds)[NT][4], const float* unit, int tig) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const float2 u = *reinterpret_cast<const float2*>(unit + 8 * n + 2 * tig);
+      beta_part -= (ds[n][0] + ds[n][2]) * u.x + (ds[n][1] + ds[n][3]) * u.y;
+    }
+  }
+  __device__ __forceinline__ float dq_scale() const { return factor; }
+  // Called by every consumer thread at once: a warp's share into the head's accumulator.
+  __device__ __forceinline__ void end(const AttentionParams&, std::int64_t h) {
+    const float total = warp_sum(beta_part);
+    if ((threadIdx.x & 31) == 0) atomicAdd(dbeta + h, factor * total);
+    beta_part = 0.f;
+  }
+  static __device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+  }
+  __device__ __forceinline__ float* dq_row(const AttentionParams& p, const KeysBackwardBuffers&,
+                                           const SequenceExtent& seq, std::int64_t h, std::int64_t b,
+                                           std::int64_t row) const {
+    return dq_hat + (p.batch_row_q(b, seq.q_start + row) * p.heads_q + h) * p.dim_qk;
+  }
+
+  // dK through the normalization: (g - k_hat <k_hat, g>) / |k|, or g / eps where the norm was
+  // clipped (negative inverse); a row's D columns lie in the four lanes of a quad. dV as dv_mode
+  // says. Every consumer thread calls it.
+  template <class T, int D, int DT>
+  __device__ __forceinline__ void store_keys(const AttentionParams& p, const detail::GradientParams& g,
+                                             float (&dk_rows)[DT][4], float (&dv)[DT][4], std::int64_t b,
+                                             const SequenceExtent& seq, std::int64_t hk, std::int64_t my_key,
+                                             int tig) const {
+    float v_dot_dv = 0.f;  // the second view: <V, W2^T dO> over this thread's entries
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t key = my_key + 8 * half;
+      const bool in = key < seq.k_len;
+      const T* hat = in ? k_hat.template at<const T>(b, seq.k_start + key, hk) : nullptr;
+      float partial = 0.f;
+      if (in) {
+#pragma unroll
+        for (int n = 0; n < DT; ++n) {
+          partial += tile::to_float(hat[8 * n + 2 * tig]) * dk_rows[n][2 * half] +
+                     tile::to_float(hat[8 * n + 2 * tig + 1]) * dk_rows[n][2 * half + 1];
+        }
+      }
+      const float dot = tile::quad_sum(partial);
+      if (!in) continue;
+      const std::int64_t key_row = p.batch_row_k(b, seq.k_start + key) * p.heads_kv + hk;
+      const float inv = k_inv[key_row];
+#pragma unroll
+      for (int n = 0; n < DT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = dk_rows[n][2 * half + e];
+          x = factor * math::normalize_grad(x, tile::to_float(hat[8 * n + 2 * tig + e]), dot, fabsf(inv), inv < 0.f);
+        }
+      }
+      if (dv_mode == KeysDv::store) continue;
+      float2* const partial_row = reinterpret_cast<float2*>(dv_partial + key_row * p.dim_v + 2 * tig);
+      const T* const v_row = p.v.at<const T>(b, seq.k_start + key, hk);
+#pragma unroll
+      for (int n = 0; n < DT; ++n) {
+        float& v0 = dv[n][2 * half];
+        float& v1 = dv[n][2 * half + 1];
+        if (dv_mode == KeysDv::write_partial) {
+          partial_row[4 * n] = make_float2(v0, v1);
+        } else {
+          v_dot_dv += tile::to_float(v_row[8 * n + 2 * tig]) * v0 + tile::to_float(v_row[8 * n + 2 * tig + 1]) * v1;
+          const float2 first = partial_row[4 * n];
+          v0 = first.x + factor * v0;
+          v1 = first.y + factor * v1;
+        }
+      }
+    }
+    if (dv_mode == KeysDv::add_partial) {
+      const float total = warp_sum(v_dot_dv);
+      // One query head per kv head (threshold_attention.cu): the sum is head hk's.
+      if ((threadIdx.x & 31) == 0) atomicAdd(lambda_dot + hk * p.group_size(), total);
+    }
+    store_key_rows<T, DT>(dk.template at<T>(b, seq.k_start, hk), dk.row, dk_rows, seq.k_len, my_key, tig);
+    if (dv_mode != KeysDv::write_partial) {
+      store_key_rows<T, DT>(g.dv.at<T>(b, seq.k_start, hk), g.dv.row, dv, seq.k_len, my_key, tig);
     }
   }
 };

@@ -1,0 +1,385 @@
+// The key-stationary backward on Hopper (sm_90a): a block owns 128 keys of one kv head and
+// sweeps the query tiles (of 64) that see them, for every query head of the group. dK and dV
+// stay in registers for the whole sweep and are written once, in the operand's dtype; dQ is the
+// only sum that crosses blocks, added into an fp32 accumulator.
+//
+// Which mechanisms take it: those whose weight and score gradient at (row, key) need only the
+// score, dP and two per-row numbers (Keys, the mechanism's policy below): softmax (the row's
+// log-sum-exp and delta = <dO, O>) and threshold attention (the row's tau and tau / beta; TDA's
+// two views are two launches).
+// Stick-breaking's prefix sums run along the keys of a row, so it keeps the row-sweeping kernel
+// (backward_sm90.cuh), which keeps dQ in place and pays for it by adding 2 x 64 x D floats of dK
+// and dV per 128 x 64 tile into global memory, with both consumers in lockstep around those
+// sums. Here per 64 x 128 tile 64 x D floats of dQ go out, and dK, dV come from register
+// operands without a round trip through shared memory (FlashAttention-2's order).
+//
+// Three warpgroups:
+//   producer   copies the block's K and V once, then per query tile Q, dO
+//              and the rows' two statistics (precomputed, padded to whole tiles) into a ring of
+//              stages (cp.async, each copy a fixed step from the one before);
+//   consumers  two warpgroups of 64 keys each. Per query tile:
+//                S^T = K Q^T, dP^T = V dO^T        wgmma, operands in shared memory
+//                P^T, dS^T                         in registers (Keys::grad; scale folded into dS)
+//                dV += P^T dO, dK += dS^T Q        wgmma, P^T and dS^T from registers
+//                dS^T -> shared memory
+//                D = 128: both consumers' dS^T in place, consumer c adds dQ's columns
+//                  64c .. 64c + 63 over all 128 keys (dQ_c = dS K_c);
+//                D = 64: each consumer adds dQ over its own 64 keys
+//                then reduces its dQ tile into the accumulator (16-byte atomics).
+// The deterministic mode, softmax's gradient of the log-sum-exp, and short sequences (one block
+// of rows; the row kernel writes their dK and dV directly) stay with the row kernel.
+// Measured and not kept (docs/performance.md, 2026-11-26, softmax): issuing the next tile's S^T
+// and dP^T before this tile's dQ reductions (spills, slower); three stages (no faster); dQ
+// handed to two producer warps through shared memory for bulk reductions (no faster at D = 64);
+// waiting for S^T alone, computing P^T while dP^T runs and issuing dV's product before dS^T is
+// computed (1-2% slower at D = 128, 4-6% at D = 64).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/attention/geometry.cuh"
+#include "cuda/attention/rotary_epilogue.cuh"
+#include "cuda/tile/fragment.cuh"
+#include "cuda/tile/hopper.cuh"
+#include "cuda/tile/panel_tile.cuh"
+#include "cuda/tile/rows.cuh"
+
+namespace winnow::cuda {
+
+// Per (query head, sequence, padded row) buffers of the key-stationary backward: rows of a
+// sequence are padded to whole query tiles, so the producer copies a tile's statistics without
+// bounds; padding rows carry statistics that give them weight 0 and dS 0 (the mechanism's).
+struct KeysBackwardBuffers {
+  float* row_stats[2] = {nullptr, nullptr};  // the mechanism's two per-row numbers (Keys)
+  std::int64_t padded_len = 0;
+  // kv heads whose key blocks interleave in the grid's order (x = key block * this + head in
+  // the group), as cuda::heads_per_sweep (launch.h) chooses: with one, each head's heaviest
+  // block (its first keys) starts less than a block's run before the end of the launch for
+  // the last head (at L = 8192, B 4, 16 heads a schedule simulation puts that tail at 2.9% of
+  // the sweep; 0.1% with two), while the blocks running at once still share the Q, dO and dQ
+  // of about three (head, sequence) pairs in L2.
+  int heads_per_sweep = 1;
+
+  __device__ __forceinline__ std::int64_t row_index(const AttentionParams& p, std::int64_t h, std::int64_t b,
+                                                    std::int64_t r) const {
+    return (h * p.num_seqs + b) * padded_len + r;
+  }
+};
+
+struct Sm90KeysBackwardShape {
+  static constexpr int kBK = 128;  // keys per block: two consumer warpgroups of 64
+  static constexpr int kBQ = 64;   // query rows per tile
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+};
+
+// What the kernel asks of a mechanism (Keys, passed by value):
+//   queries(p), keys(p)           the queries and keys the scores take (p.q, p.k, or a
+//                                 mechanism's own: threshold attention's normalized rows)
+//   begin(p, h)                   a query tile of head h follows (per-head constants)
+//   grad(z, dp, a, b, visible)    score z -> P (the weight dV takes), dP -> dS (as dK and dQ take
+//                                 it, scale included); a, b: the row's two statistics
+//   after_grads(ds, b, tig)       dS of the tile (P packed already); b: the columns' second
+//                                 statistics (column 8 n + 2 tig + e at b[8 n + 2 tig + e])
+//   dq_scale()                    a factor on the tile's dQ (1 but for TDA's second view)
+//   end(p, h)                     the tiles of head h are done (per-head sums out)
+//   dq_row(p, buf, seq, h, b, row)
+//                                 the fp32 dQ accumulator of row `row` of the sequence
+//   store_keys<T, D>(p, g, dk, dv, b, seq, hk, my_key, tig)
+//                                 dK and dV of this thread's keys
+template <class T, int D>
+struct Sm90KeysBackwardSmem {
+  using Shape = Sm90KeysBackwardShape;
+  using KeyTile = tile::PanelTile<T, Shape::kBK, D>;             // K, V
+  using RowTile = tile::PanelTile<T, Shape::kBQ, D>;             // Q, dO stages
+  using GradTile = tile::PanelTile<T, Shape::kBK, Shape::kBQ>;  // dS^T [key][query]
+  static constexpr int kStatsBytes = 2 * Shape::kBQ * 4;         // lse_log2, delta
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + KeyTile::kBytes;
+  static constexpr int kQ = kV + KeyTile::kBytes;
+  static constexpr int kDO = kQ + Shape::kStages * RowTile::kBytes;
+  static constexpr int kDS = kDO + Shape::kStages * RowTile::kBytes;
+  static constexpr int kStats = kDS + 2 * GradTile::kBytes;
+  static constexpr int kSync = kStats + Shape::kStages * kStatsBytes;
+  static constexpr int kSyncBytes = 8 * (1 + 2 * Shape::kStages);
+  static constexpr int kBytes = kSync + kSyncBytes + 1024;
+};
+
+// A thread's two key rows of a [key][D] fragment (rows my_key and my_key + 8, columns
+// 8 n + 2 tig + e) into rows of T at base + key * row_stride, those inside the sequence.
+template <class T, int DT>
+__device__ __forceinline__ void store_key_rows(T* base, std::int64_t row_stride, const float (&x)[DT][4],
+                                               std::int64_t k_len, std::int64_t my_key, int tig) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t key = my_key + 8 * half;
+    if (key >= k_len) continue;
+    T* const out = base + key * row_stride;
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) = tile::pack2<T>(x[n][2 * half], x[n][2 * half + 1]);
+    }
+  }
+}
+
+// Named barriers: 1 both consumers; 2, 3 each consumer's own.
+inline constexpr int kKeysBwdConsumersBarrier = 1, kKeysBwdConsumerBarrier = 2;
+
+template <class T, int D, class Keys>
+__global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
+    attention_backward_keys_sm90_kernel(const AttentionParams p, const detail::GradientParams g,
+                                        const KeysBackwardBuffers buf, Keys keys) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Shape = Sm90KeysBackwardShape;
+  using Smem = Sm90KeysBackwardSmem<T, D>;
+  constexpr int BK = Shape::kBK, BQ = Shape::kBQ, S = Shape::kStages, NT = BQ / 8;
+  // dQ goes out a 64-wide panel of columns per consumer and tile. At D = 128 the consumers
+  // split the columns (one panel each) over both consumers' dS^T; at D = 64 (one panel) each
+  // adds its own keys' share, with no wait for the other consumer. (Each consumer adding its
+  // own keys' share of both panels at D = 128 measured 25% slower: twice the reductions.)
+  constexpr bool kShareDs = D == 128;
+  static_assert(D == 64 || D == 128, "one 64-wide panel of dQ per consumer");
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
+  // The tiles' views: the consumers rebuild them each query tile from tile::opaque(smem).
+  // Built once, their descriptors and the dS^T store addresses (some 35 registers at D = 128)
+  // were hoisted out of the loop and spilled (100 bytes at D = 128, reloaded every tile).
+  unsigned char* tiles_at = smem;
+  auto k_tile = [&] { return typename Smem::KeyTile{tiles_at + Smem::kK}; };
+  auto v_tile = [&] { return typename Smem::KeyTile{tiles_at + Smem::kV}; };
+  auto q_tile = [&](int s) { return typename Smem::RowTile{tiles_at + Smem::kQ + s * Smem::RowTile::kBytes}; };
+  auto do_tile = [&](int s) { return typename Smem::RowTile{tiles_at + Smem::kDO + s * Smem::RowTile::kBytes}; };
+  auto ds_tile = [&](int b) { return typename Smem::GradTile{tiles_at + Smem::kDS + b * Smem::GradTile::kBytes}; };
+  auto stats = [&](int s) { return reinterpret_cast<float*>(smem + Smem::kStats + s * Smem::kStatsBytes); };
+  std::uint64_t* const kv_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
+  std::uint64_t* const full = kv_full + 1;
+  std::uint64_t* const empty = full + S;
+  constexpr int L = 128;  // producer threads
+
+  const std::int64_t b = blockIdx.z;
+  const std::int64_t hk = static_cast<std::int64_t>(blockIdx.y) * buf.heads_per_sweep + blockIdx.x % buf.heads_per_sweep;
+  const SequenceExtent seq = p.sequence(b);
+  const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x / buf.heads_per_sweep) * BK;
+  if (k0 >= seq.k_len || hk >= p.heads_kv) return;
+  // Key k is visible to query row r when k <= r + shift.
+  const std::int64_t shift = seq.q_offset() - (p.attend_current ? 0 : 1);
+  const std::int64_t first_row = k0 - shift > 0 ? k0 - shift : 0;
+  const int first_tile = static_cast<int>(first_row / BQ);
+  const int row_tiles = static_cast<int>((seq.q_len + BQ - 1) / BQ);
+  const int tiles_per_head = first_row < seq.q_len ? row_tiles - first_tile : 0;
+  const int group = static_cast<int>(p.group_size());
+  const int tiles = group * tiles_per_head;
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    tile::mbar_init(kv_full, L);
+    for (int s = 0; s < S; ++s) {
+      tile::mbar_init(&full[s], L);
+      tile::mbar_init(&empty[s], 256);
+    }
+    tile::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ---------------------------------------------------------------- producer
+    tile::registers_release<Shape::kProducerRegisters>();
+    using KT = typename Smem::KeyTile;
+    using RT = typename Smem::RowTile;
+    constexpr int KP = KT::template row_stride_of<L>();
+    const int kr = KT::template first_row_of<L>(tid);
+    const std::int64_t k_left = seq.k_len - k0 - kr;
+    const int k_valid = k_left <= 0 ? 0 : static_cast<int>((k_left + KP - 1) / KP);
+    const std::int64_t key = k0 + kr < seq.k_len ? k0 + kr : 0;
+    constexpr int P = RT::template row_stride_of<L>();
+    const int r = RT::template first_row_of<L>(tid);
+    {
+      const detail::Operand& k = keys.keys(p);
+      k_tile().template load_rows_async<L>(tid, k.at<const T>(b, seq.k_start + key, hk), KP * k.row, k_valid);
+      v_tile().template load_rows_async<L>(tid, p.v.at<const T>(b, seq.k_start + key, hk), KP * p.v.row, k_valid);
+      tile::mbar_arrive_on_copies(kv_full);
+    }
+    const detail::Operand& q = keys.queries(p);
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % S;
+      const std::int64_t h = hk * group + i / tiles_per_head;
+      const std::int64_t r0 = static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ;
+      if (i >= S) tile::mbar_wait_sleepy(&empty[s], ((i / S) - 1) & 1);
+      const std::int64_t left = seq.q_len - r0 - r;
+      const int valid = left <= 0 ? 0 : static_cast<int>((left + P - 1) / P);
+      const std::int64_t row = r0 + r < seq.q_len ? r0 + r : 0;
+      q_tile(s).template load_rows_async<L>(tid, q.at<const T>(b, seq.q_start + row, h), P * q.row, valid);
+      do_tile(s).template load_rows_async<L>(tid, g.dout.at<const T>(b, seq.q_start + row, h), P * g.dout.row, valid);
+      if (tid < 2 * BQ / 4) {  // 16-byte chunks: the first statistic, then the second
+        // Selected, not indexed: an indexed array of the parameters is copied to the stack.
+        const int chunk = tid % (BQ / 4);
+        const bool second = tid >= BQ / 4;
+        const float* src = (second ? buf.row_stats[1] : buf.row_stats[0]) + buf.row_index(p, h, b, r0) + 4 * chunk;
+        tile::cp_async_16(stats(s) + (second ? BQ : 0) + 4 * chunk, src, true);
+      }
+      tile::mbar_arrive_on_copies(&full[s]);
+    }
+  } else {
+    // ---------------------------------------------------------------- consumers
+    tile::registers_claim<Shape::kConsumerRegisters>();
+    const int ctid = tid - 128, wg = ctid / 128, wtid = ctid % 128;
+    const int warp = wtid / 32, lane = tid % 32, gq = lane / 4, tig = lane % 4;
+    const std::int64_t kc = k0 + 64 * wg;                // this consumer's first key
+    const std::int64_t my_key = kc + 16 * warp + gq;      // this thread's keys: my_key, my_key + 8
+
+    float dv[D / 8][4], dk[D / 8][4];
+    tile::zero(dv);
+    tile::zero(dk);
+
+    // S^T and dP^T of tile i (stage i % S), one commit group.
+    float sc[NT][4], dp[NT][4];
+    auto issue_scores = [&](int i) {
+      const int s = i % S;
+      tile::mbar_wait(&full[s], (i / S) & 1);
+      tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
+      tile::fresh(sc);
+      tile::fresh(dp);
+      tile::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        tile::wgmma_ss<T, BQ, 0, 0>(sc, k_tile().k_major(64 * wg, 16 * ks), q_tile(s).k_major(0, 16 * ks), ks > 0);
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        tile::wgmma_ss<T, BQ, 0, 0>(dp, v_tile().k_major(64 * wg, 16 * ks), do_tile(s).k_major(0, 16 * ks), ks > 0);
+      }
+      tile::wgmma_commit();
+    };
+    // Each tile's products wait for the one before to finish. Issuing the next tile's S^T and
+    // dP^T before this tile's dQ reductions (as the row kernel does) keeps 224 accumulator
+    // registers live at D = 128: ptxas spilled 356 bytes, and it measured 8-15% slower.
+    tile::mbar_wait(kv_full, 0);
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % S, ds_buf = i & 1;
+      const std::int64_t h = hk * group + i / tiles_per_head;
+      const std::int64_t r0 = static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ;
+      tiles_at = tile::opaque(smem);
+      keys.begin(p, h);
+      issue_scores(i);
+      tile::wgmma_wait<0>();
+      tile::pin(sc);
+      tile::pin(dp);
+
+      // P^T and dS^T: columns are query rows r0 + 8 n + 2 tig + e, rows this thread's keys.
+      const float* const stat_a = stats(s);
+      const float* const stat_b = stat_a + BQ;
+      const bool masked = kc + 63 > r0 + shift;
+      // Key my_key + 8 half sees row r0 + c when 8 half - c <= r0 + shift - my_key (clamped:
+      // only masked tiles compare, and there the difference is within a tile or two).
+      const std::int64_t reach64 = r0 + shift - my_key;
+      const int reach = static_cast<int>(reach64 < -1024 ? -1024 : reach64 > 1024 ? 1024 : reach64);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const float2 a = *reinterpret_cast<const float2*>(stat_a + 8 * n + 2 * tig);
+        const float2 c = *reinterpret_cast<const float2*>(stat_b + 8 * n + 2 * tig);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const bool visible = !masked || 8 * half - (8 * n + 2 * tig + e) <= reach;
+            keys.grad(sc[n][2 * half + e], dp[n][2 * half + e], e ? a.y : a.x, e ? c.y : c.x, visible);
+          }
+        }
+      }
+      std::uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
+      tile::to_operand<T>(sc, pa);
+      // With P packed, the mechanism's sums over dS that need the second statistic (a
+      // threshold's dbeta: taken per score beside P, they held 22 more registers and spilled).
+      keys.after_grads(dp, stat_b, tig);
+      tile::to_operand<T>(dp, dsa);
+
+      // dS^T of this consumer's keys into rows 64 wg .. of the [key][query] tile.
+      // Key rows 64 wg + 16 warp + gq and 8 rows (1024 bytes) further are gq mod 8.
+      const typename Smem::GradTile dst = ds_tile(ds_buf);
+      const std::uint32_t row = dst.row_address(64 * wg + 16 * warp + gq, gq) + 4 * tig;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          tile::st_shared_b32(Smem::GradTile::chunk_address(row, n) + 1024 * half, dsa[n / 2][2 * (n % 2) + half]);
+        }
+      }
+      tile::fence_to_async_proxy();
+
+      tile::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BQ / 16; ++ks) {
+        tile::wgmma_rs<T, D, 1>(dv, pa[ks], do_tile(s).mn_major(16 * ks), true);
+      }
+#pragma unroll
+      for (int ks = 0; ks < BQ / 16; ++ks) {
+        tile::wgmma_rs<T, D, 1>(dk, dsa[ks], q_tile(s).mn_major(16 * ks), true);
+      }
+      tile::wgmma_commit();
+
+      if constexpr (kShareDs) {
+        tile::named_sync(kKeysBwdConsumersBarrier, 256);  // both halves of dS^T are in place
+      } else {
+        tile::named_sync(kKeysBwdConsumerBarrier + wg, 128);  // this consumer's dS^T is in place
+      }
+      {
+        const bool odd = (tig & 1) != 0;
+        const std::int64_t row = r0 + 16 * warp + gq + (odd ? 8 : 0);
+        float* const dq_row = row < seq.q_len ? keys.dq_row(p, buf, seq, h, b, row) : nullptr;
+        float* const out = dq_row != nullptr ? dq_row + (kShareDs ? 64 * wg : 0) + 2 * (tig & ~1) : nullptr;
+        float dq[8][4];
+        tile::fresh(dq);
+        tile::wgmma_fence();
+        if constexpr (kShareDs) {
+#pragma unroll
+          for (int ks = 0; ks < BK / 16; ++ks) {
+            tile::wgmma_ss<T, 64, 1, 1>(dq, dst.mn_major(16 * ks), k_tile().mn_major(16 * ks, wg), ks > 0);
+          }
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            tile::wgmma_ss<T, 64, 1, 1>(dq, dst.mn_major(64 * wg + 16 * ks), k_tile().mn_major(64 * wg + 16 * ks), ks > 0);
+          }
+        }
+        tile::wgmma_commit();
+        tile::wgmma_wait<0>();
+        {
+          const float f = keys.dq_scale();
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) dq[n][c] *= f;
+          }
+        }
+        tile::pin(dq);
+        tile::pin(dv);
+        tile::pin(dk);
+        tile::pin(pa);
+        tile::pin(dsa);
+        tile::mbar_arrive(&empty[s]);
+        // Lanes tig and tig ^ 1 swap halves so each holds four consecutive columns of one row
+        // (even lanes row gq, odd lanes row gq + 8): one 16-byte reduction instead of two.
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const float x0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+          const float x1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+          if (out == nullptr) continue;
+          if (odd) {
+            tile::red_add4(out + 8 * n, x0, x1, dq[n][2], dq[n][3]);
+          } else {
+            tile::red_add4(out + 8 * n, dq[n][0], dq[n][1], x0, x1);
+          }
+        }
+      }
+      if (i + 1 == tiles || (i + 1) / tiles_per_head != i / tiles_per_head) keys.end(p, h);
+    }
+    // The block's keys' whole gradients, in T.
+    keys.template store_keys<T, D>(p, g, dk, dv, b, seq, hk, my_key, tig);
+  }
+#endif
+}
+
+}  // namespace winnow::cuda
