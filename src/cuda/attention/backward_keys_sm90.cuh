@@ -14,9 +14,9 @@
 // operands without a round trip through shared memory (FlashAttention-2's order).
 //
 // Three warpgroups:
-//   producer   copies the block's K and V once, then per query tile Q, dO
-//              and the rows' two statistics (precomputed, padded to whole tiles) into a ring of
-//              stages (cp.async, each copy a fixed step from the one before);
+//   producer   copies the block's K and V once, then per query tile Q, dO and the rows' two
+//              statistics (precomputed, padded to whole tiles) into a ring of stages
+//              (cp.async, each copy a fixed step from the one before);
 //   consumers  two warpgroups of 64 keys each. Per query tile:
 //                S^T = K Q^T, dP^T = V dO^T        wgmma, operands in shared memory
 //                P^T, dS^T                         in registers (Keys::grad; scale folded into dS)
@@ -39,7 +39,6 @@
 #include <cstdint>
 
 #include "cuda/attention/geometry.cuh"
-#include "cuda/attention/rotary_epilogue.cuh"
 #include "cuda/tile/fragment.cuh"
 #include "cuda/tile/hopper.cuh"
 #include "cuda/tile/panel_tile.cuh"

@@ -299,7 +299,8 @@ struct ThresholdBackwardRows {
 // dV as they are stored, which needs one lambda for all the block's heads (threshold_attention.cu
 // takes this kernel for TDA with one query head per kv head only). Then sum dP w2, which
 // dlambda needs, is <V, W2^T dO> over the block's keys, from the dV registers as they are
-// stored; taken per score beside P it made ptxas spill (with dbeta's share, 140 bytes at D 128).
+// stored (summed per score beside P, with dbeta's share, it took ptxas to 140 bytes of spills at
+// D 128; this form has 88-120, all but about six reloads a tile outside the loop).
 // The first view leaves its dV in fp32 (dv_partial, [batch row][kv head][dim]) and the second
 // adds it before storing: one rounding.
 enum class KeysDv { store, write_partial, add_partial };
