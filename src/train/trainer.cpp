@@ -78,6 +78,7 @@ tasks::Batch to_device(tasks::Batch b, const torch::Device& device) {
   return b;
 }
 
+#if WINNOW_CUDA_GRAPHS
 // A replayed step's inputs as one host-to-device copy instead of four (each has a fixed cost
 // of some 5 us on the device): the batch's tokens, targets and mask and the count of its
 // positions, byte for byte in one buffer, every part starting at a multiple of 8 bytes.
@@ -121,6 +122,7 @@ void pack_batch(const tasks::Batch& b, double counted, torch::Tensor& bytes) {
   views.loss_mask.copy_(b.loss_mask);
   count.fill_(counted);
 }
+#endif
 
 tasks::Batch rows(const tasks::Batch& b, std::int64_t start, std::int64_t count) {
   return {b.inputs.narrow(0, start, count), b.targets.narrow(0, start, count),
