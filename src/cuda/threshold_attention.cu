@@ -796,10 +796,12 @@ bool keys_backward(const detail::AttentionParams& p, const detail::GradientParam
   const BackwardScratch& s = buffer.scratch();
   KeysBackwardBuffers buf = keys_backward_buffers(p);
   const std::size_t rows = keys_backward_padded_rows(p, buf);
-  const std::size_t dv_partial = views.count() == 2 ? static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_v) : 0;
-  DeviceBuffer scratch(p, (2 * rows + dv_partial) * sizeof(float));
+  // The rows' statistics, then TDA's first view's fp32 dV ([batch row][kv head][dim]).
+  const std::size_t dv_floats = views.count() == 2 ? static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_v) : 0;
+  DeviceBuffer scratch(p, (2 * rows + dv_floats) * sizeof(float));
   buf.row_stats[0] = scratch.as<float>();
   buf.row_stats[1] = buf.row_stats[0] + rows;
+  float* const dv_partial = buf.row_stats[1] + rows;
   const ThresholdCudaConfig c = view_config(p, cfg, 0);
   if (rows > 0) {
     constexpr int kThreads = 256;
@@ -815,7 +817,7 @@ bool keys_backward(const detail::AttentionParams& p, const detail::GradientParam
     keys.k_inv = views.view(v).k_inv;
     keys.dq_hat = s.dq_hat[v];
     keys.dk = v == 0 ? g.dk : cfg.dk2;
-    keys.dv_partial = buf.row_stats[1] + rows;
+    keys.dv_partial = dv_partial;
     keys.dv_mode = views.count() == 1 ? KeysDv::store : v == 0 ? KeysDv::write_partial : KeysDv::add_partial;
     keys.power = c.power;
     if (v == 1) {
@@ -833,7 +835,6 @@ bool keys_backward(const detail::AttentionParams& p, const detail::GradientParam
   return true;
 }
 
-template <class T, int D>
 bool keys_backward_applies(const detail::AttentionParams& p, const detail::GradientParams& g,
                            const ThresholdConfig& cfg) {
   static const bool rows_forced = std::getenv("WINNOW_THRESHOLD_ROW_BACKWARD") != nullptr;
@@ -849,7 +850,7 @@ bool keys_backward_applies(const detail::AttentionParams& p, const detail::Gradi
 template <class T, int D>
 void fused_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const ThresholdConfig& cfg,
                     const NormalizedViews& views) {
-  if (keys_backward_applies<T, D>(p, g, cfg)) {
+  if (keys_backward_applies(p, g, cfg)) {
     if (cfg.power == 2.0 && keys_backward<T, D, ThresholdPower::two>(p, g, cfg, views)) return;
     if (cfg.power == 1.0 && keys_backward<T, D, ThresholdPower::one>(p, g, cfg, views)) return;
   }
