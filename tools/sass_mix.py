@@ -11,7 +11,7 @@ copy of a loop body (peeled rounds, masked and unmasked variants), so compare ra
 instruction classes, not totals against run time; local loads and stores (LDL/STL) are spills.
 
     python3 tools/sass_mix.py src/cuda/stick_breaking.cu --kernel 'forward_sm90.*bfloat16Li64'
-    python3 tools/sass_mix.py build.cubin --kernel keys_sm90
+    python3 tools/sass_mix.py build.cubin --kernel keys_sm90 --loops 2 --top 12
 
 A .cu file is compiled to an sm_90a cubin first (nvcc, the repository's include paths).
 cuobjdump comes from PATH, or from PyPI's nvidia-cuda-cuobjdump wheel (pip install
@@ -65,17 +65,40 @@ def cubin_of(source, arch, workdir):
 
 
 def kernels_of(sass):
-    """{mangled name: [opcode, ...]} from cuobjdump -sass text."""
+    """{mangled name: [(address, opcode, text), ...]} from cuobjdump -sass text."""
     kernels, current = {}, None
     for line in sass.splitlines():
         header = re.search(r"Function : (\S+)", line)
         if header:
             current = kernels.setdefault(header.group(1), [])
             continue
-        op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", line)
+        op = re.match(r"\s*/\*([0-9a-f]+)\*/\s+((?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)[^;]*)", line)
         if op and current is not None:
-            current.append(op.group(1))
+            current.append((int(op.group(1), 16), op.group(3), op.group(2)))
     return kernels
+
+
+def loops_of(instructions, count):
+    """The `count` longest loops, as (first address, last address): spans closed by a branch
+    back to an earlier address. Branches placed after the kernel's last unconditional EXIT are
+    out-of-line slow paths (barrier waits) returning into the body, not loops, and are left
+    out; a loop's count covers every path through its body, both sides of each branch."""
+    last_exit = max((a for a, op, text in instructions if op == "EXIT" and not text.startswith("@")), default=None)
+    spans = []
+    for address, op, text in instructions:
+        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text) if op == "BRA" else None
+        if target and int(target.group(1), 16) < address and (last_exit is None or address < last_exit):
+            spans.append((int(target.group(1), 16), address))
+    return sorted(set(spans), key=lambda s: s[0] - s[1])[:count]
+
+
+def print_mix(ops, indent):
+    counts = collections.Counter(ops)
+    for label, members in CLASSES.items():
+        n = sum(counts[m] for m in members)
+        if n:
+            print(f"{indent}{n:7d}  {label}")
+    return counts
 
 
 def main():
@@ -84,6 +107,8 @@ def main():
     parser.add_argument("--kernel", default=".", help="regular expression on the mangled kernel names")
     parser.add_argument("--arch", default="90a")
     parser.add_argument("--top", type=int, default=0, help="also list the N most frequent opcodes")
+    parser.add_argument("--loops", type=int, default=0,
+                        help="also the mix of the N longest loops (a main loop's count is per iteration)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         cubin = cubin_of(args.input, args.arch, workdir) if args.input.endswith(".cu") else args.input
@@ -91,15 +116,18 @@ def main():
     kernels = {name: ops for name, ops in kernels_of(sass).items() if re.search(args.kernel, name)}
     if not kernels:
         sys.exit(f"sass_mix.py: no kernel matches {args.kernel!r}")
-    for name, ops in sorted(kernels.items()):
-        counts = collections.Counter(ops)
+    for name, instructions in sorted(kernels.items()):
+        ops = [op for _, op, _ in instructions]
         print(f"{name}\n  {len(ops)} instructions")
-        for label, members in CLASSES.items():
-            n = sum(counts[m] for m in members)
-            if n:
-                print(f"  {n:7d}  {label}")
+        counts = print_mix(ops, "  ")
         if args.top:
             print("  most frequent: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top)))
+        for first, last in loops_of(instructions, args.loops):
+            body = [op for a, op, _ in instructions if first <= a <= last]
+            print(f"  loop {first:#x}..{last:#x}: {len(body)} instructions")
+            counts = print_mix(body, "    ")
+            if args.top:
+                print("    most frequent: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top)))
 
 
 if __name__ == "__main__":
