@@ -54,7 +54,10 @@
 # $DEADLINE (seconds): stages that would start later than that after the script's start are
 # skipped and listed, so one call of a limited length still prints its table.
 # Header-only dependencies come from .gpudeps (tools/prepare_gpu_deps.sh) when the machine
-# has no Debian packages.
+# has no Debian packages; so does ccache, which the build then uses (cache in /tmp, kept while
+# the machine stays warm). For an A/B in one call, build, `git apply` the change, build again
+# (only the changed files compile); a later call's fresh copy of the working tree keeps its
+# older modification times, so touch the changed files before rebuilding there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -78,6 +81,16 @@ for stage in "${stages[@]}"; do
       prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
       deps=()
       [[ -d .gpudeps ]] && deps=(-DWINNOW_DEPS_DIR="$PWD/.gpudeps")
+      ccache_bin=$(command -v ccache || true)
+      if [[ -z "$ccache_bin" && -x .gpudeps/bin/ccache ]] &&
+          LD_LIBRARY_PATH="$PWD/.gpudeps/lib" .gpudeps/bin/ccache --version > /dev/null 2>&1; then
+        ccache_bin=$PWD/.gpudeps/bin/ccache
+        export LD_LIBRARY_PATH="$PWD/.gpudeps/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      fi
+      if [[ -n "$ccache_bin" ]]; then
+        export CCACHE_DIR=${CCACHE_DIR:-/tmp/winnow-ccache} CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-20G}
+        deps+=(-DCMAKE_CXX_COMPILER_LAUNCHER="$ccache_bin" -DCMAKE_CUDA_COMPILER_LAUNCHER="$ccache_bin")
+      fi
       cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
         -DCMAKE_PREFIX_PATH="$prefix" -DWINNOW_CUDA=ON -DWINNOW_TORCH=ON \
         -DWINNOW_PYTHON="$(command -v python3)" "${deps[@]}" > "$OUT/configure.log" 2>&1 \

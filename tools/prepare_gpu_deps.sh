@@ -12,4 +12,11 @@ rm -rf .gpudeps/eigen3/unsupported
 mkdir -p .gpudeps/CLI11 && cp -r /usr/include/CLI .gpudeps/CLI11/CLI
 cp -r /usr/include/nlohmann .gpudeps/json/nlohmann
 cp -r /usr/src/googletest .gpudeps/googletest
+# ccache and the two libraries it links beyond libc (Debian's; the GPU machine is x86-64 too), so
+# that tools/gpu_check.sh can rebuild only what changed when one call builds twice (an A/B).
+if command -v ccache > /dev/null; then
+  mkdir -p .gpudeps/bin .gpudeps/lib
+  cp "$(command -v ccache)" .gpudeps/bin/
+  ldd "$(command -v ccache)" | awk '/libhiredis|libzstd/ {print $3}' | xargs -r cp -t .gpudeps/lib/
+fi
 du -sh .gpudeps
