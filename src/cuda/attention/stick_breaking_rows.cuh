@@ -71,6 +71,29 @@ struct SieveCandidates {
   }
 };
 
+// A thread's walk over its consecutive keys of one row from the right, in linear form (the
+// forward's weights and the backward's, one definition): each key's weight among the thread's
+// keys is its sigmoid times the product of the keeps to its right (math::stick_shares_log2),
+// and the keys' total cost in log2 is sum(max(z, 0)) + log2(product of d), which neither
+// overflows nor underflows. A key left out comes as z = -inf: weight 0, keep 1, no cost.
+struct LinearStickWalk {
+  float keep_right = 1.f;  // product of the keeps of the keys right of the current one
+  float relu_sum = 0.f, d_product = 1.f;
+
+  // The next key leftwards: its weight among the thread's keys, and its sigmoid.
+  __device__ __forceinline__ float step(float z, float& sigmoid) {
+    const math::stick_breaking::StickShares share =
+        math::stick_breaking::stick_shares_log2(z, tile::exp2_fast, tile::rcp_fast);
+    sigmoid = share.sigmoid;
+    relu_sum += fmaxf(z, 0.f);
+    d_product *= share.d;
+    const float weight = share.sigmoid * keep_right;
+    keep_right *= share.keep;
+    return weight;
+  }
+  __device__ __forceinline__ float cost() const { return relu_sum + tile::log2_fast(d_product); }
+};
+
 template <class Filter, bool kLinearShares>
 struct StickBreakingRowsOf {
   static constexpr bool kCanHalt = !Filter::kCounts;
@@ -104,23 +127,17 @@ struct StickBreakingRowsOf {
         // among the thread's keys (sigmoid times the keeps to its right), in place; the quad
         // scan then supplies the costs of the threads to the right, the carry those of the
         // tiles to the right.
-        float keep_right = 1.f;  // product of the keeps of this thread's keys right of the current one
-        float relu_sum = 0.f, d_product = 1.f;  // the keys' cost: sum of relu + log2(product)
+        LinearStickWalk walk;
 #pragma unroll
         for (int n = NT - 1; n >= 0; --n) {
 #pragma unroll
           for (int e = 1; e >= 0; --e) {
             float& z = s[n][2 * half + e];
-            z = admit<Masked, NT>(z, half, n, e, mask);
-            const sb::StickShares share = sb::stick_shares_log2(z, tile::exp2_fast, tile::rcp_fast);
-            relu_sum += fmaxf(z, 0.f);
-            d_product *= share.d;
-            z = share.sigmoid * keep_right;
-            keep_right *= share.keep;
+            float sigmoid;
+            z = walk.step(admit<Masked, NT>(z, half, n, e, mask), sigmoid);
           }
         }
-        const float cost = relu_sum + tile::log2_fast(d_product);
-        const tile::QuadScan quad = tile::quad_scan(cost, mask.tig);
+        const tile::QuadScan quad = tile::quad_scan(walk.cost(), mask.tig);
         const float factor = tile::exp2_fast(carry[half] - quad.after);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
@@ -273,7 +290,7 @@ struct StickBreakingBackwardRowsOf {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float sigmoid[NT][2];
-      float keep_right = 1.f, relu_sum = 0.f, d_product = 1.f;  // as in the forward's weights
+      LinearStickWalk walk;  // as in the forward's weights
 #pragma unroll
       for (int n = NT - 1; n >= 0; --n) {
 #pragma unroll
@@ -281,16 +298,10 @@ struct StickBreakingBackwardRowsOf {
           float& z = s[n][2 * half + e];
           z *= scale_log2;
           const bool kept = (!Masked || mask.visible<8 * NT>(half, n, e)) && filter.keep(half, z);
-          z = kept ? z : -INFINITY;  // sigmoid 0, keep 1, weight 0: as in the forward
-          const sb::StickShares share = sb::stick_shares_log2(z, tile::exp2_fast, tile::rcp_fast);
-          sigmoid[n][e] = share.sigmoid;
-          relu_sum += fmaxf(z, 0.f);
-          d_product *= share.d;
-          z = share.sigmoid * keep_right;
-          keep_right *= share.keep;
+          z = walk.step(kept ? z : -INFINITY, sigmoid[n][e]);  // sigmoid 0, keep 1, weight 0
         }
       }
-      const tile::QuadScan costs = tile::quad_scan(relu_sum + tile::log2_fast(d_product), tig);
+      const tile::QuadScan costs = tile::quad_scan(walk.cost(), tig);
       const float stick_right = stick[half] + costs.total;
       const float factor = tile::exp2_fast(stick_right - costs.after);
       float g_thread = 0.f;

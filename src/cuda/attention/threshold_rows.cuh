@@ -188,6 +188,35 @@ struct ScreenedThresholdRows : ThresholdRows {
   }
 };
 
+// Row `half` of a thread's fragment of rows x D (rows r0 and r0 + 8, columns 8 n + 2 tig + e)
+// through the L2 normalization's gradient, in place: (g - hat <hat, g>) / |x|, or g / eps where
+// the norm was clipped (negative inverse). A row's D columns lie in the four lanes of a quad, so
+// every lane takes part in the dot product's sum; hat == nullptr (and inv_norm unread) for a
+// row past the sequence.
+template <class T, int DT>
+__device__ __forceinline__ void normalize_grad_row(float (&x)[DT][4], int half, const T* hat, const float* inv_norm,
+                                                   int tig) {
+  float partial = 0.f;
+  if (hat != nullptr) {
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      partial += tile::to_float(hat[8 * n + 2 * tig]) * x[n][2 * half] +
+                 tile::to_float(hat[8 * n + 2 * tig + 1]) * x[n][2 * half + 1];
+    }
+  }
+  const float dot = tile::quad_sum(partial);
+  if (hat == nullptr) return;
+  const float inv = *inv_norm;
+#pragma unroll
+  for (int n = 0; n < DT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& g = x[n][2 * half + e];
+      g = math::normalize_grad(g, tile::to_float(hat[8 * n + 2 * tig + e]), dot, fabsf(inv), inv < 0.f);
+    }
+  }
+}
+
 // The backward rows: P = factor w and dS = factor dP p relu(s - tau)^(p - 1), with the row sums
 // that dbeta (-sum dS, times tau / beta) and dlambda (sum dP w) need, reduced at the end.
 template <class T>
@@ -251,27 +280,8 @@ struct ThresholdBackwardRows {
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
       const bool in = row < qt.s.q_len;
-      const T* q_hat = in ? cfg.q_hat.at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
-      float partial = 0.f;
-      if (in) {
-#pragma unroll
-        for (int n = 0; n < DT; ++n) {
-          partial += tile::to_float(q_hat[8 * n + 2 * tig]) * dq[n][2 * half] +
-                     tile::to_float(q_hat[8 * n + 2 * tig + 1]) * dq[n][2 * half + 1];
-        }
-      }
-      const float dot = tile::quad_sum(partial);
-      if (!in) continue;
-      const float inv = cfg.q_inv_norm[p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h];
-      const bool clipped = inv < 0.f;
-#pragma unroll
-      for (int n = 0; n < DT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& g = dq[n][2 * half + e];
-          g = math::normalize_grad(g, tile::to_float(q_hat[8 * n + 2 * tig + e]), dot, fabsf(inv), clipped);
-        }
-      }
+      normalize_grad_row<T, DT>(dq, half, in ? cfg.q_hat.at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr,
+                                cfg.q_inv_norm + p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h, tig);
     }
     float beta_part = dtau[0] * unit[0] + dtau[1] * unit[1];
     float lambda_part = lambda_dot;
@@ -359,8 +369,7 @@ struct ThresholdKeys {
     return dq_hat + (p.batch_row_q(b, seq.q_start + row) * p.heads_q + h) * p.dim_qk;
   }
 
-  // dK through the normalization: (g - k_hat <k_hat, g>) / |k|, or g / eps where the norm was
-  // clipped (negative inverse); a row's D columns lie in the four lanes of a quad. dV as dv_mode
+  // dK through the normalization (normalize_grad_row), times the view's factor; dV as dv_mode
   // says. Every consumer thread calls it.
   template <class T, int D, int DT>
   __device__ __forceinline__ void store_keys(const AttentionParams& p, const detail::GradientParams& g,
@@ -372,26 +381,14 @@ struct ThresholdKeys {
     for (int half = 0; half < 2; ++half) {
       const std::int64_t key = my_key + 8 * half;
       const bool in = key < seq.k_len;
-      const T* hat = in ? k_hat.template at<const T>(b, seq.k_start + key, hk) : nullptr;
-      float partial = 0.f;
-      if (in) {
-#pragma unroll
-        for (int n = 0; n < DT; ++n) {
-          partial += tile::to_float(hat[8 * n + 2 * tig]) * dk_rows[n][2 * half] +
-                     tile::to_float(hat[8 * n + 2 * tig + 1]) * dk_rows[n][2 * half + 1];
-        }
-      }
-      const float dot = tile::quad_sum(partial);
-      if (!in) continue;
       const std::int64_t key_row = p.batch_row_k(b, seq.k_start + key) * p.heads_kv + hk;
-      const float inv = k_inv[key_row];
+      normalize_grad_row<T, DT>(dk_rows, half, in ? k_hat.template at<const T>(b, seq.k_start + key, hk) : nullptr,
+                                k_inv + key_row, tig);
+      if (!in) continue;
 #pragma unroll
       for (int n = 0; n < DT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = dk_rows[n][2 * half + e];
-          x = factor * math::normalize_grad(x, tile::to_float(hat[8 * n + 2 * tig + e]), dot, fabsf(inv), inv < 0.f);
-        }
+        dk_rows[n][2 * half] *= factor;
+        dk_rows[n][2 * half + 1] *= factor;
       }
       if (dv_mode == KeysDv::store) continue;
       float2* const partial_row = reinterpret_cast<float2*>(dv_partial + key_row * p.dim_v + 2 * tig);
