@@ -40,6 +40,23 @@ WINNOW_HD T weight_slope(T x, T p) {
   return p * pow(x, p - T(1));
 }
 
+// Both at once, for the CUDA kernels' per-score step: through r = max(x, 0) (NaN: 0, as above)
+// and with no branch or select for p = 2 (r^2, 2 r), one for p = 1; a score a kernel leaves out
+// comes as x = -inf and gets (0, 0).
+template <class T>
+struct WeightSlope {
+  T weight, slope;
+};
+template <class T>
+WINNOW_HD WeightSlope<T> weight_and_slope(T x, T p) {
+  using std::fmax;
+  using std::pow;
+  const T r = fmax(x, T(0));
+  if (p == T(2)) return {r * r, T(2) * r};
+  if (p == T(1)) return {r, x > T(0) ? T(1) : T(0)};
+  return {x > T(0) ? pow(r, p) : T(0), x > T(0) ? p * pow(r, p - T(1)) : T(0)};
+}
+
 // The same two on arrays (Eigen expressions of a whole score tile), branch-free so they
 // vectorize: relu(x) spelled (x + |x|) / 2, which is exact, and the slope at x <= 0 selected
 // to 0 (pow(0, p - 1) is infinite for p < 1).

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <random>
 
@@ -401,6 +402,23 @@ TEST(ThresholdApi, ErrorsNameTheArgument) {
   v.beta = in.beta.view();
   expect_error([&] { threshold::forward(attention_inputs(x), v, x.options, {out32.view()}); },
                "argument 'beta': expected float32");
+}
+
+// The CUDA kernels' per-score form (math::threshold::weight_and_slope, through relu) against the
+// two separate definitions, bit for bit, in float as the kernels call it: around the threshold,
+// far from it, at the -inf the kernels give the scores they leave out, and at NaN.
+TEST(ThresholdMath, WeightAndSlopeAtOnceEqualTheSeparateForms) {
+  namespace mt = math::threshold;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float xs[] = {-inf, -3.f, -1e-30f, -0.f, 0.f, 1e-30f, 1e-7f, 0.3f, 1.f, 2.5f, 1e19f, std::nanf("")};
+  for (float p : {2.f, 1.f, 1.5f, 0.5f, 3.f}) {
+    for (float x : xs) {
+      const mt::WeightSlope<float> ws = mt::weight_and_slope(x, p);
+      SCOPED_TRACE("p " + std::to_string(p) + " x " + std::to_string(x));
+      EXPECT_EQ(ws.weight, mt::weight(x, p));
+      EXPECT_EQ(ws.slope, mt::weight_slope(x, p));
+    }
+  }
 }
 
 }  // namespace

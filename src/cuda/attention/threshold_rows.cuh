@@ -108,8 +108,8 @@ struct ThresholdRows {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int half = i / 2, e = i % 2;
-        const float w = math::threshold::weight(s[n][i] - tau[half], pw);
-        s[n][i] = !Masked || mask.visible<8 * NT>(half, n, e) ? w : 0.f;
+        const float x = !Masked || mask.visible<8 * NT>(half, n, e) ? s[n][i] - tau[half] : -INFINITY;
+        s[n][i] = math::threshold::weight_and_slope(x, pw).weight;
       }
     }
   }
@@ -259,12 +259,11 @@ struct ThresholdBackwardRows {
       for (int i = 0; i < 4; ++i) {
         const int half = i / 2, e = i % 2;
         const bool visible = !Masked || mask.visible<8 * NT>(half, n, e);
-        const float x = s[n][i] - tau[half];
-        const float w = visible ? math::threshold::weight(x, pw) : 0.f;
-        const float ds = visible ? factor * dp[n][i] * math::threshold::weight_slope(x, pw) : 0.f;
-        lambda_dot += dp[n][i] * w;  // used by the second view only
+        const auto ws = math::threshold::weight_and_slope(visible ? s[n][i] - tau[half] : -INFINITY, pw);
+        const float ds = factor * dp[n][i] * ws.slope;
+        lambda_dot += dp[n][i] * ws.weight;  // used by the second view only
         dtau[half] -= ds;
-        s[n][i] = factor * w;
+        s[n][i] = factor * ws.weight;
         dp[n][i] = ds;
       }
     }
@@ -337,10 +336,10 @@ struct ThresholdKeys {
     factor = lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
   }
   __device__ __forceinline__ void grad(float& z, float& dp, float tau, float, bool visible) const {
-    const float pw = threshold_p<P>(power);
-    const float x = z - tau;
-    dp = visible ? dp * math::threshold::weight_slope(x, pw) : 0.f;
-    z = visible ? math::threshold::weight(x, pw) : 0.f;
+    // A score left out (masked, or a padding row: tau = +inf) is x = -inf: weight and slope 0.
+    const auto ws = math::threshold::weight_and_slope(visible ? z - tau : -INFINITY, threshold_p<P>(power));
+    dp *= ws.slope;
+    z = ws.weight;
   }
   // dbeta's share, -sum dS tau / beta, a column (query row) at a time once P is packed.
   template <int NT>
