@@ -961,9 +961,10 @@ bool keys_backward_applies(const detail::AttentionParams& p, const detail::Gradi
   if (rows_forced || !keys_backward_fits(p, g)) return false;
   if (!cfg.differential()) return true;
   // The second view applies -lambda to a block's sums over its kv head's query heads
-  // (ThresholdKeys), so it needs one lambda for all of them; with grouped heads and one shared
-  // lambda its dlambda measured 0.15 from the reference on a test shape where the row kernel's
-  // was 0.04 (2026-11-28): grouped heads keep the row kernel until that is understood.
+  // (ThresholdKeys), so it needs one lambda for all of them. Grouped heads with a shared lambda
+  // would qualify; they keep the row kernel until the test that now measures a shared lambda's
+  // gradient against its per-head parts (tests/cuda/threshold_test.cpp, fused_gqa_shared) has
+  // run on this path (docs/parked/threshold-keys-shared-lambda.patch).
   return p.group_size() == 1 && aligned_rows(cfg.dk2, p.dtype);
 }
 
