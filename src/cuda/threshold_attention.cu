@@ -92,13 +92,6 @@ __global__ void normalize_rows_kernel(const Operand src, const Operand dst, floa
 // 16-byte access, so a warp normalizes 32 / kLanes rows with one load and one store per lane.
 // The scalar kernel above moved two bytes per access and reached about a third of the memory
 // bandwidth, 0.14 ms per view at 16K tokens, 12 heads (H200), in every forward and backward.
-template <int kLanes>
-__device__ __forceinline__ float lane_group_sum(float x) {
-#pragma unroll
-  for (int off = kLanes / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 template <class T, int kLanes>
 __global__ void normalize_rows_packed_kernel(const Operand src, const Operand dst, float* inv_norm,
                                              const RowGeometry r, float eps) {
@@ -118,7 +111,7 @@ __global__ void normalize_rows_packed_kernel(const Operand src, const Operand ds
   float sum = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) sum += x[j] * x[j];
-  sum = lane_group_sum<kLanes>(sum);  // every lane takes part; rows past the end add zeros
+  sum = tile::lanes_sum<kLanes>(sum);  // every lane takes part; rows past the end add zeros
   if (!valid) return;
   const float inv = math::inverse_norm(sum, eps);
   Pack<T, 8> out;
@@ -310,7 +303,7 @@ __global__ void store_grad_rows_packed_kernel(const float* g_hat, const Operand 
     float dot = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) dot += x[j] * g[j];
-    dot = lane_group_sum<kLanes>(dot);
+    dot = tile::lanes_sum<kLanes>(dot);
     if (!valid) return;
     const float inv = inv_norm[idx];
 #pragma unroll

@@ -93,8 +93,7 @@ __global__ void softmax_backward_row_stats_kernel(const AttentionParams p, const
     }
   }
   // Every lane of the warp takes part: its rows may lie on both sides of the sequence's end.
-#pragma unroll
-  for (int m = kLanes / 2; m > 0; m >>= 1) delta += __shfl_xor_sync(0xffffffffu, delta, m);
+  delta = tile::lanes_sum<kLanes>(delta);
   if (part == 0) {
     buf.row_stats[0][buf.row_index(p, h, b, r)] =
         in_sequence ? *p.stats.at<const float>(b, seq.q_start + r, h) * static_cast<float>(M_LOG2E) : INFINITY;

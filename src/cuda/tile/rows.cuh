@@ -5,6 +5,16 @@
 
 namespace winnow::cuda::tile {
 
+// The sum over each group of Lanes consecutive lanes (a power of two up to 32), in every lane
+// of the group: a row spread over Lanes lanes. Every lane of the warp must take part.
+template <int Lanes>
+__device__ __forceinline__ float lanes_sum(float x) {
+  static_assert(Lanes > 0 && Lanes <= 32 && (Lanes & (Lanes - 1)) == 0, "a power of two up to 32");
+#pragma unroll
+  for (int m = Lanes / 2; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   x += __shfl_xor_sync(0xffffffffu, x, 2);
