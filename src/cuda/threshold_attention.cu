@@ -22,6 +22,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cuda/attention/simple.cuh"
 #include "cuda/attention/threshold_rows.cuh"
@@ -92,19 +93,33 @@ __global__ void normalize_rows_kernel(const Operand src, const Operand dst, floa
 // 16-byte access, so a warp normalizes 32 / kLanes rows with one load and one store per lane.
 // The scalar kernel above moved two bytes per access and reached about a third of the memory
 // bandwidth, 0.14 ms per view at 16K tokens, 12 heads (H200), in every forward and backward.
+// The row a lane of the packed kernels takes (kLanes lanes a row, 32 / kLanes rows a warp) and
+// its eight features (sub); a lane past the last row is not valid but still takes part in the
+// row sums, which run over every lane of the warp.
+template <int kLanes>
+struct PackedRowLane {
+  int sub;
+  std::int64_t idx, b, at, h;
+  bool valid;
+  __device__ __forceinline__ explicit PackedRowLane(const RowGeometry& r) {
+    const int lane = threadIdx.x % 32;
+    sub = lane % kLanes;
+    idx = (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32) * (32 / kLanes) + lane / kLanes;
+    valid = idx < r.rows * r.heads;
+    const std::int64_t row = valid ? idx / r.heads : 0;
+    h = valid ? idx % r.heads : 0;
+    b = r.sequence(row);
+    at = r.row_in(row);
+  }
+};
+
 template <class T, int kLanes>
 __global__ void normalize_rows_packed_kernel(const Operand src, const Operand dst, float* inv_norm,
                                              const RowGeometry r, float eps) {
-  constexpr int kRowsPerWarp = 32 / kLanes;
-  const int lane = threadIdx.x % 32, sub = lane % kLanes;
-  const std::int64_t idx =
-      (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32) * kRowsPerWarp + lane / kLanes;
-  const bool valid = idx < r.rows * r.heads;
-  const std::int64_t row = valid ? idx / r.heads : 0, h = valid ? idx % r.heads : 0;
-  const std::int64_t b = r.sequence(row), at = r.row_in(row);
+  const PackedRowLane<kLanes> l(r);
   float x[8] = {};
-  if (valid) {
-    const Pack<T, 8> in = load_pack<T, 8>(src.at<const T>(b, at, h) + 8 * sub);
+  if (l.valid) {
+    const Pack<T, 8> in = load_pack<T, 8>(src.at<const T>(l.b, l.at, l.h) + 8 * l.sub);
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = widen(in.v[j]);
   }
@@ -112,19 +127,29 @@ __global__ void normalize_rows_packed_kernel(const Operand src, const Operand ds
 #pragma unroll
   for (int j = 0; j < 8; ++j) sum += x[j] * x[j];
   sum = tile::lanes_sum<kLanes>(sum);  // every lane takes part; rows past the end add zeros
-  if (!valid) return;
+  if (!l.valid) return;
   const float inv = math::inverse_norm(sum, eps);
   Pack<T, 8> out;
 #pragma unroll
   for (int j = 0; j < 8; ++j) out.v[j] = narrow_to<T>(x[j] * inv);
-  store_pack<T, 8>(dst.at<T>(b, at, h) + 8 * sub, out);
-  if (sub == 0) inv_norm[idx] = math::norm_clipped(sum, eps) ? -inv : inv;
+  store_pack<T, 8>(dst.at<T>(l.b, l.at, l.h) + 8 * l.sub, out);
+  if (l.sub == 0) inv_norm[l.idx] = math::norm_clipped(sum, eps) ? -inv : inv;
 }
 
 // Whether the packed kernels take rows of this geometry: 16-bit T, 64 or 128 features.
 template <class T>
 bool packed_rows_apply(const RowGeometry& r) {
   return sizeof(T) == 2 && (r.dim == 64 || r.dim == 128);
+}
+
+// f(std::integral_constant<int, dim / 8>{}): the packed kernels' lanes a row, for the dims they take.
+template <class F>
+void with_packed_lanes(int dim, F&& f) {
+  if (dim == 128) {
+    f(std::integral_constant<int, 16>{});
+  } else {
+    f(std::integral_constant<int, 8>{});
+  }
 }
 
 unsigned packed_blocks(const RowGeometry& r) {
@@ -276,27 +301,21 @@ __global__ void store_grad_rows_kernel(const float* g_hat, const Operand hat, co
 template <class T, int kLanes>
 __global__ void store_grad_rows_packed_kernel(const float* g_hat, const Operand hat, const float* inv_norm,
                                               const Operand out, const RowGeometry r) {
-  constexpr int kRowsPerWarp = 32 / kLanes;
-  const int lane = threadIdx.x % 32, sub = lane % kLanes;
-  const std::int64_t idx =
-      (static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32) * kRowsPerWarp + lane / kLanes;
-  const bool valid = idx < r.rows * r.heads;
-  const std::int64_t row = valid ? idx / r.heads : 0, h = valid ? idx % r.heads : 0;
-  const std::int64_t b = r.sequence(row), at = r.row_in(row);
+  const PackedRowLane<kLanes> l(r);
   float g[8] = {}, x[8] = {};
-  if (valid) {
-    const float4* gp = reinterpret_cast<const float4*>(g_hat + idx * r.dim + 8 * sub);
+  if (l.valid) {
+    const float4* gp = reinterpret_cast<const float4*>(g_hat + l.idx * r.dim + 8 * l.sub);
     const float4 g0 = gp[0], g1 = gp[1];
     g[0] = g0.x, g[1] = g0.y, g[2] = g0.z, g[3] = g0.w, g[4] = g1.x, g[5] = g1.y, g[6] = g1.z, g[7] = g1.w;
     if (hat.data != nullptr) {
-      const Pack<T, 8> in = load_pack<T, 8>(hat.at<const T>(b, at, h) + 8 * sub);
+      const Pack<T, 8> in = load_pack<T, 8>(hat.at<const T>(l.b, l.at, l.h) + 8 * l.sub);
 #pragma unroll
       for (int j = 0; j < 8; ++j) x[j] = widen(in.v[j]);
     }
   }
   Pack<T, 8> y;
   if (hat.data == nullptr) {  // the same for the whole grid
-    if (!valid) return;
+    if (!l.valid) return;
 #pragma unroll
     for (int j = 0; j < 8; ++j) y.v[j] = narrow_to<T>(g[j]);
   } else {
@@ -304,12 +323,12 @@ __global__ void store_grad_rows_packed_kernel(const float* g_hat, const Operand 
 #pragma unroll
     for (int j = 0; j < 8; ++j) dot += x[j] * g[j];
     dot = tile::lanes_sum<kLanes>(dot);
-    if (!valid) return;
-    const float inv = inv_norm[idx];
+    if (!l.valid) return;
+    const float inv = inv_norm[l.idx];
 #pragma unroll
     for (int j = 0; j < 8; ++j) y.v[j] = narrow_to<T>(math::normalize_grad(g[j], x[j], dot, fabsf(inv), inv < 0.f));
   }
-  store_pack<T, 8>(out.at<T>(b, at, h) + 8 * sub, y);
+  store_pack<T, 8>(out.at<T>(l.b, l.at, l.h) + 8 * l.sub, y);
 }
 
 // dbeta and dlambda from their per-head fp32 sums, into the caller's per-head (or shared) tensors.
@@ -341,11 +360,10 @@ void normalize_rows(const Operand& src, const Operand& dst, float* inv, const Ro
                     DType dtype, cudaStream_t stream) {
   if (r.rows * r.heads == 0) return;
   if (packed_rows_apply<T>(r) && aligned_rows(src, dtype)) {
-    if (r.dim == 128) {
-      normalize_rows_packed_kernel<T, 16><<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
-    } else {
-      normalize_rows_packed_kernel<T, 8><<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
-    }
+    with_packed_lanes(r.dim, [&](auto lanes) {
+      normalize_rows_packed_kernel<T, decltype(lanes)::value>
+          <<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
+    });
   } else {
     normalize_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
   }
@@ -359,11 +377,10 @@ void store_grad_rows(const float* g_hat, const Operand& hat, const float* inv, c
                      const RowGeometry& r, DType dtype, cudaStream_t stream) {
   if (r.rows * r.heads == 0) return;
   if (packed_rows_apply<T>(r) && aligned_rows(out, dtype)) {
-    if (r.dim == 128) {
-      store_grad_rows_packed_kernel<T, 16><<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
-    } else {
-      store_grad_rows_packed_kernel<T, 8><<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
-    }
+    with_packed_lanes(r.dim, [&](auto lanes) {
+      store_grad_rows_packed_kernel<T, decltype(lanes)::value>
+          <<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
+    });
   } else {
     store_grad_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
   }
