@@ -13,6 +13,7 @@
 
 #include "cuda/attention/backward.cuh"
 #include "cuda/attention/forward.cuh"
+#include "cuda/attention/unit_norm_rows.cuh"
 #include "cuda/tile/rows.cuh"
 #include "math/elementwise.h"
 #include "math/screening.h"
@@ -217,12 +218,11 @@ struct ScreeningBackwardRows {
       const bool in = row < qt.s.q_len;
       const float dr = tile::quad_sum(dr_sum[half]);
       const float dw = tile::quad_sum(dw_sum[half]);
-      if (!in) continue;
       const std::int64_t abs_row = qt.s.q_start + row;
-      const T* qm = cfg.q_rotated.at<const T>(qt.b, abs_row, qt.h);
-      const T* qn = cfg.q_unit.at<const T>(qt.b, abs_row, qt.h);
+      const T* qn = in ? cfg.q_unit.at<const T>(qt.b, abs_row, qt.h) : nullptr;
       double rate_share = 0;
-      if (tig == 0 && hd.rate != 0) {
+      if (in && tig == 0 && hd.rate != 0) {
+        const T* qm = cfg.q_rotated.at<const T>(qt.b, abs_row, qt.h);
         const float q0 = tile::to_float(qm[0]), q1 = tile::to_float(qm[1]);
         float g[2] = {dq[0][2 * half], dq[0][2 * half + 1]};
         rate_share = static_cast<double>(pos[half]) * static_cast<double>(q0 * g[1] - q1 * g[0]);
@@ -230,22 +230,8 @@ struct ScreeningBackwardRows {
         dq[0][2 * half] = g[0];
         dq[0][2 * half + 1] = g[1];
       }
-      float partial = 0.f;
-#pragma unroll
-      for (int n = 0; n < DT; ++n) {
-        partial += tile::to_float(qn[8 * n + 2 * tig]) * dq[n][2 * half] +
-                   tile::to_float(qn[8 * n + 2 * tig + 1]) * dq[n][2 * half + 1];
-      }
-      const float dot = tile::quad_sum(partial);
-      const float inv = cfg.q_inv_norm[p.batch_row_q(qt.b, abs_row) * p.heads_q + qt.h];
-#pragma unroll
-      for (int n = 0; n < DT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& g = dq[n][2 * half + e];
-          g = math::normalize_grad(g, tile::to_float(qn[8 * n + 2 * tig + e]), dot, fabsf(inv), inv < 0.f);
-        }
-      }
+      normalize_grad_row<T, DT>(dq, half, qn, cfg.q_inv_norm + p.batch_row_q(qt.b, abs_row) * p.heads_q + qt.h, tig);
+      if (!in) continue;
       if (tig == 0) {
         const std::int64_t batch_row = p.batch_row_q(qt.b, abs_row);
         cfg.parts.query(0, qt.h, batch_row) = (static_cast<double>(dw) + rate_share * hd.rate_slope) * hd.dw_ds();
