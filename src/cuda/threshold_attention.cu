@@ -971,11 +971,10 @@ bool keys_backward_applies(const detail::AttentionParams& p, const detail::Gradi
   if (rows_forced || !keys_backward_fits(p, g)) return false;
   if (!cfg.differential()) return true;
   // The second view applies -lambda to a block's sums over its kv head's query heads
-  // (ThresholdKeys), so it needs one lambda for all of them. Grouped heads with a shared lambda
-  // would qualify; they keep the row kernel until the test that now measures a shared lambda's
-  // gradient against its per-head parts (tests/cuda/threshold_test.cpp, fused_gqa_shared) has
-  // run on this path (docs/parked/threshold-keys-shared-lambda.patch).
-  return p.group_size() == 1 && aligned_rows(cfg.dk2, p.dtype);
+  // (ThresholdKeys), so it needs one lambda for all of them: one query head per kv head, or a
+  // shared lambda with a shared gradient (a per-head dlambda needs each head's own sum).
+  const bool one_lambda = cfg.lambda.head == 0 && cfg.dlambda.head == 0;
+  return (p.group_size() == 1 || one_lambda) && aligned_rows(cfg.dk2, p.dtype);
 }
 
 template <class T, int D>
