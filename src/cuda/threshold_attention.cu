@@ -693,8 +693,19 @@ bool fused_applies(const detail::AttentionParams& p, const ThresholdConfig& cfg,
   return true;
 }
 
+// TDA on Hopper: both views in one launch (ThresholdTwoViewRows), the output written once;
+// WINNOW_THRESHOLD_VIEW_LAUNCHES=1 runs a launch per view instead, for comparison. Elsewhere,
+// and for TRA, a launch per view.
 template <class T, int D>
 void fused_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg, const NormalizedViews& views) {
+  static const bool view_launches = std::getenv("WINNOW_THRESHOLD_VIEW_LAUNCHES") != nullptr;
+  if (views.count() == 2 && !view_launches) {
+    ThresholdCudaConfig c = view_config(p, cfg, 1);
+    c.add_to_output = false;
+    c.q2_hat = views.view(1).q_hat;
+    c.k2_hat = views.view(1).k_hat;
+    if (launch_sm90_forward<T, D, ThresholdTwoViewRows>(view_params(p, views.view(0)), c, LiveKeyTiles{})) return;
+  }
   for (int v = 0; v < views.count(); ++v) {
     launch_fused_forward<T, D, ThresholdRows>(view_params(p, views.view(v)), view_config(p, cfg, v));
   }

@@ -16,6 +16,11 @@
 // Early halting (stick-breaking): a consumer whose 64 rows have all halted stops computing and
 // raises a flag; once both have, the producer stops loading and sends an end marker.
 // Given live key tiles (key_tiles.cuh), producer and consumers walk the same live tiles.
+// Two views (Rows::kViews = 2, TDA): the block also holds the second view's queries, each stage
+// both views' keys, and a round issues both views' scores before the one P V; the policy's
+// weights2 combines them into P. Both views' score tiles and their keys fit only at 64 keys a
+// tile (64 + 64 accumulator registers of scores, 2 x 32 KB of queries at D = 128), so such
+// policies sweep tiles of 64 keys.
 #pragma once
 
 #include <cstdint>
@@ -36,16 +41,27 @@ struct Sm90ForwardShape {
   static constexpr int kConsumerRegisters = 240;
 };
 
+// Query and key views a row policy scores (TDA's two; one for every other mechanism), and the
+// key tile that many views fit.
+template <class Rows, class = void>
+inline constexpr int kViews = 1;
+template <class Rows>
+inline constexpr int kViews<Rows, std::void_t<decltype(Rows::kViews)>> = Rows::kViews;
+template <int Views>
+inline constexpr int kSm90ForwardBK = Views == 2 ? 64 : Sm90ForwardShape::kBK;
+
 // V's ring comes last: sweeps without values lend that space, grown to ScratchBytes, to their
-// row policy (forward.cuh, kScratchBytes).
-template <class T, int D, int ScratchBytes = 0>
+// row policy (forward.cuh, kScratchBytes). With two views, the second view's queries follow
+// the first's and each key stage holds both views' tiles.
+template <class T, int D, int ScratchBytes = 0, int Views = 1>
 struct Sm90ForwardSmem {
   using Shape = Sm90ForwardShape;
+  static constexpr int kBK = kSm90ForwardBK<Views>;
   using QTile = tile::PanelTile<T, Shape::kBQ, D>;
-  using KVTile = tile::PanelTile<T, Shape::kBK, D>;
-  static constexpr int kQ = 0;
-  static constexpr int kK = kQ + QTile::kBytes;  // stage s at kK + s * KVTile::kBytes
-  static constexpr int kSync = kK + Shape::kStages * KVTile::kBytes;
+  using KVTile = tile::PanelTile<T, kBK, D>;
+  static constexpr int kQ = 0;                         // view v at kQ + v * QTile::kBytes
+  static constexpr int kK = kQ + Views * QTile::kBytes;  // stage s, view v at kK + (s * Views + v) * KVTile::kBytes
+  static constexpr int kSync = kK + Shape::kStages * Views * KVTile::kBytes;
   // mbarriers k_full, k_empty, v_full, v_empty [stages]; end[stages] (-1: the producer
   // stopped before this stage's K); halted[2] (per consumer).
   static constexpr int kSyncBytes = 32 * Shape::kStages + 4 * Shape::kStages + 8;
@@ -66,15 +82,18 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     attention_forward_sm90_kernel(const AttentionParams p, const Config cfg, const LiveKeyTiles live) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Shape = Sm90ForwardShape;
-  using Smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>>;
-  constexpr int BQ = Shape::kBQ, BK = Shape::kBK, S = Shape::kStages;
+  constexpr int NV = kViews<Rows>;
+  using Smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>, NV>;
+  constexpr int BQ = Shape::kBQ, BK = Smem::kBK, S = Shape::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
   // The tiles' views: the consumers rebuild them each round from tile::opaque(smem), so that
   // their operand descriptors are not hoisted out of the loop into registers that then spill.
   unsigned char* tiles_at = smem;
-  auto q_tile = [&] { return typename Smem::QTile{tiles_at + Smem::kQ}; };
-  auto k_tile = [&](int s) { return typename Smem::KVTile{tiles_at + Smem::kK + s * Smem::KVTile::kBytes}; };
+  auto q_tile = [&](int v = 0) { return typename Smem::QTile{tiles_at + Smem::kQ + v * Smem::QTile::kBytes}; };
+  auto k_tile = [&](int s, int v = 0) {
+    return typename Smem::KVTile{tiles_at + Smem::kK + (s * NV + v) * Smem::KVTile::kBytes};
+  };
   auto v_tile = [&](int s) { return typename Smem::KVTile{tiles_at + Smem::kV + s * Smem::KVTile::kBytes}; };
   std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
   std::uint64_t* const k_empty = k_full + S;
@@ -139,13 +158,23 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         const int q0 = Q::template first_row_of<128>(ptid);
         constexpr int QP = Q::template row_stride_of<128>();
         const std::int64_t left = qt.s.q_len - qt.r0 - q0;
-        q_tile().template load_rows_async<128>(
-            ptid, p.q.at<const T>(qt.b, qt.s.q_start + qt.r0 + q0, qt.h), QP * p.q.row,
-            left <= 0 ? 0 : static_cast<int>(left < BQ ? (left + QP - 1) / QP : BQ));
+        const int q_valid = left <= 0 ? 0 : static_cast<int>(left < BQ ? (left + QP - 1) / QP : BQ);
+        q_tile().template load_rows_async<128>(ptid, p.q.at<const T>(qt.b, qt.s.q_start + qt.r0 + q0, qt.h),
+                                               QP * p.q.row, q_valid);
+        if constexpr (NV == 2) {
+          const detail::Operand& q2 = Rows::second_queries(cfg);
+          q_tile(1).template load_rows_async<128>(ptid, q2.at<const T>(qt.b, qt.s.q_start + qt.r0 + q0, qt.h),
+                                                  QP * q2.row, q_valid);
+        }
       }
       const std::int64_t row = static_cast<std::int64_t>(kt) * BK + key0;
       const int valid = keys_valid(kt);
       k_tile(s).template load_rows_async<128>(ptid, k_base + row * p.k.row, (P / 4) * p.k.row, valid);
+      if constexpr (NV == 2) {
+        const detail::Operand& k2 = Rows::second_keys(cfg);
+        k_tile(s, 1).template load_rows_async<128>(ptid, k2.at<const T>(qt.b, qt.s.k_start + row, qt.hk),
+                                                   (P / 4) * k2.row, valid);
+      }
       tile::mbar_arrive_on_copies(&k_full[s]);
       if constexpr (Rows::kUsesValues) {
         if (i >= S) tile::mbar_wait_sleepy(&v_empty[s], ((i / S) - 1) & 1);
@@ -174,6 +203,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     float o[D / 8][4];
     tile::zero(o);
     std::uint32_t pa[BK / 16][4];  // P of the previous tile, waiting for its product with V
+    using SecondScores = float[NV == 2 ? BK / 8 : 1][4];  // the second view's (NV = 2)
     int kept_from_tile = 0;
     bool done = false;  // every row of this consumer has halted: its weights are zero from now
 
@@ -181,10 +211,17 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     // loop alone: a product under a data-dependent branch makes the compiler serialise all of
     // them. So the first and last rounds are peeled off the loop, and a halted consumer keeps
     // multiplying (zero weights) until the producer ends the sweep for both.
-    auto issue_s = [&](float (&sc)[BK / 8][4], int s) {
+    auto issue_s = [&](float (&sc)[BK / 8][4], SecondScores& sc2, int s) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         tile::wgmma_ss<T, BK, 0, 0>(sc, q_tile().k_major(64 * wg, 16 * ks), k_tile(s).k_major(0, 16 * ks), ks > 0);
+      }
+      if constexpr (NV == 2) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          tile::wgmma_ss<T, BK, 0, 0>(sc2, q_tile(1).k_major(64 * wg, 16 * ks), k_tile(s, 1).k_major(0, 16 * ks),
+                                      ks > 0);
+        }
       }
       tile::wgmma_commit();
     };
@@ -196,11 +233,17 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       tile::wgmma_commit();
     };
     // S_i -> P_i (in pa), and what the policy asks of the output; kt: tile i's index.
-    auto weigh = [&](float (&sc)[BK / 8][4], int kt) {
+    auto weigh = [&](float (&sc)[BK / 8][4], SecondScores& sc2, int kt) {
       if (!done) {
         mask.key0 = static_cast<std::int64_t>(kt) * BK;
         mask.active = qt.needs_mask(kt);
-        if (mask.active) {
+        if constexpr (NV == 2) {
+          if (mask.active) {
+            rows.template weights2<true>(sc, sc2, mask);
+          } else {
+            rows.template weights2<false>(sc, sc2, mask);
+          }
+        } else if (mask.active) {
           rows.template weights<true>(sc, mask);
         } else {
           rows.template weights<false>(sc, mask);
@@ -228,15 +271,18 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       tile::mbar_wait(&k_full[0], 0);
       tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
       float sc[BK / 8][4];
+      SecondScores sc2;
       tile::fresh(sc);
+      if constexpr (NV == 2) tile::fresh(sc2);
       tile::named_sync(my_turn, 256);
       tile::wgmma_fence();
-      issue_s(sc, 0);
+      issue_s(sc, sc2, 0);
       tile::named_arrive(other_turn, 256);
       tile::wgmma_wait<0>();
       tile::pin(sc);
+      if constexpr (NV == 2) tile::pin(sc2);
       tile::mbar_arrive(&k_empty[0]);
-      weigh(sc, kt);
+      weigh(sc, sc2, kt);
       after_weights(sc, kt);
 
       for (i = 1; i < n_tiles; ++i) {
@@ -248,9 +294,10 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         if constexpr (Rows::kUsesValues) tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);
         tile::fence_to_async_proxy();
         tile::fresh(sc);
+        if constexpr (NV == 2) tile::fresh(sc2);
         tile::named_sync(my_turn, 256);
         tile::wgmma_fence();
-        issue_s(sc, s);
+        issue_s(sc, sc2, s);
         if constexpr (Rows::kUsesValues) issue_pv(prev);
         tile::named_arrive(other_turn, 256);
         if constexpr (Rows::kUsesValues) {
@@ -259,8 +306,9 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
           tile::wgmma_wait<0>();
         }
         tile::pin(sc);
+        if constexpr (NV == 2) tile::pin(sc2);
         tile::mbar_arrive(&k_empty[s]);
-        weigh(sc, kt);
+        weigh(sc, sc2, kt);
         if constexpr (Rows::kUsesValues) {
           tile::wgmma_wait<0>();
           tile::pin(o);

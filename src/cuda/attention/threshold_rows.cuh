@@ -54,6 +54,9 @@ struct ThresholdCudaConfig {
   // Forward after the screen: where this launch computes a row group's weights; elsewhere the
   // screen has added them already (or they are exact zeros), so they are zeroed here.
   DenseTileBits dense;
+  // TDA's forward with both views in one launch (ThresholdTwoViewRows): the second view's
+  // normalized queries and keys; lambda is set, and the launch's output is the whole of TDA's.
+  detail::Operand q2_hat, k2_hat;
 
   __device__ __forceinline__ float factor(std::int64_t h) const {
     return lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
@@ -152,6 +155,55 @@ struct ThresholdRows {
   __device__ __forceinline__ void store_extra(const AttentionParams&, const ThresholdCudaConfig&,
                                               std::int64_t, std::int64_t, std::int64_t,
                                               std::int64_t, int) const {}
+};
+
+// TDA's forward with both views in one launch of the Hopper kernel (forward_sm90.cuh, kViews):
+// per key tile both views' scores, combined into P = w1 - lambda w2 before the one P V, so V
+// is read and multiplied once where two launches (ThresholdRows, a view each) multiply it
+// twice and the second reads and rewrites the first's output. cfg.lambda is set; the factor
+// the base policy would apply to a second view's output is the second view's weights' here.
+struct ThresholdTwoViewRows : ThresholdRows {
+  static constexpr int kViews = 2;
+  static constexpr bool kFinishesOutput = false;
+  float second_factor;  // -lambda
+
+  template <class Tile>
+  __device__ __forceinline__ ThresholdTwoViewRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                                  const Tile& qt, std::int64_t row0)
+      : ThresholdRows(p, cfg, qt, row0), second_factor(factor) {
+    factor = 1.f;
+  }
+
+  static __device__ __forceinline__ const detail::Operand& second_queries(const ThresholdCudaConfig& cfg) {
+    return cfg.q2_hat;
+  }
+  static __device__ __forceinline__ const detail::Operand& second_keys(const ThresholdCudaConfig& cfg) {
+    return cfg.k2_hat;
+  }
+
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights2(float (&s)[NT][4], const float (&s2)[NT][4], const RowMask& mask) {
+    switch (power_kind(power)) {
+      case ThresholdPower::two: return weights2_p<ThresholdPower::two, Masked>(s, s2, mask);
+      case ThresholdPower::one: return weights2_p<ThresholdPower::one, Masked>(s, s2, mask);
+      default: return weights2_p<ThresholdPower::general, Masked>(s, s2, mask);
+    }
+  }
+  template <ThresholdPower P, bool Masked, int NT>
+  __device__ __forceinline__ void weights2_p(float (&s)[NT][4], const float (&s2)[NT][4], const RowMask& mask) const {
+    const float pw = threshold_p<P>(power);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i / 2, e = i % 2;
+        const bool visible = !Masked || mask.visible<8 * NT>(half, n, e);
+        const float w1 = math::threshold::weight_and_slope(visible ? s[n][i] - tau[half] : -INFINITY, pw).weight;
+        const float w2 = math::threshold::weight_and_slope(visible ? s2[n][i] - tau[half] : -INFINITY, pw).weight;
+        s[n][i] = fmaf(second_factor, w2, w1);
+      }
+    }
+  }
 };
 
 // The fused forward after the screen (threshold_screen_sm90.cuh): the weights of a row group
