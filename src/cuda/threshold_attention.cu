@@ -4,10 +4,11 @@
 // last step, dk from its fp32 accumulator).
 //
 // Fused path (16-bit inputs, D 64 or 128): the shared forward and backward kernels with the
-// threshold row policies, one launch per view. TDA's second view is a second launch with
-// weights scaled by -lambda: the forward adds the first view's output (already in out) before
-// storing, the backward adds into the same dV accumulator. That reads V twice where a kernel
-// holding both score tiles would read it once.
+// threshold row policies. TDA's forward on Hopper is one launch over both views
+// (ThresholdTwoViewRows: both score tiles of 64 keys, P = w1 - lambda w2, one P V); elsewhere, and
+// in the backward, each view is a launch, the second's weights scaled by -lambda: the forward
+// adds the first view's output (already in out) before storing, the backward adds into the same
+// dV accumulator.
 //
 // Screened forward (Hopper, fused path, WINNOW_THRESHOLD_SCREEN set): the rows are
 // also written as int8 with their quantization error, the screen (threshold_screen_sm90.cuh)
