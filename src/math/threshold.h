@@ -87,6 +87,17 @@ WINNOW_HD T lambda_slope(T lambda, bool clamp) {
   return clamp ? ((lambda >= T(0) && lambda <= T(1)) ? T(1) : T(0)) : T(1);
 }
 
+// Whether a row tile whose smallest threshold is tau (its first row's) is likely to have key
+// tiles with no score above it, so that a kernel checking each tile for exact zeros (a vote
+// over its threads, then skipping the tile's products) gains more than the check costs: tau at
+// least three standard deviations (1 / sqrt(D)) of a cosine between random directions. A
+// heuristic for speed only; the check is exact wherever it runs.
+template <class T>
+WINNOW_HD bool zero_tiles_likely(T tau, T dim) {
+  using std::sqrt;
+  return tau * sqrt(dim) >= T(3);
+}
+
 // The screen of the CUDA forward (cuda/attention/threshold_screen_sm90.cuh) rules pairs out
 // with 8-bit products before any 16-bit one. A normalized row a, as the kernels store it in 16
 // bits, is written as scale * c with c int8 (|c_d| <= 127, scale = max_d |a_d| / 127) and

@@ -155,7 +155,15 @@ TEST_P(ThresholdCuda, ForwardAndEveryGradientMatchTheReference) {
   const auto [shape_index, tda, power, dtype, attend_current] = GetParam();
   const ProblemShape& shape = shapes()[static_cast<std::size_t>(shape_index)];
   ThresholdCase c{shape.name, shape, tda, power, attend_current, /*shared_beta=*/shape_index % 2 == 1};
-  for (double beta : {0.0, 0.5}) {
+  // beta = 1.2 on the fused kernels (bf16 only, for time): a few survivors per tile beyond the
+  // first rows, so some consumers' and warps' tiles are all exact zeros and skip their products
+  // while their neighbours' do not (kSkipsZeroTiles; on Hopper the first consumer of the first
+  // block does not vote, its tau starting at 0); 0 and 0.5 leave no tile empty. The simple path
+  // skips nothing; at beta 1.2 on its bf16 shapes (D 16 and 32, the few survivors near tau) it
+  // measured 0.04-0.4 from the reference on the raw rows, which this test does not hold it to.
+  std::vector<double> betas = {0.0, 0.5};
+  if (dtype == DType::bfloat16 && shape.name.rfind("fused_", 0) == 0) betas.push_back(1.2);
+  for (double beta : betas) {
     ThresholdInputs in = make_threshold_inputs(c, 77 + static_cast<std::uint64_t>(shape_index), beta);
     if (power != 2.0 && dtype != DType::float32) {
       for (HostTensor* t : {&in.main.q, &in.main.k, &in.second.q, &in.second.k}) exact_signs(*t);

@@ -37,6 +37,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/attention/geometry.cuh"
 #include "cuda/tile/fragment.cuh"
@@ -89,6 +90,10 @@ struct Sm90KeysBackwardShape {
 //                                 the fp32 dQ accumulator of row `row` of the sequence
 //   store_keys<T, D>(p, g, dk, dv, b, seq, hk, my_key, tig)
 //                                 dK and dV of this thread's keys
+//   kSkipsZeroTiles               optional (default false): where a consumer's P^T and dS^T are
+//                                 all exact zeros its dV and dK products are not issued, and
+//                                 where both consumers' are (each's at D = 64) the dQ product
+//                                 and its reductions are not either (threshold attention)
 template <class T, int D>
 struct Sm90KeysBackwardSmem {
   using Shape = Sm90KeysBackwardShape;
@@ -126,6 +131,11 @@ __device__ __forceinline__ void store_key_rows(T* base, std::int64_t row_stride,
 
 // Named barriers: 1 both consumers; 2, 3 each consumer's own.
 inline constexpr int kKeysBwdConsumersBarrier = 1, kKeysBwdConsumerBarrier = 2;
+
+template <class Keys, class = void>
+inline constexpr bool kKeysSkipZeroTiles = false;
+template <class Keys>
+inline constexpr bool kKeysSkipZeroTiles<Keys, std::void_t<decltype(Keys::kSkipsZeroTiles)>> = Keys::kSkipsZeroTiles;
 
 template <class T, int D, class Keys>
 __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
@@ -308,23 +318,50 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       }
       tile::fence_to_async_proxy();
 
-      tile::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BQ / 16; ++ks) {
-        tile::wgmma_rs<T, D, 1>(dv, pa[ks], do_tile(s).mn_major(16 * ks), true);
+      // Whether this consumer's P^T or dS^T has a nonzero entry (always, without the policy):
+      // a vote over the warpgroup, so the branches below are uniform over it.
+      // Taken where the tile's first row (its smallest threshold) makes zero tiles likely: the
+      // same for both consumers, so they agree on the barriers below.
+      bool votes = false, live = true;
+      if constexpr (kKeysSkipZeroTiles<Keys>) {
+        votes = Keys::zero_tiles_likely(stat_a[0], p);
+        if (votes) {
+          live = tile::named_sync_or(kKeysBwdConsumerBarrier + wg, 128, tile::any_nonzero(pa) || tile::any_nonzero(dsa));
+        }
       }
+      if (live) {
+        tile::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < BQ / 16; ++ks) {
-        tile::wgmma_rs<T, D, 1>(dk, dsa[ks], q_tile(s).mn_major(16 * ks), true);
+        for (int ks = 0; ks < BQ / 16; ++ks) {
+          tile::wgmma_rs<T, D, 1>(dv, pa[ks], do_tile(s).mn_major(16 * ks), true);
+        }
+#pragma unroll
+        for (int ks = 0; ks < BQ / 16; ++ks) {
+          tile::wgmma_rs<T, D, 1>(dk, dsa[ks], q_tile(s).mn_major(16 * ks), true);
+        }
+        tile::wgmma_commit();
       }
-      tile::wgmma_commit();
 
+      // Whether dQ's product has a nonzero dS^T to read: either consumer's at D = 128.
+      bool dq_live = true;
       if constexpr (kShareDs) {
-        tile::named_sync(kKeysBwdConsumersBarrier, 256);  // both halves of dS^T are in place
+        if (votes) {
+          dq_live = tile::named_sync_or(kKeysBwdConsumersBarrier, 256, live);  // both halves in place
+        } else {
+          tile::named_sync(kKeysBwdConsumersBarrier, 256);  // both halves of dS^T are in place
+        }
       } else {
         tile::named_sync(kKeysBwdConsumerBarrier + wg, 128);  // this consumer's dS^T is in place
+        dq_live = live;
       }
-      {
+      if (!dq_live) {
+        // Nothing to add to dQ; the stage is released once this consumer's dV and dK products
+        // (if any) have read it.
+        tile::wgmma_wait<0>();
+        tile::pin(dv);
+        tile::pin(dk);
+        tile::mbar_arrive(&empty[s]);
+      } else {
         const bool odd = (tig & 1) != 0;
         const std::int64_t row = r0 + 16 * warp + gq + (odd ? 8 : 0);
         float* const dq_row = row < seq.q_len ? keys.dq_row(p, buf, seq, h, b, row) : nullptr;

@@ -28,6 +28,10 @@
 //   takes_part(...)            static member) holds for every one of its rows, and returns at
 //                              once otherwise (GSA's lists that hold every visible key run as
 //                              dense softmax, whole blocks at a time)
+//   kSkipsZeroTiles            optional: a tile whose weights are all exact zeros for a warp's
+//                              rows (portable kernel) or a consumer's (Hopper) skips its P V
+//                              (threshold attention: weights are zeros below tau); the vote
+//                              costs a few instructions and a barrier a tile
 //   kScratchBytes,             optional, sweeps without values only: shared memory the policy
 //   borrow_scratch(slot,       keeps per-thread lists in (entmax's candidate keys). It lies
 //     stride, capacity)        where V would; thread (local row r, tig) owns floats
@@ -124,6 +128,11 @@ template <class Rows, class = void>
 inline constexpr bool kFinishesDq = false;
 template <class Rows>
 inline constexpr bool kFinishesDq<Rows, std::void_t<decltype(Rows::kFinishesDq)>> = Rows::kFinishesDq;
+
+template <class Rows, class = void>
+inline constexpr bool kSkipsZeroTiles = false;
+template <class Rows>
+inline constexpr bool kSkipsZeroTiles<Rows, std::void_t<decltype(Rows::kSkipsZeroTiles)>> = Rows::kSkipsZeroTiles;
 
 template <class Rows, class = void>
 inline constexpr bool kLimitsFirstKey = false;
@@ -264,7 +273,9 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<(DK > DV
       rows.rescale(o);
       std::uint32_t pa[BK / 16][4];
       tile::to_operand<T>(s, pa);
-      tile::mma_b_cols<T>(o, pa, v_tile(buf), 0, lane);
+      if (!kSkipsZeroTiles<Rows> || __any_sync(0xffffffffu, tile::any_nonzero(pa))) {
+        tile::mma_b_cols<T>(o, pa, v_tile(buf), 0, lane);
+      }
     }
     kept_from_tile = kt;
     if (Rows::kCanHalt && rows.can_halt() && __syncthreads_and(rows.halted(mask))) break;

@@ -16,6 +16,8 @@
 // Early halting (stick-breaking): a consumer whose 64 rows have all halted stops computing and
 // raises a flag; once both have, the producer stops loading and sends an end marker.
 // Given live key tiles (key_tiles.cuh), producer and consumers walk the same live tiles.
+// Zero tiles (Rows::kSkipsZeroTiles, threshold attention): a consumer whose P of a tile is all
+// exact zeros, by a vote over its warpgroup, skips that tile's P V (its V is loaded anyway).
 // Two views (Rows::kViews = 2, TDA): the block also holds the second view's queries, each stage
 // both views' keys, and a round issues both views' scores before the one P V; the policy's
 // weights2 combines them into P. Both views' score tiles and their keys fit only at 64 keys a
@@ -206,6 +208,12 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     using SecondScores = float[NV == 2 ? BK / 8 : 1][4];  // the second view's (NV = 2)
     int kept_from_tile = 0;
     bool done = false;  // every row of this consumer has halted: its weights are zero from now
+    // kSkipsZeroTiles: whether the P in pa has a nonzero weight in this consumer's rows; when
+    // not, its P V is not issued. Decided by a vote over the warpgroup (so the branch is uniform
+    // over it), taken only where the policy finds zero tiles likely for these rows.
+    bool pv_live = true;
+    bool votes = false;
+    if constexpr (kSkipsZeroTiles<Rows>) votes = Rows::zero_tiles_likely(p, cfg, qt, qt.r0 + 64 * wg);
 
     // Products are issued on paths that every thread of the warpgroup takes, decided by the
     // loop alone: a product under a data-dependent branch makes the compiler serialise all of
@@ -231,6 +239,22 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         tile::wgmma_rs<T, D, 1>(o, pa[ks], v_tile(s).mn_major(16 * ks), true);
       }
       tile::wgmma_commit();
+    };
+    // A round's products: S_i, and P_{i-1} V_{i-1} when with_pv (a constant at each call);
+    // returns once S_i is done. A policy that skips zero tiles chooses the round by a branch
+    // around the whole of it: a branch around the P V products alone, with or without a fence
+    // in it, or a guard predicate on them (even one uniform over the grid) made ptxas insert
+    // warpgroup arrives on one path and serialize every product of the kernel (C7520).
+    auto issue_round = [&](float (&sc)[BK / 8][4], SecondScores& sc2, int s, int prev, bool with_pv) {
+      tile::wgmma_fence();
+      issue_s(sc, sc2, s);
+      if (with_pv) issue_pv(prev);
+      tile::named_arrive(other_turn, 256);
+      if (with_pv) {
+        tile::wgmma_wait<1>();
+      } else {
+        tile::wgmma_wait<0>();
+      }
     };
     // S_i -> P_i (in pa), and what the policy asks of the output; kt: tile i's index.
     auto weigh = [&](float (&sc)[BK / 8][4], SecondScores& sc2, int kt) {
@@ -262,6 +286,9 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         }
       }
       if constexpr (Rows::kUsesValues) tile::to_operand<T>(sc, pa);
+      if constexpr (kSkipsZeroTiles<Rows>) {
+        if (votes) pv_live = tile::named_sync_or(kConsumerBarrier + wg, 128, tile::any_nonzero(pa));
+      }
     };
 
     if (wg == 1) tile::named_arrive(kTurnBarrier, 256);  // consumer 0 takes the first turn
@@ -296,14 +323,10 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         tile::fresh(sc);
         if constexpr (NV == 2) tile::fresh(sc2);
         tile::named_sync(my_turn, 256);
-        tile::wgmma_fence();
-        issue_s(sc, sc2, s);
-        if constexpr (Rows::kUsesValues) issue_pv(prev);
-        tile::named_arrive(other_turn, 256);
-        if constexpr (Rows::kUsesValues) {
-          tile::wgmma_wait<1>();
+        if (pv_live) {
+          issue_round(sc, sc2, s, prev, Rows::kUsesValues);
         } else {
-          tile::wgmma_wait<0>();
+          issue_round(sc, sc2, s, prev, false);
         }
         tile::pin(sc);
         if constexpr (NV == 2) tile::pin(sc2);
@@ -326,8 +349,10 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       }
       tile::named_sync(my_turn, 256);
       if constexpr (Rows::kUsesValues) {
-        tile::wgmma_fence();
-        issue_pv(prev);
+        if (pv_live) {
+          tile::wgmma_fence();
+          issue_pv(prev);
+        }
       }
       if (wg == 0) tile::named_arrive(other_turn, 256);
       if constexpr (Rows::kUsesValues) {

@@ -83,6 +83,8 @@ __device__ __forceinline__ ThresholdPower power_kind(float power) {
 struct ThresholdRows {
   static constexpr bool kCanHalt = false;
   static constexpr bool kUsesValues = true;
+  // No score above tau: the tile's P V is not issued (where zero_tiles_likely on Hopper).
+  static constexpr bool kSkipsZeroTiles = true;
   static constexpr bool kWritesStats = false;
   static constexpr bool kFinishesOutput = true;
   float tau[2], factor, power;
@@ -116,6 +118,15 @@ struct ThresholdRows {
         s[n][i] = math::threshold::weight_and_slope(x, pw).weight;
       }
     }
+  }
+
+  // Whether the consumer whose first row is first_row votes on each tile's weights being all
+  // zeros (kSkipsZeroTiles); its smallest threshold decides (math::threshold::zero_tiles_likely).
+  template <class Tile>
+  static __device__ __forceinline__ bool zero_tiles_likely(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                                           const Tile& qt, std::int64_t first_row) {
+    const float tau = cfg.beta[qt.h * cfg.beta_head] * cfg.unit(qt.limit(p, first_row));
+    return math::threshold::zero_tiles_likely(tau, cfg.dim);
   }
 
   template <int DT>
@@ -340,6 +351,13 @@ enum class KeysDv { store, write_partial, add_partial };
 
 template <ThresholdPower P>
 struct ThresholdKeys {
+  // A tile where no score is above tau has P = 0 and dS = 0: its dV, dK and dQ products are
+  // not issued (backward_keys_sm90.cuh), checked where the tile's first row's tau makes such
+  // tiles likely.
+  static constexpr bool kSkipsZeroTiles = true;
+  static __device__ __forceinline__ bool zero_tiles_likely(float first_tau, const AttentionParams& p) {
+    return math::threshold::zero_tiles_likely(first_tau, static_cast<float>(p.dim_qk));
+  }
   detail::Operand q_hat, k_hat, dk;
   const float* k_inv = nullptr;
   float* dq_hat = nullptr;

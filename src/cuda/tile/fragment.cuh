@@ -83,6 +83,16 @@ __device__ __forceinline__ void to_operand(const float (&acc)[2 * KS][4], std::u
   }
 }
 
+// Whether any element of packed 16-bit operands is nonzero (a signed zero counts as zero), in
+// this thread's share; a caller votes over the lanes that hold the tile.
+template <int KS>
+__device__ __forceinline__ bool any_nonzero(const std::uint32_t (&a)[KS][4]) {
+  std::uint32_t bits = 0;
+#pragma unroll
+  for (int s = 0; s < KS; ++s) bits |= a[s][0] | a[s][1] | a[s][2] | a[s][3];
+  return (bits & 0x7fff7fffu) != 0;
+}
+
 // A fragments of a warp's 16 rows of a row-major shared tile, all k-steps.
 template <int KS, class Tile>
 __device__ __forceinline__ void load_rows_operand(std::uint32_t (&a)[KS][4], const Tile& tile,
