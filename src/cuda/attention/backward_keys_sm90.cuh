@@ -37,9 +37,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/attention/geometry.cuh"
+#include "cuda/attention/key_tiles.cuh"
 #include "cuda/tile/fragment.cuh"
 #include "cuda/tile/hopper.cuh"
 #include "cuda/tile/panel_tile.cuh"
@@ -131,11 +131,6 @@ __device__ __forceinline__ void store_key_rows(T* base, std::int64_t row_stride,
 
 // Named barriers: 1 both consumers; 2, 3 each consumer's own.
 inline constexpr int kKeysBwdConsumersBarrier = 1, kKeysBwdConsumerBarrier = 2;
-
-template <class Keys, class = void>
-inline constexpr bool kKeysSkipZeroTiles = false;
-template <class Keys>
-inline constexpr bool kKeysSkipZeroTiles<Keys, std::void_t<decltype(Keys::kSkipsZeroTiles)>> = Keys::kSkipsZeroTiles;
 
 template <class T, int D, class Keys>
 __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
@@ -323,7 +318,7 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       // Taken where the tile's first row (its smallest threshold) makes zero tiles likely: the
       // same for both consumers, so they agree on the barriers below.
       bool votes = false, live = true;
-      if constexpr (kKeysSkipZeroTiles<Keys>) {
+      if constexpr (kSkipsZeroTiles<Keys>) {
         votes = Keys::zero_tiles_likely(stat_a[0], p);
         if (votes) {
           live = tile::named_sync_or(kKeysBwdConsumerBarrier + wg, 128, tile::any_nonzero(pa) || tile::any_nonzero(dsa));

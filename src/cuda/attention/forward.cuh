@@ -130,11 +130,6 @@ template <class Rows>
 inline constexpr bool kFinishesDq<Rows, std::void_t<decltype(Rows::kFinishesDq)>> = Rows::kFinishesDq;
 
 template <class Rows, class = void>
-inline constexpr bool kSkipsZeroTiles = false;
-template <class Rows>
-inline constexpr bool kSkipsZeroTiles<Rows, std::void_t<decltype(Rows::kSkipsZeroTiles)>> = Rows::kSkipsZeroTiles;
-
-template <class Rows, class = void>
 inline constexpr bool kLimitsFirstKey = false;
 template <class Rows>
 inline constexpr bool kLimitsFirstKey<Rows, std::void_t<decltype(Rows::kLimitsFirstKey)>> = Rows::kLimitsFirstKey;

@@ -11,11 +11,14 @@
 // The kernels then walk the live cells' tiles (KeyTileSweep), as bits: the forward right to
 // left, the backward left to right. A sweep with values may also set the bits itself as it
 // meets nonzero weights (SupportBits), exact per block, for a later kernel.
+// Finer and without a map: a policy with kSkipsZeroTiles (threshold attention) lets a kernel
+// skip the products of a tile it finds all exact zeros after computing its scores.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cuda/attention/geometry.cuh"
 
@@ -166,5 +169,12 @@ struct KeyTileSweep {
     return -1;
   }
 };
+
+// Whether a policy (a forward Rows or a key-stationary backward's Keys) has tiles of exact-zero
+// weights skip their products (kSkipsZeroTiles, default false).
+template <class Policy, class = void>
+inline constexpr bool kSkipsZeroTiles = false;
+template <class Policy>
+inline constexpr bool kSkipsZeroTiles<Policy, std::void_t<decltype(Policy::kSkipsZeroTiles)>> = Policy::kSkipsZeroTiles;
 
 }  // namespace winnow::cuda
