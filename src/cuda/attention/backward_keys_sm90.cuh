@@ -313,10 +313,10 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       }
       tile::fence_to_async_proxy();
 
-      // Whether this consumer's P^T or dS^T has a nonzero entry (always, without the policy):
-      // a vote over the warpgroup, so the branches below are uniform over it.
-      // Taken where the tile's first row (its smallest threshold) makes zero tiles likely: the
-      // same for both consumers, so they agree on the barriers below.
+      // live: whether this consumer's P^T or dS^T has a nonzero entry (always true without the
+      // policy), by a vote over the warpgroup so that the branches below are uniform over it.
+      // The vote is taken where the tile's first row (its smallest threshold) makes zero tiles
+      // likely, a test both consumers make alike, so they agree on the barriers below.
       bool votes = false, live = true;
       if constexpr (kSkipsZeroTiles<Keys>) {
         votes = Keys::zero_tiles_likely(stat_a[0], p);
