@@ -17,22 +17,27 @@
 //   producer   copies the block's K and V once, then per query tile Q, dO and the rows' two
 //              statistics (precomputed, padded to whole tiles) into a ring of stages
 //              (cp.async, each copy a fixed step from the one before);
-//   consumers  two warpgroups of 64 keys each. Per query tile:
-//                S^T = K Q^T, dP^T = V dO^T        wgmma, operands in shared memory
-//                P^T, dS^T                         in registers (Keys::grad; scale folded into dS)
-//                dV += P^T dO, dK += dS^T Q        wgmma, P^T and dS^T from registers
-//                dS^T -> shared memory
-//                D = 128: both consumers' dS^T in place, consumer c adds dQ's columns
-//                  64c .. 64c + 63 over all 128 keys (dQ_c = dS K_c);
-//                D = 64: each consumer adds dQ over its own 64 keys
-//                then reduces its dQ tile into the accumulator (16-byte atomics).
+//   consumers  two warpgroups of 64 keys each. Per query tile i, in two rounds of products
+//              that the consumers take turns to issue (c0, c1, c0, c1: one's element-wise
+//              work runs while the other's products do):
+//                round 1: S^T = K Q^T, dP^T = V dO^T       wgmma, operands in shared memory
+//                P^T, dS^T in registers (Keys::grad; scale folded into dS), dS^T -> shared
+//                round 2: dV += P^T dO | dQ_{i-1} | dK += dS^T Q
+//                         dV and dK from register operands; dQ of the tile before, from its
+//                         dS^T in shared memory: at D = 128 consumer c adds dQ's columns
+//                         64c .. 64c + 63 over all 128 keys (both consumers' dS^T, in place
+//                         since the turn), at D = 64 its own keys' share
+//                dQ_{i-1} reduced into the accumulator (16-byte atomics) while dK's product runs.
 // The deterministic mode, softmax's gradient of the log-sum-exp, and short sequences (one block
 // of rows; the row kernel writes their dK and dV directly) stay with the row kernel.
-// Measured and not kept (docs/performance.md, 2026-11-26, softmax): issuing the next tile's S^T
-// and dP^T before this tile's dQ reductions (spills, slower); three stages (no faster); dQ
-// handed to two producer warps through shared memory for bulk reductions (no faster at D = 64);
-// waiting for S^T alone, computing P^T while dP^T runs and issuing dV's product before dS^T is
-// computed (1-2% slower at D = 128, 4-6% at D = 64).
+// Measured (docs/performance.md): the turns against consumers in step (meeting at dS^T each
+// tile, dQ of the same tile): 3-5% faster backward (2026-11-28); in step, dQ before dK against
+// dQ after it: 6-7% at D = 128.
+// Measured and not kept (2026-11-26, softmax): issuing the next tile's S^T and dP^T before this
+// tile's dQ reductions (spills, slower); three stages (no faster); dQ handed to two producer
+// warps through shared memory for bulk reductions (no faster at D = 64); waiting for S^T alone,
+// computing P^T while dP^T runs and issuing dV's product before dS^T is computed (1-2% slower
+// at D = 128, 4-6% at D = 64).
 #pragma once
 
 #include <cmath>
@@ -106,8 +111,10 @@ struct Sm90KeysBackwardSmem {
   static constexpr int kQ = kV + KeyTile::kBytes;
   static constexpr int kDO = kQ + Shape::kStages * RowTile::kBytes;
   static constexpr int kDS = kDO + Shape::kStages * RowTile::kBytes;
-  static constexpr int kStats = kDS + 2 * GradTile::kBytes;
-  static constexpr int kSync = kStats + Shape::kStages * kStatsBytes;
+  static constexpr int kDsBuffers = 3;  // dS^T of tiles i - 1 (dQ's, staggered) and i, and one in reuse
+  static constexpr int kStats = kDS + kDsBuffers * GradTile::kBytes;
+  static constexpr int kFlags = kStats + Shape::kStages * kStatsBytes;  // int per (dS buffer, consumer)
+  static constexpr int kSync = kFlags + 4 * 2 * kDsBuffers;
   static constexpr int kSyncBytes = 8 * (1 + 2 * Shape::kStages);
   static constexpr int kBytes = kSync + kSyncBytes + 1024;
 };
@@ -129,8 +136,8 @@ __device__ __forceinline__ void store_key_rows(T* base, std::int64_t row_stride,
   }
 }
 
-// Named barriers: 1 both consumers; 2, 3 each consumer's own.
-inline constexpr int kKeysBwdConsumersBarrier = 1, kKeysBwdConsumerBarrier = 2;
+// Named barriers: 2, 3 each consumer's own; 4, 5 the consumers' turns.
+inline constexpr int kKeysBwdConsumerBarrier = 2, kKeysBwdTurnBarrier = 4;
 
 template <class T, int D, class Keys>
 __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
@@ -257,22 +264,11 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       }
       tile::wgmma_commit();
     };
-    // Each tile's products wait for the one before to finish. Issuing the next tile's S^T and
-    // dP^T before this tile's dQ reductions (as the row kernel does) keeps 224 accumulator
-    // registers live at D = 128: ptxas spilled 356 bytes, and it measured 8-15% slower.
-    tile::mbar_wait(kv_full, 0);
-    for (int i = 0; i < tiles; ++i) {
-      const int s = i % S, ds_buf = i & 1;
-      const std::int64_t h = hk * group + i / tiles_per_head;
-      const std::int64_t r0 = static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ;
-      tiles_at = tile::opaque(smem);
-      keys.begin(p, h);
-      issue_scores(i);
-      tile::wgmma_wait<0>();
-      tile::pin(sc);
-      tile::pin(dp);
-
-      // P^T and dS^T: columns are query rows r0 + 8 n + 2 tig + e, rows this thread's keys.
+    // P^T and dS^T of the tile at rows r0 (stage s) from S^T and dP^T, packed as operands, and
+    // dS^T of this consumer's keys into rows 64 wg .. of the [key][query] tile dst.
+    std::uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
+    auto weigh = [&](int s, std::int64_t r0, const typename Smem::GradTile& dst) {
+      // Columns are query rows r0 + 8 n + 2 tig + e, rows this thread's keys.
       const float* const stat_a = stats(s);
       const float* const stat_b = stat_a + BQ;
       const bool masked = kc + 63 > r0 + shift;
@@ -293,16 +289,12 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
           }
         }
       }
-      std::uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];
       tile::to_operand<T>(sc, pa);
       // With P packed, the mechanism's sums over dS that need the second statistic (a
       // threshold's dbeta: taken per score beside P, they held 22 more registers and spilled).
       keys.after_grads(dp, stat_b, tig);
       tile::to_operand<T>(dp, dsa);
-
-      // dS^T of this consumer's keys into rows 64 wg .. of the [key][query] tile.
       // Key rows 64 wg + 16 warp + gq and 8 rows (1024 bytes) further are gq mod 8.
-      const typename Smem::GradTile dst = ds_tile(ds_buf);
       const std::uint32_t row = dst.row_address(64 * wg + 16 * warp + gq, gq) + 4 * tig;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -312,100 +304,176 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
         }
       }
       tile::fence_to_async_proxy();
-
-      // live: whether this consumer's P^T or dS^T has a nonzero entry (always true without the
-      // policy), by a vote over the warpgroup so that the branches below are uniform over it.
-      // The vote is taken where the tile's first row (its smallest threshold) makes zero tiles
-      // likely, a test both consumers make alike, so they agree on the barriers below.
-      bool votes = false, live = true;
+    };
+    // live: whether this consumer's P^T or dS^T has a nonzero entry (always true without the
+    // policy), by a vote over the warpgroup so that the branches below are uniform over it.
+    // The vote is taken where the tile's first row (its smallest threshold) makes zero tiles
+    // likely, a test both consumers make alike, so they agree on the barriers below.
+    auto votes_on = [&](int s) {
+      if constexpr (kSkipsZeroTiles<Keys>) return Keys::zero_tiles_likely(stats(s)[0], p);
+      return false;
+    };
+    auto vote_live = [&](bool votes) {
       if constexpr (kSkipsZeroTiles<Keys>) {
-        votes = Keys::zero_tiles_likely(stat_a[0], p);
-        if (votes) {
-          live = tile::named_sync_or(kKeysBwdConsumerBarrier + wg, 128, tile::any_nonzero(pa) || tile::any_nonzero(dsa));
-        }
+        if (votes) return tile::named_sync_or(kKeysBwdConsumerBarrier + wg, 128, tile::any_nonzero(pa) || tile::any_nonzero(dsa));
       }
-      if (live) {
-        tile::wgmma_fence();
+      return true;
+    };
+    auto issue_dv = [&](int s) {
 #pragma unroll
-        for (int ks = 0; ks < BQ / 16; ++ks) {
-          tile::wgmma_rs<T, D, 1>(dv, pa[ks], do_tile(s).mn_major(16 * ks), true);
-        }
-#pragma unroll
-        for (int ks = 0; ks < BQ / 16; ++ks) {
-          tile::wgmma_rs<T, D, 1>(dk, dsa[ks], q_tile(s).mn_major(16 * ks), true);
-        }
-        tile::wgmma_commit();
+      for (int ks = 0; ks < BQ / 16; ++ks) {
+        tile::wgmma_rs<T, D, 1>(dv, pa[ks], do_tile(s).mn_major(16 * ks), true);
       }
-
-      // Whether dQ's product has a nonzero dS^T to read: either consumer's at D = 128.
-      bool dq_live = true;
+    };
+    auto issue_dk = [&](int s) {
+#pragma unroll
+      for (int ks = 0; ks < BQ / 16; ++ks) {
+        tile::wgmma_rs<T, D, 1>(dk, dsa[ks], q_tile(s).mn_major(16 * ks), true);
+      }
+    };
+    // dQ's panel of a query tile from its dS^T (at D = 128 both consumers' halves, consumer c
+    // taking dQ's columns 64c ..; at D = 64 this consumer's keys alone), one commit group.
+    float dq[8][4];
+    auto issue_dq = [&](const typename Smem::GradTile& src) {
+      tile::fresh(dq);
       if constexpr (kShareDs) {
-        if (votes) {
-          dq_live = tile::named_sync_or(kKeysBwdConsumersBarrier, 256, live);  // both halves in place
-        } else {
-          tile::named_sync(kKeysBwdConsumersBarrier, 256);  // both halves of dS^T are in place
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks) {
+          tile::wgmma_ss<T, 64, 1, 1>(dq, src.mn_major(16 * ks), k_tile().mn_major(16 * ks, wg), ks > 0);
         }
       } else {
-        tile::named_sync(kKeysBwdConsumerBarrier + wg, 128);  // this consumer's dS^T is in place
-        dq_live = live;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          tile::wgmma_ss<T, 64, 1, 1>(dq, src.mn_major(64 * wg + 16 * ks), k_tile().mn_major(64 * wg + 16 * ks), ks > 0);
+        }
       }
-      if (!dq_live) {
-        // Nothing to add to dQ; the stage is released once this consumer's dV and dK products
-        // (if any) have read it.
-        tile::wgmma_wait<0>();
-        tile::pin(dv);
-        tile::pin(dk);
-        tile::mbar_arrive(&empty[s]);
-      } else {
-        const bool odd = (tig & 1) != 0;
-        const std::int64_t row = r0 + 16 * warp + gq + (odd ? 8 : 0);
-        float* const dq_row = row < seq.q_len ? keys.dq_row(p, buf, seq, h, b, row) : nullptr;
-        float* const out = dq_row != nullptr ? dq_row + (kShareDs ? 64 * wg : 0) + 2 * (tig & ~1) : nullptr;
-        float dq[8][4];
-        tile::fresh(dq);
-        tile::wgmma_fence();
-        if constexpr (kShareDs) {
-#pragma unroll
-          for (int ks = 0; ks < BK / 16; ++ks) {
-            tile::wgmma_ss<T, 64, 1, 1>(dq, dst.mn_major(16 * ks), k_tile().mn_major(16 * ks, wg), ks > 0);
-          }
-        } else {
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks) {
-            tile::wgmma_ss<T, 64, 1, 1>(dq, dst.mn_major(64 * wg + 16 * ks), k_tile().mn_major(64 * wg + 16 * ks), ks > 0);
-          }
-        }
-        tile::wgmma_commit();
-        tile::wgmma_wait<0>();
-        // A factor only TDA's second view has: skipped (uniformly) at 1.
-        if (const float f = keys.dq_scale(); f != 1.f) {
-#pragma unroll
-          for (int n = 0; n < 8; ++n) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) dq[n][c] *= f;
-          }
-        }
-        tile::pin(dq);
-        tile::pin(dv);
-        tile::pin(dk);
-        tile::pin(pa);
-        tile::pin(dsa);
-        tile::mbar_arrive(&empty[s]);
-        // Lanes tig and tig ^ 1 swap halves so each holds four consecutive columns of one row
-        // (even lanes row gq, odd lanes row gq + 8): one 16-byte reduction instead of two.
+      tile::wgmma_commit();
+    };
+    // dQ (times factor f) into the accumulator rows r0 .. of head h.
+    auto reduce_dq = [&](std::int64_t r0, std::int64_t h, float f) {
+      const bool odd = (tig & 1) != 0;
+      const std::int64_t row = r0 + 16 * warp + gq + (odd ? 8 : 0);
+      float* const dq_row = row < seq.q_len ? keys.dq_row(p, buf, seq, h, b, row) : nullptr;
+      float* const out = dq_row != nullptr ? dq_row + (kShareDs ? 64 * wg : 0) + 2 * (tig & ~1) : nullptr;
+      // A factor only TDA's second view has: skipped (uniformly) at 1.
+      if (f != 1.f) {
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-          const float x0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-          const float x1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-          if (out == nullptr) continue;
-          if (odd) {
-            tile::red_add4(out + 8 * n, x0, x1, dq[n][2], dq[n][3]);
-          } else {
-            tile::red_add4(out + 8 * n, dq[n][0], dq[n][1], x0, x1);
-          }
+#pragma unroll
+          for (int c = 0; c < 4; ++c) dq[n][c] *= f;
         }
       }
-      if (i + 1 == tiles || (i + 1) / tiles_per_head != i / tiles_per_head) keys.end(p, h);
+      // Lanes tig and tig ^ 1 swap halves so each holds four consecutive columns of one row
+      // (even lanes row gq, odd lanes row gq + 8): one 16-byte reduction instead of two.
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const float x0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+        const float x1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+        if (out == nullptr) continue;
+        if (odd) {
+          tile::red_add4(out + 8 * n, x0, x1, dq[n][2], dq[n][3]);
+        } else {
+          tile::red_add4(out + 8 * n, dq[n][0], dq[n][1], x0, x1);
+        }
+      }
+    };
+    auto tile_head = [&](int i) { return hk * group + i / tiles_per_head; };
+    auto tile_row = [&](int i) { return static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ; };
+    auto head_ends = [&](int i) { return i + 1 == tiles || (i + 1) / tiles_per_head != i / tiles_per_head; };
+
+    tile::mbar_wait(kv_full, 0);
+    // The consumers take turns issuing (two named barriers, as the forward's): per tile i a
+    // consumer issues S^T, dP^T (round 1), and after its element-wise work dV, dK of tile i
+    // with dQ of tile i - 1 (round 2). The products reach the matrix units in the order
+    // c0 round 1, c1 round 1, c0 round 2, c1 round 2, so one consumer's weights and dQ
+    // reductions run while the other's products do. dQ lags a tile so that at D = 128 both
+    // halves of its dS^T are in place without a wait: the other consumer stored its half
+    // before giving the turn that this round took. Three dS^T buffers: tile i's is written
+    // while tiles i - 1's is read, and the one before may still be read by the other
+    // consumer's last round. Consumer 1 gives no turn back after its last round, so every
+    // turn given is taken.
+    const int my_turn = kKeysBwdTurnBarrier + wg, other_turn = kKeysBwdTurnBarrier + 1 - wg;
+    int* const flags = reinterpret_cast<int*>(smem + Smem::kFlags);  // [dS buffer][consumer] live
+    float prev_f = 1.f;
+    bool prev_votes = false, prev_live = true;
+    for (int i = 0; tiles > 0 && i <= tiles; ++i) {
+      const bool has_tile = i < tiles;
+      const int s = i % S;
+      const std::int64_t h = tile_head(has_tile ? i : 0), r0 = tile_row(has_tile ? i : 0);
+      tiles_at = tile::opaque(smem);
+      bool votes = false, live = true;
+      if (has_tile) {
+        keys.begin(p, h);
+        if (i > 0 || wg == 1) tile::named_sync(my_turn, 256);
+        issue_scores(i);
+        tile::named_arrive(other_turn, 256);
+        tile::wgmma_wait<0>();
+        tile::pin(sc);
+        tile::pin(dp);
+        weigh(s, r0, ds_tile(i % Smem::kDsBuffers));
+        votes = votes_on(s);
+        live = vote_live(votes);
+        if constexpr (kSkipsZeroTiles<Keys>) {
+          if (wtid == 0) flags[2 * (i % Smem::kDsBuffers) + wg] = live;
+        }
+      }
+      // dQ of tile i - 1: at D = 128 live where either consumer's dS^T was (their flags are
+      // in place, as their dS^T halves are).
+      tile::named_sync(my_turn, 256);
+      bool dq_live = i > 0;
+      if (i > 0 && prev_votes) {
+        const int* const f = flags + 2 * ((i - 1) % Smem::kDsBuffers);
+        dq_live = kShareDs ? (f[0] | f[1]) != 0 : prev_live;
+      }
+      const bool kv_live = has_tile && live;
+      const typename Smem::GradTile prev_ds = ds_tile((i + Smem::kDsBuffers - 1) % Smem::kDsBuffers);
+      // Each branch issues its products whole and waits for the ones it reads: ptxas
+      // serializes every product of the kernel for a branch around some of a sequence's
+      // products (C7520), and for a read of an accumulator on a path where it could still
+      // be in flight (C7514), which it finds across branches on related conditions.
+      auto pass_turn = [&] {
+        if (wg == 0 || has_tile) tile::named_arrive(other_turn, 256);
+      };
+      if (kv_live && dq_live) {
+        tile::wgmma_fence();
+        issue_dv(s);
+        tile::wgmma_commit();
+        issue_dq(prev_ds);
+        issue_dk(s);
+        tile::wgmma_commit();
+        pass_turn();
+        tile::wgmma_wait<1>();  // dV and dQ done, dK's product running
+        tile::pin(dq);
+        reduce_dq(tile_row(i - 1), tile_head(i - 1), prev_f);  // recomputed: registers are short
+      } else if (kv_live) {
+        tile::wgmma_fence();
+        issue_dv(s);
+        issue_dk(s);
+        tile::wgmma_commit();
+        pass_turn();
+      } else if (dq_live) {
+        tile::wgmma_fence();
+        issue_dq(prev_ds);
+        pass_turn();
+        tile::wgmma_wait<0>();
+        tile::pin(dq);
+        reduce_dq(tile_row(i - 1), tile_head(i - 1), prev_f);
+      } else {
+        pass_turn();
+      }
+      // dK's product read the stage's Q; pa and dsa stay live until it has.
+      tile::wgmma_wait<0>();
+      tile::pin(dv);
+      tile::pin(dk);
+      tile::pin(pa);
+      tile::pin(dsa);
+      if (has_tile) {
+        tile::mbar_arrive(&empty[s]);
+        if (head_ends(i)) keys.end(p, h);
+      }
+      prev_f = keys.dq_scale();
+      prev_votes = votes;
+      prev_live = live;
     }
     // The block's keys' whole gradients, in T.
     keys.template store_keys<T, D>(p, g, dk, dv, b, seq, hk, my_key, tig);
