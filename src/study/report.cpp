@@ -266,6 +266,27 @@ std::string markdown_report(const json& r) {
       out += "- | - |\n";
     }
   }
+  // eval.select_multiple: the checkpoint each mechanism was evaluated with.
+  std::string chosen;
+  for (const json& m : r["mechanisms"]) {
+    if (!m.contains("selection")) continue;
+    const json& sel = m["selection"];
+    const std::string measure = sel["measure"].get<std::string>();
+    chosen += "| " + m["label"].get<std::string>() + " | " + std::to_string(sel["multiple"].get<long long>()) +
+              "x (" + std::to_string(sel["length"].get<long long>()) + ") | " +
+              std::to_string(sel["chosen_step"].get<long long>()) + " |";
+    for (const json& c : sel["checkpoints"]) {
+      chosen += " " + std::to_string(c["step"].get<long long>()) + ": " + fixed(100.0 * c[measure].get<double>()) + "%";
+    }
+    chosen += " |\n";
+  }
+  if (!chosen.empty()) {
+    out +=
+        "\nCheckpoint selection (eval.select_multiple): every kept checkpoint scored at the "
+        "selection length on instances apart from the evaluation's; the tables above use the "
+        "chosen one:\n\n| mechanism | at | chosen step | measure by step |\n|---|---|---:|---|\n" +
+        chosen;
+  }
   bool any_diagnostics = false;
   for (const json& m : r["mechanisms"]) {
     for (const json& p : m["results"]) any_diagnostics |= p.contains("diagnostics");

@@ -18,6 +18,7 @@
 #include "eval/evaluate.h"
 #include "study/report.h"
 #include "tasks/task.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
 #include "winnow/error.h"
@@ -138,6 +139,70 @@ void write_outputs(const fs::path& dir, const std::string& json_name, const std:
   }
   std::printf("\n%s\nresult: %s, table: %s\n", report.c_str(), (dir / json_name).string().c_str(),
               (dir / md_name).string().c_str());
+}
+
+// The study's measure of a model at one length: its metric (accuracy or exact match) for tasks
+// scored on whole sequences, the mean exact match over the depths for generative ones.
+double measure_at(const Study& s, const nn::LanguageModel& model, const tasks::Task& task,
+                  std::int64_t length, std::int64_t instances, std::uint64_t seed,
+                  const eval::Runtime& rt) {
+  if (task.generative()) {
+    double sum = 0;
+    for (std::size_t d = 0; d < s.eval.depths.size(); ++d) {
+      sum += eval::score_generation(model, task, length, s.eval.depths[d], instances, seed, rt).exact_match();
+    }
+    return s.eval.depths.empty() ? 0.0 : sum / static_cast<double>(s.eval.depths.size());
+  }
+  const eval::SequenceScore score = eval::score_sequences(model, task, length, instances, seed, rt);
+  return s.eval.metric == "exact_match" ? score.exact_match() : score.accuracy();
+}
+
+// eval.select_multiple: scores every kept checkpoint of the run, leaves the best one's weights
+// in the trainer's model and returns what it measured. The instances are drawn from another
+// seed than the evaluation's, so the choice does not see the instances it is reported on.
+json select_checkpoint(const Study& s, const MechanismEntry& m, const train::ExperimentConfig& config,
+                       const tasks::Task& task, train::Trainer& trainer, const eval::Runtime& rt) {
+  const fs::path root = fs::path(config.train.out_dir) / "checkpoints";
+  std::vector<std::pair<std::int64_t, std::string>> kept;  // (step, folder)
+  if (fs::is_directory(root)) {
+    for (const fs::directory_entry& e : fs::directory_iterator(root)) {
+      const std::string name = e.path().filename().string();
+      if (!e.is_directory() || name.rfind("step_", 0) != 0) continue;
+      const std::string digits = name.substr(5);
+      if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; })) continue;
+      kept.emplace_back(std::stoll(digits), e.path().string());
+    }
+  }
+  if (kept.empty()) {
+    fail("eval.select_multiple: mechanism '" + m.label + "' has no checkpoint in '" + root.string() +
+         "' to choose from");
+  }
+  std::sort(kept.begin(), kept.end());
+  const std::int64_t length = config.train.seq_len * s.eval.select_multiple;
+  const std::uint64_t seed = config.seed + 0x9E3779B97F4A7C15ull;  // apart from the evaluation's
+  const std::string measure = task.generative() ? "exact_match" : s.eval.metric;
+  json checkpoints = json::array();
+  double best = -1;
+  std::size_t chosen = 0;
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    train::read_checkpoint(kept[i].second);  // verified before it is read
+    train::restore_model(kept[i].second, *trainer.model());
+    const double value = measure_at(s, trainer.model(), task, length, s.eval.select_instances, seed, rt);
+    checkpoints.push_back({{"step", kept[i].first}, {measure, value}});
+    if (value >= best) {
+      best = value;
+      chosen = i;
+    }
+  }
+  train::restore_model(kept[chosen].second, *trainer.model());
+  std::printf("   checkpoint chosen at %lldx (L = %lld, %lld instances): step %lld, %s %.1f%%, of %zu\n",
+              static_cast<long long>(s.eval.select_multiple), static_cast<long long>(length),
+              static_cast<long long>(s.eval.select_instances), static_cast<long long>(kept[chosen].first),
+              measure.c_str(), 100.0 * best, kept.size());
+  std::fflush(stdout);
+  return {{"multiple", s.eval.select_multiple}, {"length", length},
+          {"instances", s.eval.select_instances}, {"measure", measure},
+          {"checkpoints", checkpoints}, {"chosen_step", kept[chosen].first}};
 }
 
 std::int64_t parameter_count(train::Trainer& t) {
@@ -283,10 +348,11 @@ json run_study(const Study& s, const RunOptions& options) {
                   {"results", json::array()}};
 
     const std::unique_ptr<tasks::Task> task = tasks::make_task(eval_task_config(s, config));
-    const nn::LanguageModel model = evaluation_model(m, trainer);
-    if (!m.eval_set.empty()) entry["eval_set"] = m.eval_set;
     const eval::Runtime rt =
         eval::runtime_for(trainer.device(), config.train.dtype, s.eval.batch_tokens);
+    if (s.eval.select_multiple > 0) entry["selection"] = select_checkpoint(s, m, config, *task, trainer, rt);
+    const nn::LanguageModel model = evaluation_model(m, trainer);
+    if (!m.eval_set.empty()) entry["eval_set"] = m.eval_set;
     const auto eval_start = Clock::now();
     for (std::int64_t mult : s.eval.multiples) {
       const std::int64_t length = config.train.seq_len * mult;

@@ -60,6 +60,13 @@ struct EvalConfig {
   // sequence, no gradients, the median of latency_repeats timed passes; []: not measured.
   std::vector<std::int64_t> latency_lengths;
   std::int64_t latency_repeats = 5;
+  // Checkpoint selection (000's protocol: the checkpoint chosen at 8x). When > 0, every kept
+  // checkpoint of a run (train.checkpoint_every apart; train.keep_checkpoints 0 keeps all) is
+  // scored by the study's measure at this multiple of the training length, on select_instances
+  // instances drawn apart from the evaluation's, and the evaluation takes the best one's
+  // weights (the later on a tie); 0: the final weights.
+  std::int64_t select_multiple = 0;
+  std::int64_t select_instances = 200;
 
   template <class V>
   void fields(V& v) {
@@ -75,6 +82,8 @@ struct EvalConfig {
     v("position_bins", position_bins, config::with_words(config::at_least(0), "0: off"));
     v("latency_lengths", latency_lengths, config::at_least(1));
     v("latency_repeats", latency_repeats, config::at_least(1));
+    v("select_multiple", select_multiple, config::with_words(config::at_least(0), "0: the final weights"));
+    v("select_instances", select_instances, config::at_least(1));
   }
 };
 

@@ -540,6 +540,59 @@ TEST(Cli, StudyEvaluatesWithEvalSetOnTheTrainedWeights) {
   winnow::train::remove_tree(dir);
 }
 
+// eval.select_multiple (000's checkpoint chosen at 8x): every kept checkpoint is scored at the
+// selection length, the best one (the later on a tie) is chosen, and the evaluation reports that
+// checkpoint's weights: `winnow eval` on it gives the same numbers.
+TEST(Cli, StudyEvaluatesTheCheckpointChosenAtTheSelectionLength) {
+  const std::string dir = scratch("study_select");
+  std::vector<std::string> args = tiny_study("mqrar", dir + "/out");
+  args.insert(args.end(), {"--only", "Stick-breaking", "--set", "base.train.steps=6", "--set",
+                           "base.train.checkpoint_every=2", "--set", "base.train.keep_checkpoints=0",
+                           "--set", "eval.multiples=[1]", "--set", "eval.diagnostics=false", "--set",
+                           "eval.select_multiple=2", "--set", "eval.select_instances=8",
+                           // Four keys and values and a high rate: the checkpoints' accuracies
+                           // differ, and not in the order of their steps.
+                           "--set", "base.task.mqrar.keys=4", "--set", "base.task.mqrar.values=4",
+                           "--set", "base.train.lr=0.03"});
+  Outcome r = run(args, dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json result = nlohmann::json::parse(slurp(dir + "/out/result.json"));
+  ASSERT_EQ(result["mechanisms"].size(), 1u);
+  const nlohmann::json& m = result["mechanisms"][0];
+  const nlohmann::json& sel = m["selection"];
+  EXPECT_EQ(sel["multiple"], 2);
+  EXPECT_EQ(sel["length"], 128);
+  EXPECT_EQ(sel["instances"], 8);
+  ASSERT_EQ(sel["checkpoints"].size(), 3u);
+  double best = -1;
+  long long want = 0;
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(sel["checkpoints"][i]["step"], 2 * static_cast<long long>(i + 1));
+    const double a = sel["checkpoints"][i]["accuracy"].get<double>();
+    if (a >= best) {
+      best = a;
+      want = sel["checkpoints"][i]["step"].get<long long>();
+    }
+  }
+  EXPECT_EQ(sel["chosen_step"], want);
+  // The fixture's draw chooses an earlier checkpoint than the last, so that evaluating the final
+  // weights instead would show below.
+  EXPECT_LT(want, 6) << sel.dump();
+  char step[32];
+  std::snprintf(step, sizeof step, "step_%08lld", want);
+  r = run({"eval", "--checkpoint", dir + "/out/stick_breaking/checkpoints/" + step, "--lengths", "64",
+           "--instances", "3", "--json", dir + "/chosen.json"},
+          dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json chosen = nlohmann::json::parse(slurp(dir + "/chosen.json"));
+  EXPECT_EQ(chosen["results"][0]["loss"], m["results"][0]["loss"]);
+  EXPECT_EQ(chosen["results"][0]["accuracy"], m["results"][0]["accuracy"]);
+  EXPECT_NE(slurp(dir + "/out/table.md").find("| Stick-breaking | 2x (128) | " + std::to_string(want) + " |"),
+            std::string::npos)
+      << slurp(dir + "/out/table.md");
+  winnow::train::remove_tree(dir);
+}
+
 // `winnow plot` on a GPU benchmark's JSON (000's figure 4 left): tokens/s against length,
 // rows that failed (no tokens/s) left out; a row without its length is an error naming it.
 TEST(Cli, PlotDrawsABenchmarksThroughput) {
