@@ -363,19 +363,7 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
           for (int c = 0; c < 4; ++c) dq[n][c] *= f;
         }
       }
-      // Lanes tig and tig ^ 1 swap halves so each holds four consecutive columns of one row
-      // (even lanes row gq, odd lanes row gq + 8): one 16-byte reduction instead of two.
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        const float x0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-        const float x1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-        if (out == nullptr) continue;
-        if (odd) {
-          tile::red_add4(out + 8 * n, x0, x1, dq[n][2], dq[n][3]);
-        } else {
-          tile::red_add4(out + 8 * n, dq[n][0], dq[n][1], x0, x1);
-        }
-      }
+      tile::red_add_row_quads(out, dq, odd);
     };
     auto tile_head = [&](int i) { return hk * group + i / tiles_per_head; };
     auto tile_row = [&](int i) { return static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ; };

@@ -24,6 +24,7 @@
 
 #include "cuda/attention/backward.cuh"
 #include "cuda/attention/rotary_epilogue.cuh"
+#include "cuda/tile/fragment.cuh"
 #include "cuda/tile/hopper.cuh"
 #include "cuda/tile/panel_tile.cuh"
 
@@ -341,17 +342,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
           *v = x;
         }
       } else {
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          const float r0 = __shfl_xor_sync(0xffffffffu, odd ? kg[n][0] : kg[n][2], 1);
-          const float r1 = __shfl_xor_sync(0xffffffffu, odd ? kg[n][1] : kg[n][3], 1);
-          if (row == nullptr) continue;
-          if (odd) {
-            tile::red_add4(row + 8 * n, r0, r1, kg[n][2], kg[n][3]);
-          } else {
-            tile::red_add4(row + 8 * n, kg[n][0], kg[n][1], r0, r1);
-          }
-        }
+        tile::red_add_row_quads(row, kg, odd);
       }
       if (acc.deterministic) pass_turn(counter);
       skip_turns(kt + 1, next);

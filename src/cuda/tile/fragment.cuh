@@ -93,6 +93,26 @@ __device__ __forceinline__ bool any_nonzero(const std::uint32_t (&a)[KS][4]) {
   return (bits & 0x7fff7fffu) != 0;
 }
 
+// A thread's share of an accumulator fragment (rows gq and gq + 8, columns 8 n + 2 tig + e)
+// added into global memory: lanes tig and tig ^ 1 swap halves so that each holds four
+// consecutive columns of one row (even lanes row gq, odd lanes row gq + 8), one 16-byte
+// reduction instead of two. `row`: this lane's row at its first column 2 (tig & ~1), or null
+// (the lane still takes part in the swaps).
+template <int N>
+__device__ __forceinline__ void red_add_row_quads(float* row, const float (&x)[N][4], bool odd) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? x[n][0] : x[n][2], 1);
+    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? x[n][1] : x[n][3], 1);
+    if (row == nullptr) continue;
+    if (odd) {
+      red_add4(row + 8 * n, r0, r1, x[n][2], x[n][3]);
+    } else {
+      red_add4(row + 8 * n, x[n][0], x[n][1], r0, r1);
+    }
+  }
+}
+
 // A fragments of a warp's 16 rows of a row-major shared tile, all k-steps.
 template <int KS, class Tile>
 __device__ __forceinline__ void load_rows_operand(std::uint32_t (&a)[KS][4], const Tile& tile,
