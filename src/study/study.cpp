@@ -163,21 +163,11 @@ double measure_at(const Study& s, const nn::LanguageModel& model, const tasks::T
 json select_checkpoint(const Study& s, const MechanismEntry& m, const train::ExperimentConfig& config,
                        const tasks::Task& task, train::Trainer& trainer, const eval::Runtime& rt) {
   const fs::path root = fs::path(config.train.out_dir) / "checkpoints";
-  std::vector<std::pair<std::int64_t, std::string>> kept;  // (step, folder)
-  if (fs::is_directory(root)) {
-    for (const fs::directory_entry& e : fs::directory_iterator(root)) {
-      const std::string name = e.path().filename().string();
-      if (!e.is_directory() || name.rfind("step_", 0) != 0) continue;
-      const std::string digits = name.substr(5);
-      if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; })) continue;
-      kept.emplace_back(std::stoll(digits), e.path().string());
-    }
-  }
+  const auto kept = train::step_checkpoints(root.string());  // (step, folder), oldest first
   if (kept.empty()) {
     fail("eval.select_multiple: mechanism '" + m.label + "' has no checkpoint in '" + root.string() +
          "' to choose from");
   }
-  std::sort(kept.begin(), kept.end());
   const std::int64_t length = config.train.seq_len * s.eval.select_multiple;
   const std::uint64_t seed = config.seed + 0x9E3779B97F4A7C15ull;  // apart from the evaluation's
   const std::string measure = task.generative() ? "exact_match" : s.eval.metric;

@@ -74,25 +74,35 @@ at::Generator cuda_generator(const torch::Device& device) {
 }
 
 void remove_old(const fs::path& root, std::int64_t keep) {
-  std::vector<fs::path> steps;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
-    if (!entry.is_directory()) continue;
-    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+    if (entry.is_directory() && name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
       winnow::train::remove_tree(entry.path());  // left by a process killed while saving
-    } else if (name.rfind("step_", 0) == 0) {
-      steps.push_back(entry.path());
     }
   }
+  const auto steps = winnow::train::step_checkpoints(root.string());
   if (keep <= 0 || static_cast<std::int64_t>(steps.size()) <= keep) return;
-  std::sort(steps.begin(), steps.end());
   for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < steps.size(); ++i) {
-    winnow::train::remove_tree(steps[i]);
+    winnow::train::remove_tree(steps[i].second);
   }
 }
 
 }  // namespace
+
+std::vector<std::pair<std::int64_t, std::string>> step_checkpoints(const std::string& root) {
+  std::vector<std::pair<std::int64_t, std::string>> steps;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_directory() || name.rfind("step_", 0) != 0 || name.size() == 5) continue;
+    const std::string digits = name.substr(5);
+    if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    steps.emplace_back(std::stoll(digits), entry.path().string());
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
 
 std::string save_checkpoint(const std::string& root, torch::nn::Module& model,
                             torch::optim::Optimizer& optimizer, const CheckpointMeta& meta,

@@ -15,6 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace winnow::train {
 
@@ -32,6 +34,10 @@ std::string save_checkpoint(const std::string& root, torch::nn::Module& model,
 
 // The folder <root>/latest names, or "" when there is none.
 std::string latest_checkpoint(const std::string& root);
+
+// The step folders under root (<root>/step_<step>, not the .tmp ones of an unfinished save),
+// oldest first: (step, folder).
+std::vector<std::pair<std::int64_t, std::string>> step_checkpoints(const std::string& root);
 
 // Reads trainer.json and verifies every file of the folder against it.
 CheckpointMeta read_checkpoint(const std::string& folder);
