@@ -184,7 +184,8 @@ json select_checkpoint(const Study& s, const MechanismEntry& m, const train::Exp
       chosen = i;
     }
   }
-  train::restore_model(kept[chosen].second, *trainer.model());
+  // The model holds the last one scored.
+  if (chosen + 1 != kept.size()) train::restore_model(kept[chosen].second, *trainer.model());
   std::printf("   checkpoint chosen at %lldx (L = %lld, %lld instances): step %lld, %s %.1f%%, of %zu\n",
               static_cast<long long>(s.eval.select_multiple), static_cast<long long>(length),
               static_cast<long long>(s.eval.select_instances), static_cast<long long>(kept[chosen].first),
