@@ -55,9 +55,10 @@
 # skipped and listed, so one call of a limited length still prints its table.
 # Header-only dependencies come from .gpudeps (tools/prepare_gpu_deps.sh) when the machine
 # has no Debian packages; so does ccache, which the build then uses (cache in /tmp, kept while
-# the machine stays warm). A parked patch's A/B: tools/parked_ab.sh. For an A/B by hand, build, `git apply` the change, build again
-# (only the changed files compile); a later call's fresh copy of the working tree keeps its
-# older modification times, so touch the changed files before rebuilding there.
+# the machine stays warm). A parked patch's A/B: tools/parked_ab.sh. For an A/B by hand,
+# build, `git apply` the change, build again (only the changed files compile); a later call's
+# fresh copy of the working tree keeps its older modification times, so touch the changed
+# files before rebuilding there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
