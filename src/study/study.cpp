@@ -141,8 +141,14 @@ void write_outputs(const fs::path& dir, const std::string& json_name, const std:
               (dir / md_name).string().c_str());
 }
 
-// The study's measure of a model at one length: its metric (accuracy or exact match) for tasks
-// scored on whole sequences, the mean exact match over the depths for generative ones.
+// The name of the study's measure: its metric (accuracy or exact match) for tasks scored on
+// whole sequences, exact match for generative ones.
+std::string measure_name(const Study& s, const tasks::Task& task) {
+  return task.generative() ? "exact_match" : s.eval.metric;
+}
+
+// The study's measure of a model at one length (measure_name; for generative tasks the mean
+// over the depths).
 double measure_at(const Study& s, const nn::LanguageModel& model, const tasks::Task& task,
                   std::int64_t length, std::int64_t instances, std::uint64_t seed,
                   const eval::Runtime& rt) {
@@ -170,7 +176,7 @@ json select_checkpoint(const Study& s, const MechanismEntry& m, const train::Exp
   }
   const std::int64_t length = config.train.seq_len * s.eval.select_multiple;
   const std::uint64_t seed = config.seed + 0x9E3779B97F4A7C15ull;  // apart from the evaluation's
-  const std::string measure = task.generative() ? "exact_match" : s.eval.metric;
+  const std::string measure = measure_name(s, task);
   json checkpoints = json::array();
   double best = -1;
   std::size_t chosen = 0;
@@ -387,9 +393,9 @@ json run_study(const Study& s, const RunOptions& options) {
           if (!diagnostics["mean"].empty()) point["diagnostics"] = diagnostics;
         }
       }
-      const char* measure = task->generative() ? "exact_match" : s.eval.metric.c_str();
+      const std::string measure = measure_name(s, *task);
       std::printf("   %-6s (L = %6lld): %s %.1f%%\n", (std::to_string(mult) + "x").c_str(),
-                  static_cast<long long>(length), measure, 100.0 * point[measure].get<double>());
+                  static_cast<long long>(length), measure.c_str(), 100.0 * point[measure].get<double>());
       std::fflush(stdout);
       entry["results"].push_back(point);
     }
