@@ -9,8 +9,7 @@
 // two views are two launches).
 // Stick-breaking's prefix sums run along the keys of a row, so it keeps the row-sweeping kernel
 // (backward_sm90.cuh), which keeps dQ in place and pays for it by adding 2 x 64 x D floats of dK
-// and dV per 128 x 64 tile into global memory, with both consumers in lockstep around those
-// sums. Here per 64 x 128 tile 64 x D floats of dQ go out, and dK, dV come from register
+// and dV per 128 x 64 tile into global memory. Here per 64 x 128 tile 64 x D floats of dQ go out, and dK, dV come from register
 // operands without a round trip through shared memory (FlashAttention-2's order).
 //
 // Three warpgroups:

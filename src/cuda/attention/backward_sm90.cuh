@@ -5,17 +5,20 @@
 // accumulators in global memory. Three warpgroups:
 //   producer   copies Q and dO once, then K and V tiles into two rings of stages (cp.async,
 //              keys permuted as in geometry.cuh, every copy a fixed step from the one before);
-//   consumers  two warpgroups of 64 rows. Per key tile:
-//                S = Q K^T, dP = dO V^T        wgmma, all operands in shared memory
-//                P, dS                         the row policy, in registers
-//                P, dS -> shared memory        (double-buffered, for the transposed products)
-//                dQ += dS K                    wgmma, dS from registers
-//                -- both consumers' P and dS are in shared memory --
-//                consumer 0: dV_t = P^T dO     wgmma, 64 keys x D over the block's 128 rows
-//                consumer 1: dK_t = dS^T Q
-//                then adds its tile into the fp32 accumulator (atomics, or in the
-//                deterministic mode in a fixed block order, one counter per accumulator),
-//                while the next tile's S and dP, issued right behind dK_t or dV_t, run.
+//   consumers  two warpgroups of 64 rows. Per key tile i, in two rounds of products that the
+//              consumers take turns to issue (c0, c1, c0, c1: one's element-wise work and
+//              sums into global memory run while the other's products do):
+//                round 1: S = Q K^T, dP = dO V^T          wgmma, operands in shared memory
+//                P, dS                                    the row policy, in registers
+//                P, dS -> shared memory                   (three buffers, for the transposed
+//                                                          products)
+//                round 2: dQ += dS K | dV_{i-1} or dK_{i-1}
+//                         dQ with dS from registers; consumer 0 dV_{i-1} = P^T dO, consumer 1
+//                         dK_{i-1} = dS^T Q (64 keys x D over the block's 128 rows, both
+//                         consumers' P or dS of the tile before, in place since the turn)
+//                then adds dV_{i-1} or dK_{i-1} into the fp32 accumulator (atomics, or in the
+//                deterministic mode in a fixed block order, one counter per accumulator) while
+//                the other consumer's products run.
 // Given live key tiles (key_tiles.cuh), producer and consumers walk the same live tiles; in the
 // deterministic mode the others still take their turn.
 #pragma once
@@ -50,15 +53,17 @@ struct Sm90BackwardSmem {
   static constexpr int kDO = kQ + RowTile::kBytes;
   static constexpr int kK = kDO + RowTile::kBytes;
   static constexpr int kV = kK + Shape::kStages * KVTile::kBytes;
+  static constexpr int kWeightBuffers = 3;  // P and dS of tiles i, i - 1 and i - 2 (the turns)
   static constexpr int kP = kV + Shape::kStages * KVTile::kBytes;  // buffer b at kP + b * 2 * tile
-  static constexpr int kSync = kP + 4 * WeightTile::kBytes;
+  static constexpr int kSync = kP + 2 * kWeightBuffers * WeightTile::kBytes;
   static constexpr int kSyncBytes = 32 * Shape::kStages;
   static constexpr int kBytes = kSync + kSyncBytes + 1024;
+  static_assert(kBytes <= 227 * 1024, "a block's shared memory on Hopper");
 };
 
-// Named barriers: 1 both consumers; 2, 3 each consumer's own; 4 the whole block, once the
-// consumers have found the first key tile.
-inline constexpr int kBwdConsumersBarrier = 1, kBwdConsumerBarrier = 2, kBwdStartBarrier = 4;
+// Named barriers: 2, 3 each consumer's own; 4 the whole block, once the consumers have found
+// the first key tile; 5, 6 the consumers' turns (5 + c: consumer c may issue).
+inline constexpr int kBwdConsumerBarrier = 2, kBwdStartBarrier = 4, kBwdTurnBarrier = 5;
 
 template <class T, int D, class Rows, class Config>
 __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
@@ -226,34 +231,12 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       }
       tile::wgmma_commit();
     };
-    // The next tile's S and dP are issued as soon as this tile's dK or dV product is, so that
-    // they run while this tile's sums go out to the accumulators (atomics, or in the
-    // deterministic mode the wait for this block's turn): the matrix units would otherwise
-    // idle through that phase of every tile.
-    if (first_tile < qt.key_tiles) issue_scores(0);
-    for (int i = 0, kt = first_tile; kt < qt.key_tiles; ++i) {
-      const int s = i % S, buf = i & 1, next = sweep.after(kt);
-      tiles_at = tile::opaque(smem);
-      tile::wgmma_wait<0>();
-      tile::pin(sc);
-      tile::pin(dp);
-      tile::mbar_arrive(&v_empty[s]);
-
-      mask.key0 = static_cast<std::int64_t>(kt) * BK;
-      mask.active = qt.needs_mask(kt) || mask.key0 < mask.first[0] || mask.key0 < mask.first[1];
-      // Tiles off the diagonal and right of every row's first kept key need no mask arithmetic.
-      if (mask.active) {
-        rows.template grads<true>(sc, dp, mask);  // sc <- P, dp <- dS (scaled)
-      } else {
-        rows.template grads<false>(sc, dp, mask);
-      }
-
-      // P and dS of this warp's 16 rows into the block's [row][key] tiles.
-      // Rows 64 wg + 16 warp + gq and 8 rows (1024 bytes) further are gq mod 8; the keys are one
-      // panel.
-      static_assert(Smem::WeightTile::kPanels == 1, "one panel of keys");
-      using WT = typename Smem::WeightTile;
-      const WT pt = p_tile(buf), dst = ds_tile(buf);
+    // P and dS of this warp's 16 rows into buffer b's [row][key] tiles. Rows 64 wg + 16 warp +
+    // gq and 8 rows (1024 bytes) further are gq mod 8; the keys are one panel.
+    static_assert(Smem::WeightTile::kPanels == 1, "one panel of keys");
+    using WT = typename Smem::WeightTile;
+    auto store_weights = [&](int b) {
+      const WT pt = p_tile(b), dst = ds_tile(b);
       const int r = 64 * wg + 16 * warp + gq;
       const std::uint32_t p_row = pt.row_address(r, gq) + 4 * tig, ds_row = dst.row_address(r, gq) + 4 * tig;
 #pragma unroll
@@ -265,39 +248,30 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
         }
       }
       tile::fence_to_async_proxy();
-      std::uint32_t dsa[BK / 16][4];
-      tile::to_operand<T>(dp, dsa);
-      float kg[D / 8][4];
-      tile::fresh(kg);
-      tile::wgmma_fence();
+    };
+    // dQ += dS K of the tile at stage s, dS from registers.
+    std::uint32_t dsa[BK / 16][4];
+    auto issue_dq = [&](int s) {
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks) {
         tile::wgmma_rs<T, D, 1>(dq, dsa[ks], k_tile(s).mn_major(16 * ks), true);
       }
-      tile::wgmma_commit();
-
-      // Every row's P and dS is in shared memory: the key tile's dV (consumer 0) or dK (1).
-      tile::named_sync(kBwdConsumersBarrier, 256);
-      const typename Smem::WeightTile weights = wg == 0 ? pt : dst;
+    };
+    // The key tile's dV = P^T dO (consumer 0) or dK = dS^T Q (1) over the block's 128 rows, from
+    // buffer b, where both consumers' P and dS are.
+    float kg[D / 8][4];
+    auto issue_key_grads = [&](int b) {
+      const WT weights = wg == 0 ? p_tile(b) : ds_tile(b);
       const typename Smem::RowTile rows_tile = wg == 0 ? do_tile() : q_tile();
+      tile::fresh(kg);
 #pragma unroll
       for (int ks = 0; ks < BQ / 16; ++ks) {
         tile::wgmma_ss<T, D, 1, 1>(kg, weights.mn_major(16 * ks), rows_tile.mn_major(16 * ks), ks > 0);
       }
-      tile::wgmma_commit();
-      // dQ's product reads dS from registers: it must be done before the next S and dP may be
-      // given them (the dK or dV product keeps the matrix units busy meanwhile).
-      tile::wgmma_wait<1>();
-      tile::pin(dq);
-      tile::pin(dsa);
-      // After the last tile the products are issued once more on its own stage (still full:
-      // its K is released below, and no V comes after it) and their results dropped, so that
-      // no product sits under a branch, which would make the compiler serialise them all.
-      issue_scores(next < qt.key_tiles ? i + 1 : i);
-      tile::wgmma_wait<1>();  // this tile's dK or dV; the next S and dP run on
-      tile::pin(kg);
-      tile::mbar_arrive(&k_empty[s]);
-
+    };
+    // kg of key tile kt into the accumulator: atomics, in the deterministic mode this block's
+    // turn, or for short sequences the keys' whole gradients.
+    auto add_key_grads = [&](int kt) {
       int* counter = nullptr;
       if (acc.deterministic) {
         const int rank = rank_and_counter(kt, &counter);
@@ -308,7 +282,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
       // branch below swaps on its own: one helper returning the four columns in order (four
       // selects) raised ptxas's spills at D = 128 from 72 / 88 to 80 / 96 bytes.
       const bool odd = (tig & 1) != 0;
-      const std::int64_t key = mask.key0 + key_of_column<BK>(16 * warp + gq + (odd ? 8 : 0));
+      const std::int64_t key = static_cast<std::int64_t>(kt) * BK + key_of_column<BK>(16 * warp + gq + (odd ? 8 : 0));
       float* const row = key < qt.s.k_len && !acc.direct
                              ? dst_base + (p.batch_row_k(qt.b, qt.s.k_start + key) * p.heads_kv + qt.hk) * D + 2 * (tig & ~1)
                              : nullptr;
@@ -345,12 +319,89 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
         tile::red_add_row_quads(row, kg, odd);
       }
       if (acc.deterministic) pass_turn(counter);
-      skip_turns(kt + 1, next);
-      kt = next;
+    };
+
+    // The consumers take turns issuing (two named barriers, as the forward's and the
+    // key-stationary backward's): per tile i a consumer issues S and dP (round 1), and after its
+    // element-wise work dQ += dS K of tile i with dV or dK of tile i - 1 (round 2). The products
+    // reach the matrix units in the order c0 round 1, c1 round 1, c0 round 2, c1 round 2, so one
+    // consumer's weights and sums into global memory run while the other's products do. dV and
+    // dK lag a tile so that the other consumer's P and dS of that tile are in place without a
+    // wait: it stored them before giving the turn that this round took. Three P / dS buffers:
+    // tile i's is written while tile i - 1's is read, and the one before may still be read by
+    // the other consumer's last round. Consumer 1 gives no turn back after its last round, so
+    // every turn given is taken; a block with no key tile takes none.
+    const int my_turn = kBwdTurnBarrier + wg, other_turn = kBwdTurnBarrier + 1 - wg;
+    int prev_kt = 0;
+    for (int i = 0, kt = first_tile; kt < qt.key_tiles || i > 0; ++i) {
+      const bool has_tile = kt < qt.key_tiles;
+      const int s = i % S, b = i % Smem::kWeightBuffers;
+      tiles_at = tile::opaque(smem);
+      if (has_tile) {
+        if (i > 0 || wg == 1) tile::named_sync(my_turn, 256);
+        issue_scores(i);
+        tile::named_arrive(other_turn, 256);
+        tile::wgmma_wait<0>();
+        tile::pin(sc);
+        tile::pin(dp);
+        tile::mbar_arrive(&v_empty[s]);
+
+        mask.key0 = static_cast<std::int64_t>(kt) * BK;
+        mask.active = qt.needs_mask(kt) || mask.key0 < mask.first[0] || mask.key0 < mask.first[1];
+        // Tiles off the diagonal and right of every row's first kept key need no mask arithmetic.
+        if (mask.active) {
+          rows.template grads<true>(sc, dp, mask);  // sc <- P, dp <- dS (scaled)
+        } else {
+          rows.template grads<false>(sc, dp, mask);
+        }
+        store_weights(b);
+        tile::to_operand<T>(dp, dsa);
+      }
+      tile::named_sync(my_turn, 256);
+      // Each branch issues its products whole and waits for them: ptxas serializes every
+      // product of the kernel for a branch around some of a sequence's products (C7520). And each
+      // adds the key gradients it computed itself: with one add after the branches, ptxas kept
+      // kg's registers through the next tile's element-wise work (640-708 / 756-812 bytes of
+      // spills at D = 128, against 16 / 16 this way and 72 / 112 with the consumers in step).
+      const int prev_b = (i + Smem::kWeightBuffers - 1) % Smem::kWeightBuffers;
+      auto give_turn = [&] {
+        if (wg == 0 || has_tile) tile::named_arrive(other_turn, 256);
+      };
+      if (has_tile && i > 0) {
+        tile::wgmma_fence();
+        issue_dq(s);
+        issue_key_grads(prev_b);
+        tile::wgmma_commit();
+        give_turn();
+        tile::wgmma_wait<0>();
+        tile::pin(dq);
+        tile::pin(kg);
+        tile::pin(dsa);
+        tile::mbar_arrive(&k_empty[s]);  // dQ's product read the stage's K
+        add_key_grads(prev_kt);
+      } else if (has_tile) {
+        tile::wgmma_fence();
+        issue_dq(s);
+        tile::wgmma_commit();
+        give_turn();
+        tile::wgmma_wait<0>();
+        tile::pin(dq);
+        tile::pin(dsa);
+        tile::mbar_arrive(&k_empty[s]);
+      } else {
+        tile::wgmma_fence();
+        issue_key_grads(prev_b);
+        tile::wgmma_commit();
+        give_turn();
+        tile::wgmma_wait<0>();
+        tile::pin(kg);
+        add_key_grads(prev_kt);
+      }
+      if (i > 0) skip_turns(prev_kt + 1, kt);
+      if (!has_tile) break;
+      prev_kt = kt;
+      kt = sweep.after(kt);
     }
-    tile::wgmma_wait<0>();  // the dropped products after the last tile
-    tile::pin(sc);
-    tile::pin(dp);
 
     if constexpr (kFinishesDq<Rows>) rows.finish_dq(dq, p, cfg, qt, row0, tig);
     if (g.rotary_cos != nullptr) {

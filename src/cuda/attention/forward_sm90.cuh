@@ -65,8 +65,9 @@ struct Sm90ForwardSmem {
   static constexpr int kK = kQ + Views * QTile::kBytes;  // stage s, view v at kK + (s * Views + v) * KVTile::kBytes
   static constexpr int kSync = kK + Shape::kStages * Views * KVTile::kBytes;
   // mbarriers k_full, k_empty, v_full, v_empty [stages]; end[stages] (-1: the producer
-  // stopped before this stage's K); halted[2] (per consumer).
-  static constexpr int kSyncBytes = 32 * Shape::kStages + 4 * Shape::kStages + 8;
+  // stopped before this stage's K); the consumers' halt flags.
+  static constexpr int kSyncBytes =
+      32 * Shape::kStages + 4 * Shape::kStages + tile::StageHaltFlags::bytes(Shape::kStages);
   static constexpr int kV = (kSync + kSyncBytes + 1023) / 1024 * 1024;
   static constexpr int kVBytes = Shape::kStages * KVTile::kBytes;
   static constexpr int kLastBytes = kVBytes > ScratchBytes ? kVBytes : ScratchBytes;
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
   std::uint64_t* const v_full = k_empty + S;
   std::uint64_t* const v_empty = v_full + S;
   volatile int* const end = reinterpret_cast<volatile int*>(v_empty + S);
-  volatile int* const halted = end + S;
+  const tile::StageHaltFlags halted{end + S};
 
   const QueryTile<BQ, BK> qt(p);
   if (qt.empty() || block_settled<Rows, BQ>(p, cfg, qt)) return;
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       tile::mbar_init(&v_empty[s], 256);
       end[s] = 0;
     }
-    halted[0] = halted[1] = 0;
+    halted.clear(S);
     tile::mbar_init_fence();
   }
   __syncthreads();
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         tile::mbar_wait_sleepy(&k_empty[s], ((i / S) - 1) & 1);
         // Both consumers halted: one thread reads the flags so every producer thread agrees.
         if (may_halt &&
-            tile::named_sync_or(kProducerBarrier, 128, ptid == 0 && halted[0] != 0 && halted[1] != 0)) {
+            tile::named_sync_or(kProducerBarrier, 128, ptid == 0 && halted.both(s))) {
           if (ptid == 0) end[s] = -1;
           tile::mbar_arrive(&k_full[s]);
           return;
@@ -282,7 +283,6 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         kept_from_tile = kt;
         if (may_halt) {
           done = tile::named_sync_and(kConsumerBarrier + wg, 128, rows.halted(mask));
-          if (done && wtid == 0) halted[wg] = 1;
         }
       }
       if constexpr (Rows::kUsesValues) tile::to_operand<T>(sc, pa);
@@ -330,6 +330,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         }
         tile::pin(sc);
         if constexpr (NV == 2) tile::pin(sc2);
+        if (may_halt && wtid == 0) halted.publish(s, wg, done);
         tile::mbar_arrive(&k_empty[s]);
         weigh(sc, sc2, kt);
         if constexpr (Rows::kUsesValues) {

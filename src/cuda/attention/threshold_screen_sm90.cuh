@@ -99,8 +99,8 @@ struct Sm90ScreenSmem {
   static constexpr int kQ = 0;  // view v at kQ + v * QTile::kBytes
   static constexpr int kK = Views * QTile::kBytes;  // stage s, view v at kK + (s * Views + v) * KTile::kBytes
   static constexpr int kSync = kK + Shape::kStages * Views * KTile::kBytes;
-  // mbarriers k_full, k_empty [stages]; end[stages]; halted[2].
-  static constexpr int kSyncBytes = 16 * Shape::kStages + 4 * Shape::kStages + 8;
+  // mbarriers k_full, k_empty [stages]; end[stages]; the consumers' halt flags.
+  static constexpr int kSyncBytes = 16 * Shape::kStages + 4 * Shape::kStages + tile::StageHaltFlags::bytes(Shape::kStages);
   // Per consumer warp, its pending candidates: key << 4 | row within the warp's 16.
   static constexpr int kCandidates = (kSync + kSyncBytes + 15) / 16 * 16;
   static constexpr int kBytes = kCandidates + 8 * kCandidateSlots * 4 + 1024;
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
   std::uint64_t* const k_full = reinterpret_cast<std::uint64_t*>(smem + Smem::kSync);
   std::uint64_t* const k_empty = k_full + S;
   volatile int* const end = reinterpret_cast<volatile int*>(k_empty + S);
-  volatile int* const halted = end + S;
+  const tile::StageHaltFlags halted{end + S};
 
   const QueryTile<BQ, BK> qt(p);
   if (qt.empty()) return;
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       tile::mbar_init(&k_empty[s], 256);
       end[s] = 0;
     }
-    halted[0] = halted[1] = 0;
+    halted.clear(S);
     tile::mbar_init_fence();
   }
   __syncthreads();
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       const int s = i % S;
       if (i >= S) {
         tile::mbar_wait_sleepy(&k_empty[s], ((i / S) - 1) & 1);
-        if (tile::named_sync_or(kProducerBarrier, 128, ptid == 0 && halted[0] != 0 && halted[1] != 0)) {
+        if (tile::named_sync_or(kProducerBarrier, 128, ptid == 0 && halted.both(s))) {
           if (ptid == 0) end[s] = -1;
           tile::mbar_arrive(&k_full[s]);
           return;
@@ -378,7 +378,10 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         tile::wgmma_commit();
         tile::wgmma_wait<0>();
         tile::pin(acc);
-        if (v == Views - 1) tile::mbar_arrive(&k_empty[s]);
+        if (v == Views - 1) {
+          if (wtid == 0) halted.publish(s, wg, done);
+          tile::mbar_arrive(&k_empty[s]);
+        }
         if (done || dense) continue;
         int m0 = INT_MIN, m1 = INT_MIN;
 #pragma unroll
@@ -438,10 +441,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         // A warpgroup whose warps are all dense on the diagonal tile leaves every tile of its
         // rows to the fused forward.
         done = tile::named_sync_and(kConsumerBarrier + wg, 128, dense);
-        if (done) {
-          if (lane == 0) mark_tiles_dense(dense_row, live_row, n_tiles);
-          if (wtid == 0) halted[wg] = 1;
-        }
+        if (done && lane == 0) mark_tiles_dense(dense_row, live_row, n_tiles);
       }
     }
 

@@ -160,6 +160,24 @@ __device__ __forceinline__ void mbar_arrive_on_copies(std::uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
 }
 
+// Early halting in a producer / consumer pipeline: each of two consumer warpgroups tells the
+// producer, stage by stage, whether it has stopped needing tiles. A consumer's flag for stage s
+// is written (by one of its threads) just before that thread's arrival on the stage's "empty"
+// mbarrier, and the producer reads it just after waiting on that barrier, so the barrier orders
+// every write before the read that sees it; the consumer writes the stage's flag again only
+// after waiting on its "full" barrier, which the producer arrives on after reading. One flag per
+// consumer for all stages, raised whenever the consumer halted, raced with those reads
+// (compute-sanitizer racecheck).
+struct StageHaltFlags {
+  volatile int* flags;  // [stages][2], in shared memory
+  static constexpr int bytes(int stages) { return 8 * stages; }
+  __device__ void clear(int stages) const {
+    for (int i = 0; i < 2 * stages; ++i) flags[i] = 0;
+  }
+  __device__ void publish(int stage, int consumer, bool halted) const { flags[2 * stage + consumer] = halted; }
+  __device__ bool both(int stage) const { return flags[2 * stage] != 0 && flags[2 * stage + 1] != 0; }
+};
+
 // Named barriers (id 1 .. 15; 0 is __syncthreads) over `threads` threads, whole warps.
 // named_sync waits for the barrier; named_arrive counts towards it without waiting.
 __device__ __forceinline__ void named_sync(int id, int threads) {
