@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Work on the GPU machine that outlives one call (a call stops at 600 s; the machine stays
+# warm while calls follow each other within about 30 s), from the repository root there:
+#
+#   tools/gpu_detached.sh start SCRIPT [ARGS...]   # copy the tree, start SCRIPT detached, poll
+#   tools/gpu_detached.sh poll [SECONDS]           # in the next calls, back to back
+#
+# start copies the working tree, without its build folders, to $DETACHED_TREE (default
+# /tmp/winnow-detached; kept if it exists, so a second start reuses its builds) and runs
+# SCRIPT there under setsid, so that a later call's fresh copy of the working tree cannot
+# change files under it (a parked patch applied by the script, say). SCRIPT runs with $RESULTS (default /tmp/winnow-results) in its
+# environment: it writes its logs there, and lines for people to $RESULTS/progress.txt. The
+# launcher appends "DONE rc N" to progress.txt when SCRIPT exits.
+# poll waits until SCRIPT has exited or SECONDS (default 540) have passed, prints
+# progress.txt and the tail of SCRIPT's output, and packs $RESULTS into $OUT/results.tgz
+# (without Nsight reports, *.ncu-rep), so each call brings back what is there so far.
+# start then polls for $POLL_SECONDS (default 540).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+TREE=${DETACHED_TREE:-/tmp/winnow-detached}
+RESULTS=${RESULTS:-/tmp/winnow-results}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$RESULTS" "$OUT"
+
+poll() {
+  local end=$(( $(date +%s) + ${1:-540} ))
+  while (( $(date +%s) < end )) && ! grep -q '^DONE' "$RESULTS/progress.txt" 2> /dev/null; do
+    sleep 5
+  done
+  echo "== $RESULTS/progress.txt"
+  cat "$RESULTS/progress.txt" 2> /dev/null
+  echo "== the script's output, last lines"
+  tail -n 5 "$RESULTS/script.log" 2> /dev/null
+  tar czf "$OUT/results.tgz" --exclude='*.ncu-rep' -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+}
+
+case "${1:-}" in
+  start)
+    shift
+    script=${1:?usage: tools/gpu_detached.sh start SCRIPT [ARGS...]}
+    [[ -f "$script" ]] || { echo "gpu_detached: no script at '$script'" >&2; exit 2; }
+    if [[ -e "$RESULTS/running" ]] && kill -0 "$(cat "$RESULTS/running")" 2> /dev/null; then
+      echo "gpu_detached: a script is still running (pid $(cat "$RESULTS/running")); poll it" >&2
+      exit 3
+    fi
+    if [[ ! -d "$TREE" ]]; then
+      cp -a . "$TREE" || exit 1
+      # A build tree made here would not configure there (CMake records its directory); ccache
+      # (tools/gpu_check.sh) makes the copy's build cheap.
+      rm -rf "$TREE/gpu-out" "$TREE"/build*
+    fi
+    rm -f "$RESULTS/progress.txt"
+    # The launcher records the script's exit status where poll looks for it.
+    RESULTS="$RESULTS" setsid nohup bash -c \
+      'cd "$0" && bash "$@"; echo "DONE rc $?" >> "$RESULTS/progress.txt"; rm -f "$RESULTS/running"' \
+      "$TREE" "$@" > "$RESULTS/script.log" 2>&1 < /dev/null &
+    echo $! > "$RESULTS/running"
+    echo "gpu_detached: started $* in $TREE (pid $!); results in $RESULTS"
+    poll "${POLL_SECONDS:-540}"
+    ;;
+  poll)
+    poll "${2:-540}"
+    ;;
+  *)
+    echo "usage: tools/gpu_detached.sh start SCRIPT [ARGS...] | poll [SECONDS]" >&2
+    exit 2
+    ;;
+esac
