@@ -56,6 +56,34 @@ WINNOW_HD StickShares stick_shares_log2(float x, Exp2 exp2, Rcp rcp) {
   return {x < 0.f ? e * r : r, x < 0.f ? r : e * r, d};
 }
 
+// The same shares from the odds 2^x, for a forward that needs only the weights and the keys'
+// total cost:
+//   odds = 2^min(x, kOddsClamp),  keep = 1 / (1 + odds),  sigmoid = odds * keep,
+// the two special-function operations of the linear shares with no select. A thread walking its
+// keys from the right keeps K, the product of the keeps to the right: a key's weight among the
+// thread's keys is sigmoid * K, and the keys' total cost is -log2 of the final K. With d and
+// relu gone that is 9 operations a score against 14.
+// The clamp keeps the odds finite (past x = 24 the sigmoid is 1 to float's precision either way)
+// and costs nothing in the weights: a clamped key's keep is 2^-120 instead of 2^-x, which only
+// raises the weights to its left from below 2^-x of the thread's stick to below 2^-120 of it. The
+// cost is another matter: it must stay exact (the remainder it makes is what the backward
+// rebuilds every stick from), and -log2 K is exact only if no key was clamped and K did not
+// underflow. Both leave K below kOddsStickFloor, and K only shrinks along the walk, so a walk that
+// ends at or above the floor (keys costing up to 116 bits) has its exact cost in -log2 K; one
+// that ends below it takes the cost from the keys' logits, key by key (stick_cost_log2).
+// x = -inf (a key left out) gives sigmoid 0, keep 1: no weight and no cost.
+inline constexpr float kOddsClamp = 120.f;
+inline constexpr float kOddsStickFloor = 0x1p-116f;
+struct StickOdds {
+  float sigmoid, keep;
+};
+template <class Exp2, class Rcp>
+WINNOW_HD StickOdds stick_odds_log2(float x, Exp2 exp2, Rcp rcp) {
+  const float odds = exp2(x < kOddsClamp ? x : kOddsClamp);
+  const float keep = rcp(1.f + odds);
+  return {odds * keep, keep};
+}
+
 // log A_ij from the logit, the in-tile suffix cost (including key i) and the row's carry.
 template <class X, class C, class R>
 WINNOW_HD auto log_weight(const X& z, const C& suffix_cost, const R& carry) {

@@ -258,6 +258,106 @@ TEST(StickBreakingMath, LinearSharesGiveTheLogFormsWeightsAndRemainder) {
   }
 }
 
+// The CUDA forward's odds form (math::stick_odds_log2), in float as the kernels evaluate it, on
+// the same rows as the linear form above: a thread's weights are sigmoid times the keeps to its
+// right; its keys' cost is -log2 of the last product of keeps while that stays at or above
+// kOddsStickFloor, and otherwise the keys' log-form costs summed one by one (the kernels'
+// cost_from_memory). The large spreads make threads take that second path; the test counts them.
+TEST(StickBreakingMath, OddsFormGivesTheLogFormsWeightsAndRemainder) {
+  namespace sb = math::stick_breaking;
+  const auto exp2 = [](float x) { return std::exp2(x); };
+  const auto log2 = [](float x) { return std::log2(x); };
+  const auto rcp = [](float x) { return 1.f / x; };
+  std::mt19937_64 rng(7);
+  int fallbacks = 0, walks = 0;
+  // spread 0.5 with a logit of 150 every 41 keys: one clamped key in a thread of small costs,
+  // where -log2 of the product would be the cost with 120 in place of 150.
+  for (double spread : {1.0, 8.0, 60.0, 400.0, 0.5}) {
+    std::normal_distribution<double> normal(0.0, spread);
+    const int keys = 3 * 128 + 77;
+    std::vector<float> z(keys);
+    for (int i = 0; i < keys; ++i) {
+      z[i] = i % 17 == 5 ? -std::numeric_limits<float>::infinity() : static_cast<float>(normal(rng));
+      if (spread == 0.5 && i % 41 == 7) z[i] = 150.f;
+    }
+    std::vector<double> want(keys);
+    double suffix = 0.0;
+    for (int i = keys - 1; i >= 0; --i) {
+      const double x = z[i];
+      const double cost = std::isinf(x) ? 0.0 : std::max(x, 0.0) + std::log2(1.0 + std::exp2(-std::fabs(x)));
+      suffix += cost;
+      want[i] = std::isinf(x) ? 0.0 : std::exp2(x - suffix);
+    }
+    std::vector<float> got(keys, 0.f);
+    float carry = 0.f;
+    const int tiles = (keys + 127) / 128;
+    for (int t = tiles - 1; t >= 0; --t) {
+      float cost[4], local[128];
+      for (int thread = 0; thread < 4; ++thread) {
+        float stick = 1.f;
+        for (int j = 31; j >= 0; --j) {
+          const int key = 128 * t + 32 * thread + j;
+          const float x = key < keys ? z[key] : -std::numeric_limits<float>::infinity();
+          const sb::StickOdds share = sb::stick_odds_log2(x, exp2, rcp);
+          local[32 * thread + j] = share.sigmoid * stick;
+          stick *= share.keep;
+        }
+        ++walks;
+        if (stick >= sb::kOddsStickFloor) {
+          cost[thread] = -std::log2(stick);
+        } else {
+          ++fallbacks;
+          cost[thread] = 0.f;
+          for (int j = 0; j < 32; ++j) {
+            const int key = 128 * t + 32 * thread + j;
+            if (key < keys && !std::isinf(z[key])) cost[thread] += sb::stick_cost_log2(z[key], exp2, log2);
+          }
+        }
+      }
+      float after = 0.f;
+      for (int thread = 3; thread >= 0; --thread) {
+        const float factor = std::exp2(carry - after);
+        for (int j = 0; j < 32; ++j) {
+          const int key = 128 * t + 32 * thread + j;
+          if (key < keys) got[key] = local[32 * thread + j] * factor;
+        }
+        after += cost[thread];
+      }
+      carry -= after;
+    }
+    double err = 0.0, rel = 0.0;
+    for (int i = 0; i < keys; ++i) {
+      err = std::max(err, std::fabs(got[i] - want[i]));
+      if (want[i] > 1e-30) rel = std::max(rel, std::fabs(got[i] - want[i]) / want[i]);
+    }
+    EXPECT_LT(err, 2e-7) << "spread " << spread;
+    // Past a clamped key (x > 120) a weight is off by far more relatively, but it is below
+    // 2^-120 of its thread's stick: only the weights above 1e-15 are held to the relative bound.
+    double rel_visible = 0.0;
+    for (int i = 0; i < keys; ++i) {
+      if (want[i] > 1e-15) rel_visible = std::max(rel_visible, std::fabs(got[i] - want[i]) / want[i]);
+    }
+    EXPECT_LT(rel_visible, 1e-5) << "spread " << spread;
+    EXPECT_NEAR(carry, -suffix, 1e-5 * std::max(1.0, suffix)) << "spread " << spread;
+    EXPECT_EQ(got[5], 0.f);
+  }
+  // The second path ran, and not everywhere.
+  EXPECT_GT(fallbacks, 0);
+  EXPECT_LT(fallbacks, walks);
+  // Extreme logits: shares in [0, 1] summing to one, and a key left out takes nothing.
+  for (float x : {-1e4f, -200.f, -30.f, -1e-3f, 0.f, 1e-3f, 30.f, 119.f, 120.f, 200.f, 1e4f}) {
+    const sb::StickOdds share = sb::stick_odds_log2(x, exp2, rcp);
+    EXPECT_GE(share.sigmoid, 0.f);
+    EXPECT_LE(share.sigmoid, 1.f);
+    EXPECT_GT(share.keep, 0.f) << x;
+    EXPECT_NEAR(share.sigmoid + share.keep, 1.f, 1e-6f) << x;
+    EXPECT_NEAR(share.sigmoid, 1.0 / (1.0 + std::exp2(-static_cast<double>(x))), 1e-7) << x;
+  }
+  const sb::StickOdds out = sb::stick_odds_log2(-std::numeric_limits<float>::infinity(), exp2, rcp);
+  EXPECT_EQ(out.sigmoid, 0.f);
+  EXPECT_EQ(out.keep, 1.f);
+}
+
 TEST(Halting, LargeCutoffChangesNothingMeasurableButSkipsTiles) {
   const Problem p = Problem::random({"halt", {{300, 300}}, false, 2, 1, 32, 32}, 41);
   RunConfig ref;
