@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The parked patches' measurement, in the order their stacking needs, on the GPU machine:
+#
+#   tools/gpu_detached.sh start docs/parked/measure.sh     # then tools/gpu_detached.sh poll
+#
+# 1. forward-halted-skips-pv against main, 2. stick-breaking-odds-forward against main with the
+# first applied (tools/parked_ab.sh, two rounds each, one build tree); then on the tree with both:
+# 3. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each),
+# 4. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests,
+# 5. with $STUDY_ROWS set (a regular expression of study rows, e.g. "16 heads, 20M"), those rows
+# of studies/mqrar_sieve.json with checkpoints chosen at 8x.
+# Everything goes to $RESULTS (tools/gpu_detached.sh); progress.txt ends with the stick-breaking
+# rows of every benchmark run, the table to read first. About 20 minutes on an H200 without step 5.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+R=${RESULTS:-/tmp/winnow-results}
+P=$R/progress.txt
+mkdir -p "$R"
+START=$(date +%s)
+say() { echo "[$(( $(date +%s) - START )) s] $*" >> "$P"; }
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader >> "$P" 2>&1
+export BUILD_TARGETS="winnow_cuda_tests winnow_torch winnow_cli"
+BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 8192 32768 --dims 128 64
+       --methods sdpa_flash sdpa_cudnn winnow_softmax winnow_stick_breaking)
+
+for patch in forward-halted-skips-pv stick-breaking-odds-forward; do
+  say "A/B $patch"
+  OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${BENCH[@]}" > "$R/ab-$patch.txt" 2>&1
+  say "A/B $patch: rc $?"
+  grep -E '^build|^round|FAILED' "$R/ab-$patch/ab-summary.txt" >> "$P" 2>&1
+  # parked_ab leaves the tree patched, which the next patch stacks on.
+done
+
+T=build-gpu/tests/winnow_cuda_tests
+if [[ ! -x $T ]]; then
+  say "no $T: the builds failed; see $R/ab-*/build-*.txt"
+else
+  for kernels in hopper portable; do
+    for i in 0 1 2 3 4 5 6 7; do
+      if [[ $kernels == portable ]]; then export WINNOW_PORTABLE_KERNELS=1; else unset WINNOW_PORTABLE_KERNELS; fi
+      GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout 400 $T --gtest_brief=1 > "$R/suite-$kernels-$i.log" 2>&1 &
+    done
+    wait
+    unset WINNOW_PORTABLE_KERNELS
+    ran=$(cat "$R"/suite-$kernels-*.log | grep -E '^\[==========\] [0-9]+ tests' | awk '{s += $2} END {print s + 0}')
+    passed=$(cat "$R"/suite-$kernels-*.log | grep -E '^\[  PASSED  \]' | awk '{s += $4} END {print s + 0}')
+    say "suite, $kernels kernels: $passed of $ran passed; failures: $(grep -hE '^\[  FAILED  \] [A-Za-z]' "$R"/suite-$kernels-*.log | sort -u | head -8 | tr '\n' ' ')"
+  done
+  F='CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*'
+  for i in 0 1 2 3; do
+    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout 500 compute-sanitizer --tool racecheck --error-exitcode 9 \
+      $T --gtest_brief=1 --gtest_filter="$F" > "$R/racecheck-$i.log" 2>&1 &
+  done
+  timeout 500 compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter="$F" \
+    > "$R/memcheck.log" 2>&1 &
+  wait
+  for f in "$R"/racecheck-*.log "$R"/memcheck.log; do
+    say "$(basename "$f" .log): $(grep -hE 'RACECHECK SUMMARY|ERROR SUMMARY|PASSED|tests ran' "$f" | tr '\n' ' ')"
+  done
+fi
+
+if [[ -n "${STUDY_ROWS:-}" && -x build-gpu/apps/winnow ]]; then
+  mapfile -t rows < <(python3 -c "import json,re,sys; [print(m['label']) for m in json.load(open('studies/mqrar_sieve.json'))['mechanisms'] if re.search(sys.argv[1], m['label'])]" "$STUDY_ROWS")
+  for row in "${rows[@]}"; do
+    say "study row: $row"
+    dir=$R/study-$(echo "$row" | tr -c 'A-Za-z0-9\n' '_')
+    build-gpu/apps/winnow study studies/mqrar_sieve.json --only "$row" --set eval.select_multiple=8 \
+      --set out_dir="$dir" > "$dir.log" 2>&1
+    say "study row done: rc $?; $(grep -A3 '^| mechanism | ID' "$dir.log" | tail -1)"
+  done
+fi
+
+{
+  echo "== stick-breaking rows (D, L, method, fwd, x flash, fwd inference, bwd, x flash, f+b, x flash, ...)"
+  for f in "$R"/ab-*/ab-*-[12].txt; do
+    echo "-- $f"
+    grep -E '^ *[0-9]+ +[0-9]+ +(sdpa_flash|winnow_stick_breaking)' "$f"
+  done
+} >> "$P"
+say "measure.sh done"
