@@ -4,13 +4,15 @@
 #   tools/gpu_detached.sh start docs/parked/measure.sh     # then tools/gpu_detached.sh poll
 #
 # 1. forward-halted-skips-pv against main, 2. stick-breaking-odds-forward against main with the
-# first applied (tools/parked_ab.sh, two rounds each, one build tree); then on the tree with both:
-# 3. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each),
-# 4. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests,
-# 5. with $STUDY_ROWS set (a regular expression of study rows, e.g. "16 heads, 20M"), those rows
+# first applied, 3. sieve-log-form (Sieve's benchmark rows) with both applied (tools/parked_ab.sh,
+# two rounds each, one build tree); then on the tree with all three:
+# 4. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each),
+# 5. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests,
+# 6. with $STUDY_ROWS set (a regular expression of study rows, e.g. "16 heads, 20M"), those rows
 # of studies/mqrar_sieve.json with checkpoints chosen at 8x.
 # Everything goes to $RESULTS (tools/gpu_detached.sh); progress.txt ends with the stick-breaking
-# rows of every benchmark run, the table to read first. About 20 minutes on an H200 without step 5.
+# and Sieve rows of every benchmark run, the table to read first. About 25 minutes on an H200
+# without step 6.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 R=${RESULTS:-/tmp/winnow-results}
@@ -23,9 +25,14 @@ export BUILD_TARGETS="winnow_cuda_tests winnow_torch winnow_cli"
 BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 8192 32768 --dims 128 64
        --methods sdpa_flash sdpa_cudnn winnow_softmax winnow_stick_breaking)
 
-for patch in forward-halted-skips-pv stick-breaking-odds-forward; do
+SIEVE_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 8192 32768 --dims 64 128
+             --methods sdpa_flash winnow_sieve_bound winnow_sieve_exact)
+
+for patch in forward-halted-skips-pv stick-breaking-odds-forward sieve-log-form; do
+  bench=("${BENCH[@]}")
+  [[ $patch == sieve-log-form ]] && bench=("${SIEVE_BENCH[@]}")
   say "A/B $patch"
-  OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${BENCH[@]}" > "$R/ab-$patch.txt" 2>&1
+  OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
   grep -E '^build|^round|FAILED' "$R/ab-$patch/ab-summary.txt" >> "$P" 2>&1
   # parked_ab leaves the tree patched, which the next patch stacks on.
@@ -71,10 +78,10 @@ if [[ -n "${STUDY_ROWS:-}" && -x build-gpu/apps/winnow ]]; then
 fi
 
 {
-  echo "== stick-breaking rows (D, L, method, fwd, x flash, fwd inference, bwd, x flash, f+b, x flash, ...)"
+  echo "== stick-breaking and Sieve rows (D, L, method, fwd, x flash, fwd inference, bwd, x flash, f+b, x flash, ...)"
   for f in "$R"/ab-*/ab-*-[12].txt; do
     echo "-- $f"
-    grep -E '^ *[0-9]+ +[0-9]+ +(sdpa_flash|winnow_stick_breaking)' "$f"
+    grep -E '^ *[0-9]+ +[0-9]+ +(sdpa_flash|winnow_stick_breaking|winnow_sieve)' "$f"
   done
 } >> "$P"
 say "measure.sh done"
