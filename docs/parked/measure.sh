@@ -8,8 +8,7 @@
 # two rounds each, one build tree); then on the tree with all three:
 # 4. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each),
 # 5. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests,
-# 6. with $STUDY_ROWS set (a regular expression of study rows, e.g. "16 heads, 20M"), those rows
-# of studies/mqrar_sieve.json with checkpoints chosen at 8x.
+# 6. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x.
 # Everything goes to $RESULTS (tools/gpu_detached.sh); progress.txt ends with the stick-breaking
 # and Sieve rows of every benchmark run, the table to read first. About 25 minutes on an H200
 # without step 6.
@@ -66,14 +65,20 @@ else
   done
 fi
 
-if [[ -n "${STUDY_ROWS:-}" && -x build-gpu/apps/winnow ]]; then
-  mapfile -t rows < <(python3 -c "import json,re,sys; [print(m['label']) for m in json.load(open('studies/mqrar_sieve.json'))['mechanisms'] if re.search(sys.argv[1], m['label'])]" "$STUDY_ROWS")
-  for row in "${rows[@]}"; do
-    say "study row: $row"
-    dir=$R/study-$(echo "$row" | tr -c 'A-Za-z0-9\n' '_')
-    build-gpu/apps/winnow study studies/mqrar_sieve.json --only "$row" --set eval.select_multiple=8 \
-      --set out_dir="$dir" > "$dir.log" 2>&1
-    say "study row done: rc $?; $(grep -A3 '^| mechanism | ID' "$dir.log" | tail -1)"
+# STUDIES: "FILE=REGEX" pairs separated by ';', e.g.
+#   STUDIES='studies/mqrar_sieve.json=16 heads, 20M;studies/copy_protocol.json=^(Stick-breaking, 4 heads|Sieve \(bound\), 16 heads)$'
+if [[ -n "${STUDIES:-}" && -x build-gpu/apps/winnow ]]; then
+  IFS=';' read -ra pairs <<< "$STUDIES"
+  for pair in "${pairs[@]}"; do
+    file=${pair%%=*} pattern=${pair#*=}
+    mapfile -t rows < <(python3 -c "import json,re,sys; [print(m['label']) for m in json.load(open(sys.argv[1]))['mechanisms'] if re.search(sys.argv[2], m['label'])]" "$file" "$pattern")
+    (( ${#rows[@]} > 0 )) || say "study $file: no row matches '$pattern'"
+    for row in "${rows[@]}"; do
+      say "study $file, row: $row"
+      dir=$R/study-$(basename "$file" .json)-$(echo "$row" | tr -c 'A-Za-z0-9\n' '_')
+      build-gpu/apps/winnow study "$file" --only "$row" --set eval.select_multiple=8 --set out_dir="$dir" > "$dir.log" 2>&1
+      say "  rc $?: $(grep -F "| $row |" "$dir.log" | head -2 | tr '\n' ' ')"
+    done
   done
 fi
 
