@@ -4,14 +4,18 @@
 #   tools/gpu_detached.sh start docs/parked/measure.sh     # then tools/gpu_detached.sh poll
 #
 # 1. forward-halted-skips-pv against main, 2. stick-breaking-odds-forward against main with the
-# first applied, 3. sieve-log-form (Sieve's benchmark rows) with both applied (tools/parked_ab.sh,
-# two rounds each, one build tree); then on the tree with all three:
-# 4. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each),
-# 5. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests,
-# 6. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x.
+# first applied, 3. sieve-log-form (Sieve's benchmark rows) with both applied, 4.
+# small-dims-stick-breaking (head dimensions 16 and 32: simple path against the portable fused
+# kernels) with all three (tools/parked_ab.sh, two rounds each, one build tree); then on the
+# tree with all four:
+# 5. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each),
+# 6. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests,
+# 7. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x.
 # Everything goes to $RESULTS (tools/gpu_detached.sh); progress.txt ends with the stick-breaking
-# and Sieve rows of every benchmark run, the table to read first. About 25 minutes on an H200
-# without step 6.
+# and Sieve rows of every benchmark run, the table to read first. Estimated from 2026-11-29's
+# runs: 10 minutes for the first A/B (the cold build), 6-8 for each of the second and fourth
+# (each rebuilds most of the library), 3 for the third, 4 for the suite, 3 for the sanitizers:
+# more than one session's 30 minutes in all, so $PATCHES (below) picks the first ones.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 R=${RESULTS:-/tmp/winnow-results}
@@ -27,9 +31,14 @@ BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 
 SIEVE_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 8192 32768 --dims 64 128
              --methods sdpa_flash winnow_sieve_bound winnow_sieve_exact)
 
-for patch in forward-halted-skips-pv stick-breaking-odds-forward sieve-log-form; do
+SMALL_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 1024 4096 --dims 16 32
+             --methods sdpa_flash sdpa_cudnn winnow_stick_breaking)
+
+# $PATCHES: which of them, in this order (each stacks on the ones before it); all by default.
+for patch in ${PATCHES:-forward-halted-skips-pv stick-breaking-odds-forward sieve-log-form small-dims-stick-breaking}; do
   bench=("${BENCH[@]}")
   [[ $patch == sieve-log-form ]] && bench=("${SIEVE_BENCH[@]}")
+  [[ $patch == small-dims-stick-breaking ]] && bench=("${SMALL_BENCH[@]}")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
