@@ -5,7 +5,7 @@
 #
 # 1. forward-halted-skips-pv against main, 2. stick-breaking-odds-forward against main with the
 # first applied, 3. sieve-log-form (Sieve's benchmark rows) with both applied, 4.
-# small-dims-stick-breaking (head dimensions 16 and 32: simple path against the portable fused
+# small-dims-stick-breaking-sieve (head dimensions 16 and 32: simple path against the portable fused
 # kernels) with all three (tools/parked_ab.sh, two rounds each, one build tree); then on the
 # tree with all four:
 # 5. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each),
@@ -32,13 +32,13 @@ SIEVE_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --le
              --methods sdpa_flash winnow_sieve_bound winnow_sieve_exact)
 
 SMALL_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 1024 4096 --dims 16 32
-             --methods sdpa_flash sdpa_cudnn winnow_stick_breaking)
+             --methods sdpa_flash sdpa_cudnn winnow_stick_breaking winnow_sieve_bound)
 
 # $PATCHES: which of them, in this order (each stacks on the ones before it); all by default.
-for patch in ${PATCHES:-forward-halted-skips-pv stick-breaking-odds-forward sieve-log-form small-dims-stick-breaking}; do
+for patch in ${PATCHES:-forward-halted-skips-pv stick-breaking-odds-forward sieve-log-form small-dims-stick-breaking-sieve}; do
   bench=("${BENCH[@]}")
   [[ $patch == sieve-log-form ]] && bench=("${SIEVE_BENCH[@]}")
-  [[ $patch == small-dims-stick-breaking ]] && bench=("${SMALL_BENCH[@]}")
+  [[ $patch == small-dims-stick-breaking-sieve ]] && bench=("${SMALL_BENCH[@]}")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
