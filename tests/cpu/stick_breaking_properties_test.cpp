@@ -3,9 +3,11 @@
 // halting (white-box: it knows the CPU key tile), determinism, explicit scale.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "cpu/tile_sizes.h"
@@ -176,75 +178,111 @@ TEST(EdgeCases, ExtremeLogitsStayFinite) {
   }
 }
 
-// The CUDA rows' linear form (math::stick_shares_log2), in float as the kernels evaluate it:
-// tiles of 128 keys walked from the diagonal leftwards, a tile split over four threads of 32
-// consecutive keys each; a thread's weights are sigmoid times the keeps to its right, its keys'
-// cost relu_sum + log2(product of d), scaled by 2^(carry - the costs of the threads to its
-// right). Against the float64 log form (log A_i = z_i - sum_{k >= i} softplus(z_k)) on rows
-// with large logits and keys left out.
+// The CUDA rows' forms, modelled in float as the kernels evaluate them, against the float64
+// log form (log A_i = z_i - sum_{k >= i} softplus(z_k)) on rows with large logits and keys left
+// out: tiles of 128 keys walked from the diagonal leftwards, a tile split over four threads of
+// 32 consecutive keys each, a thread's weights among its own keys scaled by 2^(carry - the
+// costs of the threads to its right).
+constexpr float kLeftOut = -std::numeric_limits<float>::infinity();
+
+// Keys of a row with a partial tile at the left; every 17th key left out.
+std::vector<float> row_logits(std::mt19937_64& rng, double spread) {
+  std::normal_distribution<double> normal(0.0, spread);
+  std::vector<float> z(3 * 128 + 77);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = i % 17 == 5 ? kLeftOut : static_cast<float>(normal(rng));
+  return z;
+}
+
+struct RowWeights {
+  std::vector<double> weights;
+  double log2_rem = 0.0;
+};
+
+RowWeights log_form_reference(const std::vector<float>& z) {
+  RowWeights r;
+  r.weights.resize(z.size());
+  double suffix = 0.0;
+  for (std::size_t i = z.size(); i-- > 0;) {
+    const double x = z[i];
+    suffix += std::isinf(x) ? 0.0 : std::max(x, 0.0) + std::log2(1.0 + std::exp2(-std::fabs(x)));
+    r.weights[i] = std::isinf(x) ? 0.0 : std::exp2(x - suffix);
+  }
+  r.log2_rem = -suffix;
+  return r;
+}
+
+// thread_walk(x, local) turns a thread's 32 logits (keys past the row as kLeftOut) into its
+// weights among its own keys and returns their cost in log2.
+template <class ThreadWalk>
+RowWeights tiled_float_walk(const std::vector<float>& z, ThreadWalk thread_walk) {
+  const int keys = static_cast<int>(z.size());
+  RowWeights r;
+  r.weights.assign(z.size(), 0.0);
+  float carry = 0.f;
+  for (int t = (keys + 127) / 128 - 1; t >= 0; --t) {
+    float cost[4], local[4][32];
+    for (int thread = 0; thread < 4; ++thread) {
+      float x[32];
+      for (int j = 0; j < 32; ++j) {
+        const int key = 128 * t + 32 * thread + j;
+        x[j] = key < keys ? z[key] : kLeftOut;
+      }
+      cost[thread] = thread_walk(x, local[thread]);
+    }
+    float after = 0.f;  // costs of the threads to the right
+    for (int thread = 3; thread >= 0; --thread) {
+      const float factor = std::exp2(carry - after);
+      for (int j = 0; j < 32; ++j) {
+        const int key = 128 * t + 32 * thread + j;
+        if (key < keys) r.weights[key] = local[thread][j] * factor;
+      }
+      after += cost[thread];
+    }
+    carry -= after;
+  }
+  r.log2_rem = carry;
+  return r;
+}
+
+// Largest absolute error, and largest relative error over the weights above `floor`.
+std::pair<double, double> weight_errors(const RowWeights& got, const RowWeights& want, double floor) {
+  double err = 0.0, rel = 0.0;
+  for (std::size_t i = 0; i < want.weights.size(); ++i) {
+    const double d = std::fabs(got.weights[i] - want.weights[i]);
+    err = std::max(err, d);
+    if (want.weights[i] > floor) rel = std::max(rel, d / want.weights[i]);
+  }
+  return {err, rel};
+}
+
+// The linear form (math::stick_shares_log2): a thread's weights are sigmoid times the keeps to
+// its right, its keys' cost relu_sum + log2(product of d).
 TEST(StickBreakingMath, LinearSharesGiveTheLogFormsWeightsAndRemainder) {
   namespace sb = math::stick_breaking;
   const auto exp2 = [](float x) { return std::exp2(x); };
   const auto rcp = [](float x) { return 1.f / x; };
   std::mt19937_64 rng(5);
   for (double spread : {1.0, 8.0, 60.0}) {
-    std::normal_distribution<double> normal(0.0, spread);
-    const int keys = 3 * 128 + 77;  // a partial tile at the left
-    std::vector<float> z(keys);
-    for (int i = 0; i < keys; ++i) {
-      z[i] = i % 17 == 5 ? -std::numeric_limits<float>::infinity() : static_cast<float>(normal(rng));
-    }
-    // float64 log form, right to left.
-    std::vector<double> want(keys);
-    double suffix = 0.0;
-    for (int i = keys - 1; i >= 0; --i) {
-      const double x = z[i];
-      const double cost = std::isinf(x) ? 0.0 : std::max(x, 0.0) + std::log2(1.0 + std::exp2(-std::fabs(x)));
-      suffix += cost;
-      want[i] = std::isinf(x) ? 0.0 : std::exp2(x - suffix);
-    }
-    const double want_log2_rem = -suffix;
-    // float linear form, tile by tile from the right.
-    std::vector<float> got(keys, 0.f);
-    float carry = 0.f;
-    const int tiles = (keys + 127) / 128;
-    for (int t = tiles - 1; t >= 0; --t) {
-      float cost[4], local[128];
-      for (int thread = 0; thread < 4; ++thread) {
-        float keep_right = 1.f, relu_sum = 0.f, d_product = 1.f;
-        for (int j = 31; j >= 0; --j) {
-          const int key = 128 * t + 32 * thread + j;
-          const float x = key < keys ? z[key] : -std::numeric_limits<float>::infinity();
-          const sb::StickShares share = sb::stick_shares_log2(x, exp2, rcp);
-          relu_sum += std::max(x, 0.f);
-          d_product *= share.d;
-          local[32 * thread + j] = share.sigmoid * keep_right;
-          keep_right *= share.keep;
-        }
-        cost[thread] = relu_sum + std::log2(d_product);
+    const std::vector<float> z = row_logits(rng, spread);
+    const RowWeights want = log_form_reference(z);
+    const RowWeights got = tiled_float_walk(z, [&](const float (&x)[32], float (&local)[32]) {
+      float keep_right = 1.f, relu_sum = 0.f, d_product = 1.f;
+      for (int j = 31; j >= 0; --j) {
+        const sb::StickShares share = sb::stick_shares_log2(x[j], exp2, rcp);
+        relu_sum += std::max(x[j], 0.f);
+        d_product *= share.d;
+        local[j] = share.sigmoid * keep_right;
+        keep_right *= share.keep;
       }
-      float after = 0.f;  // costs of the threads to the right
-      for (int thread = 3; thread >= 0; --thread) {
-        const float factor = std::exp2(carry - after);
-        for (int j = 0; j < 32; ++j) {
-          const int key = 128 * t + 32 * thread + j;
-          if (key < keys) got[key] = local[32 * thread + j] * factor;
-        }
-        after += cost[thread];
-      }
-      carry -= after;
-    }
+      return relu_sum + std::log2(d_product);
+    });
     // Measured: at most 3e-8 absolute and 2.3e-6 relative (the keeps' products round once a key).
-    double err = 0.0, rel = 0.0;
-    for (int i = 0; i < keys; ++i) {
-      err = std::max(err, std::fabs(got[i] - want[i]));
-      if (want[i] > 1e-30) rel = std::max(rel, std::fabs(got[i] - want[i]) / want[i]);
-    }
+    const auto [err, rel] = weight_errors(got, want, 1e-30);
     EXPECT_LT(err, 2e-7) << "spread " << spread;
     EXPECT_LT(rel, 1e-5) << "spread " << spread;
-    EXPECT_NEAR(carry, want_log2_rem, 1e-5 * std::max(1.0, std::fabs(want_log2_rem))) << "spread " << spread;
+    EXPECT_NEAR(got.log2_rem, want.log2_rem, 1e-5 * std::max(1.0, std::fabs(want.log2_rem))) << "spread " << spread;
     // A key left out takes nothing.
-    EXPECT_EQ(got[5], 0.f);
+    EXPECT_EQ(got.weights[5], 0.0);
   }
   // Extreme logits: shares stay in [0, 1] and sum to one, d in [1, 2].
   for (float x : {-1e4f, -200.f, -30.f, -1e-3f, 0.f, 1e-3f, 30.f, 200.f, 1e4f}) {
@@ -258,11 +296,11 @@ TEST(StickBreakingMath, LinearSharesGiveTheLogFormsWeightsAndRemainder) {
   }
 }
 
-// The CUDA forward's odds form (math::stick_odds_log2), in float as the kernels evaluate it, on
-// the same rows as the linear form above: a thread's weights are sigmoid times the keeps to its
-// right; its keys' cost is -log2 of the last product of keeps while that stays at or above
-// kOddsStickFloor, and otherwise the keys' log-form costs summed one by one (the kernels'
-// cost_from_memory). The large spreads make threads take that second path; the test counts them.
+// The CUDA forward's odds form (math::stick_odds_log2) on the same rows: a thread's weights are
+// sigmoid times the keeps to its right; its keys' cost is -log2 of the last product of keeps
+// while that stays at or above kOddsStickFloor, and otherwise the keys' log-form costs summed
+// one by one (the kernels' cost_from_memory). The large spreads make threads take that second
+// path; the test counts them.
 TEST(StickBreakingMath, OddsFormGivesTheLogFormsWeightsAndRemainder) {
   namespace sb = math::stick_breaking;
   const auto exp2 = [](float x) { return std::exp2(x); };
@@ -273,73 +311,34 @@ TEST(StickBreakingMath, OddsFormGivesTheLogFormsWeightsAndRemainder) {
   // spread 0.5 with a logit of 150 every 41 keys: one clamped key in a thread of small costs,
   // where -log2 of the product would be the cost with 120 in place of 150.
   for (double spread : {1.0, 8.0, 60.0, 400.0, 0.5}) {
-    std::normal_distribution<double> normal(0.0, spread);
-    const int keys = 3 * 128 + 77;
-    std::vector<float> z(keys);
-    for (int i = 0; i < keys; ++i) {
-      z[i] = i % 17 == 5 ? -std::numeric_limits<float>::infinity() : static_cast<float>(normal(rng));
-      if (spread == 0.5 && i % 41 == 7) z[i] = 150.f;
+    std::vector<float> z = row_logits(rng, spread);
+    if (spread == 0.5) {
+      for (std::size_t i = 7; i < z.size(); i += 41) z[i] = 150.f;
     }
-    std::vector<double> want(keys);
-    double suffix = 0.0;
-    for (int i = keys - 1; i >= 0; --i) {
-      const double x = z[i];
-      const double cost = std::isinf(x) ? 0.0 : std::max(x, 0.0) + std::log2(1.0 + std::exp2(-std::fabs(x)));
-      suffix += cost;
-      want[i] = std::isinf(x) ? 0.0 : std::exp2(x - suffix);
-    }
-    std::vector<float> got(keys, 0.f);
-    float carry = 0.f;
-    const int tiles = (keys + 127) / 128;
-    for (int t = tiles - 1; t >= 0; --t) {
-      float cost[4], local[128];
-      for (int thread = 0; thread < 4; ++thread) {
-        float stick = 1.f;
-        for (int j = 31; j >= 0; --j) {
-          const int key = 128 * t + 32 * thread + j;
-          const float x = key < keys ? z[key] : -std::numeric_limits<float>::infinity();
-          const sb::StickOdds share = sb::stick_odds_log2(x, exp2, rcp);
-          local[32 * thread + j] = share.sigmoid * stick;
-          stick *= share.keep;
-        }
-        ++walks;
-        if (stick >= sb::kOddsStickFloor) {
-          cost[thread] = -std::log2(stick);
-        } else {
-          ++fallbacks;
-          cost[thread] = 0.f;
-          for (int j = 0; j < 32; ++j) {
-            const int key = 128 * t + 32 * thread + j;
-            if (key < keys && !std::isinf(z[key])) cost[thread] += sb::stick_cost_log2(z[key], exp2, log2);
-          }
-        }
+    const RowWeights want = log_form_reference(z);
+    const RowWeights got = tiled_float_walk(z, [&](const float (&x)[32], float (&local)[32]) {
+      float stick = 1.f;
+      for (int j = 31; j >= 0; --j) {
+        const sb::StickOdds share = sb::stick_odds_log2(x[j], exp2, rcp);
+        local[j] = share.sigmoid * stick;
+        stick *= share.keep;
       }
-      float after = 0.f;
-      for (int thread = 3; thread >= 0; --thread) {
-        const float factor = std::exp2(carry - after);
-        for (int j = 0; j < 32; ++j) {
-          const int key = 128 * t + 32 * thread + j;
-          if (key < keys) got[key] = local[32 * thread + j] * factor;
-        }
-        after += cost[thread];
+      ++walks;
+      if (stick >= sb::kOddsStickFloor) return -std::log2(stick);
+      ++fallbacks;
+      float cost = 0.f;
+      for (float xj : x) {
+        if (!std::isinf(xj)) cost += sb::stick_cost_log2(xj, exp2, log2);
       }
-      carry -= after;
-    }
-    double err = 0.0, rel = 0.0;
-    for (int i = 0; i < keys; ++i) {
-      err = std::max(err, std::fabs(got[i] - want[i]));
-      if (want[i] > 1e-30) rel = std::max(rel, std::fabs(got[i] - want[i]) / want[i]);
-    }
-    EXPECT_LT(err, 2e-7) << "spread " << spread;
+      return cost;
+    });
     // Past a clamped key (x > 120) a weight is off by far more relatively, but it is below
     // 2^-120 of its thread's stick: only the weights above 1e-15 are held to the relative bound.
-    double rel_visible = 0.0;
-    for (int i = 0; i < keys; ++i) {
-      if (want[i] > 1e-15) rel_visible = std::max(rel_visible, std::fabs(got[i] - want[i]) / want[i]);
-    }
-    EXPECT_LT(rel_visible, 1e-5) << "spread " << spread;
-    EXPECT_NEAR(carry, -suffix, 1e-5 * std::max(1.0, suffix)) << "spread " << spread;
-    EXPECT_EQ(got[5], 0.f);
+    const auto [err, rel] = weight_errors(got, want, 1e-15);
+    EXPECT_LT(err, 2e-7) << "spread " << spread;
+    EXPECT_LT(rel, 1e-5) << "spread " << spread;
+    EXPECT_NEAR(got.log2_rem, want.log2_rem, 1e-5 * std::max(1.0, std::fabs(want.log2_rem))) << "spread " << spread;
+    EXPECT_EQ(got.weights[5], 0.0);
   }
   // The second path ran, and not everywhere.
   EXPECT_GT(fallbacks, 0);
@@ -353,7 +352,7 @@ TEST(StickBreakingMath, OddsFormGivesTheLogFormsWeightsAndRemainder) {
     EXPECT_NEAR(share.sigmoid + share.keep, 1.f, 1e-6f) << x;
     EXPECT_NEAR(share.sigmoid, 1.0 / (1.0 + std::exp2(-static_cast<double>(x))), 1e-7) << x;
   }
-  const sb::StickOdds out = sb::stick_odds_log2(-std::numeric_limits<float>::infinity(), exp2, rcp);
+  const sb::StickOdds out = sb::stick_odds_log2(kLeftOut, exp2, rcp);
   EXPECT_EQ(out.sigmoid, 0.f);
   EXPECT_EQ(out.keep, 1.f);
 }
