@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The parked patches' measurement, in the order their stacking needs, on the GPU machine:
+# The parked patches' measurement on the GPU machine:
 #
 #   tools/gpu_detached.sh start docs/parked/measure.sh     # then tools/gpu_detached.sh poll
 #
-# 1. forward-halted-skips-pv against main, 2. stick-breaking-odds-forward against main with the
-# first applied, 3. sieve-log-form (Sieve's benchmark rows) with both applied, 4.
-# small-dims-stick-breaking-sieve (head dimensions 16 and 32: simple path against the portable fused
-# kernels) with all three (tools/parked_ab.sh, two rounds each, one build tree); then on the
-# tree with all four:
-# 5. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each),
-# 6. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests,
-# 7. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x.
+# 1. one of three ways to get a patched build:
+#    - $PATCHES (default: every patch parked now, in stacking order): an A/B of each against the
+#      tree with the ones before it (tools/parked_ab.sh, two rounds, one build tree), with the
+#      bench that shows its rows;
+#    - $COMBINED (a patch file holding them all): one A/B instead (see there);
+#    - $APPLY (patch names): applied and built, no A/B, for a patch measured already;
+# 2. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each);
+# 3. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests;
+# 4. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x.
 # Everything goes to $RESULTS (tools/gpu_detached.sh); progress.txt ends with the stick-breaking
-# and Sieve rows of every benchmark run, the table to read first. Estimated from 2026-11-29's
-# runs: 10 minutes for the first A/B (the cold build), 6-8 for each of the second and fourth
-# (each rebuilds most of the library), 3 for the third, 4 for the suite, 3 for the sanitizers:
-# more than one session's 30 minutes in all, so $PATCHES (below) picks the first ones.
+# and Sieve rows of every benchmark run, the table to read first. Measured on 2026-11-29: the
+# cold build 7.5 minutes, a rebuild after a patch to the attention kernels 4, each round of the
+# benches 1-2, the suite 4, the sanitizers 1, the 16-head 20M Sieve row 2.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 R=${RESULTS:-/tmp/winnow-results}
@@ -28,16 +28,37 @@ export BUILD_TARGETS="winnow_cuda_tests winnow_torch winnow_cli"
 BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 8192 32768 --dims 128 64
        --methods sdpa_flash sdpa_cudnn winnow_softmax winnow_stick_breaking)
 
-SIEVE_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 8192 32768 --dims 64 128
-             --methods sdpa_flash winnow_sieve_bound winnow_sieve_exact)
-
 SMALL_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 1024 4096 --dims 16 32
              --methods sdpa_flash sdpa_cudnn winnow_stick_breaking winnow_sieve_bound)
 
+# $COMBINED (a patch file holding all the parked patches, stacked: apply them in order, then
+# `git diff`): one A/B instead of one per patch, with one command running the benches. It
+# saves a rebuild per patch (about 4 minutes each), which let 2026-11-29's measurement of all
+# four fit one session; their changes touch disjoint benchmark rows (stick-breaking, Sieve,
+# D = 16 and 32), so a row still names one change, or the patches that touch it.
+if [[ -n "${COMBINED:-}" ]]; then
+  say "A/B of $COMBINED (all the parked patches)"
+  j='@AB_JSON@'
+  OUT=$R/ab-combined tools/parked_ab.sh "$COMBINED" -- bash -c \
+    "${BENCH[*]} winnow_sieve_bound winnow_sieve_exact --json $j; ${SMALL_BENCH[*]} --json $j.small.json" \
+    > "$R/ab-combined.txt" 2>&1
+  say "A/B combined: rc $?"
+  grep -E '^build|^round|FAILED' "$R/ab-combined/ab-summary.txt" >> "$P" 2>&1
+  PATCHES=none
+fi
+
+if [[ -n "${APPLY:-}" ]]; then
+  for patch in $APPLY; do
+    git apply "docs/parked/$patch.patch" && say "applied $patch" || say "$patch does not apply"
+  done
+  say "build: $(OUT=$R/build tools/gpu_check.sh build > "$R/build.txt" 2>&1 && echo ok || echo FAILED, see build.txt)"
+  PATCHES=none
+fi
+
 # $PATCHES: which of them, in this order (each stacks on the ones before it); all by default.
-for patch in ${PATCHES:-forward-halted-skips-pv stick-breaking-odds-forward sieve-log-form small-dims-stick-breaking-sieve}; do
+for patch in ${PATCHES:-small-dims-stick-breaking-sieve}; do
+  [[ $patch == none ]] && break
   bench=("${BENCH[@]}")
-  [[ $patch == sieve-log-form ]] && bench=("${SIEVE_BENCH[@]}")
   [[ $patch == small-dims-stick-breaking-sieve ]] && bench=("${SMALL_BENCH[@]}")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
@@ -59,7 +80,7 @@ else
     unset WINNOW_PORTABLE_KERNELS
     ran=$(cat "$R"/suite-$kernels-*.log | grep -E '^\[==========\] [0-9]+ tests' | awk '{s += $2} END {print s + 0}')
     passed=$(cat "$R"/suite-$kernels-*.log | grep -E '^\[  PASSED  \]' | awk '{s += $4} END {print s + 0}')
-    say "suite, $kernels kernels: $passed of $ran passed; failures: $(grep -hE '^\[  FAILED  \] [A-Za-z]' "$R"/suite-$kernels-*.log | sort -u | head -8 | tr '\n' ' ')"
+    say "suite, $kernels kernels: $passed of $ran passed; failures: $(grep -hE '^\[  FAILED  \] [A-Za-z]' "$R"/suite-$kernels-*.log | sed 's/, where GetParam.*//' | sort -u | head -8 | tr '\n' ' ')"
   done
   F='CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*'
   for i in 0 1 2 3; do
