@@ -273,22 +273,27 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         } else {
           rows.template weights<false>(sc, mask);
         }
-      } else {
-        tile::zero(sc);
       }
+      // A halted consumer's tiles have no weight: rather than zeroing P (which ptxas hoisted
+      // above the loop's products as 30 register-pair clears a tile, taken or not), its P V is
+      // not issued at all (after_weights).
     };
     auto after_weights = [&](float (&sc)[BK / 8][4], int kt) {
-      if (!done) {
+      const bool weighed = !done;
+      if (weighed) {
         if constexpr (Rows::kUsesValues) rows.rescale(o);
         kept_from_tile = kt;
         if (may_halt) {
           done = tile::named_sync_and(kConsumerBarrier + wg, 128, rows.halted(mask));
         }
+        if constexpr (Rows::kUsesValues) tile::to_operand<T>(sc, pa);
       }
-      if constexpr (Rows::kUsesValues) tile::to_operand<T>(sc, pa);
       if constexpr (kSkipsZeroTiles<Rows>) {
         if (votes) pv_live = tile::named_sync_or(kConsumerBarrier + wg, 128, tile::any_nonzero(pa));
       }
+      // The tile that halted a consumer is weighed, and its P V issued; the tiles after it are
+      // not. (Uniform over the warpgroup: done comes from its vote.)
+      if constexpr (Rows::kCanHalt) pv_live = weighed && (!kSkipsZeroTiles<Rows> || pv_live);
     };
 
     if (wg == 1) tile::named_arrive(kTurnBarrier, 256);  // consumer 0 takes the first turn
