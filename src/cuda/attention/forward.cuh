@@ -11,6 +11,11 @@
 //                              threshold search): no V is loaded and no P V is computed, and
 //                              the policy stores its own results (store_extra)
 //   weights<Masked>(s, mask)   scores -> weights in place
+//   kRescores                  optional: weights takes a third argument, rescore(half, key),
+//                              the row's score against a key recomputed from memory
+//                              (ScoresFromMemory), for a fast form that recomputes what it
+//                              cannot give exactly on rare rows
+//                              (stick-breaking's odds); both kernels call weigh_scores
 //   rescale(o)                 what the last weights() asks of the output so far (softmax's
 //                              moved maximum), applied once no product is adding into o
 //   halted(mask), finish(o, stat[2]), store_extra(...)
@@ -44,6 +49,7 @@
 #include <type_traits>
 
 #include "cuda/attention/geometry.cuh"
+#include "cuda/element_types.cuh"
 #include "cuda/attention/key_tiles.cuh"
 #include "cuda/tile/fragment.cuh"
 #include "cuda/tile/rows.cuh"
@@ -178,6 +184,46 @@ __device__ __forceinline__ bool block_settled(const AttentionParams& p, const Co
   }
 }
 
+template <class Rows, class = void>
+inline constexpr bool kRescores = false;
+template <class Rows>
+inline constexpr bool kRescores<Rows, std::void_t<decltype(Rows::kRescores)>> = Rows::kRescores;
+
+// A thread's row against one key of its sequence, q . k in float from global memory: the
+// products the tensor cores summed, summed in another order. For the row policies that go back
+// to a rare thread's logits (kRescores); slow, and never on the common path. The fused kernels run on
+// 16-byte aligned rows, so both are read 16 bytes at a time.
+template <class T, int D, class Tile>
+struct ScoresFromMemory {
+  const AttentionParams& p;
+  const Tile& qt;
+  std::int64_t row0;  // the thread's first row in the tile's sequence; the second is row0 + 8
+  __device__ __forceinline__ float operator()(int half, std::int64_t key) const {
+    constexpr int N = kPack16<T>;
+    const T* const q = p.q.at<const T>(qt.b, qt.s.q_start + row0 + 8 * half, qt.h);
+    const T* const k = p.k.at<const T>(qt.b, qt.s.k_start + key, qt.hk);
+    float acc = 0.f;
+#pragma unroll 1
+    for (int c = 0; c < D; c += N) {
+      const Pack<T, N> a = load_pack<T, N>(q + c), b = load_pack<T, N>(k + c);
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc += widen(a.v[j]) * widen(b.v[j]);
+    }
+    return acc;
+  }
+};
+
+// Scores -> weights for either kind of policy (kRescores or not).
+template <bool Masked, class Rows, int NT, class Rescore>
+__device__ __forceinline__ void weigh_scores(Rows& rows, float (&s)[NT][4], const RowMask& mask,
+                                             const Rescore& rescore) {
+  if constexpr (kRescores<Rows>) {
+    rows.template weights<Masked>(s, mask, rescore);
+  } else {
+    rows.template weights<Masked>(s, mask);
+  }
+}
+
 // DK: the head dimension of queries and keys, DV: of values (Multiscreen's 16 and 64).
 template <class T, int DK, int DV = DK>
 struct ForwardSmem {
@@ -235,6 +281,7 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<(DK > DV
   mask.tig = tig;
 
   Rows rows(p, cfg, qt, row0);
+  const ScoresFromMemory<T, DK, QueryTile<BQ, BK>> rescore{p, qt, row0};
   lend_scratch<BQ>(rows, v_base, 2 * BK * DV * static_cast<int>(sizeof(T)), qt, row0, tig);
   float o[DT][4];
   tile::zero(o);
@@ -260,9 +307,9 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<(DK > DV
     mask.active = qt.needs_mask(kt);
     // Tiles off the diagonal (most of them at long context) run without any mask arithmetic.
     if (mask.active) {
-      rows.template weights<true>(s, mask);
+      weigh_scores<true>(rows, s, mask, rescore);
     } else {
-      rows.template weights<false>(s, mask);
+      weigh_scores<false>(rows, s, mask, rescore);
     }
     if constexpr (Rows::kUsesValues) {
       rows.rescale(o);

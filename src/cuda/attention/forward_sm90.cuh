@@ -202,6 +202,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     }
     mask.tig = tig;
     Rows rows(p, cfg, qt, row0);
+    const ScoresFromMemory<T, D, QueryTile<BQ, BK>> rescore{p, qt, row0};
     lend_scratch<BQ>(rows, smem + Smem::kV, Smem::kLastBytes, qt, row0, tig);
     float o[D / 8][4];
     tile::zero(o);
@@ -269,9 +270,9 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
             rows.template weights2<false>(sc, sc2, mask);
           }
         } else if (mask.active) {
-          rows.template weights<true>(sc, mask);
+          weigh_scores<true>(rows, sc, mask, rescore);
         } else {
-          rows.template weights<false>(sc, mask);
+          weigh_scores<false>(rows, sc, mask, rescore);
         }
       }
       // A halted consumer's tiles have no weight: rather than zeroing P (which ptxas hoisted

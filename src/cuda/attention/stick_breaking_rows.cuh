@@ -1,27 +1,36 @@
 // Stick-breaking as a row policy of the fused forward kernel (spec/stick-breaking.md), logits
-// in log2 units, in one of two forms (the same weights; which is faster depends on what bounds
-// the kernel):
-// - linear shares (kLinearShares): per tile and row, a thread walks its consecutive keys from
-//   the right with each key's shares (math::stick_shares_log2: sigmoid and keep = 1 - sigmoid,
-//   two special-function operations per score): its weight among the thread's keys is sigmoid
-//   times the product of the keeps to its right. The thread's keys' total cost (log2 of 1 / the
-//   product of their keeps) goes through one quad scan, and the weights are scaled by
+// in log2 units, in one of three forms (the same weights; which is faster depends on what
+// bounds the kernel):
+// - linear shares (StickForm::linear): per tile and row, a thread walks its consecutive keys
+//   from the right with each key's shares (math::stick_shares_log2: sigmoid and keep =
+//   1 - sigmoid, two special-function operations per score): its weight among the thread's keys
+//   is sigmoid times the product of the keeps to its right. The thread's keys' total cost (log2
+//   of 1 / the product of their keeps) goes through one quad scan, and the weights are scaled by
 //   2^(carry - the costs of the threads to the right), one exp2 per thread and row.
-// - log form: cost = log2(1 + 2^z) of every visible key, an inclusive suffix sum of the costs
-//   (thread-local, then one quad scan), log2 A = z - suffix + carry: three special-function
-//   operations per score, one running value per row.
+// - log form (StickForm::log): cost = log2(1 + 2^z) of every visible key, an inclusive suffix
+//   sum of the costs (thread-local, then one quad scan), log2 A = z - suffix + carry: three
+//   special-function operations per score, one running value per row.
+// - odds (StickForm::odds): the linear shares' walk on the odds 2^z and the keeps 1 / (1 + 2^z)
+//   (math::stick_odds_log2): weight = sigmoid (odds times keep) times the keeps' product to the
+//   right, the thread's cost -log2 of the whole product. Nine operations per score against the
+//   linear form's fourteen, none of them a select, and one running value per row, as in the
+//   log form. Where the product ends below math's kOddsStickFloor (the thread's keys cost more
+//   than 116 bits, or one has a logit past 120 in log2 units) the weights stand and the cost is
+//   summed key by key from the logits recomputed from memory (the kernel's Rescore): exact,
+//   rare, slow.
 // Either way carry -= the tile's cost; the carry is the log2 of the stick left to the right of
-// the tile, and at the end it is log2 rem. At head dimension 64 the special-function unit
-// bounds the forward, and the linear form is 3% faster; at 128 the products bound it, and the
-// linear form's two extra running values per row make ptxas spill more (94 -> 122 bytes stored):
-// 5.5% slower (H200, docs/performance.md, 2026-11-28 "linear shares"). Hence the choice per head
-// dimension, StickBreakingRowsFor<D>.
+// the tile, and at the end it is log2 rem. Measured (H200, docs/performance.md, 2026-11-28
+// "linear shares"): at head dimension 64 the linear form was 3% faster than the log form; at 128
+// its two extra running values per row made ptxas spill more (94 -> 122 bytes stored) and it was
+// 5.5% slower. Stick-breaking takes the odds form at both (ptxas: 24 / 24 spill bytes at D 64
+// and 128, none in the sweep's loop).
 //
 // Sieve (spec/sieve.md) is the same process over each row's candidates only: a Filter decides
 // per score whether the key takes part; a key left out adds no cost and gets no weight.
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/attention/backward.cuh"
 #include "cuda/attention/forward.cuh"
@@ -94,10 +103,36 @@ struct LinearStickWalk {
   __device__ __forceinline__ float cost() const { return relu_sum + tile::log2_fast(d_product); }
 };
 
-template <class Filter, bool kLinearShares>
+// The walk in odds (math::stick_odds_log2): stick is the product of the keeps of the keys right
+// of the current one; a key's weight among the thread's keys is its sigmoid times that. The
+// keys' cost is -log2 of the last stick while it stays at or above math's kOddsStickFloor.
+struct OddsStickWalk {
+  float stick = 1.f;
+  __device__ __forceinline__ float step(float z) {
+    const math::stick_breaking::StickOdds share =
+        math::stick_breaking::stick_odds_log2(z, tile::exp2_fast, tile::rcp_fast);
+    const float weight = share.sigmoid * stick;
+    stick *= share.keep;
+    return weight;
+  }
+  __device__ __forceinline__ bool cost_exact() const { return stick >= math::stick_breaking::kOddsStickFloor; }
+  __device__ __forceinline__ float cost() const { return -tile::log2_fast(stick); }
+};
+
+// How a row policy turns a thread's logits into its weights (see the top of this file).
+enum class StickForm { log, linear, odds };
+
+// No scores to recompute (the forms that never go back to them).
+struct NoRescore {
+  __device__ float operator()(int, std::int64_t) const { return 0.f; }
+};
+
+template <class Filter, StickForm kForm>
 struct StickBreakingRowsOf {
   static constexpr bool kCanHalt = !Filter::kCounts;
   static constexpr bool kUsesValues = true;
+  // The odds form takes a rare thread's cost from its scores recomputed by the kernel.
+  static constexpr bool kRescores = kForm == StickForm::odds;
   // Stick-breaking without halting (which drops keys) packs; Sieve, whose thresholds come from
   // other kernels, does not.
   static bool packs_short_sequences(const StickBreakingCudaConfig& cfg, std::int64_t len) {
@@ -117,12 +152,37 @@ struct StickBreakingRowsOf {
     carry[0] = carry[1] = 0.f;
   }
 
-  template <bool Masked, int NT>
-  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+  // rescore(half, key): the row's score against a key of the sequence, q . k, as the products
+  // gave it (the odds form's fallback; the kernel's ScoresFromMemory).
+  template <bool Masked, int NT, class Rescore = NoRescore>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask, const Rescore& rescore = {}) {
     namespace sb = math::stick_breaking;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      if constexpr (kLinearShares) {
+      if constexpr (kForm == StickForm::odds) {
+        static_assert(!std::is_same_v<Rescore, NoRescore>, "the odds form needs the kernel's scores (weigh_scores)");
+        // One pass from the right as in the linear form below, in odds; where the keeps'
+        // product left the range in which it gives the cost exactly, the cost comes from the
+        // keys' logits again (rare; the weights stand).
+        OddsStickWalk walk;
+#pragma unroll
+        for (int n = NT - 1; n >= 0; --n) {
+#pragma unroll
+          for (int e = 1; e >= 0; --e) {
+            float& z = s[n][2 * half + e];
+            z = walk.step(admit<Masked, NT>(z, half, n, e, mask));
+          }
+        }
+        const float cost = walk.cost_exact() ? walk.cost() : cost_from_memory<Masked, 8 * NT>(half, mask, rescore);
+        const tile::QuadScan quad = tile::quad_scan(cost, mask.tig);
+        const float factor = tile::exp2_fast(carry[half] - quad.after);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          s[n][2 * half] *= factor;
+          s[n][2 * half + 1] *= factor;
+        }
+        carry[half] -= quad.total;
+      } else if constexpr (kForm == StickForm::linear) {
         // One pass from the thread's last key to its first turns each logit into its weight
         // among the thread's keys (sigmoid times the keeps to its right), in place; the quad
         // scan then supplies the costs of the threads to the right, the carry those of the
@@ -188,6 +248,23 @@ struct StickBreakingRowsOf {
     return kept ? z : -INFINITY;
   }
 
+  // The odds walk's fallback: the cost of the thread's keys of this row (BK / 4 consecutive
+  // keys) summed key by key in the log form, their logits recomputed from memory. A loop, not
+  // unrolled: it is rare, and its code is paid at every call site.
+  template <bool Masked, int BK, class Rescore>
+  __device__ __forceinline__ float cost_from_memory(int half, const RowMask& mask, const Rescore& rescore) const {
+    float cost = 0.f;
+    const std::int64_t first = mask.key0 + key_of<BK>(mask.tig, 0, 0);
+#pragma unroll 1
+    for (int j = 0; j < BK / 4; ++j) {
+      const std::int64_t key = first + j;
+      if (Masked && (key < mask.first_key(half) || key > mask.limit[half])) continue;
+      const float x = rescore(half, key) * scale_log2;
+      if (filter.keep(half, x)) cost += math::stick_breaking::stick_cost_log2(x, tile::exp2_fast, tile::log2_fast);
+    }
+    return cost;
+  }
+
   // Weights are absolute (no running maximum): the output never needs rescaling.
   template <int DT>
   __device__ __forceinline__ void rescale(float (&)[DT][4]) const {}
@@ -226,9 +303,11 @@ struct StickBreakingRowsOf {
 };
 
 template <int D>
-using StickBreakingRowsFor = StickBreakingRowsOf<EveryKey, D <= 64>;
+using StickBreakingRowsFor = StickBreakingRowsOf<EveryKey, StickForm::odds>;
+// Sieve keeps the forms measured before: the odds form's fallback would filter recomputed
+// logits, which could fall on the other side of the threshold than the first pass's.
 template <int D>
-using SieveRowsFor = StickBreakingRowsOf<SieveCandidates, D <= 64>;
+using SieveRowsFor = StickBreakingRowsOf<SieveCandidates, D <= 64 ? StickForm::linear : StickForm::log>;
 
 // The backward rows, sweeping key tiles left to right. Per row: a = log2 of the stick left to
 // the right of the tiles visited so far, starting from log2 rem (the forward's statistic) and
@@ -248,7 +327,7 @@ using SieveRowsFor = StickBreakingRowsOf<SieveCandidates, D <= 64>;
 template <class T, class Filter>
 struct StickBreakingBackwardRowsOf {
   static bool packs_short_sequences(const StickBreakingCudaConfig& cfg, std::int64_t len) {
-    return StickBreakingRowsOf<Filter, false>::packs_short_sequences(cfg, len);
+    return StickBreakingRowsOf<Filter, StickForm::log>::packs_short_sequences(cfg, len);
   }
   float scale_log2, scale;
   float stick[2], g_sum[2], dlog_rem[2];
