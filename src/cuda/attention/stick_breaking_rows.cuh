@@ -304,10 +304,13 @@ struct StickBreakingRowsOf {
 
 template <int D>
 using StickBreakingRowsFor = StickBreakingRowsOf<EveryKey, StickForm::odds>;
-// Sieve keeps the forms measured before: the odds form's fallback would filter recomputed
-// logits, which could fall on the other side of the threshold than the first pass's.
+// Sieve takes the log form at both head dimensions. The odds form's fallback would filter
+// recomputed logits, which could fall on the other side of the threshold than the first
+// pass's; the linear form, with the filter's threshold and candidate count beside its three
+// running values, spilled 164-200 bytes at D = 64, 70-88 spill instructions inside the sweep's
+// loop (ptxas, 2026-11-29), against 16-20 bytes and none there in the log form.
 template <int D>
-using SieveRowsFor = StickBreakingRowsOf<SieveCandidates, D <= 64 ? StickForm::linear : StickForm::log>;
+using SieveRowsFor = StickBreakingRowsOf<SieveCandidates, StickForm::log>;
 
 // The backward rows, sweeping key tiles left to right. Per row: a = log2 of the stick left to
 // the right of the tiles visited so far, starting from log2 rem (the forward's statistic) and
