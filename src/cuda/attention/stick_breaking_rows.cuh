@@ -1,29 +1,24 @@
 // Stick-breaking as a row policy of the fused forward kernel (spec/stick-breaking.md), logits
-// in log2 units, in one of three forms (the same weights; which is faster depends on what
-// bounds the kernel):
-// - linear shares (StickForm::linear): per tile and row, a thread walks its consecutive keys
-//   from the right with each key's shares (math::stick_shares_log2: sigmoid and keep =
-//   1 - sigmoid, two special-function operations per score): its weight among the thread's keys
-//   is sigmoid times the product of the keeps to its right. The thread's keys' total cost (log2
-//   of 1 / the product of their keeps) goes through one quad scan, and the weights are scaled by
-//   2^(carry - the costs of the threads to the right), one exp2 per thread and row.
+// in log2 units, in one of two forms (the same weights; which is faster depends on what bounds
+// the kernel):
 // - log form (StickForm::log): cost = log2(1 + 2^z) of every visible key, an inclusive suffix
 //   sum of the costs (thread-local, then one quad scan), log2 A = z - suffix + carry: three
 //   special-function operations per score, one running value per row.
-// - odds (StickForm::odds): the linear shares' walk on the odds 2^z and the keeps 1 / (1 + 2^z)
-//   (math::stick_odds_log2): weight = sigmoid (odds times keep) times the keeps' product to the
-//   right, the thread's cost -log2 of the whole product. Nine operations per score against the
-//   linear form's fourteen, none of them a select, and one running value per row, as in the
-//   log form. Where the product ends below math's kOddsStickFloor (the thread's keys cost more
-//   than 116 bits, or one has a logit past 120 in log2 units) the weights stand and the cost is
-//   summed key by key from the logits recomputed from memory (the kernel's Rescore): exact,
-//   rare, slow.
+// - odds (StickForm::odds): per tile and row, a thread walks its consecutive keys from the right
+//   on the odds 2^z and the keeps 1 / (1 + 2^z) (math::stick_odds_log2): weight = sigmoid (odds
+//   times keep) times the keeps' product to the right, the thread's cost -log2 of the whole
+//   product; the quad scan supplies the costs of the threads to the right, scaled in as one
+//   exp2 per thread and row. Two special-function operations and nine in all per score, none of
+//   them a select, and one running value per row. Where the product ends below math's
+//   kOddsStickFloor (the thread's keys cost more than 116 bits, or one has a logit past 120 in
+//   log2 units) the weights stand and the cost is summed key by key from the logits recomputed
+//   from memory (the kernel's Rescore): exact, rare, slow.
 // Either way carry -= the tile's cost; the carry is the log2 of the stick left to the right of
-// the tile, and at the end it is log2 rem. Measured (H200, docs/performance.md, 2026-11-28
-// "linear shares"): at head dimension 64 the linear form was 3% faster than the log form; at 128
-// its two extra running values per row made ptxas spill more (94 -> 122 bytes stored) and it was
-// 5.5% slower. Stick-breaking takes the odds form at both (ptxas: 24 / 24 spill bytes at D 64
-// and 128, none in the sweep's loop).
+// the tile, and at the end it is log2 rem. Measured (H200, docs/performance.md, 2026-11-28 and
+// 29): at head dimension 128 the odds form is 4-8% faster than the log form; at 64 it is as
+// fast as the forward's walk in the linear shares was (the backward's walk, below), which had
+// been 3% faster than the log form there, and 5.5% slower at 128, where it spilled inside the
+// sweep's loop.
 //
 // Sieve (spec/sieve.md) is the same process over each row's candidates only: a Filter decides
 // per score whether the key takes part; a key left out adds no cost and gets no weight.
@@ -81,10 +76,11 @@ struct SieveCandidates {
 };
 
 // A thread's walk over its consecutive keys of one row from the right, in linear form (the
-// forward's weights and the backward's, one definition): each key's weight among the thread's
-// keys is its sigmoid times the product of the keeps to its right (math::stick_shares_log2),
-// and the keys' total cost in log2 is sum(max(z, 0)) + log2(product of d), which neither
-// overflows nor underflows. A key left out comes as z = -inf: weight 0, keep 1, no cost.
+// backward's weights; the forward walks in odds, the same process with one running value): each
+// key's weight among the thread's keys is its sigmoid times the product of the keeps to its
+// right (math::stick_shares_log2), and the keys' total cost in log2 is
+// sum(max(z, 0)) + log2(product of d), which neither overflows nor underflows. A key left out
+// comes as z = -inf: weight 0, keep 1, no cost.
 struct LinearStickWalk {
   float keep_right = 1.f;  // product of the keeps of the keys right of the current one
   float relu_sum = 0.f, d_product = 1.f;
@@ -120,7 +116,7 @@ struct OddsStickWalk {
 };
 
 // How a row policy turns a thread's logits into its weights (see the top of this file).
-enum class StickForm { log, linear, odds };
+enum class StickForm { log, odds };
 
 // No scores to recompute (the forms that never go back to them).
 struct NoRescore {
@@ -161,9 +157,9 @@ struct StickBreakingRowsOf {
     for (int half = 0; half < 2; ++half) {
       if constexpr (kForm == StickForm::odds) {
         static_assert(!std::is_same_v<Rescore, NoRescore>, "the odds form needs the kernel's scores (weigh_scores)");
-        // One pass from the right as in the linear form below, in odds; where the keeps'
-        // product left the range in which it gives the cost exactly, the cost comes from the
-        // keys' logits again (rare; the weights stand).
+        // One pass from the right as in the backward's linear form below, in odds; where the
+        // keeps' product left the range in which it gives the cost exactly, the cost comes from
+        // the keys' logits again (rare; the weights stand).
         OddsStickWalk walk;
 #pragma unroll
         for (int n = NT - 1; n >= 0; --n) {
@@ -175,29 +171,6 @@ struct StickBreakingRowsOf {
         }
         const float cost = walk.cost_exact() ? walk.cost() : cost_from_memory<Masked, 8 * NT>(half, mask, rescore);
         const tile::QuadScan quad = tile::quad_scan(cost, mask.tig);
-        const float factor = tile::exp2_fast(carry[half] - quad.after);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          s[n][2 * half] *= factor;
-          s[n][2 * half + 1] *= factor;
-        }
-        carry[half] -= quad.total;
-      } else if constexpr (kForm == StickForm::linear) {
-        // One pass from the thread's last key to its first turns each logit into its weight
-        // among the thread's keys (sigmoid times the keeps to its right), in place; the quad
-        // scan then supplies the costs of the threads to the right, the carry those of the
-        // tiles to the right.
-        LinearStickWalk walk;
-#pragma unroll
-        for (int n = NT - 1; n >= 0; --n) {
-#pragma unroll
-          for (int e = 1; e >= 0; --e) {
-            float& z = s[n][2 * half + e];
-            float sigmoid;
-            z = walk.step(admit<Masked, NT>(z, half, n, e, mask), sigmoid);
-          }
-        }
-        const tile::QuadScan quad = tile::quad_scan(walk.cost(), mask.tig);
         const float factor = tile::exp2_fast(carry[half] - quad.after);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
