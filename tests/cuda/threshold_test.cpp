@@ -146,6 +146,17 @@ double sum_of_magnitudes(const std::vector<double>& x) {
 
 ExecContext reference() { return reference_backend(); }
 
+// As in kernels_test.cpp: the shapes checked on every machine (label cpu).
+TEST(CudaTestShapes, EveryThresholdShapeMakesInputs) {
+  for (std::size_t i = 0; i < shapes().size(); ++i) {
+    SCOPED_TRACE(shapes()[i].name);
+    for (bool tda : {false, true}) {
+      const ThresholdCase c{shapes()[i].name, shapes()[i], tda, 2.0, true, i % 2 == 1};
+      EXPECT_NO_THROW(make_threshold_inputs(c, 1, 0.5));
+    }
+  }
+}
+
 // shape, TDA, power, dtype (float32 runs the simple path), attend_current. 16-bit inputs run
 // the backward twice, with atomic and with deterministic accumulation.
 using Param = std::tuple<int, bool, double, DType, bool>;
