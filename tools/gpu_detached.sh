@@ -13,7 +13,8 @@
 # launcher appends "DONE rc N" to progress.txt when SCRIPT exits.
 # poll waits until SCRIPT has exited or SECONDS (default 540) have passed, prints
 # progress.txt and the tail of SCRIPT's output, and packs $RESULTS into $OUT/results.tgz
-# (without Nsight reports, *.ncu-rep), so each call brings back what is there so far.
+# (files under 4 MB; left-behind.txt lists the others), so each call brings back what is there
+# so far.
 # start then polls for $POLL_SECONDS (default 540).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -31,7 +32,11 @@ poll() {
   cat "$RESULTS/progress.txt" 2> /dev/null
   echo "== the script's output, last lines"
   tail -n 5 "$RESULTS/script.log" 2> /dev/null
-  tar czf "$OUT/results.tgz" --exclude='*.ncu-rep' -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+  # Files of 4 MB and more (Nsight reports, study checkpoints) stay behind: what comes back from
+  # a call is capped, and one 193 MB study folder kept a whole results.tgz from coming back.
+  (cd "$(dirname "$RESULTS")" &&
+    find "$(basename "$RESULTS")" -type f -size +4M > "$RESULTS/left-behind.txt" &&
+    find "$(basename "$RESULTS")" -type f -size -4M -print0 | tar czf "$OUT/results.tgz" --null -T -)
 }
 
 case "${1:-}" in

@@ -11,7 +11,8 @@
 #    - $APPLY (patch names): applied and built, no A/B, for a patch measured already;
 # 2. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each);
 # 3. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests;
-# 4. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x.
+# 4. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x;
+# 5. with $AFTER set, that command line.
 # Everything goes to $RESULTS (tools/gpu_detached.sh); progress.txt ends with the stick-breaking
 # and Sieve rows of every benchmark run, the table to read first. Measured on 2026-11-29: the
 # cold build 7.5 minutes, a rebuild after a patch to the attention kernels 4, each round of the
@@ -110,6 +111,15 @@ if [[ -n "${STUDIES:-}" && -x build-gpu/apps/winnow ]]; then
       say "  rc $?: $(grep -F "| $row |" "$dir.log" | head -2 | tr '\n' ' ')"
     done
   done
+fi
+
+# $AFTER: a command line run last, on the same build (profiles, benchmarks with baselines),
+# its output in after.txt; e.g.
+#   AFTER='OUT=$R tools/ncu_summary.sh fwd64 attention_forward -- python3 tools/profile_attention.py ...'
+if [[ -n "${AFTER:-}" ]]; then
+  say "after: $AFTER"
+  R=$R bash -c "$AFTER" > "$R/after.txt" 2>&1
+  say "after: rc $?"
 fi
 
 {
