@@ -49,10 +49,25 @@ ci, cs, ce = col("Source"), col("Warp Stall Sampling (All Samples)"), col("Instr
 if cs is None: print("columns:", hdr[:20]); sys.exit()
 data = []
 for r in rows[1:]:
-    try: data.append((float(r[cs] or 0), r[ci], r[ce] if ce is not None else ""))
+    try: data.append((float((r[cs] or "0").replace(",", "")), r[ci], r[ce] if ce is not None else ""))
     except (ValueError, IndexError): pass
 tot = sum(d[0] for d in data) or 1
 print("hottest SASS (share of stall samples):")
 for s, src, ex in sorted(data, reverse=True)[:25]:
     print(f"  {100*s/tot:5.1f}%  {src.strip()[:90]}")
+# The dynamic mix: warp instructions executed, summed by opcode (predicate and modifiers
+# dropped), so that a change's effect on the instructions actually run can be told from its
+# effect on the static count.
+mix, stalls = {}, {}
+for s, src, ex in data:
+    words = [w for w in src.split() if not w.startswith("@")]
+    if not words: continue
+    op = words[0].split(".")[0]
+    try: mix[op] = mix.get(op, 0) + float(ex.replace(",", "") or 0)
+    except ValueError: pass
+    stalls[op] = stalls.get(op, 0) + s
+total = sum(mix.values()) or 1
+print(f"warp instructions executed: {total:.4g}; by opcode (share; share of stall samples):")
+print("  " + ", ".join(f"{op} {100*n/total:.1f}% ({100*stalls.get(op, 0)/tot:.0f}%)"
+                      for op, n in sorted(mix.items(), key=lambda kv: -kv[1])[:24]))
 PY
