@@ -77,11 +77,33 @@ inline constexpr float kOddsStickFloor = 0x1p-116f;
 struct StickOdds {
   float sigmoid, keep;
 };
-template <class Exp2, class Rcp>
-WINNOW_HD StickOdds stick_odds_log2(float x, Exp2 exp2, Rcp rcp) {
-  const float odds = exp2(x < kOddsClamp ? x : kOddsClamp);
+template <class Exp2>
+WINNOW_HD float odds_log2(float x, Exp2 exp2) {
+  return exp2(x < kOddsClamp ? x : kOddsClamp);
+}
+template <class Rcp>
+WINNOW_HD StickOdds stick_shares_of_odds(float odds, Rcp rcp) {
   const float keep = rcp(1.f + odds);
   return {odds * keep, keep};
+}
+template <class Exp2, class Rcp>
+WINNOW_HD StickOdds stick_odds_log2(float x, Exp2 exp2, Rcp rcp) {
+  return stick_shares_of_odds(odds_log2(x, exp2), rcp);
+}
+
+// The same weights with one special-function operation a score, from the left. A thread's
+// keys k = 0..n-1, left to right, with odds o_k: what key k leaves of the stick that reaches it
+// from the right is 1 / prod_{j >= k} (1 + o_j), so with the product grown from the left,
+//   G_0 = 1,  G_{k+1} = G_k (1 + o_k)  (one fused multiply-add, grown_by),
+// key k's weight among the thread's keys is o_k G_k / G_n and their cost is log2 G_n. A second
+// pass grows H_0 = 1 / G_n the same way for the weights, o_k H_k. G_n = 1 / K of the walk from
+// the right, so it gives the exact cost under the same bound, G_n <= kOddsProductCeiling; past
+// it (or at infinity), the odds still in hand take the walk from the right (stick_shares_of_odds)
+// and the cost comes from the logits, as there. One exp2 a key against the walk's exp2 and
+// reciprocal, and one reciprocal and one log2 per thread and row.
+inline constexpr float kOddsProductCeiling = 0x1p116f;
+WINNOW_HD float grown_by(float product, float odds) {
+  return fmaf(product, odds, product);
 }
 
 // log A_ij from the logit, the in-tile suffix cost (including key i) and the row's carry.
