@@ -8,7 +8,8 @@
 #      tree with the ones before it (tools/parked_ab.sh, two rounds, one build tree), with the
 #      bench that shows its rows;
 #    - $COMBINED (a patch file holding them all): one A/B instead (see there);
-#    - $APPLY (patch names): applied and built, no A/B, for a patch measured already;
+#    - $APPLY (patch names): applied and built, no A/B, for a patch measured already (then
+#      only the patches named in $PATCHES get an A/B, on top of them);
 # 2. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each);
 # 3. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests;
 # 4. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x;
@@ -52,12 +53,13 @@ if [[ -n "${APPLY:-}" ]]; then
   for patch in $APPLY; do
     git apply "docs/parked/$patch.patch" && say "applied $patch" || say "$patch does not apply"
   done
-  say "build: $(OUT=$R/build tools/gpu_check.sh build > "$R/build.txt" 2>&1 && echo ok || echo FAILED, see build.txt)"
-  PATCHES=none
+  say "build: $(OUT=$R/build bash -c "${AB_BUILD:-tools/gpu_check.sh build}" > "$R/build.txt" 2>&1 && echo ok || echo FAILED, see build.txt)"
+  # A/Bs only of the patches named in $PATCHES, on top of these.
+  PATCHES=${PATCHES:-none}
 fi
 
 # $PATCHES: which of them, in this order (each stacks on the ones before it); all by default.
-for patch in ${PATCHES:-small-dims-stick-breaking-sieve}; do
+for patch in ${PATCHES:-stick-breaking-odds-grown-forward small-dims-stick-breaking-sieve}; do
   [[ $patch == none ]] && break
   bench=("${BENCH[@]}")
   [[ $patch == small-dims-stick-breaking-sieve ]] && bench=("${SMALL_BENCH[@]}")
