@@ -255,6 +255,53 @@ std::pair<double, double> weight_errors(const RowWeights& got, const RowWeights&
   return {err, rel};
 }
 
+// Holds a form's row to the float64 log form: every weight within abs_bound, those above
+// floor within 1e-5 relative, the remainder within 1e-5 relative, a key left out at zero.
+void expect_log_form(const RowWeights& got, const RowWeights& want, double abs_bound, double floor, double spread) {
+  const auto [err, rel] = weight_errors(got, want, floor);
+  EXPECT_LT(err, abs_bound) << "spread " << spread;
+  EXPECT_LT(rel, 1e-5) << "spread " << spread;
+  EXPECT_NEAR(got.log2_rem, want.log2_rem, 1e-5 * std::max(1.0, std::fabs(want.log2_rem))) << "spread " << spread;
+  EXPECT_EQ(got.weights[5], 0.0) << "spread " << spread;
+}
+
+// The odds forms' rows: row_logits, and at spread 0.5 a logit of 150 every 41 keys, one clamped
+// key in a thread of small costs, where -log2 of the product would be the cost with 120 in
+// place of 150.
+constexpr double kOddsSpreads[] = {1.0, 8.0, 60.0, 400.0, 0.5};
+std::vector<float> odds_row_logits(std::mt19937_64& rng, double spread) {
+  std::vector<float> z = row_logits(rng, spread);
+  if (spread == 0.5) {
+    for (std::size_t i = 7; i < z.size(); i += 41) z[i] = 150.f;
+  }
+  return z;
+}
+
+// The odds forms' two walks, as the kernels take them. From the right, on a thread's odds in
+// place: each becomes sigmoid times the keeps to its right; returns the last product of keeps.
+float odds_walk_from_the_right(float (&local)[32]) {
+  namespace sb = math::stick_breaking;
+  float stick = 1.f;
+  for (int j = 31; j >= 0; --j) {
+    const sb::StickOdds share = sb::stick_shares_of_odds(local[j], [](float x) { return 1.f / x; });
+    local[j] = share.sigmoid * stick;
+    stick *= share.keep;
+  }
+  return stick;
+}
+// The fallback's cost: the keys' log-form costs summed one by one (the kernels'
+// cost_from_memory).
+float log_form_cost(const float (&x)[32]) {
+  namespace sb = math::stick_breaking;
+  float cost = 0.f;
+  for (float xj : x) {
+    if (!std::isinf(xj)) {
+      cost += sb::stick_cost_log2(xj, [](float v) { return std::exp2(v); }, [](float v) { return std::log2(v); });
+    }
+  }
+  return cost;
+}
+
 // The linear form (math::stick_shares_log2): a thread's weights are sigmoid times the keeps to
 // its right, its keys' cost relu_sum + log2(product of d).
 TEST(StickBreakingMath, LinearSharesGiveTheLogFormsWeightsAndRemainder) {
@@ -277,12 +324,7 @@ TEST(StickBreakingMath, LinearSharesGiveTheLogFormsWeightsAndRemainder) {
       return relu_sum + std::log2(d_product);
     });
     // Measured: at most 3e-8 absolute and 2.3e-6 relative (the keeps' products round once a key).
-    const auto [err, rel] = weight_errors(got, want, 1e-30);
-    EXPECT_LT(err, 2e-7) << "spread " << spread;
-    EXPECT_LT(rel, 1e-5) << "spread " << spread;
-    EXPECT_NEAR(got.log2_rem, want.log2_rem, 1e-5 * std::max(1.0, std::fabs(want.log2_rem))) << "spread " << spread;
-    // A key left out takes nothing.
-    EXPECT_EQ(got.weights[5], 0.0);
+    expect_log_form(got, want, 2e-7, 1e-30, spread);
   }
   // Extreme logits: shares stay in [0, 1] and sum to one, d in [1, 2].
   for (float x : {-1e4f, -200.f, -30.f, -1e-3f, 0.f, 1e-3f, 30.f, 200.f, 1e4f}) {
@@ -304,41 +346,23 @@ TEST(StickBreakingMath, LinearSharesGiveTheLogFormsWeightsAndRemainder) {
 TEST(StickBreakingMath, OddsFormGivesTheLogFormsWeightsAndRemainder) {
   namespace sb = math::stick_breaking;
   const auto exp2 = [](float x) { return std::exp2(x); };
-  const auto log2 = [](float x) { return std::log2(x); };
   const auto rcp = [](float x) { return 1.f / x; };
   std::mt19937_64 rng(7);
   int fallbacks = 0, walks = 0;
-  // spread 0.5 with a logit of 150 every 41 keys: one clamped key in a thread of small costs,
-  // where -log2 of the product would be the cost with 120 in place of 150.
-  for (double spread : {1.0, 8.0, 60.0, 400.0, 0.5}) {
-    std::vector<float> z = row_logits(rng, spread);
-    if (spread == 0.5) {
-      for (std::size_t i = 7; i < z.size(); i += 41) z[i] = 150.f;
-    }
+  for (double spread : kOddsSpreads) {
+    const std::vector<float> z = odds_row_logits(rng, spread);
     const RowWeights want = log_form_reference(z);
     const RowWeights got = tiled_float_walk(z, [&](const float (&x)[32], float (&local)[32]) {
-      float stick = 1.f;
-      for (int j = 31; j >= 0; --j) {
-        const sb::StickOdds share = sb::stick_odds_log2(x[j], exp2, rcp);
-        local[j] = share.sigmoid * stick;
-        stick *= share.keep;
-      }
+      for (int j = 0; j < 32; ++j) local[j] = sb::odds_log2(x[j], exp2);
+      const float stick = odds_walk_from_the_right(local);
       ++walks;
       if (stick >= sb::kOddsStickFloor) return -std::log2(stick);
       ++fallbacks;
-      float cost = 0.f;
-      for (float xj : x) {
-        if (!std::isinf(xj)) cost += sb::stick_cost_log2(xj, exp2, log2);
-      }
-      return cost;
+      return log_form_cost(x);
     });
     // Past a clamped key (x > 120) a weight is off by far more relatively, but it is below
     // 2^-120 of its thread's stick: only the weights above 1e-15 are held to the relative bound.
-    const auto [err, rel] = weight_errors(got, want, 1e-15);
-    EXPECT_LT(err, 2e-7) << "spread " << spread;
-    EXPECT_LT(rel, 1e-5) << "spread " << spread;
-    EXPECT_NEAR(got.log2_rem, want.log2_rem, 1e-5 * std::max(1.0, std::fabs(want.log2_rem))) << "spread " << spread;
-    EXPECT_EQ(got.weights[5], 0.0);
+    expect_log_form(got, want, 2e-7, 1e-15, spread);
   }
   // The second path ran, and not everywhere.
   EXPECT_GT(fallbacks, 0);
@@ -368,11 +392,8 @@ TEST(StickBreakingMath, OddsGrownFromTheLeftGiveTheLogFormsWeightsAndRemainder) 
   const auto rcp = [](float x) { return 1.f / x; };
   std::mt19937_64 rng(7);
   int fallbacks = 0, walks = 0;
-  for (double spread : {1.0, 8.0, 60.0, 400.0, 0.5}) {
-    std::vector<float> z = row_logits(rng, spread);
-    if (spread == 0.5) {
-      for (std::size_t i = 7; i < z.size(); i += 41) z[i] = 150.f;
-    }
+  for (double spread : kOddsSpreads) {
+    const std::vector<float> z = odds_row_logits(rng, spread);
     const RowWeights want = log_form_reference(z);
     const RowWeights got = tiled_float_walk(z, [&](const float (&x)[32], float (&local)[32]) {
       float grown = 1.f;
@@ -391,27 +412,13 @@ TEST(StickBreakingMath, OddsGrownFromTheLeftGiveTheLogFormsWeightsAndRemainder) 
         return log2(grown);
       }
       ++fallbacks;
-      float stick = 1.f;
-      for (int j = 31; j >= 0; --j) {
-        const sb::StickOdds share = sb::stick_shares_of_odds(local[j], rcp);
-        local[j] = share.sigmoid * stick;
-        stick *= share.keep;
-      }
-      float cost = 0.f;
-      for (float xj : x) {
-        if (!std::isinf(xj)) cost += sb::stick_cost_log2(xj, exp2, log2);
-      }
-      return cost;
+      odds_walk_from_the_right(local);
+      return log_form_cost(x);
     });
-    // Measured: at most 6e-8 absolute and 3.6e-6 relative.
     // Measured: at most 2.0e-7 absolute and 9.7e-7 relative, against the walk's 2.6e-8 and
     // 1.0e-6: a weight here rounds once a key of the products G and H, about 64 times, where
     // the walk's rounds once a key of its keeps.
-    const auto [err, rel] = weight_errors(got, want, 1e-15);
-    EXPECT_LT(err, 5e-7) << "spread " << spread;
-    EXPECT_LT(rel, 1e-5) << "spread " << spread;
-    EXPECT_NEAR(got.log2_rem, want.log2_rem, 1e-5 * std::max(1.0, std::fabs(want.log2_rem))) << "spread " << spread;
-    EXPECT_EQ(got.weights[5], 0.0);
+    expect_log_form(got, want, 5e-7, 1e-15, spread);
   }
   EXPECT_GT(fallbacks, 0);
   EXPECT_LT(fallbacks, walks);
