@@ -36,8 +36,8 @@ void add_info_command(CLI::App& app) {
                  "queries per sequence, and paged caches (winnow::decode, torch.ops.winnow."
                  "paged_decode)\n"
               << "fused CUDA:   softmax, stick-breaking, entmax, Sieve, TRA / TDA (bf16 / fp16, "
-                 "D = Dv = 64 or 128), screening (bf16 / fp16, d_K 16 / 32 / 64, d_V 64 / 128); "
-                 "everything else on the simple path\n";
+                 "D = Dv = 64 or 128; stick-breaking and Sieve also 16 or 32), screening (bf16 / "
+                 "fp16, d_K 16 / 32 / 64, d_V 64 / 128); everything else on the simple path\n";
 #ifdef WINNOW_WITH_MODELS
     for (const auto& [label, value] : train::runtime_report()) {
       std::cout << label << ":" << std::string(label.size() < 13 ? 13 - label.size() : 1, ' ')

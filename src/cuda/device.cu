@@ -130,9 +130,10 @@ bool aligned_rows(const detail::Operand& op, DType dtype) {
          (op.row * bytes) % 16 == 0 && (op.head * bytes) % 16 == 0 && (op.batch * bytes) % 16 == 0;
 }
 
-bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g) {
+bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g, bool small_dims) {
   if (p.dtype != DType::bfloat16 && p.dtype != DType::float16) return false;
-  if (p.dim_qk != p.dim_v || (p.dim_qk != 64 && p.dim_qk != 128)) return false;
+  const bool small = small_dims && (p.dim_qk == 16 || p.dim_qk == 32);
+  if (p.dim_qk != p.dim_v || (p.dim_qk != 64 && p.dim_qk != 128 && !small)) return false;
   if (p.num_seqs > 65535 || p.heads_q > 65535) return false;
   for (const detail::Operand* op : {&p.q, &p.k, &p.v, &p.out}) {
     if (!aligned_rows(*op, p.dtype)) return false;

@@ -63,8 +63,10 @@ class DeviceBuffer {
 };
 
 // Whether the fused kernels take this call: 16-bit inputs, head dimension 64 or 128 for both
-// keys and values, and every row 16-byte aligned with unit stride along the head dimension.
-bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g);
+// keys and values (also 16 or 32 with small_dims, for a mechanism that dispatches them to the
+// portable kernels: dispatch_fused<true>), and every row 16-byte aligned with unit stride along
+// the head dimension.
+bool fused_path_applies(const detail::AttentionParams& p, const detail::GradientParams* g, bool small_dims = false);
 
 // Whether an operand's rows are contiguous features starting at 16-byte boundaries.
 bool aligned_rows(const detail::Operand& op, DType dtype);

@@ -111,6 +111,11 @@ detail::AttentionParams packed_short_sequences(const detail::AttentionParams& p,
   return packed;
 }
 
+// Head dimensions the Hopper kernels are built for; the fused path's smaller ones (16 and 32,
+// dispatch_fused<true>) run the portable kernels on every GPU.
+template <int D>
+inline constexpr bool kHopperDim = D == 64 || D == 128;
+
 template <class T, int D, class Rows, class Config, bool Segments = false>
 bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live) {
   auto kernel = attention_forward_sm90_kernel<T, D, Rows, Config, Segments>;
@@ -145,18 +150,24 @@ void launch_portable_forward(const detail::AttentionParams& p, const Config& cfg
 // for segments; the portable kernel runs them one to a block.
 template <class T, int D, class Rows, class Config>
 void launch_fused_forward(const detail::AttentionParams& p, const Config& cfg, const LiveKeyTiles& live = {}) {
-  if constexpr (kPacksShortSequences<Rows, Config>) {
-    const detail::AttentionParams pk = packed_short_sequences<Rows>(p, cfg, live);
-    if (pk.segment_len > 0 && launch_sm90_forward<T, D, Rows, Config, true>(pk, cfg, live)) return;
+  if constexpr (kHopperDim<D>) {
+    if constexpr (kPacksShortSequences<Rows, Config>) {
+      const detail::AttentionParams pk = packed_short_sequences<Rows>(p, cfg, live);
+      if (pk.segment_len > 0 && launch_sm90_forward<T, D, Rows, Config, true>(pk, cfg, live)) return;
+    }
+    if (launch_sm90_forward<T, D, Rows>(p, cfg, live)) return;
   }
-  if (launch_sm90_forward<T, D, Rows>(p, cfg, live)) return;
   launch_portable_forward<T, D, D, Rows>(p, cfg, live);
 }
 
 // Whether the fused backward of this instantiation runs the Hopper kernel.
 template <class T, int D, class Rows, class Config>
 bool fused_backward_on_hopper() {
-  return hopper_kernel_runs(attention_backward_sm90_kernel<T, D, Rows, Config>);
+  if constexpr (kHopperDim<D>) {
+    return hopper_kernel_runs(attention_backward_sm90_kernel<T, D, Rows, Config>);
+  } else {
+    return false;
+  }
 }
 
 // Key tiles per sequence of the backward, and the deterministic mode's counters one backward
@@ -191,17 +202,19 @@ void run_portable_backward(const detail::AttentionParams& p, const detail::Gradi
 template <class T, int D, class Rows, class Config>
 void run_fused_backward(const detail::AttentionParams& p, const detail::GradientParams& g, const Config& cfg,
                         const KeyGradAccumulators& acc, const LiveKeyTiles& live = {}) {
-  if (fused_backward_on_hopper<T, D, Rows, Config>()) {
-    using Shape = Sm90BackwardShape;
-    const detail::AttentionParams pq = with_heads_per_sweep(p, Pass::backward, Shape::kBQ);
-    const dim3 grid = query_tile_grid(pq, Shape::kBQ);
-    if (grid.x == 0 || grid.z == 0) return;
-    auto kernel = attention_backward_sm90_kernel<T, D, Rows, Config>;
-    const int smem = Sm90BackwardSmem<T, D>::kBytes;
-    allow_shared_memory(kernel, smem);
-    kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(pq, g, cfg, acc, live);
-    check_launch("attention_backward_sm90_kernel");
-    return;
+  if constexpr (kHopperDim<D>) {
+    if (fused_backward_on_hopper<T, D, Rows, Config>()) {
+      using Shape = Sm90BackwardShape;
+      const detail::AttentionParams pq = with_heads_per_sweep(p, Pass::backward, Shape::kBQ);
+      const dim3 grid = query_tile_grid(pq, Shape::kBQ);
+      if (grid.x == 0 || grid.z == 0) return;
+      auto kernel = attention_backward_sm90_kernel<T, D, Rows, Config>;
+      const int smem = Sm90BackwardSmem<T, D>::kBytes;
+      allow_shared_memory(kernel, smem);
+      kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(pq, g, cfg, acc, live);
+      check_launch("attention_backward_sm90_kernel");
+      return;
+    }
   }
   run_portable_backward<T, D, D, Rows>(p, g, cfg, acc, live);
 }
@@ -285,10 +298,22 @@ void launch_simple_backward(const detail::AttentionParams& p, const detail::Grad
   store_key_grads(p, g, buffer.as<float>(), buffer.as<float>() + dk);
 }
 
-// Calls fn.template operator()<T, D>() for the fused path's (dtype, head dimension).
-template <class Fn>
+// Calls fn.template operator()<T, D>() for the fused path's (dtype, head dimension): D 64 or
+// 128, and with SmallDims (a mechanism whose calls fused_path_applies admitted with
+// small_dims) also 16 and 32.
+template <bool SmallDims = false, class Fn>
 void dispatch_fused(const detail::AttentionParams& p, Fn&& fn) {
   const bool bf16 = p.dtype == DType::bfloat16;
+  if constexpr (SmallDims) {
+    if (p.dim_qk == 16) {
+      bf16 ? fn.template operator()<__nv_bfloat16, 16>() : fn.template operator()<__half, 16>();
+      return;
+    }
+    if (p.dim_qk == 32) {
+      bf16 ? fn.template operator()<__nv_bfloat16, 32>() : fn.template operator()<__half, 32>();
+      return;
+    }
+  }
   if (p.dim_qk == 64) {
     bf16 ? fn.template operator()<__nv_bfloat16, 64>() : fn.template operator()<__half, 64>();
   } else {

@@ -1,9 +1,9 @@
-// Sieve attention on CUDA. On the fused path (bf16 / fp16, D = Dv = 64 or 128): the row
-// thresholds (one sweep for the bound filter, the entmax search for the exact one;
-// threshold_search.cuh), then the stick-breaking kernels over each row's candidates only
-// (stick_breaking_rows.cuh), visiting only the key tiles where some row of the block has a
-// candidate (key_tiles.cuh). Everything else runs on the simple path, and so do forwards with a
-// scale that is not positive (threshold_search_applies).
+// Sieve attention on CUDA. On the fused path (bf16 / fp16, D = Dv = 64 or 128, or 16 or 32 on
+// the portable kernels): the row thresholds (one sweep for the bound filter, the entmax search
+// for the exact one; threshold_search.cuh), then the stick-breaking kernels over each row's
+// candidates only (stick_breaking_rows.cuh), visiting only the key tiles where some row of the
+// block has a candidate (key_tiles.cuh). Everything else runs on the simple path, and so do
+// forwards with a scale that is not positive (threshold_search_applies).
 #include "cuda/attention/stick_breaking_rows.cuh"
 #include "cuda/cuda.h"
 #include "cuda/threshold_search.cuh"
@@ -56,16 +56,20 @@ struct FusedSieveBackward {
   }
 };
 
+// Head dimensions 16 and 32 (000's protocol: 16 heads of a 256-wide model) run the portable
+// fused kernels rather than the simple path.
+constexpr bool kSmallDims = true;
+
 }  // namespace
 
 void sieve_forward(const detail::AttentionParams& p, const detail::SieveConfig& cfg) {
-  if (threshold_search_applies(p)) return dispatch_fused(p, FusedSieveForward{p, cfg});
+  if (threshold_search_applies(p, kSmallDims)) return dispatch_fused<kSmallDims>(p, FusedSieveForward{p, cfg});
   dispatch_simple(p, SimpleForward<simple::Mechanism::sieve>{p, sieve_extras(cfg)});
 }
 
 void sieve_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                     const detail::SieveConfig& cfg) {
-  if (fused_path_applies(p, &g)) return dispatch_fused(p, FusedSieveBackward{p, g, cfg});
+  if (fused_path_applies(p, &g, kSmallDims)) return dispatch_fused<kSmallDims>(p, FusedSieveBackward{p, g, cfg});
   dispatch_simple(p, SimpleBackward<simple::Mechanism::sieve>{p, g, sieve_extras(cfg)});
 }
 

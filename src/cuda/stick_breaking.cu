@@ -1,5 +1,5 @@
-// Stick-breaking attention on CUDA: the fused kernels with the stick-breaking row policies, or
-// the simple path.
+// Stick-breaking attention on CUDA: the fused kernels with the stick-breaking row policies (head
+// dimension 64 or 128, and 16 or 32 on the portable kernels), or the simple path.
 #include "cuda/attention/stick_breaking_rows.cuh"
 #include "cuda/cuda.h"
 #include "cuda/launch_attention.cuh"
@@ -56,6 +56,10 @@ struct SimpleBackward {
   }
 };
 
+// Head dimensions 16 and 32 (000's protocol: 16 heads of a 256-wide model) run the portable
+// fused kernels rather than the simple path.
+constexpr bool kSmallDims = true;
+
 }  // namespace
 
 void stick_breaking_forward(const detail::AttentionParams& p, const detail::StickBreakingConfig& cfg) {
@@ -65,13 +69,13 @@ void stick_breaking_forward(const detail::AttentionParams& p, const detail::Stic
     d.kept_from = cfg.kept_from;
     return stick_breaking_decode(d);
   }
-  if (fused_path_applies(p, nullptr)) return dispatch_fused(p, FusedForward{p, device_config(cfg)});
+  if (fused_path_applies(p, nullptr, kSmallDims)) return dispatch_fused<kSmallDims>(p, FusedForward{p, device_config(cfg)});
   dispatch_simple(p, SimpleForward{p, device_config(cfg)});
 }
 
 void stick_breaking_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
                              const detail::StickBreakingConfig& cfg) {
-  if (fused_path_applies(p, &g)) return dispatch_fused(p, FusedBackward{p, g, device_config(cfg)});
+  if (fused_path_applies(p, &g, kSmallDims)) return dispatch_fused<kSmallDims>(p, FusedBackward{p, g, device_config(cfg)});
   dispatch_simple(p, SimpleBackward{p, g, device_config(cfg)});
 }
 

@@ -214,6 +214,11 @@ WINNOW_FIND_THRESHOLDS(__nv_bfloat16, 64)
 WINNOW_FIND_THRESHOLDS(__nv_bfloat16, 128)
 WINNOW_FIND_THRESHOLDS(__half, 64)
 WINNOW_FIND_THRESHOLDS(__half, 128)
+// Sieve's head dimensions 16 and 32 (000's 16 heads of 16), on the portable kernels.
+WINNOW_FIND_THRESHOLDS(__nv_bfloat16, 16)
+WINNOW_FIND_THRESHOLDS(__nv_bfloat16, 32)
+WINNOW_FIND_THRESHOLDS(__half, 16)
+WINNOW_FIND_THRESHOLDS(__half, 32)
 #undef WINNOW_FIND_THRESHOLDS
 
 }  // namespace winnow::cuda

@@ -23,9 +23,10 @@ inline detail::Operand row_buffer(const detail::AttentionParams& p, void* data, 
 
 // Whether a forward may take the fused threshold search: the fused path, with a positive scale
 // (the search keeps raw scores q . k, whose largest are the largest x only then). Other scales
-// run on the simple path; the backward's fused kernels take any scale.
-inline bool threshold_search_applies(const detail::AttentionParams& p) {
-  return fused_path_applies(p, nullptr) && p.scale > 0.0;
+// run on the simple path; the backward's fused kernels take any scale. small_dims: head
+// dimensions 16 and 32 too (fused_path_applies), for Sieve.
+inline bool threshold_search_applies(const detail::AttentionParams& p, bool small_dims = false) {
+  return fused_path_applies(p, nullptr, small_dims) && p.scale > 0.0;
 }
 
 inline ThresholdCudaConfig threshold_config(double alpha, double tolerance) {

@@ -1,7 +1,8 @@
 // The CUDA kernels against the float64 reference (run on the same 16-bit-rounded inputs), to
-// spec/conventions.md tolerances: the fused path (bf16 / fp16, D = 64 and 128) and the simple
-// path (float32, other head dimensions), both mechanisms, awkward shapes, atomic and
-// deterministic backward; early halting; repeatability; extreme logits; device-side errors.
+// spec/conventions.md tolerances: the fused path (bf16 / fp16, D = 64 and 128, and 16 and 32 for
+// stick-breaking and Sieve) and the simple path (float32, other head dimensions), both mechanisms,
+// awkward shapes, atomic and deterministic backward; early halting; repeatability; extreme
+// logits; device-side errors.
 // Label `cuda`: runs only on a machine with a GPU (tools/gpu_check.sh).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -48,9 +49,12 @@ const std::vector<ProblemShape>& shapes() {
       {"fused_single_token", {{1, 1}}, false, 2, 1, 64, 64},
       {"fused_decode", {{1, 500}, {1, 500}}, false, 4, 1, 128, 128},
       {"fused_varlen", {{5, 5}, {0, 0}, {200, 200}, {129, 300}, {1, 1}}, true, 4, 2, 64, 64},
+      // D = Dv in {16, 32}: the portable fused kernels for stick-breaking and Sieve, the simple
+      // path for the other mechanisms.
+      {"small_d16_gqa", {{97, 130}, {97, 130}}, false, 4, 2, 16, 16},
+      {"small_varlen_d32", {{3, 70}, {0, 10}, {66, 66}}, true, 2, 2, 32, 32},
       // Simple path: other head dimensions.
       {"simple_d16_dv48", {{70, 70}, {70, 70}}, false, 2, 1, 16, 48},
-      {"simple_varlen_d32", {{3, 70}, {0, 10}, {66, 66}}, true, 2, 2, 32, 32},
   };
   return all;
 }
