@@ -4,21 +4,21 @@
 // - log form (StickForm::log): cost = log2(1 + 2^z) of every visible key, an inclusive suffix
 //   sum of the costs (thread-local, then one quad scan), log2 A = z - suffix + carry: three
 //   special-function operations per score, one running value per row.
-// - odds (StickForm::odds): per tile and row, a thread walks its consecutive keys from the right
-//   on the odds 2^z and the keeps 1 / (1 + 2^z) (math::stick_odds_log2): weight = sigmoid (odds
-//   times keep) times the keeps' product to the right, the thread's cost -log2 of the whole
-//   product; the quad scan supplies the costs of the threads to the right, scaled in as one
-//   exp2 per thread and row. Two special-function operations and nine in all per score, none of
-//   them a select, and one running value per row. Where the product ends below math's
-//   kOddsStickFloor (the thread's keys cost more than 116 bits, or one has a logit past 120 in
-//   log2 units) the weights stand and the cost is summed key by key from the logits recomputed
-//   from memory (the kernel's Rescore): exact, rare, slow.
+// - odds grown from the left (StickForm::odds_grown): one special-function operation a score.
+//   Per tile and row a thread puts its keys' odds o = 2^z in place and grows their product
+//   G = prod (1 + o) from its first key (math::grown_by, one FFMA a key); its weights among its
+//   own keys are o_k H_k with H grown again from 1 / G, and its cost is log2 G. The quad scan
+//   supplies the costs of the threads to the right, scaled in as one exp2 per thread and row.
+//   Past math's kOddsProductCeiling (the thread's keys cost more than 116 bits, or one has a
+//   logit past 120 in log2 units) the odds take the walk from the right instead (OddsStickWalk:
+//   sigmoid times the keeps' product to the right, a reciprocal a key) and the cost is summed
+//   key by key from the logits recomputed from memory (the kernel's Rescore): exact, rare, slow.
 // Either way carry -= the tile's cost; the carry is the log2 of the stick left to the right of
 // the tile, and at the end it is log2 rem. Measured (H200, docs/performance.md, 2026-11-28 and
-// 29): at head dimension 128 the odds form is 4-8% faster than the log form; at 64 it is as
-// fast as the forward's walk in the linear shares was (the backward's walk, below), which had
-// been 3% faster than the log form there, and 5.5% slower at 128, where it spilled inside the
-// sweep's loop.
+// 29): the forward's bound is the special-function unit. A walk from the right in odds (two
+// special-function operations a score) was 4-8% faster than the log form at head dimension 128
+// and no faster at 64; growing from the left (one) is 10-16% faster again at 128 and 18-26% at
+// 64.
 //
 // Sieve (spec/sieve.md) is the same process over each row's candidates only: a Filter decides
 // per score whether the key takes part; a key left out adds no cost and gets no weight.
@@ -99,24 +99,22 @@ struct LinearStickWalk {
   __device__ __forceinline__ float cost() const { return relu_sum + tile::log2_fast(d_product); }
 };
 
-// The walk in odds (math::stick_odds_log2): stick is the product of the keeps of the keys right
-// of the current one; a key's weight among the thread's keys is its sigmoid times that. The
-// keys' cost is -log2 of the last stick while it stays at or above math's kOddsStickFloor.
+// The walk in odds from the right (math::stick_shares_of_odds), the grown form's fallback: stick
+// is the product of the keeps of the keys right of the current one; a key's weight among the
+// thread's keys is its sigmoid times that.
 struct OddsStickWalk {
   float stick = 1.f;
-  __device__ __forceinline__ float step(float z) {
+  __device__ __forceinline__ float step_odds(float odds) {
     const math::stick_breaking::StickOdds share =
-        math::stick_breaking::stick_odds_log2(z, tile::exp2_fast, tile::rcp_fast);
+        math::stick_breaking::stick_shares_of_odds(odds, tile::rcp_fast);
     const float weight = share.sigmoid * stick;
     stick *= share.keep;
     return weight;
   }
-  __device__ __forceinline__ bool cost_exact() const { return stick >= math::stick_breaking::kOddsStickFloor; }
-  __device__ __forceinline__ float cost() const { return -tile::log2_fast(stick); }
 };
 
 // How a row policy turns a thread's logits into its weights (see the top of this file).
-enum class StickForm { log, odds };
+enum class StickForm { log, odds_grown };
 
 // No scores to recompute (the forms that never go back to them).
 struct NoRescore {
@@ -127,8 +125,8 @@ template <class Filter, StickForm kForm>
 struct StickBreakingRowsOf {
   static constexpr bool kCanHalt = !Filter::kCounts;
   static constexpr bool kUsesValues = true;
-  // The odds form takes a rare thread's cost from its scores recomputed by the kernel.
-  static constexpr bool kRescores = kForm == StickForm::odds;
+  // The grown form takes a rare thread's cost from its scores recomputed by the kernel.
+  static constexpr bool kRescores = kForm == StickForm::odds_grown;
   // Stick-breaking without halting (which drops keys) packs; Sieve, whose thresholds come from
   // other kernels, does not.
   static bool packs_short_sequences(const StickBreakingCudaConfig& cfg, std::int64_t len) {
@@ -149,35 +147,55 @@ struct StickBreakingRowsOf {
   }
 
   // rescore(half, key): the row's score against a key of the sequence, q . k, as the products
-  // gave it (the odds form's fallback; the kernel's ScoresFromMemory).
+  // gave it (the grown form's fallback; the kernel's ScoresFromMemory).
   template <bool Masked, int NT, class Rescore = NoRescore>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask, const Rescore& rescore = {}) {
     namespace sb = math::stick_breaking;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      if constexpr (kForm == StickForm::odds) {
-        static_assert(!std::is_same_v<Rescore, NoRescore>, "the odds form needs the kernel's scores (weigh_scores)");
-        // One pass from the right as in the backward's linear form below, in odds; where the
-        // keeps' product left the range in which it gives the cost exactly, the cost comes from
-        // the keys' logits again (rare; the weights stand).
-        OddsStickWalk walk;
-#pragma unroll
-        for (int n = NT - 1; n >= 0; --n) {
-#pragma unroll
-          for (int e = 1; e >= 0; --e) {
-            float& z = s[n][2 * half + e];
-            z = walk.step(admit<Masked, NT>(z, half, n, e, mask));
-          }
-        }
-        const float cost = walk.cost_exact() ? walk.cost() : cost_from_memory<Masked, 8 * NT>(half, mask, rescore);
-        const tile::QuadScan quad = tile::quad_scan(cost, mask.tig);
-        const float factor = tile::exp2_fast(carry[half] - quad.after);
+      if constexpr (kForm == StickForm::odds_grown) {
+        static_assert(!std::is_same_v<Rescore, NoRescore>, "the grown form needs the kernel's scores (weigh_scores)");
+        // Left to right: the odds in place, and their product G grown from the thread's first
+        // key (math::grown_by).
+        float grown = 1.f;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          s[n][2 * half] *= factor;
-          s[n][2 * half + 1] *= factor;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& z = s[n][2 * half + e];
+            z = sb::odds_log2(admit<Masked, NT>(z, half, n, e, mask), tile::exp2_fast);
+            grown = sb::grown_by(grown, z);
+          }
         }
-        carry[half] -= quad.total;
+        float cost;
+        if (grown <= sb::kOddsProductCeiling) {
+          // Left to right again: weight o_k H_k, H grown from 1 / G.
+          float h = tile::rcp_fast(grown);
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& w = s[n][2 * half + e];
+              const float odds = w;
+              w = odds * h;
+              h = sb::grown_by(h, odds);
+            }
+          }
+          cost = tile::log2_fast(grown);
+        } else {
+          // Rare: the walk from the right on the same odds, and the cost from the logits.
+          OddsStickWalk walk;
+#pragma unroll
+          for (int n = NT - 1; n >= 0; --n) {
+#pragma unroll
+            for (int e = 1; e >= 0; --e) {
+              float& w = s[n][2 * half + e];
+              w = walk.step_odds(w);
+            }
+          }
+          cost = cost_from_memory<Masked, 8 * NT>(half, mask, rescore);
+        }
+        place_thread(s, half, cost, mask.tig);
       } else {
         // One pass from the thread's last key to its first turns each logit into
         //   z - (its cost + the costs of the thread's keys to its right),
@@ -208,6 +226,20 @@ struct StickBreakingRowsOf {
         carry[half] -= quad.total;
       }
     }
+  }
+
+  // The grown form's last step: a thread's weights among its own keys scaled by 2^(carry - the
+  // costs of the threads to its right), and the carry past the tile's cost.
+  template <int NT>
+  __device__ __forceinline__ void place_thread(float (&s)[NT][4], int half, float cost, int tig) {
+    const tile::QuadScan quad = tile::quad_scan(cost, tig);
+    const float factor = tile::exp2_fast(carry[half] - quad.after);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      s[n][2 * half] *= factor;
+      s[n][2 * half + 1] *= factor;
+    }
+    carry[half] -= quad.total;
   }
 
   // The logit in log2 units if the key takes part, else -inf at once: sigmoid 0, keep 1 and no
@@ -276,8 +308,8 @@ struct StickBreakingRowsOf {
 };
 
 template <int D>
-using StickBreakingRowsFor = StickBreakingRowsOf<EveryKey, StickForm::odds>;
-// Sieve takes the log form at both head dimensions. The odds form's fallback would filter
+using StickBreakingRowsFor = StickBreakingRowsOf<EveryKey, StickForm::odds_grown>;
+// Sieve takes the log form at both head dimensions. The grown form's fallback would filter
 // recomputed logits, which could fall on the other side of the threshold than the first
 // pass's; the linear form, with the filter's threshold and candidate count beside its three
 // running values, spilled 164-200 bytes at D = 64, 70-88 spill instructions inside the sweep's
