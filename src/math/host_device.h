@@ -17,6 +17,14 @@
 #define WINNOW_HD_OUTLINED inline
 #endif
 
+// Full unrolling where device code keeps a loop's values in registers (arrays indexed by the
+// loop variable); the host compilers need no hint.
+#if defined(__CUDA_ARCH__)
+#define WINNOW_UNROLL _Pragma("unroll")
+#else
+#define WINNOW_UNROLL
+#endif
+
 namespace winnow::math {
 
 // The element type of X: X itself for a scalar, X::Scalar for an Eigen array expression.

@@ -106,6 +106,59 @@ WINNOW_HD float grown_by(float product, float odds) {
   return fmaf(product, odds, product);
 }
 
+// Grown in chains: one product grown key by key is a chain of n dependent multiply-adds, the
+// latency a thread's walk waits on (ncu, 2026-11-29: each exp2 of the D = 64 forward waited on
+// the multiply-add before it). So a thread's n keys may grow as chains of K consecutive keys
+// (kGrownChains<n, K> of them; one if K does not divide n), side by side: chain c's product G^c, their prefixes
+// P^c = G^0 ... G^(c-1) (P^0 = 1) and G_n = P^(C-1) G^(C-1). Chain c's second pass starts from
+// H = P^c / G_n, the H of the single chain at the chain's first key. Rounding: each weight still
+// passes through one rounding a key of the keys to its left, plus a few per chain.
+template <int N, int K>
+inline constexpr int kGrownChains = K > 0 && N % K == 0 ? N / K : 1;
+template <int N, int K>
+struct GrownOdds {
+  float prefix[kGrownChains<N, K>];  // P^c
+  float total;                       // G_n
+};
+// odds(k): key k's odds, left to right, k = 0..N-1; the products of the odds as they stand.
+template <int N, int K, class Odds>
+WINNOW_HD GrownOdds<N, K> grow_odds(Odds&& odds) {
+  constexpr int C = kGrownChains<N, K>, L = N / C;
+  float chain[C];
+  WINNOW_UNROLL
+  for (int c = 0; c < C; ++c) chain[c] = 1.f;
+  WINNOW_UNROLL
+  for (int j = 0; j < L; ++j) {
+    WINNOW_UNROLL
+    for (int c = 0; c < C; ++c) chain[c] = grown_by(chain[c], odds(c * L + j));
+  }
+  GrownOdds<N, K> grown;
+  grown.prefix[0] = 1.f;
+  WINNOW_UNROLL
+  for (int c = 1; c < C; ++c) grown.prefix[c] = grown.prefix[c - 1] * chain[c - 1];
+  grown.total = grown.prefix[C - 1] * chain[C - 1];
+  return grown;
+}
+// The weights in place of the odds (grown.total at most kOddsProductCeiling): o_k H_k.
+template <int N, int K, class Odds, class Rcp>
+WINNOW_HD void weigh_grown_odds(Odds&& odds, const GrownOdds<N, K>& grown, Rcp rcp) {
+  constexpr int C = kGrownChains<N, K>, L = N / C;
+  const float first = rcp(grown.total);
+  float h[C];
+  WINNOW_UNROLL
+  for (int c = 0; c < C; ++c) h[c] = c == 0 ? first : first * grown.prefix[c];
+  WINNOW_UNROLL
+  for (int j = 0; j < L; ++j) {
+    WINNOW_UNROLL
+    for (int c = 0; c < C; ++c) {
+      float& w = odds(c * L + j);
+      const float o = w;
+      w = o * h[c];
+      h[c] = grown_by(h[c], o);
+    }
+  }
+}
+
 // log A_ij from the logit, the in-tile suffix cost (including key i) and the row's carry.
 template <class X, class C, class R>
 WINNOW_HD auto log_weight(const X& z, const C& suffix_cost, const R& carry) {

@@ -427,6 +427,72 @@ TEST(StickBreakingMath, OddsGrownFromTheLeftGiveTheLogFormsWeightsAndRemainder) 
   EXPECT_EQ(sb::grown_by(3.f, 0.f), 3.f);
 }
 
+// The same grown in chains (math::grow_odds, weigh_grown_odds: 32 keys a thread in four chains
+// of eight, as the CUDA forward holds them), against the float64 log form on the same rows.
+TEST(StickBreakingMath, OddsGrownInChainsGiveTheLogFormsWeightsAndRemainder) {
+  namespace sb = math::stick_breaking;
+  static_assert(sb::kGrownChains<32, 8> == 4 && sb::kGrownChains<32, 16> == 2 && sb::kGrownChains<12, 8> == 1 &&
+                sb::kGrownChains<32, 0> == 1);
+  const auto exp2 = [](float x) { return std::exp2(x); };
+  const auto rcp = [](float x) { return 1.f / x; };
+  std::mt19937_64 rng(7);
+  int fallbacks = 0, walks = 0;
+  for (double spread : kOddsSpreads) {
+    const std::vector<float> z = odds_row_logits(rng, spread);
+    const RowWeights want = log_form_reference(z);
+    const RowWeights got = tiled_float_walk(z, [&](const float (&x)[32], float (&local)[32]) {
+      for (int j = 0; j < 32; ++j) local[j] = sb::odds_log2(x[j], exp2);
+      const auto odds = [&](int k) -> float& { return local[k]; };
+      const sb::GrownOdds<32, 8> grown = sb::grow_odds<32, 8>(odds);
+      ++walks;
+      if (grown.total <= sb::kOddsProductCeiling) {
+        sb::weigh_grown_odds(odds, grown, rcp);
+        return std::log2(grown.total);
+      }
+      ++fallbacks;
+      odds_walk_from_the_right(local);
+      return log_form_cost(x);
+    });
+    expect_log_form(got, want, 5e-7, 1e-15, spread);
+  }
+  EXPECT_GT(fallbacks, 0);
+  EXPECT_LT(fallbacks, walks);
+}
+
+// Any chain count gives one chain's weights and product: the chains' starting H is the single
+// chain's H at their first key. Checked in float64 against the products taken key by key, for
+// chains of 8 keys (1 to 4 chains of 8 to 32 keys, and 12 keys: one chain), of 16, and one chain.
+template <int N, int K>
+void expect_chains_match_one_chain(std::mt19937_64& rng) {
+  namespace sb = math::stick_breaking;
+  std::normal_distribution<double> logit(0.0, 3.0);
+  for (int row = 0; row < 50; ++row) {
+    float odds[N], weight[N];
+    for (int k = 0; k < N; ++k) odds[k] = weight[k] = std::exp2(static_cast<float>(logit(rng)));
+    double grown = 1.0;
+    for (int k = 0; k < N; ++k) grown *= 1.0 + odds[k];
+    const sb::GrownOdds<N, K> chains = sb::grow_odds<N, K>([&](int k) -> float& { return odds[k]; });
+    EXPECT_NEAR(chains.total / grown, 1.0, 4e-6 * N / 32) << "N " << N << ", chains of " << K;
+    sb::weigh_grown_odds([&](int k) -> float& { return weight[k]; }, chains, [](float x) { return 1.f / x; });
+    double left = 1.0;  // prod_{j < k} (1 + o_j)
+    for (int k = 0; k < N; ++k) {
+      const double want = odds[k] * left / grown;
+      EXPECT_NEAR(weight[k], want, 2e-6 * want + 1e-12) << "N " << N << ", chains of " << K << ", key " << k;
+      left *= 1.0 + odds[k];
+    }
+  }
+}
+TEST(StickBreakingMath, OddsGrownInAnyNumberOfChainsMatchOneChain) {
+  std::mt19937_64 rng(11);
+  expect_chains_match_one_chain<8, 8>(rng);
+  expect_chains_match_one_chain<12, 8>(rng);
+  expect_chains_match_one_chain<16, 8>(rng);
+  expect_chains_match_one_chain<24, 8>(rng);
+  expect_chains_match_one_chain<32, 8>(rng);
+  expect_chains_match_one_chain<32, 16>(rng);
+  expect_chains_match_one_chain<32, 0>(rng);
+}
+
 TEST(Halting, LargeCutoffChangesNothingMeasurableButSkipsTiles) {
   const Problem p = Problem::random({"halt", {{300, 300}}, false, 2, 1, 32, 32}, 41);
   RunConfig ref;
