@@ -168,8 +168,24 @@ def methods():
     except Exception as e:  # noqa: BLE001
         print(f"# adasplash not available: {type(e).__name__}: {e}")
     try:  # the stick-breaking paper's public Triton kernels (package stickbreaking_attention)
+        # Their softplus reads a module-level string inside a jitted function, which Triton 3.6
+        # refuses unless told otherwise (NameError: Cannot access global variable asm_str).
+        os.environ.setdefault("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", "1")
         from stickbreaking_attention.sb_attn import sb_attn
         from stickbreaking_attention.sb_varlen import sb_attn_varlen
+
+        # Triton 3.6 hands a jitted callee's Python defaults through unwrapped, and a str default
+        # (their locked_add's EVICTION_POLICY="") then fails to compile the backward ("'str'
+        # object has no attribute 'type'"): wrapped as constexprs, they compile as intended.
+        import triton
+        import triton.language as tl
+        for module_name, module in list(sys.modules.items()):
+            if not module_name.startswith("stickbreaking_attention"):
+                continue
+            for obj in vars(module).values():
+                fn = getattr(obj, "fn", None) if isinstance(obj, triton.runtime.JITFunction) else None
+                if fn is not None and fn.__defaults__:
+                    fn.__defaults__ = tuple(tl.constexpr(d) if isinstance(d, str) else d for d in fn.__defaults__)
 
         def paper(q, k, v):  # layout (B, H, L, D); returns (out, rem)
             return sb_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -59,10 +59,11 @@ if [[ -n "${APPLY:-}" ]]; then
 fi
 
 # $PATCHES: which of them, in this order (each stacks on the ones before it); all by default.
-for patch in ${PATCHES:-stick-breaking-odds-grown-forward small-dims-stick-breaking-sieve}; do
+for patch in ${PATCHES:-stick-breaking-grown-chains}; do
   [[ $patch == none ]] && break
   bench=("${BENCH[@]}")
-  [[ $patch == small-dims-stick-breaking-sieve ]] && bench=("${SMALL_BENCH[@]}")
+  # A patch for head dimensions 16 and 32 shows in these rows instead.
+  [[ $patch == small-dims-* ]] && bench=("${SMALL_BENCH[@]}")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
