@@ -114,7 +114,7 @@ WINNOW_HD float grown_by(float product, float odds) {
 // H = P^c / G_n, the H of the single chain at the chain's first key. Rounding: each weight still
 // passes through one rounding a key of the keys to its left, plus a few per chain.
 template <int N, int K>
-inline constexpr int kGrownChains = K > 0 && N % K == 0 ? N / K : 1;
+inline constexpr int kGrownChains = K > 0 && N % (K > 0 ? K : 1) == 0 ? N / (K > 0 ? K : 1) : 1;
 template <int N, int K>
 struct GrownOdds {
   float prefix[kGrownChains<N, K>];  // P^c
