@@ -33,8 +33,9 @@ BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 
 SMALL_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 1024 4096 --dims 16 32
              --methods sdpa_flash sdpa_cudnn winnow_stick_breaking winnow_sieve_bound)
 
-WIDE_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 4096 16384 --dims 128 64
-            --methods sdpa_flash winnow_softmax winnow_stick_breaking winnow_entmax15 winnow_sieve_bound)
+# Issue 10's and 14's shapes, kept to what a round can afford (about 1.5 minutes).
+WIDE_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 4096 16384 --dims 128
+            --methods sdpa_flash winnow_stick_breaking winnow_entmax15 winnow_sieve_bound)
 
 # $COMBINED (a patch file holding all the parked patches, stacked: apply them in order, then
 # `git diff`): one A/B instead of one per patch, with one command running the benches. It
@@ -68,7 +69,7 @@ for patch in ${PATCHES:-stick-breaking-grown-chains}; do
   # A patch for head dimensions 16 and 32 shows in these rows instead.
   [[ $patch == small-dims-* ]] && bench=("${SMALL_BENCH[@]}")
   # One that touches every Hopper kernel: the rows of each mechanism at issue 10's and 14's shapes.
-  [[ $patch == hopper-descriptor-adds ]] && bench=(bash -c "${WIDE_BENCH[*]} --json @AB_JSON@; python3 bench/gpu_threshold_bench.py --json @AB_JSON@.threshold.json")
+  [[ $patch == hopper-descriptor-adds ]] && bench=(bash -c "${WIDE_BENCH[*]} --json @AB_JSON@; python3 bench/gpu_threshold_bench.py --methods winnow_tra winnow_tda winnow_tra_beta1 winnow_tda_beta1 --json @AB_JSON@.threshold.json")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
@@ -131,10 +132,11 @@ if [[ -n "${AFTER:-}" ]]; then
 fi
 
 {
-  echo "== stick-breaking and Sieve rows (D, L, method, fwd, x flash, fwd inference, bwd, x flash, f+b, x flash, ...)"
+  echo "== the benches' rows (D, L, method, fwd, x flash, fwd inference, bwd, x flash, f+b, x flash, ...;"
+  echo "   threshold attention: L, method, fwd ms, fwd TF/s, x flash's time, f+b ms, ...)"
   for f in "$R"/ab-*/ab-*-[12].txt; do
     echo "-- $f"
-    grep -E '^ *[0-9]+ +[0-9]+ +(sdpa_flash|winnow_stick_breaking|winnow_sieve)' "$f"
+    grep -E '^ *([0-9]+ +)?[0-9]+ +(sdpa_|winnow_|paper_|adasplash|sb_paper)' "$f"
   done
 } >> "$P"
 say "measure.sh done"
