@@ -7,7 +7,7 @@
 #    - $PATCHES (default: every patch parked now, in stacking order): an A/B of each against the
 #      tree with the ones before it (tools/parked_ab.sh, two rounds, one build tree), with the
 #      bench that shows its rows;
-#    - $COMBINED (a patch file holding them all): one A/B instead (see there);
+#    - $COMBINED (patch names, or a patch file holding them all): one A/B instead (see there);
 #    - $APPLY (patch names): applied and built, no A/B, for a patch measured already (then
 #      only the patches named in $PATCHES get an A/B, on top of them);
 # 2. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each);
@@ -33,21 +33,30 @@ BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 
 SMALL_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 1024 4096 --dims 16 32
              --methods sdpa_flash sdpa_cudnn winnow_stick_breaking winnow_sieve_bound)
 
-# Issue 10's and 14's shapes, kept to what a round can afford (about 1.5 minutes).
-WIDE_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 4096 16384 --dims 128
-            --methods sdpa_flash winnow_stick_breaking winnow_entmax15 winnow_sieve_bound)
 
-# $COMBINED (a patch file holding all the parked patches, stacked: apply them in order, then
-# `git diff`): one A/B instead of one per patch, with one command running the benches. It
-# saves a rebuild per patch (about 4 minutes each), which let 2026-11-29's measurement of all
-# four fit one session; their changes touch disjoint benchmark rows (stick-breaking, Sieve,
-# D = 16 and 32), so a row still names one change, or the patches that touch it.
+# $COMBINED: parked patch names (stacked in that order; measure.sh makes the combined patch) or
+# a patch file holding them all: one A/B instead of one per patch, running $COMBINED_COMMAND
+# (default: COMBINED_BENCH and the threshold bench, the rows the patches parked now touch). It
+# saves a rebuild and four bench runs per patch: on 2026-11-29 it let four patches fit one
+# session. A row then names the patches that touch it, so patches whose rows overlap are
+# measured together (2026-11-29, last: the chains touch only the D = 64 stick-breaking forward,
+# which the descriptor patch touches too; its other rows are the descriptors' alone).
+COMBINED_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 4096 8192 16384
+                --dims 64 128 --methods sdpa_flash winnow_stick_breaking winnow_entmax15 winnow_sieve_bound)
 if [[ -n "${COMBINED:-}" ]]; then
-  say "A/B of $COMBINED (all the parked patches)"
+  combined=$COMBINED
+  if [[ ! -f $combined ]]; then
+    for patch in $COMBINED; do
+      git apply "docs/parked/$patch.patch" || { say "$patch does not apply; stopping"; exit 1; }
+    done
+    combined=$R/combined.patch
+    git diff > "$combined"
+    git diff --name-only | xargs git checkout --
+  fi
+  say "A/B of $COMBINED, combined"
   j='@AB_JSON@'
-  OUT=$R/ab-combined tools/parked_ab.sh "$COMBINED" -- bash -c \
-    "${BENCH[*]} winnow_sieve_bound winnow_sieve_exact --json $j; ${SMALL_BENCH[*]} --json $j.small.json" \
-    > "$R/ab-combined.txt" 2>&1
+  command=${COMBINED_COMMAND:-"${COMBINED_BENCH[*]} --json $j; python3 bench/gpu_threshold_bench.py --methods winnow_tra winnow_tda winnow_tra_beta1 winnow_tda_beta1 --json $j.threshold.json"}
+  OUT=$R/ab-combined tools/parked_ab.sh "$combined" -- bash -c "$command" > "$R/ab-combined.txt" 2>&1
   say "A/B combined: rc $?"
   grep -E '^build|^round|FAILED' "$R/ab-combined/ab-summary.txt" >> "$P" 2>&1
   PATCHES=none
@@ -63,13 +72,11 @@ if [[ -n "${APPLY:-}" ]]; then
 fi
 
 # $PATCHES: which of them, in this order (each stacks on the ones before it); all by default.
-for patch in ${PATCHES:-stick-breaking-grown-chains}; do
+for patch in ${PATCHES:-stick-breaking-grown-chains hopper-descriptor-adds}; do
   [[ $patch == none ]] && break
   bench=("${BENCH[@]}")
   # A patch for head dimensions 16 and 32 shows in these rows instead.
   [[ $patch == small-dims-* ]] && bench=("${SMALL_BENCH[@]}")
-  # One that touches every Hopper kernel: the rows of each mechanism at issue 10's and 14's shapes.
-  [[ $patch == hopper-descriptor-adds ]] && bench=(bash -c "${WIDE_BENCH[*]} --json @AB_JSON@; python3 bench/gpu_threshold_bench.py --methods winnow_tra winnow_tda winnow_tra_beta1 winnow_tda_beta1 --json @AB_JSON@.threshold.json")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
