@@ -381,58 +381,14 @@ TEST(StickBreakingMath, OddsFormGivesTheLogFormsWeightsAndRemainder) {
   EXPECT_EQ(out.keep, 1.f);
 }
 
-// The odds form grown from the left (math::grown_by): a thread's odds and the product
-// G = prod (1 + o) from its first key, then, while G stays at or under kOddsProductCeiling,
-// the weights o_k H_k from H = 1 / G grown again, and the cost log2 G; past the ceiling, the
-// walk from the right on the same odds, and the cost from the logits. Same rows as above.
-TEST(StickBreakingMath, OddsGrownFromTheLeftGiveTheLogFormsWeightsAndRemainder) {
+// The odds form grown from the left (math::grow_odds, weigh_grown_odds): a thread's odds and the
+// product G = prod (1 + o) from its first key, in chains of K keys (one chain for K = 0), then,
+// while G stays at or under kOddsProductCeiling, the weights o_k H_k from H = 1 / G grown again,
+// and the cost log2 G; past the ceiling, the walk from the right on the same odds, and the cost
+// from the logits. Same rows as above.
+template <int K>
+void expect_grown_odds_give_the_log_form() {
   namespace sb = math::stick_breaking;
-  const auto exp2 = [](float x) { return std::exp2(x); };
-  const auto log2 = [](float x) { return std::log2(x); };
-  const auto rcp = [](float x) { return 1.f / x; };
-  std::mt19937_64 rng(7);
-  int fallbacks = 0, walks = 0;
-  for (double spread : kOddsSpreads) {
-    const std::vector<float> z = odds_row_logits(rng, spread);
-    const RowWeights want = log_form_reference(z);
-    const RowWeights got = tiled_float_walk(z, [&](const float (&x)[32], float (&local)[32]) {
-      float grown = 1.f;
-      for (int j = 0; j < 32; ++j) {
-        local[j] = sb::odds_log2(x[j], exp2);
-        grown = sb::grown_by(grown, local[j]);
-      }
-      ++walks;
-      if (grown <= sb::kOddsProductCeiling) {
-        float h = rcp(grown);
-        for (float& w : local) {
-          const float odds = w;
-          w = odds * h;
-          h = sb::grown_by(h, odds);
-        }
-        return log2(grown);
-      }
-      ++fallbacks;
-      odds_walk_from_the_right(local);
-      return log_form_cost(x);
-    });
-    // Measured: at most 2.0e-7 absolute and 9.7e-7 relative, against the walk's 2.6e-8 and
-    // 1.0e-6: a weight here rounds once a key of the products G and H, about 64 times, where
-    // the walk's rounds once a key of its keeps.
-    expect_log_form(got, want, 5e-7, 1e-15, spread);
-  }
-  EXPECT_GT(fallbacks, 0);
-  EXPECT_LT(fallbacks, walks);
-  // A key left out grows nothing.
-  EXPECT_EQ(sb::odds_log2(kLeftOut, exp2), 0.f);
-  EXPECT_EQ(sb::grown_by(3.f, 0.f), 3.f);
-}
-
-// The same grown in chains (math::grow_odds, weigh_grown_odds: 32 keys a thread in four chains
-// of eight, as the CUDA forward holds them), against the float64 log form on the same rows.
-TEST(StickBreakingMath, OddsGrownInChainsGiveTheLogFormsWeightsAndRemainder) {
-  namespace sb = math::stick_breaking;
-  static_assert(sb::kGrownChains<32, 8> == 4 && sb::kGrownChains<32, 16> == 2 && sb::kGrownChains<12, 8> == 1 &&
-                sb::kGrownChains<32, 0> == 1);
   const auto exp2 = [](float x) { return std::exp2(x); };
   const auto rcp = [](float x) { return 1.f / x; };
   std::mt19937_64 rng(7);
@@ -443,7 +399,7 @@ TEST(StickBreakingMath, OddsGrownInChainsGiveTheLogFormsWeightsAndRemainder) {
     const RowWeights got = tiled_float_walk(z, [&](const float (&x)[32], float (&local)[32]) {
       for (int j = 0; j < 32; ++j) local[j] = sb::odds_log2(x[j], exp2);
       const auto odds = [&](int k) -> float& { return local[k]; };
-      const sb::GrownOdds<32, 8> grown = sb::grow_odds<32, 8>(odds);
+      const sb::GrownOdds<32, K> grown = sb::grow_odds<32, K>(odds);
       ++walks;
       if (grown.total <= sb::kOddsProductCeiling) {
         sb::weigh_grown_odds(odds, grown, rcp);
@@ -453,10 +409,31 @@ TEST(StickBreakingMath, OddsGrownInChainsGiveTheLogFormsWeightsAndRemainder) {
       odds_walk_from_the_right(local);
       return log_form_cost(x);
     });
+    // Measured (one chain): at most 2.0e-7 absolute and 9.7e-7 relative, against the walk's
+    // 2.6e-8 and 1.0e-6: a weight here rounds once a key of the products G and H, about 64
+    // times, where the walk's rounds once a key of its keeps.
     expect_log_form(got, want, 5e-7, 1e-15, spread);
   }
-  EXPECT_GT(fallbacks, 0);
-  EXPECT_LT(fallbacks, walks);
+  EXPECT_GT(fallbacks, 0) << "chains of " << K;
+  EXPECT_LT(fallbacks, walks) << "chains of " << K;
+}
+
+// One chain: the CUDA forward's arithmetic as it stands (its inline loops compute the same
+// roundings in the same order as grow_odds and weigh_grown_odds with one chain).
+TEST(StickBreakingMath, OddsGrownFromTheLeftGiveTheLogFormsWeightsAndRemainder) {
+  namespace sb = math::stick_breaking;
+  expect_grown_odds_give_the_log_form<0>();
+  // A key left out grows nothing.
+  EXPECT_EQ(sb::odds_log2(kLeftOut, [](float x) { return std::exp2(x); }), 0.f);
+  EXPECT_EQ(sb::grown_by(3.f, 0.f), 3.f);
+}
+
+// Four chains of eight, as the parked chains patch holds a thread's 32 keys at D = 64.
+TEST(StickBreakingMath, OddsGrownInChainsGiveTheLogFormsWeightsAndRemainder) {
+  namespace sb = math::stick_breaking;
+  static_assert(sb::kGrownChains<32, 8> == 4 && sb::kGrownChains<32, 16> == 2 && sb::kGrownChains<12, 8> == 1 &&
+                sb::kGrownChains<32, 0> == 1);
+  expect_grown_odds_give_the_log_form<8>();
 }
 
 // Any chain count gives one chain's weights and product: the chains' starting H is the single
