@@ -121,7 +121,10 @@ struct NoRescore {
   __device__ float operator()(int, std::int64_t) const { return 0.f; }
 };
 
-template <class Filter, StickForm kForm>
+// kWideChainKeys: the grown form's chain length (math::grow_odds) where a thread holds 32 keys
+// of a row per tile (the Hopper kernels); 0: one chain. With 16 (the portable kernels) it grows
+// one chain: two spilled 28-64 bytes at D = 64 (ptxas, sm_90a, 2026-11-29).
+template <class Filter, StickForm kForm, int kWideChainKeys = 0>
 struct StickBreakingRowsOf {
   static constexpr bool kCanHalt = !Filter::kCounts;
   static constexpr bool kUsesValues = true;
@@ -156,32 +159,23 @@ struct StickBreakingRowsOf {
       if constexpr (kForm == StickForm::odds_grown) {
         static_assert(!std::is_same_v<Rescore, NoRescore>, "the grown form needs the kernel's scores (weigh_scores)");
         // Left to right: the odds in place, and their product G grown from the thread's first
-        // key (math::grown_by).
-        float grown = 1.f;
+        // key in chains (math::grow_odds).
+        const auto odds = [&](int k) -> float& { return s[k / 2][2 * half + k % 2]; };
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& z = s[n][2 * half + e];
             z = sb::odds_log2(admit<Masked, NT>(z, half, n, e, mask), tile::exp2_fast);
-            grown = sb::grown_by(grown, z);
           }
         }
+        constexpr int kChainKeys = 2 * NT == 32 ? kWideChainKeys : 0;
+        const sb::GrownOdds<2 * NT, kChainKeys> grown = sb::grow_odds<2 * NT, kChainKeys>(odds);
         float cost;
-        if (grown <= sb::kOddsProductCeiling) {
-          // Left to right again: weight o_k H_k, H grown from 1 / G.
-          float h = tile::rcp_fast(grown);
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& w = s[n][2 * half + e];
-              const float odds = w;
-              w = odds * h;
-              h = sb::grown_by(h, odds);
-            }
-          }
-          cost = tile::log2_fast(grown);
+        if (grown.total <= sb::kOddsProductCeiling) {
+          // Left to right again: weight o_k H_k, each chain's H grown from its prefix over G.
+          sb::weigh_grown_odds(odds, grown, tile::rcp_fast);
+          cost = tile::log2_fast(grown.total);
         } else {
           // Rare: the walk from the right on the same odds, and the cost from the logits.
           OddsStickWalk walk;
@@ -307,8 +301,12 @@ struct StickBreakingRowsOf {
   }
 };
 
+// Four chains of eight keys on Hopper at D = 64; at D = 128, where a consumer thread also holds
+// 64 output accumulators, two chains already spilled 40-64 bytes (ptxas, 2026-11-29). The chains
+// measured within 1% of one chain (H200, 2026-11-29: the other consumer warpgroup hides the
+// chain's latency); they stay because that build is the one the suite ran on.
 template <int D>
-using StickBreakingRowsFor = StickBreakingRowsOf<EveryKey, StickForm::odds_grown>;
+using StickBreakingRowsFor = StickBreakingRowsOf<EveryKey, StickForm::odds_grown, D == 64 ? 8 : 0>;
 // Sieve takes the log form at both head dimensions. The grown form's fallback would filter
 // recomputed logits, which could fall on the other side of the threshold than the first
 // pass's; the linear form, with the filter's threshold and candidate count beside its three

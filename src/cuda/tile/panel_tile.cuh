@@ -78,21 +78,22 @@ struct PanelTile {
   static constexpr int row_stride_of() { return NThreads / kChunks; }
 
   // Rows row0 .. (a multiple of 8) as a K-major operand, at k-step k0 (a multiple of 32 bytes:
-  // 16 16-bit or 32 8-bit elements).
+  // 16 16-bit or 32 8-bit elements). The offsets go into the descriptor's low half (see
+  // descriptor_low), so the tile's base is computed once for every k-step of a pass.
   __device__ __forceinline__ std::uint64_t k_major(int row0, int k0) const {
-    const std::uint32_t addr = smem_address(data) + (k0 / kPanelCols) * kPanelBytes + row0 * 128 +
-                               (k0 % kPanelCols) * static_cast<int>(sizeof(T));
-    return smem_descriptor(addr, 16, 1024);
+    const int bytes = (k0 / kPanelCols) * kPanelBytes + row0 * 128 + (k0 % kPanelCols) * static_cast<int>(sizeof(T));
+    return descriptor_of(descriptor_low(smem_address(data), 16) + (bytes >> 4), 1024);
   }
   // The tile as an MN-major operand whose k index runs along the rows, from row k0.
   __device__ __forceinline__ std::uint64_t mn_major(int k0) const {
     static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
-    return smem_descriptor(smem_address(data) + k0 * 128, kPanelBytes, 1024);
+    return descriptor_of(descriptor_low(smem_address(data), kPanelBytes) + ((k0 * 128) >> 4), 1024);
   }
   // The same from column panel `panel` on (an operand narrower than the tile: N = 64 of 128).
   __device__ __forceinline__ std::uint64_t mn_major(int k0, int panel) const {
     static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
-    return smem_descriptor(smem_address(data) + panel * kPanelBytes + k0 * 128, kPanelBytes, 1024);
+    return descriptor_of(descriptor_low(smem_address(data), kPanelBytes) + ((panel * kPanelBytes + k0 * 128) >> 4),
+                         1024);
   }
 };
 
