@@ -4,7 +4,7 @@
 #   tools/gpu_detached.sh start docs/parked/measure.sh     # then tools/gpu_detached.sh poll
 #
 # 1. one of three ways to get a patched build:
-#    - $PATCHES (default: every patch parked now, in stacking order): an A/B of each against the
+#    - $PATCHES (patch names, in stacking order): an A/B of each against the
 #      tree with the ones before it (tools/parked_ab.sh, two rounds, one build tree), with the
 #      bench that shows its rows;
 #    - $COMBINED (patch names, or a patch file holding them all): one A/B instead (see there);
@@ -71,8 +71,8 @@ if [[ -n "${APPLY:-}" ]]; then
   PATCHES=${PATCHES:-none}
 fi
 
-# $PATCHES: which of them, in this order (each stacks on the ones before it); all by default.
-for patch in ${PATCHES:-stick-breaking-grown-chains hopper-descriptor-adds}; do
+# $PATCHES: which of them, in this order (each stacks on the ones before it); none by default.
+for patch in ${PATCHES:-none}; do
   [[ $patch == none ]] && break
   bench=("${BENCH[@]}")
   # A patch for head dimensions 16 and 32 shows in these rows instead.
