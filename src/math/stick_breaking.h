@@ -139,11 +139,25 @@ WINNOW_HD GrownOdds<N, K> grow_odds(Odds&& odds) {
   grown.total = grown.prefix[C - 1] * chain[C - 1];
   return grown;
 }
-// The weights in place of the odds (grown.total at most kOddsProductCeiling): o_k H_k.
-template <int N, int K, class Odds, class Rcp>
-WINNOW_HD void weigh_grown_odds(Odds&& odds, const GrownOdds<N, K>& grown, Rcp rcp) {
+// The grown form's odds need no clamp: its products go on only while G <= kOddsProductCeiling
+// (2^116, under 2^kOddsClamp), so no key the clamp would change reaches them, and the walk it
+// falls back to clamps the odds it takes (clamp_odds). That leaves one operation a key, the exp2.
+template <class Exp2>
+WINNOW_HD float grown_odds_log2(float x, Exp2 exp2) {
+  return exp2(x);
+}
+WINNOW_HD float clamp_odds(float odds) {
+  constexpr float kClampedOdds = 0x1p120f;  // 2^kOddsClamp
+  static_assert(kOddsClamp == 120.f, "kClampedOdds is 2^kOddsClamp");
+  return odds < kClampedOdds ? odds : kClampedOdds;
+}
+
+// The weights in place of the odds (grown.total at most kOddsProductCeiling), each times a
+// thread's share of its row's stick when `first` = share / G_n instead of 1 / G_n: o_k H_k with
+// H_0 = first. The share comes in at the start of H, not as a multiply a key.
+template <int N, int K, class Odds>
+WINNOW_HD void weigh_grown_odds_from(Odds&& odds, const GrownOdds<N, K>& grown, float first) {
   constexpr int C = kGrownChains<N, K>, L = N / C;
-  const float first = rcp(grown.total);
   float h[C];
   WINNOW_UNROLL
   for (int c = 0; c < C; ++c) h[c] = c == 0 ? first : first * grown.prefix[c];
@@ -157,6 +171,18 @@ WINNOW_HD void weigh_grown_odds(Odds&& odds, const GrownOdds<N, K>& grown, Rcp r
       h[c] = grown_by(h[c], o);
     }
   }
+}
+template <int N, int K, class Odds, class Rcp>
+WINNOW_HD void weigh_grown_odds(Odds&& odds, const GrownOdds<N, K>& grown, Rcp rcp) {
+  weigh_grown_odds_from(odds, grown, rcp(grown.total));
+}
+// Whether first = share / G_n keeps the weights: a first below float's least normal value loses
+// them (flushed, or a subnormal's few bits), which matters only if the weights could be worth
+// keeping, i.e. the share is at least 2^-64 of the row's stick. Otherwise the walk from the right
+// takes the thread's keys and the share multiplies its weights.
+inline constexpr float kFoldedShareFloor = 0x1p-64f;
+WINNOW_HD bool folded_share_keeps_weights(float first, float share) {
+  return first >= 0x1p-126f || share < kFoldedShareFloor;
 }
 
 // log A_ij from the logit, the in-tile suffix cost (including key i) and the row's carry.

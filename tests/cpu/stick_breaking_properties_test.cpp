@@ -470,6 +470,125 @@ TEST(StickBreakingMath, OddsGrownInAnyNumberOfChainsMatchOneChain) {
   expect_chains_match_one_chain<32, 0>(rng);
 }
 
+// The grown form as the CUDA forward takes it: a thread's cost first (log2 G, or past the
+// ceiling its keys' log-form costs), then its share of the row's stick, 2^(carry - the costs of
+// the threads to its right), folded into H's start (weigh_grown_odds_from); past the ceiling, or
+// where the fold would lose weights worth keeping (folded_share_keeps_weights), the walk from the
+// right on the clamped odds, times the share. The odds are not clamped before the products.
+template <int K>
+RowWeights tiled_grown_folded(const std::vector<float>& z, int& ceiling_fallbacks, int& fold_fallbacks) {
+  namespace sb = math::stick_breaking;
+  const auto exp2 = [](float x) { return std::exp2(x); };
+  const int keys = static_cast<int>(z.size());
+  RowWeights r;
+  r.weights.assign(z.size(), 0.0);
+  float carry = 0.f;
+  for (int t = (keys + 127) / 128 - 1; t >= 0; --t) {
+    float cost[4], odds[4][32];
+    sb::GrownOdds<32, K> grown[4];
+    for (int thread = 0; thread < 4; ++thread) {
+      float x[32];
+      for (int j = 0; j < 32; ++j) {
+        const int key = 128 * t + 32 * thread + j;
+        x[j] = key < keys ? z[key] : kLeftOut;
+        odds[thread][j] = sb::grown_odds_log2(x[j], exp2);
+      }
+      grown[thread] = sb::grow_odds<32, K>([&](int k) -> float& { return odds[thread][k]; });
+      const bool grows = grown[thread].total <= sb::kOddsProductCeiling;
+      cost[thread] = grows ? std::log2(grown[thread].total) : log_form_cost(x);
+    }
+    float after = 0.f;
+    for (int thread = 3; thread >= 0; --thread) {
+      const float share = std::exp2(carry - after);
+      const float first = share * (1.f / grown[thread].total);
+      float(&local)[32] = odds[thread];
+      if (grown[thread].total <= sb::kOddsProductCeiling && sb::folded_share_keeps_weights(first, share)) {
+        sb::weigh_grown_odds_from([&](int k) -> float& { return local[k]; }, grown[thread], first);
+      } else {
+        ++(grown[thread].total <= sb::kOddsProductCeiling ? fold_fallbacks : ceiling_fallbacks);
+        for (float& o : local) o = sb::clamp_odds(o);
+        odds_walk_from_the_right(local);
+        for (float& w : local) w *= share;
+      }
+      for (int j = 0; j < 32; ++j) {
+        const int key = 128 * t + 32 * thread + j;
+        if (key < keys) r.weights[key] = local[j];
+      }
+      after += cost[thread];
+    }
+    carry -= after;
+  }
+  r.log2_rem = carry;
+  return r;
+}
+
+// The folded form holds the log form's bounds on the odds rows: its weights differ from the
+// unfolded ones by a rounding a key at most, and a weight it may lose is below 2^-64 of the
+// row's stick (under the relative check's 1e-15 floor). The spreads reach both fallbacks.
+TEST(StickBreakingMath, OddsGrownWithTheThreadsShareFoldedInGiveTheLogForm) {
+  std::mt19937_64 rng(7);
+  int ceiling_fallbacks = 0, fold_fallbacks = 0;
+  for (double spread : kOddsSpreads) {
+    const std::vector<float> z = odds_row_logits(rng, spread);
+    const RowWeights want = log_form_reference(z);
+    expect_log_form(tiled_grown_folded<0>(z, ceiling_fallbacks, fold_fallbacks), want, 5e-7, 1e-15, spread);
+    expect_log_form(tiled_grown_folded<8>(z, ceiling_fallbacks, fold_fallbacks), want, 5e-7, 1e-15, spread);
+  }
+  EXPECT_GT(ceiling_fallbacks, 0);
+  // A row whose rightmost thread costs 40 bits and the next 100: that thread's share is 2^-40
+  // and its G 2^100, so share / G is below float's normal range and the walk takes it.
+  std::vector<float> z(256, kLeftOut);
+  for (int k = 128 + 96; k < 256; ++k) z[k] = 0.3f;        // 32 keys of about 1.25 bits
+  for (int k = 128 + 64; k < 128 + 96; ++k) z[k] = 3.1f;  // 32 keys of about 3.2 bits
+  const int before = fold_fallbacks;
+  expect_log_form(tiled_grown_folded<8>(z, ceiling_fallbacks, fold_fallbacks), log_form_reference(z), 5e-7, 1e-15,
+                  -1.0);
+  EXPECT_GT(fold_fallbacks, before);
+}
+
+// The fold's test directly: for G about 2^103 and shares from 1 down to 2^-130, the fold is taken
+// exactly when H's start stays normal or the share is below 2^-64, and then every weight is
+// within 2e-6 relative of share o_k G_k / G_n, or below 2^-64 absolute.
+TEST(StickBreakingMath, FoldedShareKeepsWeightsOrLeavesThemToTheWalk) {
+  namespace sb = math::stick_breaking;
+  float odds[32];
+  double grown_exact = 1.0;
+  for (int k = 0; k < 32; ++k) {
+    odds[k] = std::exp2(2.9f + 0.01f * static_cast<float>(k));
+    grown_exact *= 1.0 + odds[k];
+  }
+  const sb::GrownOdds<32, 8> grown = sb::grow_odds<32, 8>([&](int k) -> float& { return odds[k]; });
+  ASSERT_LE(grown.total, sb::kOddsProductCeiling);
+  ASSERT_GT(grown.total, 0x1p98f);
+  int lost = 0;
+  for (int e : {0, 20, 22, 24, 27, 40, 63, 64, 65, 100, 130}) {
+    const float share = std::exp2(static_cast<float>(-e));
+    const float first = share * (1.f / grown.total);
+    const bool folds = sb::folded_share_keeps_weights(first, share);
+    EXPECT_EQ(folds, std::exp2(-e) / grown_exact >= 0x1p-126 || e > 64) << "share 2^-" << e;
+    float w[32];
+    std::copy(odds, odds + 32, w);
+    sb::weigh_grown_odds_from([&](int k) -> float& { return w[k]; }, grown, first);
+    double left = 1.0, worst = 0.0;
+    for (int k = 0; k < 32; ++k) {
+      const double want = share * odds[k] * left / grown_exact;
+      if (folds) EXPECT_LE(std::fabs(w[k] - want), 2e-6 * want + 0x1p-64) << "share 2^-" << e << ", key " << k;
+      worst = std::max(worst, std::fabs(w[k] - want) / want);
+      left *= 1.0 + odds[k];
+    }
+    // Where the fold is refused its start is subnormal, with fewer bits the deeper it goes (at
+    // 2^-27 here, 19 bits: 5e-7 relative), and at 2^-40 it would have lost weights outright.
+    if (!folds) ++lost;
+    if (!folds && e >= 40) EXPECT_GT(worst, 1e-3) << "share 2^-" << e;
+  }
+  EXPECT_EQ(lost, 5);  // the shares 2^-24, 2^-27, 2^-40, 2^-63 and 2^-64
+  // The clamp the fallback applies: odds past 2^120 (infinity included) become 2^120.
+  EXPECT_EQ(sb::clamp_odds(0x1p119f), 0x1p119f);
+  EXPECT_EQ(sb::clamp_odds(0x1p125f), 0x1p120f);
+  EXPECT_EQ(sb::clamp_odds(INFINITY), 0x1p120f);
+  EXPECT_EQ(sb::grown_odds_log2(kLeftOut, [](float x) { return std::exp2(x); }), 0.f);
+}
+
 TEST(Halting, LargeCutoffChangesNothingMeasurableButSkipsTiles) {
   const Problem p = Problem::random({"halt", {{300, 300}}, false, 2, 1, 32, 32}, 41);
   RunConfig ref;
