@@ -99,7 +99,7 @@ else
     passed=$(cat "$R"/suite-$kernels-*.log | grep -E '^\[  PASSED  \]' | awk '{s += $4} END {print s + 0}')
     say "suite, $kernels kernels: $passed of $ran passed; failures: $(grep -hE '^\[  FAILED  \] [A-Za-z]' "$R"/suite-$kernels-*.log | sed 's/, where GetParam.*//' | sort -u | head -8 | tr '\n' ' ')"
   done
-  F='CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*'
+  F='CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*:CudaSmallDecode.*:CudaContiguousDecode.*:Cuda/CudaPagedDecode.*'
   for i in 0 1 2 3; do
     GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout 500 compute-sanitizer --tool racecheck --error-exitcode 9 \
       $T --gtest_brief=1 --gtest_filter="$F" > "$R/racecheck-$i.log" 2>&1 &
@@ -144,6 +144,8 @@ fi
   for f in "$R"/ab-*/ab-*-[12].txt; do
     echo "-- $f"
     grep -E '^ *([0-9]+ +)?[0-9]+ +(sdpa_|winnow_|paper_|adasplash|sb_paper)' "$f"
+    # the decode bench's table (bench/gpu_decode_bench.py), when the command ran it
+    grep -E '^(copy bandwidth|method +L=|winnow (softmax|stick)|sdpa (flash|cudnn)|fused )' "$f"
   done
 } >> "$P"
 say "measure.sh done"
