@@ -50,7 +50,8 @@
 #              $STUDY_ARGS (e.g. --sweep train.lr=1e-3,3e-3); runs under runs/ (kept while the
 #              machine stays warm, so a later call continues), its result files (result.json,
 #              table.md, a sweep's JSON and table, plots) copied to $OUT/study-<name>/
-# Logs and JSON go to $OUT (default ./gpu-out); a short table is printed last.
+# Logs and JSON go to $OUT (default ./gpu-out); a short table is printed last, and after it the
+# open issues' bars on what the benches measured (tools/issue_bars.py; $OUT/issue_bars.txt).
 # $DEADLINE (seconds): stages that would start later than that after the script's start are
 # skipped and listed, so one call of a limited length still prints its table.
 # Header-only dependencies come from .gpudeps (tools/prepare_gpu_deps.sh) when the machine
@@ -299,3 +300,10 @@ PY
 done
 echo
 printf '%s\n' "${summary[@]}"
+# The open issues' bars on what this run's benches measured (tools/issue_bars.py).
+bar_inputs=()
+for f in bench.json decode_bench.json threshold_bench.json; do [[ -f "$OUT/$f" ]] && bar_inputs+=("$OUT/$f"); done
+if (( ${#bar_inputs[@]} > 0 )); then
+  echo
+  python3 tools/issue_bars.py "${bar_inputs[@]}" | grep -v "not measured" | tee "$OUT/issue_bars.txt"
+fi

@@ -148,4 +148,7 @@ fi
     grep -E '^(copy bandwidth|method +L=|winnow (softmax|stick)|sdpa (flash|cudnn)|fused )' "$f"
   done
 } >> "$P"
+# The open issues' bars on the last patched round's JSON (tools/issue_bars.py).
+last=$(ls "$R"/ab-*/ab-patch-2*.json 2> /dev/null)
+[[ -n "$last" ]] && python3 tools/issue_bars.py $last 2>&1 | grep -v "not measured" >> "$P"
 say "measure.sh done"

@@ -1,0 +1,58 @@
+"""tools/issue_bars.py: the bars read off benchmark JSON of the kinds the GPU benches write."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("issue_bars", ROOT / "tools" / "issue_bars.py")
+issue_bars = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(issue_bars)
+
+RESULTS = ROOT / "docs" / "results"
+
+
+def by_name(bars):
+    return {(b.issue, b.what, b.shape): b for b in bars}
+
+
+def test_the_h200_runs_of_2026_11_29_read_as_performance_md_says():
+    bars, devices = issue_bars.evaluate([
+        RESULTS / "2026-11-29-h200-issue17-table-bench.json",
+        RESULTS / "2026-11-29-h200-decode-bench.json",
+    ])
+    assert devices == {"NVIDIA H200"}
+    got = by_name(bars)
+    d64 = got[(17, "stick-breaking forward TF/s x FA2", "D 64, L 8192")]
+    assert abs(d64.measured - 270.5 / 276.4) < 1e-3 and d64.status == "MISSED"
+    softmax = got[(17, "softmax f+b TF/s x cuDNN", "D 128, L 32768")]
+    assert abs(softmax.measured - 455.7 / 522.3) < 1e-3 and softmax.status == "met"
+    decode = got[(17, "softmax decode x copy bandwidth", "32768 keys")]
+    assert abs(decode.measured - 3008 / 4225) < 1e-3 and decode.status == "met"
+    # Rows no file holds are reported, never taken as met.
+    assert got[(10, "entmax-1.5 forward TF/s x AdaSplash-2", "D 128, L 4096")].status == "not measured"
+    assert got[(14, "TDA f+b time x FA2's (beta 0)", "D 128, L 4096")].status == "not measured"
+
+
+def test_a_bar_in_time_holds_below_its_bound(tmp_path):
+    rows = []
+    for method, ms in (("sdpa_flash", 2.0), ("winnow_tda", 2.9), ("winnow_tda_beta1", 0.5), ("winnow_tra", 1.0)):
+        rows.append({"method": method, "L": 4096, "D": 128, "fwd_ms": ms / 4, "fwd_bwd_ms": ms, "fwd_tflops": 100 / ms})
+    path = tmp_path / "threshold.json"
+    path.write_text(json.dumps({"device": "test", "results": rows, "zero_fractions": {}}))
+    got = by_name(issue_bars.evaluate([path])[0])
+    assert got[(14, "TDA f+b time x FA2's (beta 0)", "D 128, L 4096")].status == "met"  # 1.45 <= 1.5
+    assert abs(got[(14, "TDA forward at beta 1 x beta 0", "D 128, L 4096")].measured - 2.9 / 0.5) < 1e-9
+    assert got[(14, "TRA forward TF/s x FA2 (beta 0)", "D 128, L 4096")].status == "met"  # 2.0 >= 1.2
+    rows[1]["fwd_bwd_ms"] = 3.1
+    path.write_text(json.dumps({"device": "test", "results": rows, "zero_fractions": {}}))
+    assert by_name(issue_bars.evaluate([path])[0])[(14, "TDA f+b time x FA2's (beta 0)", "D 128, L 4096")].status == "MISSED"
+    assert issue_bars.main([str(path), "--strict"]) == 2
+    assert issue_bars.main([str(path)]) == 0
+
+
+def test_unknown_json_is_refused(tmp_path, capsys):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"something": 1}))
+    assert issue_bars.main([str(path)]) == 1
+    assert "not the JSON of a known benchmark" in capsys.readouterr().err
