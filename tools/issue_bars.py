@@ -61,8 +61,8 @@ class Rows:
         row = self.rows.get((method, length, dim))
         return None if row is None or row.get(field) is None else float(row[field])
 
-    def ratio(self, a, b, length, dim, field):
-        x, y = self.get(a[0], length, dim, a[1] if len(a) > 1 else field), self.get(b, length, dim, field)
+    def ratio(self, method, baseline, length, dim, field):
+        x, y = self.get(method, length, dim, field), self.get(baseline, length, dim, field)
         return None if x is None or y is None or y == 0 else x / y
 
 
@@ -71,20 +71,20 @@ def attention_bars(rows):
     for length in (8192, 32768):
         shape = f"D 128, L {length}"
         bars.append(Bar(17, "softmax f+b TF/s x cuDNN", shape,
-                        rows.ratio(("winnow_softmax",), "sdpa_cudnn", length, 128, "fwd_bwd_tflops"), 0.8, True))
+                        rows.ratio("winnow_softmax", "sdpa_cudnn", length, 128, "fwd_bwd_tflops"), 0.8, True))
         bars.append(Bar(17, "stick-breaking f+b TF/s x FA2", shape,
-                        rows.ratio(("winnow_stick_breaking",), "sdpa_flash", length, 128, "fwd_bwd_tflops"), 1.0, True))
+                        rows.ratio("winnow_stick_breaking", "sdpa_flash", length, 128, "fwd_bwd_tflops"), 1.0, True))
     bars.append(Bar(17, "stick-breaking forward TF/s x FA2", "D 64, L 8192",
-                    rows.ratio(("winnow_stick_breaking",), "sdpa_flash", 8192, 64, "fwd_tflops"), 1.0, True))
+                    rows.ratio("winnow_stick_breaking", "sdpa_flash", 8192, 64, "fwd_tflops"), 1.0, True))
     for length in (4096, 16384):
         shape = f"D 128, L {length}"
         for field, what in (("fwd_tflops", "forward"), ("fwd_bwd_tflops", "f+b")):
             bars.append(Bar(10, f"entmax-1.5 {what} TF/s x AdaSplash-2", shape,
-                            rows.ratio(("winnow_entmax15",), "adasplash2_entmax15", length, 128, field), 1.5, True))
+                            rows.ratio("winnow_entmax15", "adasplash2_entmax15", length, 128, field), 1.5, True))
         bars.append(Bar(10, "Sieve (exact) f+b TF/s x FA2", shape,
-                        rows.ratio(("winnow_sieve_exact",), "sdpa_flash", length, 128, "fwd_bwd_tflops"), 0.6, True))
+                        rows.ratio("winnow_sieve_exact", "sdpa_flash", length, 128, "fwd_bwd_tflops"), 0.6, True))
         bars.append(Bar(10, "Sieve (bound) f+b TF/s x FA2", shape,
-                        rows.ratio(("winnow_sieve_bound",), "sdpa_flash", length, 128, "fwd_bwd_tflops"), 0.75, True))
+                        rows.ratio("winnow_sieve_bound", "sdpa_flash", length, 128, "fwd_bwd_tflops"), 0.75, True))
     return bars
 
 
@@ -106,14 +106,12 @@ def threshold_bars(rows):
     for length in (4096, 16384):
         shape = f"D 128, L {length}"
         bars.append(Bar(14, "TRA forward TF/s x FA2 (beta 0)", shape,
-                        rows.ratio(("winnow_tra",), "sdpa_flash", length, 128, "fwd_tflops"), 1.2, True))
+                        rows.ratio("winnow_tra", "sdpa_flash", length, 128, "fwd_tflops"), 1.2, True))
         bars.append(Bar(14, "TDA f+b time x FA2's (beta 0)", shape,
-                        rows.ratio(("winnow_tda",), "sdpa_flash", length, 128, "fwd_bwd_ms"), 1.5, False))
+                        rows.ratio("winnow_tda", "sdpa_flash", length, 128, "fwd_bwd_ms"), 1.5, False))
         for variant in ("tra", "tda"):
             # The forward at beta 1 against beta 0: time at beta 0 over time at beta 1.
-            slow, fast = rows.get(f"winnow_{variant}", length, 128, "fwd_ms"), rows.get(
-                f"winnow_{variant}_beta1", length, 128, "fwd_ms")
-            speedup = slow / fast if slow is not None and fast else None
+            speedup = rows.ratio(f"winnow_{variant}", f"winnow_{variant}_beta1", length, 128, "fwd_ms")
             bars.append(Bar(14, f"{variant.upper()} forward at beta 1 x beta 0", shape, speedup, 3.0, True))
     return bars
 
@@ -133,7 +131,7 @@ def evaluate(paths):
         else:
             decode = data
     bars = attention_bars(attention) + threshold_bars(threshold)
-    bars += decode_bars(decode) if decode is not None else decode_bars({"lengths": {}, "copy_gbps": None})
+    bars += decode_bars(decode if decode is not None else {"lengths": {}})
     return sorted(bars, key=lambda b: b.issue), devices
 
 

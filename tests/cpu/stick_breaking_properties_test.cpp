@@ -211,30 +211,33 @@ RowWeights log_form_reference(const std::vector<float>& z) {
   return r;
 }
 
-// thread_walk(x, local) turns a thread's 32 logits (keys past the row as kLeftOut) into its
-// weights among its own keys and returns their cost in log2.
-template <class ThreadWalk>
-RowWeights tiled_float_walk(const std::vector<float>& z, ThreadWalk thread_walk) {
+// A row in tiles of 128 keys from the right, four threads of 32 keys each (keys past the row as
+// kLeftOut), as the kernels take it: cost(thread, x) sees a thread's logits and returns their
+// cost in log2; then, threads right to left, place(thread, share, out) writes the thread's
+// weights given its share of the row's stick, 2^(carry - the costs of the threads to its right).
+template <class Cost, class Place>
+RowWeights tiled_row(const std::vector<float>& z, Cost cost_of, Place place) {
   const int keys = static_cast<int>(z.size());
   RowWeights r;
   r.weights.assign(z.size(), 0.0);
   float carry = 0.f;
   for (int t = (keys + 127) / 128 - 1; t >= 0; --t) {
-    float cost[4], local[4][32];
+    float cost[4];
     for (int thread = 0; thread < 4; ++thread) {
       float x[32];
       for (int j = 0; j < 32; ++j) {
         const int key = 128 * t + 32 * thread + j;
         x[j] = key < keys ? z[key] : kLeftOut;
       }
-      cost[thread] = thread_walk(x, local[thread]);
+      cost[thread] = cost_of(thread, x);
     }
     float after = 0.f;  // costs of the threads to the right
     for (int thread = 3; thread >= 0; --thread) {
-      const float factor = std::exp2(carry - after);
+      float out[32];
+      place(thread, std::exp2(carry - after), out);
       for (int j = 0; j < 32; ++j) {
         const int key = 128 * t + 32 * thread + j;
-        if (key < keys) r.weights[key] = local[thread][j] * factor;
+        if (key < keys) r.weights[key] = out[j];
       }
       after += cost[thread];
     }
@@ -242,6 +245,18 @@ RowWeights tiled_float_walk(const std::vector<float>& z, ThreadWalk thread_walk)
   }
   r.log2_rem = carry;
   return r;
+}
+
+// thread_walk(x, local) turns a thread's 32 logits into its weights among its own keys and
+// returns their cost in log2; the share multiplies them afterwards.
+template <class ThreadWalk>
+RowWeights tiled_float_walk(const std::vector<float>& z, ThreadWalk thread_walk) {
+  float local[4][32];
+  return tiled_row(
+      z, [&](int thread, const float(&x)[32]) { return thread_walk(x, local[thread]); },
+      [&](int thread, float share, float(&out)[32]) {
+        for (int j = 0; j < 32; ++j) out[j] = local[thread][j] * share;
+      });
 }
 
 // Largest absolute error, and largest relative error over the weights above `floor`.
@@ -478,48 +493,28 @@ TEST(StickBreakingMath, OddsGrownInAnyNumberOfChainsMatchOneChain) {
 template <int K>
 RowWeights tiled_grown_folded(const std::vector<float>& z, int& ceiling_fallbacks, int& fold_fallbacks) {
   namespace sb = math::stick_breaking;
-  const auto exp2 = [](float x) { return std::exp2(x); };
-  const int keys = static_cast<int>(z.size());
-  RowWeights r;
-  r.weights.assign(z.size(), 0.0);
-  float carry = 0.f;
-  for (int t = (keys + 127) / 128 - 1; t >= 0; --t) {
-    float cost[4], odds[4][32];
-    sb::GrownOdds<32, K> grown[4];
-    for (int thread = 0; thread < 4; ++thread) {
-      float x[32];
-      for (int j = 0; j < 32; ++j) {
-        const int key = 128 * t + 32 * thread + j;
-        x[j] = key < keys ? z[key] : kLeftOut;
-        odds[thread][j] = sb::grown_odds_log2(x[j], exp2);
-      }
-      grown[thread] = sb::grow_odds<32, K>([&](int k) -> float& { return odds[thread][k]; });
-      const bool grows = grown[thread].total <= sb::kOddsProductCeiling;
-      cost[thread] = grows ? std::log2(grown[thread].total) : log_form_cost(x);
-    }
-    float after = 0.f;
-    for (int thread = 3; thread >= 0; --thread) {
-      const float share = std::exp2(carry - after);
-      const float first = share * (1.f / grown[thread].total);
-      float(&local)[32] = odds[thread];
-      if (grown[thread].total <= sb::kOddsProductCeiling && sb::folded_share_keeps_weights(first, share)) {
-        sb::weigh_grown_odds_from([&](int k) -> float& { return local[k]; }, grown[thread], first);
-      } else {
-        ++(grown[thread].total <= sb::kOddsProductCeiling ? fold_fallbacks : ceiling_fallbacks);
-        for (float& o : local) o = sb::clamp_odds(o);
-        odds_walk_from_the_right(local);
-        for (float& w : local) w *= share;
-      }
-      for (int j = 0; j < 32; ++j) {
-        const int key = 128 * t + 32 * thread + j;
-        if (key < keys) r.weights[key] = local[j];
-      }
-      after += cost[thread];
-    }
-    carry -= after;
-  }
-  r.log2_rem = carry;
-  return r;
+  float odds[4][32];
+  sb::GrownOdds<32, K> grown[4];
+  return tiled_row(
+      z,
+      [&](int thread, const float(&x)[32]) {
+        for (int j = 0; j < 32; ++j) odds[thread][j] = sb::grown_odds_log2(x[j], [](float v) { return std::exp2(v); });
+        grown[thread] = sb::grow_odds<32, K>([&](int k) -> float& { return odds[thread][k]; });
+        return grown[thread].total <= sb::kOddsProductCeiling ? std::log2(grown[thread].total) : log_form_cost(x);
+      },
+      [&](int thread, float share, float(&out)[32]) {
+        const float first = share * (1.f / grown[thread].total);
+        float(&local)[32] = odds[thread];
+        if (grown[thread].total <= sb::kOddsProductCeiling && sb::folded_share_keeps_weights(first, share)) {
+          sb::weigh_grown_odds_from([&](int k) -> float& { return local[k]; }, grown[thread], first);
+        } else {
+          ++(grown[thread].total <= sb::kOddsProductCeiling ? fold_fallbacks : ceiling_fallbacks);
+          for (float& o : local) o = sb::clamp_odds(o);
+          odds_walk_from_the_right(local);
+          for (float& w : local) w *= share;
+        }
+        std::copy(local, local + 32, out);
+      });
 }
 
 // The folded form holds the log form's bounds on the odds rows: its weights differ from the
