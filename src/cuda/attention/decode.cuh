@@ -28,10 +28,15 @@ namespace winnow::cuda::decode {
 
 constexpr int kThreads = 128;
 constexpr int kLaneElems = 8;  // features per lane: one 16-byte load of 16-bit values, two of float32
-// Keys a stream has in flight while it computes on the previous ones (float32 rows take twice
-// the registers).
+// Key rows a lane computes on per step (float32 rows take twice the registers), and the steps'
+// worth of rows in its shared-memory ring: two are in flight (cp.async) while it computes on a
+// third. A register ring of one step ahead (16 KB a block in flight) read 0.94 of an H100's copy
+// bandwidth at 32K keys but 0.71 of an H200's (2026-11-29), whose higher bandwidth at a similar
+// latency needs more bytes in flight; the shared ring holds 32 KB in flight a block and no
+// registers.
 constexpr int kAhead16 = 4;
 constexpr int kAhead32 = 2;
+constexpr int kRingSteps = 3;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -131,14 +136,6 @@ struct LaneFeatures {
   static constexpr int kWords = kLaneElems * static_cast<int>(sizeof(T)) / 16;
   uint4 w[kWords];
 
-  __device__ void load(const T* at) {
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(at) + i);
-  }
-  __device__ void clear() {
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w[i] = make_uint4(0, 0, 0, 0);
-  }
   __device__ void widen(float (&out)[kLaneElems]) const {
     const T* e = reinterpret_cast<const T*>(w);
 #pragma unroll
@@ -215,8 +212,23 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
   constexpr int kRowLanes = LANES / ROWS;     // lanes that own each row's score and state
   constexpr int kAhead = sizeof(T) == 2 ? kAhead16 : kAhead32;
   static_assert(kThreads % LANES == 0 && LANES <= 32, "a stream lies inside one warp");
-  __shared__ float s_out[kStreams][ROWS][kWidth];
-  __shared__ ChunkState s_state[kStreams][ROWS];
+  using Features = LaneFeatures<T>;
+  constexpr int kWords = Features::kWords;
+  // The ring while the streams walk (ring[step][u][k or v][word][thread]: a warp's 16-byte words
+  // side by side), then the streams' outputs and states for their merge. 48 KB: static shared
+  // memory's limit, with no launch attribute.
+  struct Merge {
+    float out[kStreams][ROWS][kWidth];
+    ChunkState state[kStreams][ROWS];
+  };
+  constexpr int kRingWords = kRingSteps * kAhead * 2 * kWords * kThreads;
+  constexpr int kSharedBytes = static_cast<int>(sizeof(Merge)) > 16 * kRingWords ? static_cast<int>(sizeof(Merge))
+                                                                                  : 16 * kRingWords;
+  static_assert(kSharedBytes <= 48 * 1024, "static shared memory");
+  __shared__ alignas(16) unsigned char s_raw[kSharedBytes];
+  uint4* const ring = reinterpret_cast<uint4*>(s_raw);
+  auto& s_out = reinterpret_cast<Merge*>(s_raw)->out;
+  auto& s_state = reinterpret_cast<Merge*>(s_raw)->state;
 
   const int lane = threadIdx.x % LANES, stream = threadIdx.x / LANES;
   const int stream_lane0 = (threadIdx.x % 32) - lane;  // the stream's first lane within its warp
@@ -273,29 +285,53 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
   const T* k_base = static_cast<const T*>(p.k.data) + d0;
   const T* v_base = static_cast<const T*>(p.v.data) + d0;
   KeyCursor cursor(p, b, s_hi - 1);
-  LaneFeatures<T> k_next[kAhead], v_next[kAhead];
-  auto load = [&](int step) {
+  auto word_at = [&](int ring_step, int u, int kv, int word) {
+    return ring + (((ring_step * kAhead + u) * 2 + kv) * kWords + word) * kThreads + threadIdx.x;
+  };
+  // Step g's rows into ring step g % kRingSteps, zeros for rows outside the run (so that a row
+  // without weight adds 0, never 0 * garbage) and for features past the head's width; one
+  // commit per step, issued or not, so that a wait counts steps.
+  const int steps = (per + kAhead - 1) / kAhead;
+  auto issue = [&](int g) {
+    if (g < steps) {
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      const int i = s_hi - 1 - step - u;
-      k_next[u].clear();
-      v_next[u].clear();
-      if (i >= s_lo) {
-        if (i < s_hi - 1) cursor.advance(p, b);
-        if (lane_has_k) k_next[u].load(k_base + cursor.offset(p.k, hk));
-        if (lane_has_v) v_next[u].load(v_base + cursor.offset(p.v, hk));
+      for (int u = 0; u < kAhead; ++u) {
+        const int i = s_hi - 1 - g * kAhead - u;
+        const bool in_run = i >= s_lo;
+        if (in_run && i < s_hi - 1) cursor.advance(p, b);
+        const T* k_at = k_base + (in_run && lane_has_k ? cursor.offset(p.k, hk) : 0);
+        const T* v_at = v_base + (in_run && lane_has_v ? cursor.offset(p.v, hk) : 0);
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) {
+          tile::cp_async_16(word_at(g % kRingSteps, u, 0, w), reinterpret_cast<const uint4*>(k_at) + w,
+                            in_run && lane_has_k);
+          tile::cp_async_16(word_at(g % kRingSteps, u, 1, w), reinterpret_cast<const uint4*>(v_at) + w,
+                            in_run && lane_has_v);
+        }
       }
     }
+    tile::cp_async_commit();
   };
-  if (per > 0) load(0);
-  for (int step = 0; step < per; step += kAhead) {
-    LaneFeatures<T> k_now[kAhead], v_now[kAhead];
+#pragma unroll
+  for (int g = 0; g < kRingSteps - 1; ++g) issue(g);
+  for (int g = 0; g < steps; ++g) {
+    // Into the ring step read at g - 1, whose words are in registers and used already. The
+    // copies and the wait are asm without a memory clobber: the empty asm statements keep the
+    // compiler from moving the ring's reads across them.
+    asm volatile("" ::: "memory");
+    issue(g + kRingSteps - 1);
+    tile::cp_async_wait<kRingSteps - 1>();  // this lane's copies of step g have landed
+    asm volatile("" ::: "memory");
+    Features k_now[kAhead], v_now[kAhead];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
-      k_now[u] = k_next[u];
-      v_now[u] = v_next[u];
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+        k_now[u].w[w] = *word_at(g % kRingSteps, u, 0, w);
+        v_now[u].w[w] = *word_at(g % kRingSteps, u, 1, w);
+      }
     }
-    if (step + kAhead < per) load(step + kAhead);
+    const int step = g * kAhead;
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int i = s_hi - 1 - step - u;
@@ -332,6 +368,9 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
       }
     }
   }
+  // The merge's arrays share the ring's memory: every copy (the empty steps' zeros too) lands first.
+  tile::cp_async_wait<0>();
+  __syncthreads();
 
   // Streams hold runs left to right in stream order; merge them in that order.
 #pragma unroll

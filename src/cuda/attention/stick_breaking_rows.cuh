@@ -158,38 +158,41 @@ struct StickBreakingRowsOf {
     for (int half = 0; half < 2; ++half) {
       if constexpr (kForm == StickForm::odds_grown) {
         static_assert(!std::is_same_v<Rescore, NoRescore>, "the grown form needs the kernel's scores (weigh_scores)");
-        // Left to right: the odds in place, and their product G grown from the thread's first
-        // key in chains (math::grow_odds).
+        // Left to right: the odds in place (unclamped: math::grown_odds_log2), and their product
+        // G grown from the thread's first key in chains (math::grow_odds).
         const auto odds = [&](int k) -> float& { return s[k / 2][2 * half + k % 2]; };
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& z = s[n][2 * half + e];
-            z = sb::odds_log2(admit<Masked, NT>(z, half, n, e, mask), tile::exp2_fast);
+            z = sb::grown_odds_log2(admit<Masked, NT>(z, half, n, e, mask), tile::exp2_fast);
           }
         }
         constexpr int kChainKeys = 2 * NT == 32 ? kWideChainKeys : 0;
         const sb::GrownOdds<2 * NT, kChainKeys> grown = sb::grow_odds<2 * NT, kChainKeys>(odds);
-        float cost;
-        if (grown.total <= sb::kOddsProductCeiling) {
+        const bool grows = grown.total <= sb::kOddsProductCeiling;
+        // The thread's cost, log2 G; past the ceiling (rare), from the logits.
+        const float cost = grows ? tile::log2_fast(grown.total) : cost_from_memory<Masked, 8 * NT>(half, mask, rescore);
+        // Its share of the row's stick, and H's start with the share in it, so that the weights
+        // come out placed with no multiply a key.
+        const float share = thread_share(half, cost, mask.tig);
+        const float first = share * tile::rcp_fast(grown.total);
+        if (grows && sb::folded_share_keeps_weights(first, share)) {
           // Left to right again: weight o_k H_k, each chain's H grown from its prefix over G.
-          sb::weigh_grown_odds(odds, grown, tile::rcp_fast);
-          cost = tile::log2_fast(grown.total);
+          sb::weigh_grown_odds_from(odds, grown, first);
         } else {
-          // Rare: the walk from the right on the same odds, and the cost from the logits.
+          // Rare: the walk from the right on the same odds, clamped, and the share after it.
           OddsStickWalk walk;
 #pragma unroll
           for (int n = NT - 1; n >= 0; --n) {
 #pragma unroll
             for (int e = 1; e >= 0; --e) {
               float& w = s[n][2 * half + e];
-              w = walk.step_odds(w);
+              w = walk.step_odds(sb::clamp_odds(w)) * share;
             }
           }
-          cost = cost_from_memory<Masked, 8 * NT>(half, mask, rescore);
         }
-        place_thread(s, half, cost, mask.tig);
       } else {
         // One pass from the thread's last key to its first turns each logit into
         //   z - (its cost + the costs of the thread's keys to its right),
@@ -222,18 +225,13 @@ struct StickBreakingRowsOf {
     }
   }
 
-  // The grown form's last step: a thread's weights among its own keys scaled by 2^(carry - the
-  // costs of the threads to its right), and the carry past the tile's cost.
-  template <int NT>
-  __device__ __forceinline__ void place_thread(float (&s)[NT][4], int half, float cost, int tig) {
+  // The grown form's share of a thread in its row's stick, 2^(carry - the costs of the threads to
+  // its right), and the carry past the tile's cost. Every thread of the quad calls it.
+  __device__ __forceinline__ float thread_share(int half, float cost, int tig) {
     const tile::QuadScan quad = tile::quad_scan(cost, tig);
-    const float factor = tile::exp2_fast(carry[half] - quad.after);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      s[n][2 * half] *= factor;
-      s[n][2 * half + 1] *= factor;
-    }
+    const float share = tile::exp2_fast(carry[half] - quad.after);
     carry[half] -= quad.total;
+    return share;
   }
 
   // The logit in log2 units if the key takes part, else -inf at once: sigmoid 0, keep 1 and no
