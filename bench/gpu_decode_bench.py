@@ -4,7 +4,9 @@ device's own copy bandwidth, in one run.
 
 Shape (issue 17): bf16, B = 8 sequences, 32 query heads over 8 kv heads, D = 128, keys ~ N(0, 1).
 Rows: winnow softmax and stick-breaking through the forward operators on contiguous caches
-(B, L, Hkv, D), which take the decoding kernels for short query suffixes; the same through
+(B, L, Hkv, D), which take the decoding kernels for short query suffixes; Sieve (exact and bound
+filters) and entmax-1.5 likewise, each its threshold search over the cache first (the forward
+kernel's value-free sweeps), then the decoding kernel; the same through
 winnow.paged_decode on a paged cache (page size 16, pages in shuffled order, trusted table); the
 fused forward kernels that served decoding before (a subprocess with WINNOW_NO_DECODE_KERNELS=1,
 same inputs); SDPA with enable_gqa (kv heads not expanded), is_causal=False since the one query
@@ -97,6 +99,11 @@ def case(L, args, fused_only):
     prefix = "fused " if fused_only else ""
     add(prefix + "winnow softmax", lambda: ops.softmax_attention_forward(q, k, v))
     add(prefix + "winnow stick-breaking", lambda: ops.stick_breaking_attention_forward(q, k, v))
+    # Sieve and entmax: their threshold search over the cache, then the decoding kernel (or the
+    # fused forward's output sweep); no gradient is wanted, so entmax lists no supports.
+    add(prefix + "winnow sieve exact", lambda: winnow.sieve_attention(q, k, v))
+    add(prefix + "winnow sieve bound", lambda: winnow.sieve_attention(q, k, v, filter="bound"))
+    add(prefix + "winnow entmax-1.5", lambda: winnow.entmax_attention(q, k, v, alpha=1.5))
     if fused_only:
         return rows
     gen = torch.Generator().manual_seed(1)

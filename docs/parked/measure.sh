@@ -26,7 +26,7 @@ mkdir -p "$R"
 START=$(date +%s)
 say() { echo "[$(( $(date +%s) - START )) s] $*" >> "$P"; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader >> "$P" 2>&1
-export BUILD_TARGETS="winnow_cuda_tests winnow_torch winnow_cli"
+export BUILD_TARGETS=${BUILD_TARGETS:-"winnow_cuda_tests winnow_torch winnow_cli"}
 BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 8192 32768 --dims 128 64
        --methods sdpa_flash sdpa_cudnn winnow_softmax winnow_stick_breaking)
 
@@ -71,6 +71,11 @@ if [[ -n "${APPLY:-}" ]]; then
   PATCHES=${PATCHES:-none}
 fi
 
+# Nothing to apply or compare ($COMBINED, $APPLY and $PATCHES unset): the tree as it is, built.
+if [[ -z "${COMBINED:-}${APPLY:-}" && ${PATCHES:-none} == none ]]; then
+  say "build: $(OUT=$R/build bash -c "${AB_BUILD:-tools/gpu_check.sh build}" > "$R/build.txt" 2>&1 && echo ok || echo FAILED, see build.txt)"
+fi
+
 # $PATCHES: which of them, in this order (each stacks on the ones before it); none by default.
 for patch in ${PATCHES:-none}; do
   [[ $patch == none ]] && break
@@ -88,10 +93,13 @@ T=build-gpu/tests/winnow_cuda_tests
 if [[ ! -x $T ]]; then
   say "no $T: the builds failed; see $R/ab-*/build-*.txt"
 else
+  # $SUITE_FILTER: a gtest filter for the suite (default: every test), for a change whose tests
+  # are known; $SANITIZE_FILTER and $SANITIZE_SECONDS likewise for the sanitizers.
   for kernels in hopper portable; do
     for i in 0 1 2 3 4 5 6 7; do
       if [[ $kernels == portable ]]; then export WINNOW_PORTABLE_KERNELS=1; else unset WINNOW_PORTABLE_KERNELS; fi
-      GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout 400 $T --gtest_brief=1 > "$R/suite-$kernels-$i.log" 2>&1 &
+      GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout 400 $T --gtest_brief=1 --gtest_filter="${SUITE_FILTER:-*}" \
+        > "$R/suite-$kernels-$i.log" 2>&1 &
     done
     wait
     unset WINNOW_PORTABLE_KERNELS
@@ -99,12 +107,12 @@ else
     passed=$(cat "$R"/suite-$kernels-*.log | grep -E '^\[  PASSED  \]' | awk '{s += $4} END {print s + 0}')
     say "suite, $kernels kernels: $passed of $ran passed; failures: $(grep -hE '^\[  FAILED  \] [A-Za-z]' "$R"/suite-$kernels-*.log | sed 's/, where GetParam.*//' | sort -u | head -8 | tr '\n' ' ')"
   done
-  F='CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*:CudaSmallDecode.*:CudaContiguousDecode.*:Cuda/CudaPagedDecode.*'
+  F=${SANITIZE_FILTER:-'CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*:CudaSmallDecode.*:CudaContiguousDecode.*:Cuda/CudaPagedDecode.*'}
   for i in 0 1 2 3; do
-    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout 500 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout "${SANITIZE_SECONDS:-500}" compute-sanitizer --tool racecheck --error-exitcode 9 \
       $T --gtest_brief=1 --gtest_filter="$F" > "$R/racecheck-$i.log" 2>&1 &
   done
-  timeout 500 compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter="$F" \
+  timeout "${SANITIZE_SECONDS:-500}" compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter="$F" \
     > "$R/memcheck.log" 2>&1 &
   wait
   for f in "$R"/racecheck-*.log "$R"/memcheck.log; do
@@ -133,6 +141,8 @@ fi
 # its output in after.txt; e.g.
 #   AFTER='OUT=$R tools/ncu_summary.sh fwd64 attention_forward -- python3 tools/profile_attention.py ...'
 if [[ -n "${AFTER:-}" ]]; then
+  # The benches find the operator library through this (tools/gpu_check.sh sets it for its own).
+  export WINNOW_LIBRARY=${WINNOW_LIBRARY:-$PWD/build-gpu/libwinnow_torch.so}
   say "after: $AFTER"
   R=$R bash -c "$AFTER" > "$R/after.txt" 2>&1
   say "after: rc $?"
@@ -141,11 +151,12 @@ fi
 {
   echo "== the benches' rows (D, L, method, fwd, x flash, fwd inference, bwd, x flash, f+b, x flash, ...;"
   echo "   threshold attention: L, method, fwd ms, fwd TF/s, x flash's time, f+b ms, ...)"
-  for f in "$R"/ab-*/ab-*-[12].txt; do
+  for f in "$R"/ab-*/ab-*-[12].txt "$R"/after.txt; do
+    [[ -f $f ]] || continue
     echo "-- $f"
     grep -E '^ *([0-9]+ +)?[0-9]+ +(sdpa_|winnow_|paper_|adasplash|sb_paper)' "$f"
     # the decode bench's table (bench/gpu_decode_bench.py), when the command ran it
-    grep -E '^(copy bandwidth|method +L=|winnow (softmax|stick)|sdpa (flash|cudnn)|fused )' "$f"
+    grep -E '^(copy bandwidth|method +L=|winnow (softmax|stick|sieve|entmax)|sdpa (flash|cudnn)|fused )' "$f"
   done
 } >> "$P"
 # The open issues' bars on the last patched round's JSON (tools/issue_bars.py).

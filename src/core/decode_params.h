@@ -27,6 +27,11 @@ struct DecodeParams {
   Operand q, out;       // (B, Lq, H, D) in the batched scheme of Operand
   Operand stats;        // lse or log_rem, float32
   Operand kept_from;    // stick-breaking's int32 per row, written as 0 when data != nullptr
+  // Mechanisms whose rows' thresholds come from a search over the whole cache first
+  // (threshold_search.cuh), as in the forward:
+  Operand threshold;    // float per row: Sieve's in score units; entmax's tau in x units
+  Operand count;        // Sieve's int32 candidates per row, written when data != nullptr
+  float alpha = 1.5f;   // entmax's
 
   CacheOperand k, v;
   const std::int32_t* block_table = nullptr;  // null: contiguous

@@ -73,6 +73,12 @@ void gsa_indexer_loss_backward(const detail::AttentionParams& p, const detail::I
 bool decode_kernels_take(const detail::DecodeParams& p);
 void softmax_decode(const detail::DecodeParams& p);
 void stick_breaking_decode(const detail::DecodeParams& p);
+// Sieve and alpha-entmax, 16-bit only: the forward calls' fused threshold search writes each
+// row's threshold (p.threshold) over the whole cache first, then these take the cache once.
+void sieve_decode(const detail::DecodeParams& p);
+void entmax_decode(const detail::DecodeParams& p);
+// Calls of the decoding kernels since the process started (for tests: which path a forward took).
+std::int64_t decode_calls();
 // Forward calls with a short suffix of queries (batched, at most 8 per sequence) that the
 // decoding kernels take in place of the fused ones (WINNOW_NO_DECODE_KERNELS turns this off).
 bool decode_path_applies(const detail::AttentionParams& p);

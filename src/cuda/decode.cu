@@ -1,6 +1,7 @@
 // Split-KV decoding on CUDA (attention/decode.cuh): how many splits, the workspace, the short
 // list of instantiations, and which forward calls take these kernels instead of the fused ones.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 #include "cuda/attention/decode.cuh"
@@ -77,12 +78,19 @@ void run(DecodeParams p) {
   }
 }
 
-template <class Policy>
+std::atomic<std::int64_t> calls{0};
+
+// kSixteenBit: the mechanisms that decode only behind the fused path's threshold search, which
+// takes bf16 and fp16 alone; their float32 kernels would never run.
+template <class Policy, bool kSixteenBit = false>
 void dispatch(const DecodeParams& p) {
+  calls.fetch_add(1, std::memory_order_relaxed);
   switch (p.dtype) {
     case DType::bfloat16: return run<__nv_bfloat16, Policy>(p);
     case DType::float16: return run<__half, Policy>(p);
-    case DType::float32: return run<float, Policy>(p);
+    case DType::float32:
+      if constexpr (!kSixteenBit) return run<float, Policy>(p);
+      [[fallthrough]];
     default:
       throw Error(ErrorKind::unsupported, std::string("winnow: decode: no CUDA kernel for ") + to_string(p.dtype));
   }
@@ -135,6 +143,9 @@ bool decode_path_applies(const detail::AttentionParams& p) {
 
 void softmax_decode(const DecodeParams& p) { dispatch<decode::SoftmaxDecode>(p); }
 void stick_breaking_decode(const DecodeParams& p) { dispatch<decode::StickBreakingDecode>(p); }
+void sieve_decode(const DecodeParams& p) { dispatch<decode::SieveDecode, true>(p); }
+void entmax_decode(const DecodeParams& p) { dispatch<decode::EntmaxDecode, true>(p); }
+std::int64_t decode_calls() { return calls.load(); }
 
 std::int64_t first_bad_paged_sequence(const DecodeParams& p, std::int64_t num_pages) {
   if (p.num_seqs == 0) return -1;

@@ -1,7 +1,8 @@
 // alpha-entmax attention on CUDA. On the fused path (bf16 / fp16, D = Dv = 64 or 128) the row
 // thresholds come from value-free sweeps of the fused forward kernel (threshold_search.cuh),
 // then one sweep with the weights [x - tau]_+^(1 / (alpha - 1)) over the key tiles where some
-// row of the block has support (key_tiles.cuh); given a support record (winnow/entmax.h), that
+// row of the block has support (key_tiles.cuh), or, for a short suffix of queries without a
+// support record, the split-KV decoding kernel (decode.cuh's EntmaxDecode); given a support record (winnow/entmax.h), that
 // sweep also lists each row's support keys, and the threshold search counts them, so that the
 // backward can size its buffers without reading the record back (CountedRecords). The
 // backward takes those lists, or lists every row's support itself, and when all lists fit
@@ -104,7 +105,17 @@ struct FusedEntmaxForward {
     e.tau = p.stats;
     const float tau_to_score = static_cast<float>(p.scale * (cfg.alpha - 1.0));
     if (cfg.support == nullptr) {
+      // A short suffix of queries without a support record (inference) takes the cache once in
+      // the split-KV decoding kernel behind the search; with one, the forward's output sweep
+      // lists the supports.
+      const bool decodes = decode_path_applies(p);
       find_thresholds<T, D>(p, t, tiles, [&] {
+        if (decodes) {
+          detail::DecodeParams d = decode_params_of(p);
+          d.threshold = p.stats;
+          d.alpha = static_cast<float>(cfg.alpha);
+          return entmax_decode(d);
+        }
         launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, tau_to_score));
       });
       return;

@@ -2,7 +2,8 @@
 // the portable kernels): the row thresholds (one sweep for the bound filter, the entmax search
 // for the exact one; threshold_search.cuh), then the stick-breaking kernels over each row's
 // candidates only (stick_breaking_rows.cuh), visiting only the key tiles where some row of the
-// block has a candidate (key_tiles.cuh). Everything else runs on the simple path, and so do
+// block has a candidate (key_tiles.cuh), or for a short suffix of queries the split-KV decoding
+// kernel with the same filter (decode.cuh's SieveDecode). Everything else runs on the simple path, and so do
 // forwards with a scale that is not positive (threshold_search_applies).
 #include "cuda/attention/stick_breaking_rows.cuh"
 #include "cuda/cuda.h"
@@ -40,7 +41,14 @@ struct FusedSieveForward {
     t.result = cfg.threshold;
     t.result_scale = static_cast<float>(1.0 / (cfg.alpha - 1.0));
     LiveTileSelection tiles(p);
+    const bool decodes = decode_path_applies(p);
     find_thresholds<T, D>(p, t, tiles, [&] {
+      if (decodes) {
+        detail::DecodeParams d = decode_params_of(p);
+        d.threshold = cfg.threshold;
+        d.count = cfg.count;
+        return sieve_decode(d);
+      }
       launch_fused_forward<T, D, SieveRowsFor<D>>(p, sieve_config(cfg), tiles.select(cfg.threshold, static_cast<float>(p.scale)));
     });
   }

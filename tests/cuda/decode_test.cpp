@@ -2,15 +2,18 @@
 // paged caches with shuffled pages and odd page sizes, GQA groups up to 16 rows (two row
 // groups), several queries per sequence, D from 40 to 256 with Dv != D, every dtype, both
 // mechanisms and causal rules; contiguous caches through the forward calls, whose short query
-// suffixes now take these kernels (their gradients too); the device-side check of the block
+// suffixes now take these kernels (their gradients too), Sieve's and entmax's behind their
+// threshold search; the device-side check of the block
 // table; repeatability. Label `cuda`.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "cuda_placement.h"
 #include "reference_check.h"
+#include "cuda/cuda.h"
 #include "support/expect_error.h"
 #include "support/expect_results.h"
 #include "support/paged_case.h"
@@ -83,6 +86,46 @@ TEST(CudaContiguousDecode, ShortQuerySuffixesMatchTheReferenceWithGradients) {
         ref.mechanism = m;
         ref.backend = Backend::reference;
         expect_results_close(got, run(rounded(problem, dtype), ref), tolerance(dtype));
+      }
+    }
+  }
+}
+
+// Sieve (both filters) and alpha-entmax decode behind their threshold search over the whole
+// cache, in their fused path's types: the same suffixes, forward and gradients, Sieve's
+// thresholds and candidate counts, and the decoding kernels seen to run. The flat rows (input
+// std 0.05: most keys in each support) overflow the search's candidate lists, so that the
+// decoding kernel enqueued behind the collect sweep runs again after the step sweeps.
+TEST(CudaContiguousDecode, SieveAndEntmaxDecodeBehindTheirSearch) {
+  const std::vector<ProblemShape> shapes = {
+      {"one_query_6000_keys", {{1, 6000}, {1, 6000}}, false, 8, 2, 128, 128},
+      {"three_queries_d64", {{3, 2100}}, false, 4, 4, 64, 64},
+      {"eight_queries_group4", {{8, 1500}, {8, 1500}}, false, 4, 1, 128, 128},
+  };
+  for (const ProblemShape& shape : shapes) {
+    for (double input_std : {1.0, 0.05}) {
+      const Problem problem = Problem::random(shape, 12, input_std);
+      for (Mechanism m : {Mechanism::sieve_exact, Mechanism::sieve_bound, Mechanism::entmax15, Mechanism::sparsemax,
+                          Mechanism::entmax13}) {
+        for (DType dtype : {DType::bfloat16, DType::float16}) {
+          SCOPED_TRACE(describe(shape) + " " + name_of(m) + " " + to_string(dtype) + " input std " +
+                       std::to_string(input_std));
+          CudaPlacement gpu;
+          RunConfig cfg;
+          cfg.mechanism = m;
+          cfg.dtype = dtype;
+          cfg.placement = &gpu;
+          cfg.permuted = shape.seqs[0].first == 3;
+          const std::int64_t calls = cuda::decode_calls();
+          const Results got = run(problem, cfg);
+          EXPECT_GT(cuda::decode_calls(), calls) << "the decoding kernels ran";
+          RunConfig ref;
+          ref.mechanism = m;
+          ref.backend = Backend::reference;
+          const Results want = run(rounded(problem, dtype), ref);
+          expect_results_close(got, want, tolerance(dtype));
+          if (is_sieve(m)) expect_sieve_rows_close(got, want, dtype, tolerance(dtype));
+        }
       }
     }
   }

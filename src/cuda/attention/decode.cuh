@@ -11,8 +11,12 @@
 // in the combine kernel (or the block writes the result when there is one split). A merge is
 // exact for both mechanisms (math::softmax::merge_factor, math::stick_breaking::left_chunk_factor),
 // so the result does not depend on how the keys were split beyond float32 rounding.
+// Sieve and alpha-entmax decode here too once the threshold search (threshold_search.cuh) has
+// found each row's threshold over the whole cache: Sieve is then stick-breaking over the keys
+// above it, entmax a plain sum of weights that already sum to one.
 //
-// Scores are kept in log2 units (x = z log2 e) for the hardware's exp2 and log2.
+// Scores are kept in log2 units (x = z log2 e) for the hardware's exp2 and log2, but for
+// entmax's, which are in the threshold search's units.
 #pragma once
 
 #include <cmath>
@@ -21,6 +25,7 @@
 #include "core/decode_params.h"
 #include "cuda/element_types.cuh"
 #include "cuda/tile/ptx.cuh"
+#include "math/entmax.h"
 #include "math/softmax.h"
 #include "math/stick_breaking.h"
 
@@ -45,16 +50,32 @@ struct ChunkState {
   float a, b;
 };
 
-// A row's state lives in the lanes that own the row's score (see reduce_scatter); per key they
-// turn the score into the weight p of its value row and the factor c that rescales the row's
-// output so far (1 when unchanged), which every lane then applies to its features.
+// The sequence's query and head of row r of kv head hk's group (rows run query-major).
+struct GroupRow {
+  std::int64_t query, head;
+};
+__device__ __forceinline__ GroupRow group_row(const detail::DecodeParams& p, std::int64_t hk, std::int64_t r) {
+  const std::int64_t g = p.group_size();
+  return {r / g, hk * g + r % g};
+}
 
-// Softmax: a = the chunk's largest logit m, b = l = sum exp2(x - m); o = sum exp2(x - m) v.
-// The output is rescaled only when the maximum grows, which after the first keys is rare.
+// A row's state lives in the lanes that own the row's score (see reduce_scatter). Each of
+// them builds the mechanism's policy for its row (`live` false for a row past the block's,
+// which sees no key); per key the policy turns the score x (the query's dot product with the
+// key, the queries pre-scaled by query_scale) into the weight p of its value row and the factor
+// c that rescales the row's output so far (1 when unchanged), which every lane then applies to
+// its features. merge combines two chunks' states, left then right; store writes a row's
+// per-row outputs beside out (output(s, o) per feature).
+
+// Softmax: a = the chunk's largest logit m (log2 units), b = l = sum exp2(x - m);
+// o = sum exp2(x - m) v. The output is rescaled only when the maximum grows, which after the
+// first keys is rare.
 struct SoftmaxDecode {
   static constexpr bool kRescales = true;
+  __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
+  __device__ SoftmaxDecode(const detail::DecodeParams&, std::int64_t, const GroupRow&, bool) {}
   __device__ static ChunkState empty() { return {-INFINITY, 0.f}; }
-  __device__ static void step(ChunkState& s, float x, float& p, float& c) {
+  __device__ void step(ChunkState& s, float x, float& p, float& c) const {
     c = 1.f;
     if (x > s.a) {
       c = math::softmax::merge_factor(s.a, x, tile::exp2_fast);
@@ -74,8 +95,9 @@ struct SoftmaxDecode {
   }
   __device__ static float output(const ChunkState& s, float o) { return s.b > 0.f ? o / s.b : 0.f; }
   // lse in natural units; -inf for a row without keys.
-  __device__ static float statistic(const ChunkState& s) {
-    return s.b > 0.f ? (s.a + tile::log2_fast(s.b)) * kLn2 : -INFINITY;
+  __device__ static void store(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
+                               const ChunkState& s) {
+    *p.stats.at<float>(b, row.query, row.head) = s.b > 0.f ? (s.a + tile::log2_fast(s.b)) * kLn2 : -INFINITY;
   }
 };
 
@@ -84,12 +106,17 @@ struct SoftmaxDecode {
 // what the keys to its right (already visited) left of the stick; nothing is ever rescaled.
 struct StickBreakingDecode {
   static constexpr bool kRescales = false;
+  __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
+  __device__ StickBreakingDecode(const detail::DecodeParams&, std::int64_t, const GroupRow&, bool) {}
   __device__ static ChunkState empty() { return {0.f, 0.f}; }
-  __device__ static void step(ChunkState& s, float x, float& p, float& c) {
+  __device__ static void step_of(ChunkState& s, float x, float& p) {
     const float cost = math::stick_breaking::stick_cost_log2(x, tile::exp2_fast, tile::log2_fast);
     p = tile::exp2_fast(x - cost - s.a);
-    c = 1.f;
     s.a += cost;
+  }
+  __device__ void step(ChunkState& s, float x, float& p, float& c) const {
+    step_of(s, x, p);
+    c = 1.f;
   }
   __device__ static void merge(ChunkState& left, const ChunkState& right, float& f_left, float& f_right) {
     f_left = math::stick_breaking::left_chunk_factor(right.a, tile::exp2_fast);
@@ -98,7 +125,67 @@ struct StickBreakingDecode {
   }
   __device__ static float output(const ChunkState&, float o) { return o; }
   // log_rem in natural units.
-  __device__ static float statistic(const ChunkState& s) { return -s.a * kLn2; }
+  __device__ static void store(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
+                               const ChunkState& s) {
+    *p.stats.at<float>(b, row.query, row.head) = -s.a * kLn2;
+    if (p.kept_from.data != nullptr) *p.kept_from.at<std::int32_t>(b, row.query, row.head) = 0;
+  }
+};
+
+// Sieve (spec/sieve.md): stick-breaking over the keys whose score clears the row's threshold
+// (math::sieve::admitted, compared in log2 units as the forward compares them); the others
+// neither weigh nor break the stick. b counts the admitted keys, as an integer in the float's
+// bits, so that counts past 2^24 stay exact.
+struct SieveDecode {
+  static constexpr bool kRescales = false;
+  float threshold_log2;
+  __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
+  __device__ SieveDecode(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row, bool live)
+      : threshold_log2(live ? *p.threshold.at<const float>(b, row.query, row.head) * kLog2e : INFINITY) {}
+  __device__ static ChunkState empty() { return {0.f, __int_as_float(0)}; }
+  __device__ void step(ChunkState& s, float x, float& p, float& c) const {
+    c = 1.f;
+    p = 0.f;
+    if (!math::sieve::admitted(x, threshold_log2)) return;
+    StickBreakingDecode::step_of(s, x, p);
+    s.b = __int_as_float(__float_as_int(s.b) + 1);
+  }
+  __device__ static void merge(ChunkState& left, const ChunkState& right, float& f_left, float& f_right) {
+    const float counted = __int_as_float(__float_as_int(left.b) + __float_as_int(right.b));
+    StickBreakingDecode::merge(left, right, f_left, f_right);
+    left.b = counted;
+  }
+  __device__ static float output(const ChunkState&, float o) { return o; }
+  __device__ static void store(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
+                               const ChunkState& s) {
+    *p.stats.at<float>(b, row.query, row.head) = -s.a * kLn2;
+    if (p.count.data != nullptr) *p.count.at<std::int32_t>(b, row.query, row.head) = __float_as_int(s.b);
+  }
+};
+
+// alpha-entmax: the weight of a key is (x - tau)_+^(1 / (alpha - 1)) with x = (alpha - 1) z,
+// the units the threshold search and the forward use; the row's weights already sum to one,
+// so a chunk's output is its plain sum and chunks add. The row's statistic is tau, which the
+// search wrote.
+struct EntmaxDecode {
+  static constexpr bool kRescales = false;
+  float tau, alpha;
+  __device__ static float query_scale(const detail::DecodeParams& p) {
+    return static_cast<float>(p.scale) * (p.alpha - 1.f);
+  }
+  __device__ EntmaxDecode(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row, bool live)
+      : tau(live ? *p.threshold.at<const float>(b, row.query, row.head) : INFINITY), alpha(p.alpha) {}
+  __device__ static ChunkState empty() { return {0.f, 0.f}; }
+  __device__ void step(ChunkState&, float x, float& p, float& c) const {
+    p = math::entmax::weight(x - tau, alpha);
+    c = 1.f;
+  }
+  __device__ static void merge(ChunkState&, const ChunkState&, float& f_left, float& f_right) {
+    f_left = 1.f;
+    f_right = 1.f;
+  }
+  __device__ static float output(const ChunkState&, float o) { return o; }
+  __device__ static void store(const detail::DecodeParams&, std::int64_t, const GroupRow&, const ChunkState&) {}
 };
 
 // Sums each of ROWS per-lane partial dot products over the LANES lanes of a stream, leaving row
@@ -174,15 +261,6 @@ struct KeyCursor {
   }
 };
 
-// The sequence's query and head of row r of kv head hk's group (rows run query-major).
-struct GroupRow {
-  std::int64_t query, head;
-};
-__device__ __forceinline__ GroupRow group_row(const detail::DecodeParams& p, std::int64_t hk, std::int64_t r) {
-  const std::int64_t g = p.group_size();
-  return {r / g, hk * g + r % g};
-}
-
 // Key counts and indices fit 32 bits (the launcher checks the capacity).
 __device__ __forceinline__ int sequence_keys(const detail::DecodeParams& p, std::int64_t b) {
   return p.seq_lens != nullptr ? p.seq_lens[b] : static_cast<int>(p.len_k);
@@ -198,10 +276,7 @@ template <class T, class Policy>
 __device__ __forceinline__ void store_result(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
                                              std::int64_t d, const ChunkState& s, float o) {
   p.out.at<T>(b, row.query, row.head)[d * p.out.dim] = narrow_to<T>(Policy::output(s, o));
-  if (d == 0) {
-    *p.stats.at<float>(b, row.query, row.head) = Policy::statistic(s);
-    if (p.kept_from.data != nullptr) *p.kept_from.at<std::int32_t>(b, row.query, row.head) = 0;
-  }
+  if (d == 0) Policy::store(p, b, row, s);
 }
 
 template <class T, int LANES, int ROWS, class Policy>
@@ -243,9 +318,9 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
   const bool lane_has_k = d0 < p.dim_qk, lane_has_v = d0 < p.dim_v;
   const int my_row = lane / kRowLanes;  // the row whose score and state this lane keeps
 
-  // Queries, pre-scaled into log2 units (rows past `rows` stay zero and see no key); the visible
+  // Queries, pre-scaled into the policy's units (rows past `rows` stay zero and see no key); the visible
   // keys [0, limit) of this lane's own row; the block's keys end at the last row's limit.
-  const float x_scale = static_cast<float>(p.scale) * kLog2e;
+  const float x_scale = Policy::query_scale(p);
   float q[ROWS][E];
   int my_limit = 0, block_limit = 0;
 #pragma unroll
@@ -274,6 +349,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
   const int s_lo = lo + stream * per;
   const int s_hi = min(hi, s_lo + per);
 
+  const Policy policy(p, b, my_row < rows ? group_row(p, hk, row0 + my_row) : GroupRow{0, 0}, my_row < rows);
   ChunkState state = Policy::empty();
   float o[ROWS][E];
 #pragma unroll
@@ -347,7 +423,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
       }
       const float x = reduce_scatter<LANES, ROWS>(dots, lane);
       float weight = 0.f, factor = 1.f;
-      if (i >= s_lo && i < my_limit) Policy::step(state, x, weight, factor);
+      if (i >= s_lo && i < my_limit) policy.step(state, x, weight, factor);
       float vf[E];
       v_now[u].widen(vf);
       if constexpr (Policy::kRescales) {
