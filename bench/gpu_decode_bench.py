@@ -6,7 +6,8 @@ Shape (issue 17): bf16, B = 8 sequences, 32 query heads over 8 kv heads, D = 128
 Rows: winnow softmax and stick-breaking through the forward operators on contiguous caches
 (B, L, Hkv, D), which take the decoding kernels for short query suffixes; Sieve (exact and bound
 filters) and entmax-1.5 likewise, each its threshold search over the cache first (the forward
-kernel's value-free sweeps), then the decoding kernel; the same through
+kernel's value-free sweeps), then the decoding kernel; TRA and TDA (beta 0.5, p 2; TDA reads a
+second key cache, which GB/s does not count) through their forward operator; the same through
 winnow.paged_decode on a paged cache (page size 16, pages in shuffled order, trusted table); the
 fused forward kernels that served decoding before (a subprocess with WINNOW_NO_DECODE_KERNELS=1,
 same inputs); SDPA with enable_gqa (kv heads not expanded), is_causal=False since the one query
@@ -104,6 +105,13 @@ def case(L, args, fused_only):
     add(prefix + "winnow sieve exact", lambda: winnow.sieve_attention(q, k, v))
     add(prefix + "winnow sieve bound", lambda: winnow.sieve_attention(q, k, v, filter="bound"))
     add(prefix + "winnow entmax-1.5", lambda: winnow.entmax_attention(q, k, v, alpha=1.5))
+    # Threshold attention at beta 0.5 (004's p = 2): TRA, and TDA with a second view of queries
+    # and keys (its cache counted as extra bytes: GB/s here counts K and V once, as for the rest).
+    beta = torch.full((args.heads,), 0.5, device="cuda")
+    lam = torch.full((args.heads,), 0.5, device="cuda")
+    q2, k2 = torch.randn_like(q), torch.randn_like(k)
+    add(prefix + "winnow tra", lambda: winnow.threshold_attention(q, k, v, beta))
+    add(prefix + "winnow tda", lambda: winnow.threshold_attention(q, k, v, beta, lam=lam, q2=q2, k2=k2))
     if fused_only:
         return rows
     gen = torch.Generator().manual_seed(1)

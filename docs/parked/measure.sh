@@ -156,7 +156,7 @@ fi
     echo "-- $f"
     grep -E '^ *([0-9]+ +)?[0-9]+ +(sdpa_|winnow_|paper_|adasplash|sb_paper)' "$f"
     # the decode bench's table (bench/gpu_decode_bench.py), when the command ran it
-    grep -E '^(copy bandwidth|method +L=|winnow (softmax|stick|sieve|entmax)|sdpa (flash|cudnn)|fused )' "$f"
+    grep -E '^(copy bandwidth|method +L=|winnow (softmax|stick|sieve|entmax|tra|tda)|sdpa (flash|cudnn)|fused )' "$f"
   done
 } >> "$P"
 # The open issues' bars on the last patched round's JSON (tools/issue_bars.py).
