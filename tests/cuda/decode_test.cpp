@@ -62,26 +62,37 @@ INSTANTIATE_TEST_SUITE_P(Cuda, CudaPagedDecode,
                                             ::testing::Bool()),
                          paged_name);
 
-// Contiguous caches: forward calls with up to 8 queries per sequence decode (batched inputs);
-// the backward then runs from the decode path's statistics.
-TEST(CudaContiguousDecode, ShortQuerySuffixesMatchTheReferenceWithGradients) {
-  const std::vector<ProblemShape> shapes = {
+// Short query suffixes against contiguous caches (batched inputs), which the forward calls decode.
+const std::vector<ProblemShape>& suffix_shapes() {
+  static const std::vector<ProblemShape> all = {
       {"one_query_6000_keys", {{1, 6000}, {1, 6000}}, false, 8, 2, 128, 128},
       {"three_queries_d64", {{3, 2100}}, false, 4, 4, 64, 64},
       {"eight_queries_group4", {{8, 1500}, {8, 1500}}, false, 4, 1, 128, 128},
   };
-  for (const ProblemShape& shape : shapes) {
+  return all;
+}
+
+// A suffix shape's run on the GPU; the three-query shape as (B, H, L, D) views (strided queries
+// and outputs).
+RunConfig suffix_config(const ProblemShape& shape, Mechanism m, DType dtype, CudaPlacement* gpu) {
+  RunConfig cfg;
+  cfg.mechanism = m;
+  cfg.dtype = dtype;
+  cfg.placement = gpu;
+  cfg.permuted = shape.seqs[0].first == 3;
+  return cfg;
+}
+
+// Contiguous caches: forward calls with up to 8 queries per sequence decode (batched inputs);
+// the backward then runs from the decode path's statistics.
+TEST(CudaContiguousDecode, ShortQuerySuffixesMatchTheReferenceWithGradients) {
+  for (const ProblemShape& shape : suffix_shapes()) {
     const Problem problem = Problem::random(shape, 11);
     for (Mechanism m : {Mechanism::softmax, Mechanism::stick_breaking}) {
       for (DType dtype : {DType::bfloat16, DType::float32}) {
         SCOPED_TRACE(describe(shape) + " " + name_of(m) + " " + to_string(dtype));
         CudaPlacement gpu;
-        RunConfig cfg;
-        cfg.mechanism = m;
-        cfg.dtype = dtype;
-        cfg.placement = &gpu;
-        cfg.permuted = shape.seqs[0].first == 3;  // (B, H, L, D) views: strided queries and outputs
-        const Results got = run(problem, cfg);
+        const Results got = run(problem, suffix_config(shape, m, dtype, &gpu));
         RunConfig ref;
         ref.mechanism = m;
         ref.backend = Backend::reference;
@@ -97,12 +108,7 @@ TEST(CudaContiguousDecode, ShortQuerySuffixesMatchTheReferenceWithGradients) {
 // std 0.05: most keys in each support) overflow the search's candidate lists, so that the
 // decoding kernel enqueued behind the collect sweep runs again after the step sweeps.
 TEST(CudaContiguousDecode, SieveAndEntmaxDecodeBehindTheirSearch) {
-  const std::vector<ProblemShape> shapes = {
-      {"one_query_6000_keys", {{1, 6000}, {1, 6000}}, false, 8, 2, 128, 128},
-      {"three_queries_d64", {{3, 2100}}, false, 4, 4, 64, 64},
-      {"eight_queries_group4", {{8, 1500}, {8, 1500}}, false, 4, 1, 128, 128},
-  };
-  for (const ProblemShape& shape : shapes) {
+  for (const ProblemShape& shape : suffix_shapes()) {
     for (double input_std : {1.0, 0.05}) {
       const Problem problem = Problem::random(shape, 12, input_std);
       for (Mechanism m : {Mechanism::sieve_exact, Mechanism::sieve_bound, Mechanism::entmax15, Mechanism::sparsemax,
@@ -111,11 +117,7 @@ TEST(CudaContiguousDecode, SieveAndEntmaxDecodeBehindTheirSearch) {
           SCOPED_TRACE(describe(shape) + " " + name_of(m) + " " + to_string(dtype) + " input std " +
                        std::to_string(input_std));
           CudaPlacement gpu;
-          RunConfig cfg;
-          cfg.mechanism = m;
-          cfg.dtype = dtype;
-          cfg.placement = &gpu;
-          cfg.permuted = shape.seqs[0].first == 3;
+          const RunConfig cfg = suffix_config(shape, m, dtype, &gpu);
           const std::int64_t calls = cuda::decode_calls();
           const Results got = run(problem, cfg);
           EXPECT_GT(cuda::decode_calls(), calls) << "the decoding kernels ran";
