@@ -32,6 +32,7 @@ struct DecodeParams {
   Operand threshold;    // float per row: Sieve's in score units; entmax's tau in x units
   Operand count;        // Sieve's int32 candidates per row, written when data != nullptr
   float alpha = 1.5f;   // entmax's
+  float bound_eps = 0.f;  // Sieve's bound filter: threshold = the row's largest score - bound_eps
 
   CacheOperand k, v;
   const std::int32_t* block_table = nullptr;  // null: contiguous

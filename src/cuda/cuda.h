@@ -77,6 +77,9 @@ void stick_breaking_decode(const detail::DecodeParams& p);
 // row's threshold (p.threshold) over the whole cache first, then these take the cache once.
 void sieve_decode(const detail::DecodeParams& p);
 void entmax_decode(const detail::DecodeParams& p);
+// Sieve's bound filter's thresholds (p.threshold: the row's largest score - p.bound_eps) for
+// sieve_decode, in a pass of the decoding kernel that reads the keys alone.
+void sieve_bound_thresholds(const detail::DecodeParams& p);
 // Calls of the decoding kernels since the process started (for tests: which path a forward took).
 std::int64_t decode_calls();
 // Forward calls with a short suffix of queries (batched, at most 8 per sequence) that the

@@ -40,15 +40,23 @@ struct FusedSieveForward {
     t.eps = static_cast<float>(cfg.eps);
     t.result = cfg.threshold;
     t.result_scale = static_cast<float>(1.0 / (cfg.alpha - 1.0));
-    LiveTileSelection tiles(p);
     const bool decodes = decode_path_applies(p);
+    detail::DecodeParams d;
+    if (decodes) {
+      d = decode_params_of(p);
+      d.threshold = cfg.threshold;
+      d.count = cfg.count;
+      d.bound_eps = t.eps;
+    }
+    // The bound filter's search is the row maximum: split across keys like the decoding, rather
+    // than a forward sweep per query head over every key.
+    if (decodes && cfg.bound) {
+      sieve_bound_thresholds(d);
+      return sieve_decode(d);
+    }
+    LiveTileSelection tiles(p);
     find_thresholds<T, D>(p, t, tiles, [&] {
-      if (decodes) {
-        detail::DecodeParams d = decode_params_of(p);
-        d.threshold = cfg.threshold;
-        d.count = cfg.count;
-        return sieve_decode(d);
-      }
+      if (decodes) return sieve_decode(d);
       launch_fused_forward<T, D, SieveRowsFor<D>>(p, sieve_config(cfg), tiles.select(cfg.threshold, static_cast<float>(p.scale)));
     });
   }

@@ -13,7 +13,8 @@
 // so the result does not depend on how the keys were split beyond float32 rounding.
 // Sieve and alpha-entmax decode here too once the threshold search (threshold_search.cuh) has
 // found each row's threshold over the whole cache: Sieve is then stick-breaking over the keys
-// above it, entmax a plain sum of weights that already sum to one.
+// above it, entmax a plain sum of weights that already sum to one. Sieve's bound filter finds
+// its thresholds here as well, in a pass without values (RowMaxDecode).
 //
 // Scores are kept in log2 units (x = z log2 e) for the hardware's exp2 and log2, but for
 // entmax's, which are in the threshold search's units.
@@ -72,6 +73,7 @@ __device__ __forceinline__ GroupRow group_row(const detail::DecodeParams& p, std
 // first keys is rare.
 struct SoftmaxDecode {
   static constexpr bool kRescales = true;
+  static constexpr bool kUsesValues = true;
   __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
   __device__ SoftmaxDecode(const detail::DecodeParams&, std::int64_t, const GroupRow&, bool) {}
   __device__ static ChunkState empty() { return {-INFINITY, 0.f}; }
@@ -106,6 +108,7 @@ struct SoftmaxDecode {
 // what the keys to its right (already visited) left of the stick; nothing is ever rescaled.
 struct StickBreakingDecode {
   static constexpr bool kRescales = false;
+  static constexpr bool kUsesValues = true;
   __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
   __device__ StickBreakingDecode(const detail::DecodeParams&, std::int64_t, const GroupRow&, bool) {}
   __device__ static ChunkState empty() { return {0.f, 0.f}; }
@@ -138,6 +141,7 @@ struct StickBreakingDecode {
 // bits, so that counts past 2^24 stay exact.
 struct SieveDecode {
   static constexpr bool kRescales = false;
+  static constexpr bool kUsesValues = true;
   float threshold_log2;
   __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
   __device__ SieveDecode(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row, bool live)
@@ -163,12 +167,39 @@ struct SieveDecode {
   }
 };
 
+// Sieve's bound filter's threshold, the row's largest score less eps (score units, as the
+// forward's first threshold sweep writes it; 0 for a row without keys): a pass without values
+// whose chunks merge by their maximum.
+struct RowMaxDecode {
+  static constexpr bool kRescales = false;
+  static constexpr bool kUsesValues = false;
+  __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale); }
+  __device__ RowMaxDecode(const detail::DecodeParams&, std::int64_t, const GroupRow&, bool) {}
+  __device__ static ChunkState empty() { return {-INFINITY, 0.f}; }
+  __device__ void step(ChunkState& s, float x, float& p, float& c) const {
+    s.a = fmaxf(s.a, x);
+    p = 0.f;
+    c = 1.f;
+  }
+  __device__ static void merge(ChunkState& left, const ChunkState& right, float& f_left, float& f_right) {
+    left.a = fmaxf(left.a, right.a);
+    f_left = 1.f;
+    f_right = 1.f;
+  }
+  __device__ static float output(const ChunkState&, float) { return 0.f; }
+  __device__ static void store(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
+                               const ChunkState& s) {
+    *p.threshold.at<float>(b, row.query, row.head) = s.a > -INFINITY ? s.a - p.bound_eps : 0.f;
+  }
+};
+
 // alpha-entmax: the weight of a key is (x - tau)_+^(1 / (alpha - 1)) with x = (alpha - 1) z,
 // the units the threshold search and the forward use; the row's weights already sum to one,
 // so a chunk's output is its plain sum and chunks add. The row's statistic is tau, which the
 // search wrote.
 struct EntmaxDecode {
   static constexpr bool kRescales = false;
+  static constexpr bool kUsesValues = true;
   float tau, alpha;
   __device__ static float query_scale(const detail::DecodeParams& p) {
     return static_cast<float>(p.scale) * (p.alpha - 1.f);
@@ -275,7 +306,7 @@ __device__ __forceinline__ int visible_keys(const detail::DecodeParams& p, int n
 template <class T, class Policy>
 __device__ __forceinline__ void store_result(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
                                              std::int64_t d, const ChunkState& s, float o) {
-  p.out.at<T>(b, row.query, row.head)[d * p.out.dim] = narrow_to<T>(Policy::output(s, o));
+  if constexpr (Policy::kUsesValues) p.out.at<T>(b, row.query, row.head)[d * p.out.dim] = narrow_to<T>(Policy::output(s, o));
   if (d == 0) Policy::store(p, b, row, s);
 }
 
@@ -381,8 +412,10 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
         for (int w = 0; w < kWords; ++w) {
           tile::cp_async_16(word_at(g % kRingSteps, u, 0, w), reinterpret_cast<const uint4*>(k_at) + w,
                             in_run && lane_has_k);
-          tile::cp_async_16(word_at(g % kRingSteps, u, 1, w), reinterpret_cast<const uint4*>(v_at) + w,
-                            in_run && lane_has_v);
+          if constexpr (Policy::kUsesValues) {
+            tile::cp_async_16(word_at(g % kRingSteps, u, 1, w), reinterpret_cast<const uint4*>(v_at) + w,
+                              in_run && lane_has_v);
+          }
         }
       }
     }
@@ -404,7 +437,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         k_now[u].w[w] = *word_at(g % kRingSteps, u, 0, w);
-        v_now[u].w[w] = *word_at(g % kRingSteps, u, 1, w);
+        if constexpr (Policy::kUsesValues) v_now[u].w[w] = *word_at(g % kRingSteps, u, 1, w);
       }
     }
     const int step = g * kAhead;
@@ -424,6 +457,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
       const float x = reduce_scatter<LANES, ROWS>(dots, lane);
       float weight = 0.f, factor = 1.f;
       if (i >= s_lo && i < my_limit) policy.step(state, x, weight, factor);
+      if constexpr (!Policy::kUsesValues) continue;
       float vf[E];
       v_now[u].widen(vf);
       if constexpr (Policy::kRescales) {
@@ -449,30 +483,33 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
   __syncthreads();
 
   // Streams hold runs left to right in stream order; merge them in that order.
+  if constexpr (Policy::kUsesValues) {
 #pragma unroll
-  for (int j = 0; j < ROWS; ++j) {
+    for (int j = 0; j < ROWS; ++j) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) s_out[stream][j][d0 + e] = o[j][e];
+      for (int e = 0; e < E; ++e) s_out[stream][j][d0 + e] = o[j][e];
+    }
   }
   if (lane % kRowLanes == 0) s_state[stream][my_row] = state;
   __syncthreads();
 
   const int splits = p.splits;
+  const int out_width = Policy::kUsesValues ? static_cast<int>(p.dim_v) : 1;  // a pass without values: states only
   for (int idx = threadIdx.x; idx < rows * kWidth; idx += kThreads) {
     const int j = idx / kWidth, d = idx % kWidth;
-    if (d >= p.dim_v) continue;
+    if (d >= out_width) continue;
     ChunkState acc = s_state[0][j];
-    float acc_o = s_out[0][j][d];
+    float acc_o = Policy::kUsesValues ? s_out[0][j][d] : 0.f;
     for (int t = 1; t < kStreams; ++t) {
       float f_left, f_right;
       Policy::merge(acc, s_state[t][j], f_left, f_right);
-      acc_o = acc_o * f_left + s_out[t][j][d] * f_right;
+      if constexpr (Policy::kUsesValues) acc_o = acc_o * f_left + s_out[t][j][d] * f_right;
     }
     if (splits == 1) {
       store_result<T, Policy>(p, b, group_row(p, hk, row0 + j), d, acc, acc_o);
     } else {
       const std::int64_t slot = ((b * p.heads_kv + hk) * group_rows + row0 + j) * splits + split;
-      p.partial_out[slot * p.dim_v + d] = acc_o;
+      if constexpr (Policy::kUsesValues) p.partial_out[slot * p.dim_v + d] = acc_o;
       if (d == 0) reinterpret_cast<ChunkState*>(p.partial_stats)[slot] = acc;
     }
   }
@@ -486,13 +523,14 @@ __global__ void __launch_bounds__(kThreads) decode_combine_kernel(const detail::
   const std::int64_t first = ((b * p.heads_kv + hk) * p.group_rows() + r) * splits;
   const ChunkState* stats = reinterpret_cast<const ChunkState*>(p.partial_stats) + first;
   const GroupRow row = group_row(p, hk, r);
-  for (std::int64_t d = threadIdx.x; d < p.dim_v; d += blockDim.x) {
+  const std::int64_t out_width = Policy::kUsesValues ? p.dim_v : 1;
+  for (std::int64_t d = threadIdx.x; d < out_width; d += blockDim.x) {
     ChunkState acc = stats[0];
-    float acc_o = p.partial_out[first * p.dim_v + d];
+    float acc_o = Policy::kUsesValues ? p.partial_out[first * p.dim_v + d] : 0.f;
     for (int s = 1; s < splits; ++s) {
       float f_left, f_right;
       Policy::merge(acc, stats[s], f_left, f_right);
-      acc_o = acc_o * f_left + p.partial_out[(first + s) * p.dim_v + d] * f_right;
+      if constexpr (Policy::kUsesValues) acc_o = acc_o * f_left + p.partial_out[(first + s) * p.dim_v + d] * f_right;
     }
     store_result<T, Policy>(p, b, row, d, acc, acc_o);
   }
