@@ -33,6 +33,12 @@ struct DecodeParams {
   Operand count;        // Sieve's int32 candidates per row, written when data != nullptr
   float alpha = 1.5f;   // entmax's
   float bound_eps = 0.f;  // Sieve's bound filter: threshold = the row's largest score - bound_eps
+  // Threshold attention (TRA; TDA as a second pass over its second view): beta and lambda per
+  // query head, float32 at stride `head`; the weights' power and the normalization's eps. The
+  // second pass weighs by -lambda and adds into out (add_to_out).
+  Operand beta, lambda;
+  float power = 2.f, norm_eps = 1e-6f;
+  bool clamp_lambda = true, add_to_out = false;
 
   CacheOperand k, v;
   const std::int32_t* block_table = nullptr;  // null: contiguous

@@ -80,6 +80,9 @@ void entmax_decode(const detail::DecodeParams& p);
 // Sieve's bound filter's thresholds (p.threshold: the row's largest score - p.bound_eps) for
 // sieve_decode, in a pass of the decoding kernel that reads the keys alone.
 void sieve_bound_thresholds(const detail::DecodeParams& p);
+// Threshold attention's view (TRA; TDA's second view with p.lambda and p.add_to_out), 16-bit:
+// queries and keys normalized as they are read.
+void threshold_decode(const detail::DecodeParams& p);
 // Calls of the decoding kernels since the process started (for tests: which path a forward took).
 std::int64_t decode_calls();
 // Forward calls with a short suffix of queries (batched, at most 8 per sequence) that the

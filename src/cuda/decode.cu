@@ -146,6 +146,7 @@ void stick_breaking_decode(const DecodeParams& p) { dispatch<decode::StickBreaki
 void sieve_decode(const DecodeParams& p) { dispatch<decode::SieveDecode, true>(p); }
 void entmax_decode(const DecodeParams& p) { dispatch<decode::EntmaxDecode, true>(p); }
 void sieve_bound_thresholds(const DecodeParams& p) { dispatch<decode::RowMaxDecode, true>(p); }
+void threshold_decode(const DecodeParams& p) { dispatch<decode::ThresholdDecode, true>(p); }
 std::int64_t decode_calls() { return calls.load(); }
 
 std::int64_t first_bad_paged_sequence(const DecodeParams& p, std::int64_t num_pages) {

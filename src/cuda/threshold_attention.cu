@@ -1,7 +1,9 @@
 // Threshold attention (TRA / TDA) on CUDA. Every call first writes each view's queries and keys
 // L2-normalized (T, contiguous) with their inverse norms, so the kernels see cosines; the
 // gradients come back through the normalization at the end (dq inside the fused backward's
-// last step, dk from its fp32 accumulator).
+// last step, dk from its fp32 accumulator). Forwards of a short suffix of queries against a
+// long cache (decoding) instead take the split-KV decoding kernel, which normalizes as it reads
+// (decoded_forward).
 //
 // Fused path (16-bit inputs, D 64 or 128): the shared forward and backward kernels with the
 // threshold row policies. TDA's forward on Hopper is one launch over both views
@@ -1095,7 +1097,35 @@ struct SimpleBackward {
 
 }  // namespace
 
+namespace {
+
+// A short suffix of queries (decoding) on the split-KV kernels (decode.cuh's ThresholdDecode),
+// which normalize queries and keys as they read them, rather than normalizing the whole cache
+// into new rows first; TDA's second view is a second pass adding into the first's output.
+bool decoded_forward(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg) {
+  if (!fused_applies(p, cfg, nullptr) || !decode_path_applies(p)) return false;
+  detail::DecodeParams d = decode_params_of(p);
+  d.beta = cfg.beta;
+  d.power = static_cast<float>(cfg.power);
+  d.norm_eps = static_cast<float>(cfg.norm_eps);
+  detail::DecodeParams second = d;
+  if (cfg.differential()) {
+    second.q = cfg.q2;
+    second.k = {cfg.k2.data, cfg.k2.batch, cfg.k2.row, cfg.k2.head};
+    if (cfg.k2.dim != 1 || !decode_kernels_take(second)) return false;
+    second.lambda = cfg.lambda;
+    second.clamp_lambda = cfg.clamp_lambda;
+    second.add_to_out = true;
+  }
+  threshold_decode(d);
+  if (cfg.differential()) threshold_decode(second);
+  return true;
+}
+
+}  // namespace
+
 void threshold_forward(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg) {
+  if (decoded_forward(p, cfg)) return;
   NormalizedViews views(p, cfg);
   if (fused_applies(p, cfg, nullptr)) return dispatch_fused(p, FusedForward{p, cfg, views});
   dispatch_simple(p, SimpleForward{p, cfg, views});

@@ -1,7 +1,7 @@
 // Threshold attention's CUDA kernels (TRA and TDA) against the float64 reference on the same
 // 16-bit-rounded inputs: the fused path (bf16 / fp16, D = 64 and 128: grouped heads, suffix
-// queries, packed sequences with empty ones, a single token; the row and the key-stationary
-// backward) and the simple path (float32,
+// queries, packed sequences with empty ones, a single token, short suffixes that decode; the
+// row and the key-stationary backward) and the simple path (float32,
 // other head dimensions), powers 2, 1.5 and 1, per-head and shared beta, causal and strict,
 // atomic and deterministic backward; every gradient, beta's and lambda's included.
 //
@@ -27,6 +27,7 @@
 #include <tuple>
 
 #include "cuda_placement.h"
+#include "cuda/cuda.h"
 #include "support/threshold_case.h"
 #include "support/scoped_env.h"
 
@@ -57,6 +58,12 @@ const std::vector<ProblemShape>& shapes() {
       // which such calls take (threshold_attention.cu, keys_backward_applies); dlambda sums
       // per-head parts of both signs, so this is the case where rounding weighs most in it.
       {"fused_gqa_shared", {{300, 300}, {300, 300}}, false, 4, 2, 128, 128},
+      // Short query suffixes against long keys: the forward decodes (decode.cuh's
+      // ThresholdDecode: queries and keys normalized as they are read, TDA's second view a
+      // second pass adding into the first's output); the backward is the fused one.
+      {"fused_decode_d128_gqa4", {{1, 3000}, {1, 3000}}, false, 8, 2, 128, 128},
+      {"fused_decode_d64_three_queries", {{3, 2100}}, false, 4, 4, 64, 64},
+      {"fused_decode_eight_queries_group4", {{8, 1500}, {8, 1500}}, false, 4, 1, 128, 128},
   };
   return all;
 }
@@ -289,6 +296,25 @@ TEST(ThresholdCuda, SurvivorCountsMatchTheReference) {
     EXPECT_EQ(threshold_survivors(converted_for_kernels(in, DType::float32), {}, &gpu),
               threshold_survivors(in, reference()))
         << tda;
+  }
+}
+
+// The decoding shapes above take the decoding kernels: one call of each view's pass per
+// forward, TRA and TDA, bf16 and fp16.
+TEST(ThresholdCuda, ShortSuffixesDecode) {
+  for (const ProblemShape& shape : shapes()) {
+    if (shape.name.rfind("fused_decode_", 0) != 0) continue;
+    for (bool tda : {false, true}) {
+      for (DType dtype : {DType::bfloat16, DType::float16}) {
+        const ThresholdCase c{shape.name, shape, tda, 2.0, true, false};
+        const ThresholdInputs in = make_threshold_inputs(c, 5, 0.5);
+        CudaPlacement gpu;
+        const std::int64_t calls = cuda::decode_calls();
+        const std::vector<double> out = threshold_forward(converted_for_kernels(in, dtype), {}, &gpu);
+        EXPECT_EQ(cuda::decode_calls() - calls, tda ? 2 : 1) << shape.name << (tda ? " tda " : " tra ") << to_string(dtype);
+        EXPECT_LT(relative_error(out, threshold_forward(rounded(in, dtype), reference())), tolerance(dtype));
+      }
+    }
   }
 }
 

@@ -14,7 +14,8 @@
 // Sieve and alpha-entmax decode here too once the threshold search (threshold_search.cuh) has
 // found each row's threshold over the whole cache: Sieve is then stick-breaking over the keys
 // above it, entmax a plain sum of weights that already sum to one. Sieve's bound filter finds
-// its thresholds here as well, in a pass without values (RowMaxDecode).
+// its thresholds here as well, in a pass without values (RowMaxDecode). Threshold attention
+// (TRA, TDA as two passes) normalizes queries and keys as it reads them (kUnitRows).
 //
 // Scores are kept in log2 units (x = z log2 e) for the hardware's exp2 and log2, but for
 // entmax's, which are in the threshold search's units.
@@ -26,9 +27,11 @@
 #include "core/decode_params.h"
 #include "cuda/element_types.cuh"
 #include "cuda/tile/ptx.cuh"
+#include "math/elementwise.h"
 #include "math/entmax.h"
 #include "math/softmax.h"
 #include "math/stick_breaking.h"
+#include "math/threshold.h"
 
 namespace winnow::cuda::decode {
 
@@ -74,6 +77,7 @@ __device__ __forceinline__ GroupRow group_row(const detail::DecodeParams& p, std
 struct SoftmaxDecode {
   static constexpr bool kRescales = true;
   static constexpr bool kUsesValues = true;
+  static constexpr bool kUnitRows = false;
   __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
   __device__ SoftmaxDecode(const detail::DecodeParams&, std::int64_t, const GroupRow&, bool) {}
   __device__ static ChunkState empty() { return {-INFINITY, 0.f}; }
@@ -109,6 +113,7 @@ struct SoftmaxDecode {
 struct StickBreakingDecode {
   static constexpr bool kRescales = false;
   static constexpr bool kUsesValues = true;
+  static constexpr bool kUnitRows = false;
   __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
   __device__ StickBreakingDecode(const detail::DecodeParams&, std::int64_t, const GroupRow&, bool) {}
   __device__ static ChunkState empty() { return {0.f, 0.f}; }
@@ -142,6 +147,7 @@ struct StickBreakingDecode {
 struct SieveDecode {
   static constexpr bool kRescales = false;
   static constexpr bool kUsesValues = true;
+  static constexpr bool kUnitRows = false;
   float threshold_log2;
   __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale) * kLog2e; }
   __device__ SieveDecode(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row, bool live)
@@ -173,6 +179,7 @@ struct SieveDecode {
 struct RowMaxDecode {
   static constexpr bool kRescales = false;
   static constexpr bool kUsesValues = false;
+  static constexpr bool kUnitRows = false;
   __device__ static float query_scale(const detail::DecodeParams& p) { return static_cast<float>(p.scale); }
   __device__ RowMaxDecode(const detail::DecodeParams&, std::int64_t, const GroupRow&, bool) {}
   __device__ static ChunkState empty() { return {-INFINITY, 0.f}; }
@@ -200,6 +207,7 @@ struct RowMaxDecode {
 struct EntmaxDecode {
   static constexpr bool kRescales = false;
   static constexpr bool kUsesValues = true;
+  static constexpr bool kUnitRows = false;
   float tau, alpha;
   __device__ static float query_scale(const detail::DecodeParams& p) {
     return static_cast<float>(p.scale) * (p.alpha - 1.f);
@@ -303,10 +311,63 @@ __device__ __forceinline__ int visible_keys(const detail::DecodeParams& p, int n
   return limit < 0 ? 0 : (limit > n ? n : limit);
 }
 
+// A per-head parameter, float32 as the statistics of 16-bit and float32 inputs are.
+__device__ __forceinline__ float head_value(const detail::Operand& o, std::int64_t h) {
+  return static_cast<const float*>(o.data)[h * o.head];
+}
+
+// Threshold attention (TRA, spec/threshold.md): the cosine of the query and the key, which the
+// kernel normalizes as it reads them (kUnitRows), weighs relu(s - tau)^p with tau = beta
+// sqrt(2 log(n) / D) over the row's n visible keys. The weights are not normalized, so chunks
+// add. TDA is two passes: the second over the second view's queries and keys, its weights times
+// -lambda, adding into the first's output (DecodeParams::add_to_out).
+struct ThresholdDecode {
+  static constexpr bool kRescales = false;
+  static constexpr bool kUsesValues = true;
+  static constexpr bool kUnitRows = true;
+  float tau = 0.f, power, factor = 1.f;
+  __device__ static float query_scale(const detail::DecodeParams&) { return 1.f; }
+  __device__ ThresholdDecode(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row, bool live)
+      : power(p.power) {
+    if (!live) return;
+    const float n = static_cast<float>(visible_keys(p, sequence_keys(p, b), row.query));
+    tau = head_value(p.beta, row.head) * math::threshold::threshold_unit(n, static_cast<float>(p.dim_qk));
+    if (p.lambda.data != nullptr) {
+      factor = -math::threshold::lambda_used(head_value(p.lambda, row.head), p.clamp_lambda);
+    }
+  }
+  __device__ static ChunkState empty() { return {0.f, 0.f}; }
+  __device__ void step(ChunkState&, float x, float& p, float& c) const {
+    p = math::threshold::weight(x - tau, power) * factor;
+    c = 1.f;
+  }
+  __device__ static void merge(ChunkState&, const ChunkState&, float& f_left, float& f_right) {
+    f_left = 1.f;
+    f_right = 1.f;
+  }
+  __device__ static float output(const ChunkState&, float o) { return o; }
+  // The forward's statistic, 0, where the call has one.
+  __device__ static void store(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
+                               const ChunkState&) {
+    if (p.stats.data != nullptr) *p.stats.at<float>(b, row.query, row.head) = 0.f;
+  }
+};
+
+// Sums v over the LANES lanes of a stream; every lane gets the sum.
+template <int LANES>
+__device__ __forceinline__ float stream_sum(float v) {
+#pragma unroll
+  for (int offset = LANES / 2; offset >= 1; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 template <class T, class Policy>
 __device__ __forceinline__ void store_result(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
                                              std::int64_t d, const ChunkState& s, float o) {
-  if constexpr (Policy::kUsesValues) p.out.at<T>(b, row.query, row.head)[d * p.out.dim] = narrow_to<T>(Policy::output(s, o));
+  if constexpr (Policy::kUsesValues) {
+    T* const out = p.out.at<T>(b, row.query, row.head) + d * p.out.dim;
+    *out = narrow_to<T>(Policy::output(s, o) + (p.add_to_out ? widen(*out) : 0.f));
+  }
   if (d == 0) Policy::store(p, b, row, s);
 }
 
@@ -368,6 +429,14 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
 #pragma unroll
         for (int e = 0; e < E; ++e) q[j][e] = widen(qr[e * p.q.dim]) * x_scale;
       }
+    }
+    if constexpr (Policy::kUnitRows) {
+      float sum_sq = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) sum_sq = fmaf(q[j][e], q[j][e], sum_sq);
+      const float inv = math::inverse_norm(stream_sum<LANES>(sum_sq), p.norm_eps);
+#pragma unroll
+      for (int e = 0; e < E; ++e) q[j][e] *= inv;
     }
   }
 
@@ -454,7 +523,13 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
         for (int e = 0; e < E; ++e) x = fmaf(q[j][e], kf[e], x);
         dots[j] = x;
       }
-      const float x = reduce_scatter<LANES, ROWS>(dots, lane);
+      float x = reduce_scatter<LANES, ROWS>(dots, lane);
+      if constexpr (Policy::kUnitRows) {
+        float sum_sq = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) sum_sq = fmaf(kf[e], kf[e], sum_sq);
+        x *= math::inverse_norm(stream_sum<LANES>(sum_sq), p.norm_eps);
+      }
       float weight = 0.f, factor = 1.f;
       if (i >= s_lo && i < my_limit) policy.step(state, x, weight, factor);
       if constexpr (!Policy::kUsesValues) continue;
