@@ -39,6 +39,14 @@ struct DecodeParams {
   Operand beta, lambda;
   float power = 2.f, norm_eps = 1e-6f;
   bool clamp_lambda = true, add_to_out = false;
+  // The entmax threshold search over the cache (entmax and Sieve's exact filter): per row
+  // ([b][query][head]) its largest x and a floor under tau, the count and list of the keys above
+  // the floor (decode.cuh's kSearchCapacity a row), and a flag raised where a row's keys
+  // overflow its list.
+  float* search_rows = nullptr;  // two floats a row
+  int* search_counts = nullptr;
+  float* search_lists = nullptr;
+  int* search_overflow = nullptr;
 
   CacheOperand k, v;
   const std::int32_t* block_table = nullptr;  // null: contiguous

@@ -83,6 +83,13 @@ void sieve_bound_thresholds(const detail::DecodeParams& p);
 // Threshold attention's view (TRA; TDA's second view with p.lambda and p.add_to_out), 16-bit:
 // queries and keys normalized as they are read.
 void threshold_decode(const detail::DecodeParams& p);
+// entmax's threshold search (alpha = p.alpha) over the cache on the decoding kernel, for entmax
+// and Sieve's exact filter: the rows' thresholds into `result` as tau * result_scale. Waits for
+// the device; false, with `result` partly written, where some row's keys above its floor
+// overflow the list, for the caller to search on the forward kernel instead.
+bool decode_thresholds(detail::DecodeParams p, float tolerance, const detail::Operand& result, float result_scale);
+// Those calls that found every row's threshold (for tests).
+std::int64_t decode_searches();
 // Calls of the decoding kernels since the process started (for tests: which path a forward took).
 std::int64_t decode_calls();
 // Forward calls with a short suffix of queries (batched, at most 8 per sequence) that the

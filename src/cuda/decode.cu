@@ -63,7 +63,7 @@ void run(DecodeParams p) {
   const std::size_t slots =
       p.splits > 1 ? static_cast<std::size_t>(p.num_seqs * p.heads_kv * group_rows * p.splits) : 0;
   DeviceBuffer partial_out(p.allocator, stream, slots * p.dim_v * sizeof(float));
-  DeviceBuffer partial_stats(p.allocator, stream, slots * sizeof(decode::ChunkState));
+  DeviceBuffer partial_stats(p.allocator, stream, slots * sizeof(typename decode::state_of<Policy>::type));
   p.partial_out = partial_out.as<float>();
   p.partial_stats = partial_stats.as<float>();
   const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.heads_kv * p.row_groups),
@@ -147,6 +147,40 @@ void sieve_decode(const DecodeParams& p) { dispatch<decode::SieveDecode, true>(p
 void entmax_decode(const DecodeParams& p) { dispatch<decode::EntmaxDecode, true>(p); }
 void sieve_bound_thresholds(const DecodeParams& p) { dispatch<decode::RowMaxDecode, true>(p); }
 void threshold_decode(const DecodeParams& p) { dispatch<decode::ThresholdDecode, true>(p); }
+
+namespace {
+std::atomic<std::int64_t> searches{0};
+}  // namespace
+
+bool decode_thresholds(DecodeParams p, float tolerance, const detail::Operand& result, float result_scale) {
+  const std::int64_t rows = p.num_seqs * p.len_q * p.heads_q;
+  if (rows == 0) return true;
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.cuda_stream);
+  DeviceBuffer scratch(p.allocator, stream,
+                       static_cast<std::size_t>(rows * (2 + decode::kSearchCapacity)) * sizeof(float) +
+                           static_cast<std::size_t>(rows + 1) * sizeof(int));
+  p.search_rows = scratch.as<float>();
+  p.search_lists = p.search_rows + 2 * rows;
+  p.search_counts = reinterpret_cast<int*>(p.search_lists + rows * decode::kSearchCapacity);
+  p.search_overflow = p.search_counts + rows;
+  check(cudaMemsetAsync(p.search_counts, 0, static_cast<std::size_t>(rows + 1) * sizeof(int), stream),
+        "clearing the search's counts");
+  dispatch<decode::TopScoresDecode, true>(p);
+  dispatch<decode::CollectDecode, true>(p);
+  constexpr int kWarps = decode::kSearchWarps;
+  decode::decode_search_kernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), 32 * kWarps, 0, stream>>>(
+      p, tolerance, result, result_scale);
+  check_launch("decode_search_kernel");
+  int overflow = 0;
+  check(cudaMemcpyAsync(&overflow, p.search_overflow, sizeof(int), cudaMemcpyDeviceToHost, stream),
+        "reading the search's overflow flag");
+  check(cudaStreamSynchronize(stream), "the threshold search over the cache");
+  if (overflow != 0) return false;
+  searches.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+std::int64_t decode_searches() { return searches.load(); }
 std::int64_t decode_calls() { return calls.load(); }
 
 std::int64_t first_bad_paged_sequence(const DecodeParams& p, std::int64_t num_pages) {

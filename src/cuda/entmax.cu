@@ -105,10 +105,17 @@ struct FusedEntmaxForward {
     e.tau = p.stats;
     const float tau_to_score = static_cast<float>(p.scale * (cfg.alpha - 1.0));
     if (cfg.support == nullptr) {
-      // A short suffix of queries without a support record (inference) takes the cache once in
-      // the split-KV decoding kernel behind the search; with one, the forward's output sweep
-      // lists the supports.
+      // A short suffix of queries without a support record (inference) takes the cache in the
+      // split-KV decoding kernels, the threshold search's too (the forward kernel's sweeps where
+      // a row's candidates overflow their list); with one, the forward's output sweep lists the
+      // supports.
       const bool decodes = decode_path_applies(p);
+      if (decodes) {
+        detail::DecodeParams d = decode_params_of(p);
+        d.threshold = p.stats;
+        d.alpha = static_cast<float>(cfg.alpha);
+        if (decode_thresholds(d, t.tolerance, p.stats, 1.f)) return entmax_decode(d);
+      }
       find_thresholds<T, D>(p, t, tiles, [&] {
         if (decodes) {
           detail::DecodeParams d = decode_params_of(p);

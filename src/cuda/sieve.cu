@@ -54,6 +54,12 @@ struct FusedSieveForward {
       sieve_bound_thresholds(d);
       return sieve_decode(d);
     }
+    // The exact filter's: entmax's search on the decoding kernels too, unless a row's candidates
+    // overflow their list.
+    if (decodes) {
+      d.alpha = static_cast<float>(cfg.alpha);
+      if (decode_thresholds(d, t.tolerance, cfg.threshold, t.result_scale)) return sieve_decode(d);
+    }
     LiveTileSelection tiles(p);
     find_thresholds<T, D>(p, t, tiles, [&] {
       if (decodes) return sieve_decode(d);

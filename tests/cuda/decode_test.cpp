@@ -104,9 +104,10 @@ TEST(CudaContiguousDecode, ShortQuerySuffixesMatchTheReferenceWithGradients) {
 
 // Sieve (both filters) and alpha-entmax decode behind their threshold search over the whole
 // cache, in their fused path's types: the same suffixes, forward and gradients, Sieve's
-// thresholds and candidate counts, and the decoding kernels seen to run. The flat rows (input
-// std 0.05: most keys in each support) overflow the search's candidate lists, so that the
-// decoding kernel enqueued behind the collect sweep runs again after the step sweeps.
+// thresholds and candidate counts, and the decoding kernels seen to run. The search runs on the
+// decoding kernels too where every row's keys above its floor fit a list; the flat rows (input
+// std 0.05: most keys in each support) overflow those lists and the forward kernel's collect
+// sweep's, so they take the forward kernel's search with its step sweeps.
 TEST(CudaContiguousDecode, SieveAndEntmaxDecodeBehindTheirSearch) {
   for (const ProblemShape& shape : suffix_shapes()) {
     for (double input_std : {1.0, 0.05}) {
@@ -118,9 +119,21 @@ TEST(CudaContiguousDecode, SieveAndEntmaxDecodeBehindTheirSearch) {
                        std::to_string(input_std));
           CudaPlacement gpu;
           const RunConfig cfg = suffix_config(shape, m, dtype, &gpu);
-          const std::int64_t calls = cuda::decode_calls();
+          const std::int64_t calls = cuda::decode_calls(), searches = cuda::decode_searches();
           const Results got = run(problem, cfg);
           EXPECT_GT(cuda::decode_calls(), calls) << "the decoding kernels ran";
+          // Spread rows' few candidates fit the lists for alpha >= 1.5, so the search ran on
+          // the decoding kernels (alpha 1.3's flatter weights leave hundreds of keys above the
+          // floor; Sieve's bound filter has no search, its threshold is the row maximum's).
+          if (input_std == 1.0 && m != Mechanism::sieve_bound && alpha_of(m) >= 1.5) {
+            EXPECT_GT(cuda::decode_searches(), searches) << "the search ran on the decoding kernels";
+            // Its lists are filed in arrival order and sorted before the solve.
+            if (dtype == DType::bfloat16) {
+              const Results again = run(problem, cfg);
+              EXPECT_EQ(got.out, again.out) << "a second call gives the same bits";
+              EXPECT_EQ(got.stat, again.stat) << "a second call gives the same statistic";
+            }
+          }
           RunConfig ref;
           ref.mechanism = m;
           ref.backend = Backend::reference;

@@ -23,6 +23,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/decode_params.h"
 #include "cuda/element_types.cuh"
@@ -53,6 +54,21 @@ constexpr float kLn2 = 0.6931471805599453f;
 struct ChunkState {
   float a, b;
 };
+
+// A policy's state type (Policy::State where it has one, else ChunkState), and whether only one
+// lane of each row's group builds it live (kLeaderOnly: a policy with side effects per key).
+template <class P, class = void>
+struct state_of {
+  using type = ChunkState;
+};
+template <class P>
+struct state_of<P, std::void_t<typename P::State>> {
+  using type = typename P::State;
+};
+template <class P, class = void>
+struct leader_only : std::false_type {};
+template <class P>
+struct leader_only<P, std::void_t<decltype(P::kLeaderOnly)>> : std::bool_constant<P::kLeaderOnly> {};
 
 // The sequence's query and head of row r of kv head hk's group (rows run query-major).
 struct GroupRow {
@@ -353,6 +369,198 @@ struct ThresholdDecode {
   }
 };
 
+// alpha-entmax's threshold search over the cache (entmax, and Sieve's exact filter), in the
+// units x = (alpha - 1) z it solves in: two passes without values, then a warp per row
+// (decode_search_kernel). The first keeps each row's kTopScores largest x and writes the largest
+// and a floor under tau (math::entmax::threshold_floor over them: the few keys' own root); the
+// second lists the keys above the floor, as the forward's collect sweep does; the warp solves
+// on the list exactly (sparsemax, 1.5-entmax) or by the bracketed search.
+constexpr int kTopScores = 8;
+// Keys above a row's floor that its list holds: on random scores a few dozen at 16K keys (the
+// forward's collect sweep, whose lists hold 64 a thread); flat rows hold hundreds and more.
+constexpr int kSearchCapacity = 256;
+constexpr int kSearchWarps = 4;  // rows a block of decode_search_kernel solves
+
+__device__ __forceinline__ std::int64_t search_row(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row) {
+  return (b * p.len_q + row.query) * p.heads_q + row.head;
+}
+
+struct TopScores {
+  float x[kTopScores];  // descending; -inf past the keys seen
+};
+
+struct TopScoresDecode {
+  using State = TopScores;
+  static constexpr bool kRescales = false;
+  static constexpr bool kUsesValues = false;
+  static constexpr bool kUnitRows = false;
+  float alpha;
+  __device__ static float query_scale(const detail::DecodeParams& p) {
+    return static_cast<float>(p.scale) * (p.alpha - 1.f);
+  }
+  __device__ TopScoresDecode(const detail::DecodeParams& p, std::int64_t, const GroupRow&, bool) : alpha(p.alpha) {}
+  __device__ static State empty() {
+    State s;
+#pragma unroll
+    for (int i = 0; i < kTopScores; ++i) s.x[i] = -INFINITY;
+    return s;
+  }
+  // x into the sorted list: each entry becomes max(itself, min(the one above it, x)), from the
+  // bottom up so that the one above is still the old one.
+  __device__ static void insert(State& s, float x) {
+#pragma unroll
+    for (int i = kTopScores - 1; i > 0; --i) s.x[i] = fmaxf(s.x[i], fminf(s.x[i - 1], x));
+    s.x[0] = fmaxf(s.x[0], x);
+  }
+  __device__ void step(State& s, float x, float& p, float& c) const {
+    p = 0.f;
+    c = 1.f;
+    if (x > s.x[kTopScores - 1]) insert(s, x);
+  }
+  __device__ static void merge(State& left, const State& right, float& f_left, float& f_right) {
+#pragma unroll
+    for (int i = 0; i < kTopScores; ++i) {
+      if (right.x[i] > left.x[kTopScores - 1]) insert(left, right.x[i]);
+    }
+    f_left = 1.f;
+    f_right = 1.f;
+  }
+  __device__ static float output(const State&, float) { return 0.f; }
+  __device__ static void store(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row, const State& s) {
+    float floor = -INFINITY;
+    if (s.x[0] > -INFINITY) {
+      math::entmax::with_family(p.alpha, [&](auto family) {
+        floor = math::entmax::threshold_floor<decltype(family)::value>(s.x, p.alpha);
+      });
+    }
+    float* const out = p.search_rows + 2 * search_row(p, b, row);
+    out[0] = s.x[0];
+    out[1] = floor;
+  }
+};
+
+// The second pass: every visible key above its row's floor into the row's list (one lane of the
+// row's group appends: kLeaderOnly).
+struct CollectDecode {
+  static constexpr bool kRescales = false;
+  static constexpr bool kUsesValues = false;
+  static constexpr bool kUnitRows = false;
+  static constexpr bool kLeaderOnly = true;
+  float floor = INFINITY;
+  int* count = nullptr;
+  float* list = nullptr;
+  __device__ static float query_scale(const detail::DecodeParams& p) {
+    return static_cast<float>(p.scale) * (p.alpha - 1.f);
+  }
+  __device__ CollectDecode(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row, bool live) {
+    if (!live) return;
+    const std::int64_t r = search_row(p, b, row);
+    floor = p.search_rows[2 * r + 1];
+    count = p.search_counts + r;
+    list = p.search_lists + r * kSearchCapacity;
+  }
+  __device__ static ChunkState empty() { return {0.f, 0.f}; }
+  __device__ void step(ChunkState&, float x, float& p, float& c) const {
+    p = 0.f;
+    c = 1.f;
+    if (x > floor) {
+      const int slot = atomicAdd(count, 1);
+      if (slot < kSearchCapacity) list[slot] = x;
+    }
+  }
+  __device__ static void merge(ChunkState&, const ChunkState&, float& f_left, float& f_right) {
+    f_left = 1.f;
+    f_right = 1.f;
+  }
+  __device__ static float output(const ChunkState&, float) { return 0.f; }
+  __device__ static void store(const detail::DecodeParams&, std::int64_t, const GroupRow&, const ChunkState&) {}
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// A warp per row of the problem ([b][query][head] order): tau from the row's list, written as
+// tau * result_scale into `result` (entmax: tau itself; Sieve: tau / (alpha - 1), score units).
+// The list is sorted first (each entry placed by its rank): the atomics filed it in arrival
+// order, and sums in that order would make tau differ in its last bits from run to run. A row
+// whose keys overflowed its list raises the flag and writes nothing: the caller searches on the
+// forward kernel instead.
+__global__ void __launch_bounds__(32 * kSearchWarps) decode_search_kernel(const detail::DecodeParams p,
+                                                                          float tolerance, detail::Operand result,
+                                                                          float result_scale) {
+  namespace em = math::entmax;
+  __shared__ float s_sorted[kSearchWarps][kSearchCapacity];
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kSearchWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t rows = p.num_seqs * p.len_q * p.heads_q;
+  if (r >= rows) return;
+  const std::int64_t head = r % p.heads_q, query = (r / p.heads_q) % p.len_q, b = r / (p.heads_q * p.len_q);
+  const int listed = p.search_counts[r];
+  if (listed > kSearchCapacity) {
+    if (lane == 0) atomicOr(p.search_overflow, 1);
+    return;
+  }
+  const int n = visible_keys(p, sequence_keys(p, b), query);
+  float* const out = result.at<float>(b, query, head);
+  if (n == 0) {
+    if (lane == 0) *out = 0.f;  // as the forward's first sweep leaves a row without keys
+    return;
+  }
+  const float* const filed = p.search_lists + r * kSearchCapacity;
+  float* const list = s_sorted[threadIdx.x / 32];
+  for (int i = lane; i < listed; i += 32) {
+    const float x = filed[i];
+    int rank = 0;
+    for (int j = 0; j < listed; ++j) {
+      const float y = filed[j];
+      rank += y > x || (y == x && j < i) ? 1 : 0;
+    }
+    list[rank] = x;
+  }
+  __syncwarp();
+  em::ThresholdSearch<float, em::kCudaSearchProbes> search(p.alpha, tolerance);
+  search.start(p.search_rows[2 * r], static_cast<float>(n), p.search_rows[2 * r + 1]);
+  em::with_family(p.alpha, [&](auto family) {
+    constexpr em::Family F = decltype(family)::value;
+    if constexpr (F == em::Family::sparsemax || F == em::Family::entmax15) {
+      em::ListThreshold<F, float> list_search(search.tau());
+      for (int step = 0; step < em::kMaxSearchSteps && !search.done() && !list_search.done; ++step) {
+        em::GapMoments<float> m;
+        for (int i = lane; i < listed; i += 32) m.add(list[i] - list_search.tau);
+        m.count = warp_sum(m.count);
+        m.sum = warp_sum(m.sum);
+        m.sum_sq = warp_sum(m.sum_sq);
+#pragma unroll
+        for (int offset = 16; offset >= 1; offset /= 2) m.min = fminf(m.min, __shfl_xor_sync(0xffffffffu, m.min, offset));
+        list_search.step(m, tolerance);
+      }
+      if (!search.done()) search.settle(list_search.tau);
+    } else {
+      constexpr int K = em::kCudaSearchProbes;
+      for (int step = 0; step < em::kMaxSearchSteps && !search.done(); ++step) {
+        float f[K] = {}, u[K] = {};
+        for (int i = lane; i < listed; i += 32) {
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            f[k] += em::weight<F>(list[i] - search.probe(k), p.alpha);
+            u[k] += em::grad_weight<F>(list[i] - search.probe(k), p.alpha);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          f[k] = warp_sum(f[k]);
+          u[k] = warp_sum(u[k]);
+        }
+        search.step(f, u);
+      }
+    }
+  });
+  if (lane == 0) *out = search.tau() * result_scale;
+}
+
 // Sums v over the LANES lanes of a stream; every lane gets the sum.
 template <int LANES>
 __device__ __forceinline__ float stream_sum(float v) {
@@ -361,9 +569,9 @@ __device__ __forceinline__ float stream_sum(float v) {
   return v;
 }
 
-template <class T, class Policy>
+template <class T, class Policy, class State>
 __device__ __forceinline__ void store_result(const detail::DecodeParams& p, std::int64_t b, const GroupRow& row,
-                                             std::int64_t d, const ChunkState& s, float o) {
+                                             std::int64_t d, const State& s, float o) {
   if constexpr (Policy::kUsesValues) {
     T* const out = p.out.at<T>(b, row.query, row.head) + d * p.out.dim;
     *out = narrow_to<T>(Policy::output(s, o) + (p.add_to_out ? widen(*out) : 0.f));
@@ -380,13 +588,14 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
   constexpr int kAhead = sizeof(T) == 2 ? kAhead16 : kAhead32;
   static_assert(kThreads % LANES == 0 && LANES <= 32, "a stream lies inside one warp");
   using Features = LaneFeatures<T>;
+  using State = typename state_of<Policy>::type;
   constexpr int kWords = Features::kWords;
   // The ring while the streams walk (ring[step][u][k or v][word][thread]: a warp's 16-byte words
   // side by side), then the streams' outputs and states for their merge. 48 KB: static shared
   // memory's limit, with no launch attribute.
   struct Merge {
     float out[kStreams][ROWS][kWidth];
-    ChunkState state[kStreams][ROWS];
+    State state[kStreams][ROWS];
   };
   constexpr int kRingWords = kRingSteps * kAhead * 2 * kWords * kThreads;
   constexpr int kSharedBytes = static_cast<int>(sizeof(Merge)) > 16 * kRingWords ? static_cast<int>(sizeof(Merge))
@@ -449,8 +658,9 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
   const int s_lo = lo + stream * per;
   const int s_hi = min(hi, s_lo + per);
 
-  const Policy policy(p, b, my_row < rows ? group_row(p, hk, row0 + my_row) : GroupRow{0, 0}, my_row < rows);
-  ChunkState state = Policy::empty();
+  const bool live_row = my_row < rows && (!leader_only<Policy>::value || lane % kRowLanes == 0);
+  const Policy policy(p, b, my_row < rows ? group_row(p, hk, row0 + my_row) : GroupRow{0, 0}, live_row);
+  State state = Policy::empty();
   float o[ROWS][E];
 #pragma unroll
   for (int j = 0; j < ROWS; ++j) {
@@ -573,7 +783,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
   for (int idx = threadIdx.x; idx < rows * kWidth; idx += kThreads) {
     const int j = idx / kWidth, d = idx % kWidth;
     if (d >= out_width) continue;
-    ChunkState acc = s_state[0][j];
+    State acc = s_state[0][j];
     float acc_o = Policy::kUsesValues ? s_out[0][j][d] : 0.f;
     for (int t = 1; t < kStreams; ++t) {
       float f_left, f_right;
@@ -585,7 +795,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
     } else {
       const std::int64_t slot = ((b * p.heads_kv + hk) * group_rows + row0 + j) * splits + split;
       if constexpr (Policy::kUsesValues) p.partial_out[slot * p.dim_v + d] = acc_o;
-      if (d == 0) reinterpret_cast<ChunkState*>(p.partial_stats)[slot] = acc;
+      if (d == 0) reinterpret_cast<State*>(p.partial_stats)[slot] = acc;
     }
   }
 }
@@ -596,11 +806,12 @@ __global__ void __launch_bounds__(kThreads) decode_combine_kernel(const detail::
   const std::int64_t r = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int splits = p.splits;
   const std::int64_t first = ((b * p.heads_kv + hk) * p.group_rows() + r) * splits;
-  const ChunkState* stats = reinterpret_cast<const ChunkState*>(p.partial_stats) + first;
+  using State = typename state_of<Policy>::type;
+  const State* stats = reinterpret_cast<const State*>(p.partial_stats) + first;
   const GroupRow row = group_row(p, hk, r);
   const std::int64_t out_width = Policy::kUsesValues ? p.dim_v : 1;
   for (std::int64_t d = threadIdx.x; d < out_width; d += blockDim.x) {
-    ChunkState acc = stats[0];
+    State acc = stats[0];
     float acc_o = Policy::kUsesValues ? p.partial_out[first * p.dim_v + d] : 0.f;
     for (int s = 1; s < splits; ++s) {
       float f_left, f_right;
