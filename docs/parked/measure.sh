@@ -108,15 +108,21 @@ else
     say "suite, $kernels kernels: $passed of $ran passed; failures: $(grep -hE '^\[  FAILED  \] [A-Za-z]' "$R"/suite-$kernels-*.log | sed 's/, where GetParam.*//' | sort -u | head -8 | tr '\n' ' ')"
   done
   F=${SANITIZE_FILTER:-'CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*:CudaSmallDecode.*:CudaContiguousDecode.*:Cuda/CudaPagedDecode.*'}
-  for i in 0 1 2 3; do
-    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout "${SANITIZE_SECONDS:-500}" compute-sanitizer --tool racecheck --error-exitcode 9 \
-      $T --gtest_brief=1 --gtest_filter="$F" > "$R/racecheck-$i.log" 2>&1 &
+  # The sanitizers' logs keep each test's name (no --gtest_brief), so that a run cut off by its
+  # time limit says which test it was in ($SANITIZE_SHARDS: more shards, less to cut off).
+  shards=${SANITIZE_SHARDS:-4}
+  for (( i = 0; i < shards; ++i )); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${SANITIZE_SECONDS:-500}" compute-sanitizer --tool racecheck --error-exitcode 9 \
+      $T --gtest_filter="$F" > "$R/racecheck-$i.log" 2>&1 &
   done
-  timeout "${SANITIZE_SECONDS:-500}" compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter="$F" \
+  timeout "${SANITIZE_SECONDS:-500}" compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_filter="$F" \
     > "$R/memcheck.log" 2>&1 &
   wait
   for f in "$R"/racecheck-*.log "$R"/memcheck.log; do
     say "$(basename "$f" .log): $(grep -hE 'RACECHECK SUMMARY|ERROR SUMMARY|PASSED|tests ran' "$f" | tr '\n' ' ')"
+    if ! grep -qE 'RACECHECK SUMMARY|ERROR SUMMARY' "$f"; then
+      say "  cut off by the time limit in: $(grep -E '^\[ RUN      \]' "$f" | tail -1 | sed 's/^\[ RUN      \] //')"
+    fi
   done
 fi
 
