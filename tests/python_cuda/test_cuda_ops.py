@@ -121,6 +121,48 @@ def test_sieve_cuda_matches_composed(dtype, tol, dim, filter):
         assert rel(g, r) < tol
 
 
+# A short suffix of queries against a long cache: on CUDA the forward calls hand it to the
+# split-KV decoding kernels (at most 8 queries a sequence, batched, no gradient wanted), every
+# mechanism with its threshold found on them too; the same calls on the CPU kernels in float64
+# on the same (bf16-rounded) inputs are the reference.
+def _suffix_call(mechanism, q, k, v, q2, k2):
+    f64 = q.dtype == torch.float64
+    if mechanism == "softmax":
+        return winnow.softmax_attention(q, k, v)
+    if mechanism == "stick_breaking":
+        return winnow.stick_breaking_attention(q, k, v)[:2]
+    if mechanism in ("sieve_exact", "sieve_bound"):
+        return winnow.sieve_attention(q, k, v, filter=mechanism.split("_")[1])[:2]
+    if mechanism == "entmax15":
+        return winnow.entmax_attention(q, k, v, alpha=1.5)
+    beta = torch.full((q.shape[2],), 0.5, dtype=torch.float64 if f64 else torch.float32, device=q.device)
+    if mechanism == "tra":
+        return winnow.threshold_attention(q, k, v, beta)
+    lam = torch.full((1,), 0.3, dtype=beta.dtype, device=q.device)
+    return winnow.threshold_attention(q, k, v, beta, lam=lam, q2=q2, k2=k2)
+
+
+@pytest.mark.parametrize("mechanism", ["softmax", "stick_breaking", "sieve_exact", "sieve_bound", "entmax15",
+                                       "tra", "tda"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_short_suffix_decoding_matches_cpu(mechanism, q_len):
+    torch.manual_seed(12)
+    b, lk, hq, hkv, d = 2, 1500, 8, 2, 128
+    q, q2 = ((torch.randn(b, q_len, hq, d) * 2).to(torch.bfloat16) for _ in range(2))
+    k, k2, v = (torch.randn(b, lk, hkv, d).to(torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        got = _suffix_call(mechanism, *(t.cuda() for t in (q, k, v, q2, k2)))
+        want = _suffix_call(mechanism, *(t.double() for t in (q, k, v, q2, k2)))
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for g in got:
+        assert g.is_cuda and torch.isfinite(g.float()).all()
+    assert got[0].shape == want[0].shape and rel(got[0].cpu(), want[0]) < 3e-2
+    if len(got) > 1:  # the remainder, in [0, 1], here mostly near 0: an absolute bound
+        assert got[1].shape == want[1].shape
+        assert (got[1].cpu().double() - want[1]).abs().max().item() < 1e-2
+
+
 def test_rms_norm_cuda_into_bfloat16_matches_composed():
     torch.manual_seed(7)
     x = (3 * torch.randn(4, 33, 256, device="cuda")).requires_grad_()
