@@ -12,8 +12,9 @@
 #      only the patches named in $PATCHES get an A/B, on top of them);
 # 2. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each);
 # 3. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests;
-# 4. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x;
-# 5. with $AFTER set, that command line.
+# 4. the Python operators' CUDA tests, where winnow_torch was built (PYCUDA=0 skips them);
+# 5. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x;
+# 6. with $AFTER set, that command line.
 # Everything goes to $RESULTS (tools/gpu_detached.sh); progress.txt ends with the stick-breaking
 # and Sieve rows of every benchmark run, the table to read first. Measured on 2026-11-29: the
 # cold build 7.5 minutes, a rebuild after a patch to the attention kernels 4, each round of the
@@ -124,6 +125,14 @@ else
       say "  cut off by the time limit in: $(grep -E '^\[ RUN      \]' "$f" | tail -1 | sed 's/^\[ RUN      \] //')"
     fi
   done
+fi
+
+# The Python operators on CUDA (tests/python_cuda), where the operator library was built;
+# PYCUDA=0 skips them.
+if [[ "${PYCUDA:-1}" != 0 && -f build-gpu/libwinnow_torch.so ]]; then
+  WINNOW_LIBRARY="$PWD/build-gpu/libwinnow_torch.so" PYTHONPATH="$PWD/python:$PWD/tests/python" \
+    timeout 600 python3 -m pytest -q -p no:cacheprovider tests/python_cuda > "$R/pycuda.log" 2>&1
+  say "pycuda: rc $?, $(tail -1 "$R/pycuda.log"); $(grep -E '^(FAILED|ERROR)' "$R/pycuda.log" | head -5 | tr '\n' ' ')"
 fi
 
 # STUDIES: "FILE=REGEX" pairs separated by ';', e.g.
