@@ -78,7 +78,9 @@ void run(DecodeParams p) {
   }
 }
 
-std::atomic<std::int64_t> calls{0};
+// Calls of the decoding kernels, and the threshold searches that found every row's threshold
+// on them (for tests: decode_calls, decode_searches).
+std::atomic<std::int64_t> calls{0}, searches{0};
 
 // kSixteenBit: the mechanisms that decode only behind the fused path's threshold search, which
 // takes bf16 and fp16 alone; their float32 kernels would never run.
@@ -147,10 +149,6 @@ void sieve_decode(const DecodeParams& p) { dispatch<decode::SieveDecode, true>(p
 void entmax_decode(const DecodeParams& p) { dispatch<decode::EntmaxDecode, true>(p); }
 void sieve_bound_thresholds(const DecodeParams& p) { dispatch<decode::RowMaxDecode, true>(p); }
 void threshold_decode(const DecodeParams& p) { dispatch<decode::ThresholdDecode, true>(p); }
-
-namespace {
-std::atomic<std::int64_t> searches{0};
-}  // namespace
 
 bool decode_thresholds(DecodeParams p, float tolerance, const detail::Operand& result, float result_scale) {
   const std::int64_t rows = p.num_seqs * p.len_q * p.heads_q;

@@ -110,19 +110,15 @@ struct FusedEntmaxForward {
       // a row's candidates overflow their list); with one, the forward's output sweep lists the
       // supports.
       const bool decodes = decode_path_applies(p);
+      detail::DecodeParams d;
       if (decodes) {
-        detail::DecodeParams d = decode_params_of(p);
+        d = decode_params_of(p);
         d.threshold = p.stats;
         d.alpha = static_cast<float>(cfg.alpha);
         if (decode_thresholds(d, t.tolerance, p.stats, 1.f)) return entmax_decode(d);
       }
       find_thresholds<T, D>(p, t, tiles, [&] {
-        if (decodes) {
-          detail::DecodeParams d = decode_params_of(p);
-          d.threshold = p.stats;
-          d.alpha = static_cast<float>(cfg.alpha);
-          return entmax_decode(d);
-        }
+        if (decodes) return entmax_decode(d);
         launch_fused_forward<T, D, EntmaxRows>(p, e, tiles.select(p.stats, tau_to_score));
       });
       return;

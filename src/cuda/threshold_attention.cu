@@ -1095,10 +1095,6 @@ struct SimpleBackward {
   }
 };
 
-}  // namespace
-
-namespace {
-
 // A short suffix of queries (decoding) on the split-KV kernels (decode.cuh's ThresholdDecode),
 // which normalize queries and keys as they read them, rather than normalizing the whole cache
 // into new rows first; TDA's second view is a second pass adding into the first's output.

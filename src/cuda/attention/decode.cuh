@@ -476,10 +476,21 @@ struct CollectDecode {
   __device__ static void store(const detail::DecodeParams&, std::int64_t, const GroupRow&, const ChunkState&) {}
 };
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Sums v over the LANES lanes of a stream (a whole warp: 32); every lane gets the sum.
+template <int LANES>
+__device__ __forceinline__ float stream_sum(float v) {
 #pragma unroll
-  for (int offset = 16; offset >= 1; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = LANES / 2; offset >= 1; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+
+// 1 / |x| of a row whose E features a lane holds, over the LANES lanes of its stream (kUnitRows).
+template <int LANES, int E>
+__device__ __forceinline__ float stream_inverse_norm(const float (&x)[E], float eps) {
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) sum_sq = fmaf(x[e], x[e], sum_sq);
+  return math::inverse_norm(stream_sum<LANES>(sum_sq), eps);
 }
 
 // A warp per row of the problem ([b][query][head] order): tau from the row's list, written as
@@ -530,9 +541,9 @@ __global__ void __launch_bounds__(32 * kSearchWarps) decode_search_kernel(const 
       for (int step = 0; step < em::kMaxSearchSteps && !search.done() && !list_search.done; ++step) {
         em::GapMoments<float> m;
         for (int i = lane; i < listed; i += 32) m.add(list[i] - list_search.tau);
-        m.count = warp_sum(m.count);
-        m.sum = warp_sum(m.sum);
-        m.sum_sq = warp_sum(m.sum_sq);
+        m.count = stream_sum<32>(m.count);
+        m.sum = stream_sum<32>(m.sum);
+        m.sum_sq = stream_sum<32>(m.sum_sq);
 #pragma unroll
         for (int offset = 16; offset >= 1; offset /= 2) m.min = fminf(m.min, __shfl_xor_sync(0xffffffffu, m.min, offset));
         list_search.step(m, tolerance);
@@ -551,22 +562,14 @@ __global__ void __launch_bounds__(32 * kSearchWarps) decode_search_kernel(const 
         }
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-          f[k] = warp_sum(f[k]);
-          u[k] = warp_sum(u[k]);
+          f[k] = stream_sum<32>(f[k]);
+          u[k] = stream_sum<32>(u[k]);
         }
         search.step(f, u);
       }
     }
   });
   if (lane == 0) *out = search.tau() * result_scale;
-}
-
-// Sums v over the LANES lanes of a stream; every lane gets the sum.
-template <int LANES>
-__device__ __forceinline__ float stream_sum(float v) {
-#pragma unroll
-  for (int offset = LANES / 2; offset >= 1; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
 }
 
 template <class T, class Policy, class State>
@@ -640,10 +643,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
       }
     }
     if constexpr (Policy::kUnitRows) {
-      float sum_sq = 0.f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) sum_sq = fmaf(q[j][e], q[j][e], sum_sq);
-      const float inv = math::inverse_norm(stream_sum<LANES>(sum_sq), p.norm_eps);
+      const float inv = stream_inverse_norm<LANES>(q[j], p.norm_eps);
 #pragma unroll
       for (int e = 0; e < E; ++e) q[j][e] *= inv;
     }
@@ -734,12 +734,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const detail::De
         dots[j] = x;
       }
       float x = reduce_scatter<LANES, ROWS>(dots, lane);
-      if constexpr (Policy::kUnitRows) {
-        float sum_sq = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) sum_sq = fmaf(kf[e], kf[e], sum_sq);
-        x *= math::inverse_norm(stream_sum<LANES>(sum_sq), p.norm_eps);
-      }
+      if constexpr (Policy::kUnitRows) x *= stream_inverse_norm<LANES>(kf, p.norm_eps);
       float weight = 0.f, factor = 1.f;
       if (i >= s_lo && i < my_limit) policy.step(state, x, weight, factor);
       if constexpr (!Policy::kUsesValues) continue;
