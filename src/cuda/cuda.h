@@ -101,6 +101,13 @@ detail::DecodeParams decode_params_of(const detail::AttentionParams& p);
 // page index outside [0, num_pages)), or -1; waits for the device.
 std::int64_t first_bad_paged_sequence(const detail::DecodeParams& p, std::int64_t num_pages);
 
+// Whether the Hopper kernels that can copy tiles through tensor maps (the key-stationary
+// backward's Q and dO) do, rather than with cp.async; returns the previous setting. On unless
+// WINNOW_NO_TENSOR_MAPS is set; for tests and A/B runs in one build.
+bool set_tensor_maps(bool enabled);
+// Launches that copied through tensor maps since the process started (for tests).
+std::int64_t tensor_map_launches();
+
 // Rotary position embedding (winnow/rotary.h), one element-wise pass.
 void rotary(const detail::RotaryParams& p);
 

@@ -16,6 +16,7 @@
 #include "cuda/attention/forward_sm90.cuh"
 #include "cuda/attention/simple.cuh"
 #include "cuda/launch.h"
+#include "cuda/tensor_maps.h"
 
 namespace winnow::cuda {
 
@@ -382,7 +383,17 @@ void launch_keys_backward_kernel(const detail::AttentionParams& p, const detail:
   auto kernel = attention_backward_keys_sm90_kernel<T, D, Keys>;
   const int smem = Sm90KeysBackwardSmem<T, D>::kBytes;
   allow_shared_memory(kernel, smem);
-  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, buf, keys);
+  // The operands by tensor copies where all four can be mapped; the statistics' bulk copies
+  // need 16-byte aligned rows (whole padded tiles of floats from an aligned base).
+  KeysBackwardLoads loads;
+  const auto aligned = [](const float* x) { return reinterpret_cast<std::uintptr_t>(x) % 16 == 0; };
+  loads.tensor = p.cu_seqlens_q == nullptr && aligned(buf.row_stats[0]) && aligned(buf.row_stats[1]) &&
+                 row_tile_map(loads.q, keys.queries(p), p.dtype, p.num_seqs, p.len_q, p.heads_q, D, Shape::kBQ) &&
+                 row_tile_map(loads.dout, g.dout, p.dtype, p.num_seqs, p.len_q, p.heads_q, D, Shape::kBQ) &&
+                 row_tile_map(loads.k, keys.keys(p), p.dtype, p.num_seqs, p.len_k, p.heads_kv, D, Shape::kBK) &&
+                 row_tile_map(loads.v, p.v, p.dtype, p.num_seqs, p.len_k, p.heads_kv, D, Shape::kBK);
+  if (loads.tensor) count_tensor_map_launch();
+  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, g, buf, keys, loads);
   check_launch(name);
 }
 

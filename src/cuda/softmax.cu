@@ -20,7 +20,8 @@ struct FusedForward {
 // keys_backward_fits), and not a gradient of the log-sum-exp, which needs the row kernel.
 // WINNOW_SOFTMAX_ROW_BACKWARD forces the row kernel, for comparison.
 bool keys_backward_applies(const detail::AttentionParams& p, const detail::GradientParams& g) {
-  static const bool rows_forced = std::getenv("WINNOW_SOFTMAX_ROW_BACKWARD") != nullptr;
+  // Read at every call (not once): a test compares the two kernels in one process.
+  const bool rows_forced = std::getenv("WINNOW_SOFTMAX_ROW_BACKWARD") != nullptr;
   return !rows_forced && g.dstats.data == nullptr && keys_backward_fits(p, g);
 }
 

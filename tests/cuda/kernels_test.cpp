@@ -309,6 +309,66 @@ TEST(CudaBackward, KeyStationarySoftmaxMatchesTheReference) {
   }
 }
 
+// The key-stationary backward's producer copies its operands through tensor maps
+// (tile/tensor_copies.cuh: batched operands, 16-byte strides) or with cp.async (packed batches,
+// cuda::set_tensor_maps(false)). Both against the float64 reference and against each other: dK
+// and dV bit for bit (the same values in the same order), dQ to the tolerance (its atomics add
+// in any order). Lengths that leave the last query tile and key block part full (the maps' zero
+// fill), a (B, H, L, D) view (the maps' axes in another stride order), grouped heads, queries
+// shorter than their keys (more than a row-kernel tile of them: with one head a group, fewer
+// take the row kernel, keys_backward_fits); the packed batch must not take the maps.
+TEST(CudaBackward, TensorMapCopiesMatchTheReferenceAndCpAsync) {
+  const ProblemShape shapes[] = {
+      {"d128_gqa_tail", {{193, 193}, {193, 193}}, false, 4, 2, 128, 128},
+      {"d64_suffix", {{150, 333}, {150, 333}, {150, 333}}, false, 2, 2, 64, 64},
+      {"d64_varlen", {{150, 400}, {0, 7}, {200, 200}}, true, 4, 2, 64, 64},
+  };
+  int device = 0, major = 0;
+  cuda_ok(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
+  const bool hopper_kernels = major == 9 && std::getenv("WINNOW_PORTABLE_KERNELS") == nullptr;
+  for (const ProblemShape& shape : shapes) {
+    const Problem problem = Problem::random(shape, 23);
+    for (DType dtype : {DType::bfloat16, DType::float16}) {
+      for (bool permuted : {false, true}) {
+        RunConfig cfg;
+        cfg.mechanism = Mechanism::softmax;
+        cfg.dtype = dtype;
+        cfg.permuted = permuted;
+        CudaPlacement mapped_gpu, copied_gpu;
+        cfg.placement = &mapped_gpu;
+        const std::int64_t before = cuda::tensor_map_launches();
+        const Results mapped = run(problem, cfg);
+        const bool took_maps = cuda::tensor_map_launches() > before;
+        cfg.placement = &copied_gpu;
+        const bool was_on = cuda::set_tensor_maps(false);
+        const std::int64_t before_off = cuda::tensor_map_launches();
+        const Results copied = run(problem, cfg);
+        const std::int64_t after_off = cuda::tensor_map_launches();
+        cuda::set_tensor_maps(was_on);
+        RunConfig ref;
+        ref.mechanism = Mechanism::softmax;
+        ref.backend = Backend::reference;
+        const Results want = run(rounded(problem, dtype), ref);
+        SCOPED_TRACE(shape.name + " " + to_string(dtype) + (permuted ? " permuted" : ""));
+        EXPECT_EQ(took_maps, hopper_kernels && !shape.varlen) << "which copies the backward took";
+        EXPECT_EQ(after_off, before_off) << "no maps once turned off";
+        expect_results_close(mapped, want, tolerance(dtype));
+        expect_results_close(copied, want, tolerance(dtype));
+        // Bit for bit only where both runs took the key-stationary kernel (which sums dK and dV
+        // in a fixed order); the portable backward adds them with atomics.
+        if (took_maps) {
+          EXPECT_EQ(mapped.dk, copied.dk) << "dk, tensor copies against cp.async";
+          EXPECT_EQ(mapped.dv, copied.dv) << "dv, tensor copies against cp.async";
+        }
+        EXPECT_LT(relative_error(mapped.dk, copied.dk), tolerance(dtype)) << "dk, tensor copies against cp.async";
+        EXPECT_LT(relative_error(mapped.dv, copied.dv), tolerance(dtype)) << "dv, tensor copies against cp.async";
+        EXPECT_LT(relative_error(mapped.dq, copied.dq), tolerance(dtype)) << "dq, tensor copies against cp.async";
+      }
+    }
+  }
+}
+
 TEST(CudaHalting, LargeCutoffChangesNothingMeasurable) {
   const Problem problem = Problem::random({"halt", {{600, 600}}, false, 4, 2, 128, 128}, 6);
   for (DType dtype : {DType::bfloat16, DType::float32}) {

@@ -14,8 +14,10 @@
 //
 // Three warpgroups:
 //   producer   copies the block's K and V once, then per query tile Q, dO and the rows' two
-//              statistics (precomputed, padded to whole tiles) into a ring of stages
-//              (cp.async, each copy a fixed step from the one before);
+//              statistics (precomputed, padded to whole tiles) into a ring of stages: by
+//              tensor copies that one thread issues where the host could map the operands
+//              (KeysBackwardLoads), else by cp.async from all 128 threads, each copy a fixed
+//              step from the one before;
 //   consumers  two warpgroups of 64 keys each. Per query tile i, in two rounds of products
 //              that the consumers take turns to issue (c0, c1, c0, c1: one's element-wise
 //              work runs while the other's products do):
@@ -69,6 +71,14 @@ struct KeysBackwardBuffers {
                                                     std::int64_t r) const {
     return (h * p.num_seqs + b) * padded_len + r;
   }
+};
+
+// How the producer copies K, V and each query tile's Q and dO: through the host's tensor maps when
+// `tensor` (batched operands whose base and strides are multiples of 16 bytes: tensor_maps.h),
+// else with cp.async. A kernel parameter (__grid_constant__), where the copy engine reads maps.
+struct KeysBackwardLoads {
+  tile::RowTileMap q, dout, k, v;  // boxes of a query tile's rows (q, dout), a key block's (k, v)
+  bool tensor = false;
 };
 
 struct Sm90KeysBackwardShape {
@@ -141,7 +151,8 @@ inline constexpr int kKeysBwdConsumerBarrier = 2, kKeysBwdTurnBarrier = 4;
 template <class T, int D, class Keys>
 __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
     attention_backward_keys_sm90_kernel(const AttentionParams p, const detail::GradientParams g,
-                                        const KeysBackwardBuffers buf, Keys keys) {
+                                        const KeysBackwardBuffers buf, Keys keys,
+                                        const __grid_constant__ KeysBackwardLoads loads) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Shape = Sm90KeysBackwardShape;
   using Smem = Sm90KeysBackwardSmem<T, D>;
@@ -185,9 +196,12 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
 
   const int tid = threadIdx.x;
   if (tid == 0) {
-    tile::mbar_init(kv_full, L);
+    // With tensor copies one thread arrives (and the copies' bytes complete the phase); with
+    // cp.async each of the L producer threads arrives when its own copies land.
+    const int arrivals = loads.tensor ? 1 : L;
+    tile::mbar_init(kv_full, arrivals);
     for (int s = 0; s < S; ++s) {
-      tile::mbar_init(&full[s], L);
+      tile::mbar_init(&full[s], arrivals);
       tile::mbar_init(&empty[s], 256);
     }
     tile::mbar_init_fence();
@@ -199,6 +213,43 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
     tile::registers_release<Shape::kProducerRegisters>();
     using KT = typename Smem::KeyTile;
     using RT = typename Smem::RowTile;
+    if (loads.tensor) {
+      // One thread asks for everything: K and V, then per tile Q and dO (a copy a 64-column
+      // panel) and the statistics (two bulk copies), counted in bytes on the stages' barriers.
+      if (tid == 0) {
+        const int bi = static_cast<int>(b);
+        tile::prefetch_tensor_map(loads.q);
+        tile::prefetch_tensor_map(loads.dout);
+        tile::mbar_arrive_expecting(kv_full, 2 * KT::kBytes);
+        k_tile().load_tensor(loads.k, static_cast<int>(hk), static_cast<int>(k0), bi, kv_full);
+        v_tile().load_tensor(loads.v, static_cast<int>(hk), static_cast<int>(k0), bi, kv_full);
+        constexpr std::uint32_t kTileBytes = 2 * RT::kBytes + Smem::kStatsBytes;
+        // The statistics of the first tile, and the step to the next query head's (no 64-bit
+        // index arithmetic a tile: the producer has 24 registers).
+        const std::int64_t head_step = p.num_seqs * buf.padded_len;
+        const float* stat_a = buf.row_stats[0] + buf.row_index(p, hk * group, b, first_tile * BQ);
+        const float* stat_b = buf.row_stats[1] + (stat_a - buf.row_stats[0]);
+        int i = 0;
+        for (int j = 0; j < group; ++j, stat_a += head_step, stat_b += head_step) {
+          const int h = static_cast<int>(hk * group + j);
+          for (int t = 0; t < tiles_per_head; ++t, ++i) {
+            const int s = i % S;
+            const int r0 = (first_tile + t) * BQ;
+            if (i >= S) tile::mbar_wait_sleepy(&empty[s], ((i / S) - 1) & 1);
+            // Recomputed each tile, as the consumers do: hoisted, the maps' axes and the
+            // stages' addresses held more registers than the producer has, and spilled.
+            tiles_at = tile::opaque(smem);
+            const KeysBackwardLoads& m = *tile::opaque(&loads);
+            tile::mbar_arrive_expecting(&full[s], kTileBytes);
+            q_tile(s).load_tensor(m.q, h, r0, bi, &full[s]);
+            do_tile(s).load_tensor(m.dout, h, r0, bi, &full[s]);
+            tile::bulk_load(stats(s), stat_a + t * BQ, BQ * sizeof(float), &full[s]);
+            tile::bulk_load(stats(s) + BQ, stat_b + t * BQ, BQ * sizeof(float), &full[s]);
+          }
+        }
+      }
+      return;
+    }
     constexpr int KP = KT::template row_stride_of<L>();
     const int kr = KT::template first_row_of<L>(tid);
     const std::int64_t k_left = seq.k_len - k0 - kr;

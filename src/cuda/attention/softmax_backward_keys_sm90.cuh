@@ -21,8 +21,9 @@ struct SoftmaxKeys {
   explicit SoftmaxKeys(double scale_, float* dq_)
       : scale_log2(static_cast<float>(scale_ * M_LOG2E)), scale(static_cast<float>(scale_)), dq(dq_) {}
 
-  __device__ __forceinline__ const detail::Operand& queries(const AttentionParams& p) const { return p.q; }
-  __device__ __forceinline__ const detail::Operand& keys(const AttentionParams& p) const { return p.k; }
+  // Host and device: the host maps them for tensor copies.
+  WINNOW_HD const detail::Operand& queries(const AttentionParams& p) const { return p.q; }
+  WINNOW_HD const detail::Operand& keys(const AttentionParams& p) const { return p.k; }
   __device__ __forceinline__ void begin(const AttentionParams&, std::int64_t) {}
   __device__ __forceinline__ void end(const AttentionParams&, std::int64_t) {}
   __device__ __forceinline__ float dq_scale() const { return 1.f; }

@@ -372,8 +372,9 @@ struct ThresholdKeys {
   float factor = 1.f;           // the current head's: 1, or -lambda in the second view
   float beta_part = 0.f;
 
-  __device__ __forceinline__ const detail::Operand& queries(const AttentionParams&) const { return q_hat; }
-  __device__ __forceinline__ const detail::Operand& keys(const AttentionParams&) const { return k_hat; }
+  // Host and device: the host maps them for tensor copies.
+  WINNOW_HD const detail::Operand& queries(const AttentionParams&) const { return q_hat; }
+  WINNOW_HD const detail::Operand& keys(const AttentionParams&) const { return k_hat; }
   __device__ __forceinline__ void begin(const AttentionParams&, std::int64_t h) {
     factor = lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
   }

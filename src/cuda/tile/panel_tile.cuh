@@ -2,14 +2,16 @@
 // of 16-bit (or 8-bit) elements is column panels of 128 bytes (64 or 128 elements) one after
 // another, each panel Rows rows of 128 bytes with the 16-byte chunks of row r XOR-swizzled by
 // r % 8 (the 128-byte swizzle).
-// A tile is filled with cp.async (any row order, any strides, zero rows past the operand) and
-// read through descriptors, as a K-major operand (its rows are the product's M or N index) or
+// A tile is filled with cp.async (any row order, any strides, zero rows past the operand) or by
+// tensor copies (one thread, rows of one head and sequence, tensor_copies.cuh) and read through
+// descriptors, as a K-major operand (its rows are the product's M or N index) or
 // an MN-major one (its rows are the product's k index).
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/tile/hopper.cuh"
+#include "cuda/tile/tensor_copies.cuh"
 
 namespace winnow::cuda::tile {
 
@@ -76,6 +78,15 @@ struct PanelTile {
   static __device__ __forceinline__ int first_row_of(int tid) { return tid / kChunks; }
   template <int NThreads>
   static constexpr int row_stride_of() { return NThreads / kChunks; }
+
+  // The whole tile by tensor copies, one a panel, from one thread: rows row .. row + Rows - 1 of
+  // head h and sequence b of the map's operand (a map whose boxes are Rows rows of one panel).
+  __device__ __forceinline__ void load_tensor(const RowTileMap& m, int h, int row, int b, std::uint64_t* bar) const {
+#pragma unroll
+    for (int panel = 0; panel < kPanels; ++panel) {
+      tensor_load_rows(data + panel * kPanelBytes, m, panel * kPanelCols, h, row, b, bar);
+    }
+  }
 
   // Rows row0 .. (a multiple of 8) as a K-major operand, at k-step k0 (a multiple of 32 bytes:
   // 16 16-bit or 32 8-bit elements). The offsets go into the descriptor's low half (see
