@@ -93,6 +93,15 @@ for stage in "${stages[@]}"; do
         export CCACHE_DIR=${CCACHE_DIR:-/tmp/winnow-ccache} CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-20G}
         deps+=(-DCMAKE_CXX_COMPILER_LAUNCHER="$ccache_bin" -DCMAKE_CUDA_COMPILER_LAUNCHER="$ccache_bin")
       fi
+      # Ninja (the machine's, or .gpudeps's) builds every requested target in one parallel run;
+      # make builds them one after another: the operator library's C++ files only started after
+      # the test binary had linked (283 s of a cold build on 2026-11-29, most of it the longest
+      # CUDA file, then the operator library). A build folder keeps the generator it has.
+      ninja_bin=$(command -v ninja || true)
+      [[ -z "$ninja_bin" && -x .gpudeps/bin/ninja ]] && ninja_bin=$PWD/.gpudeps/bin/ninja
+      if [[ -n "$ninja_bin" && ! -f "$BUILD/CMakeCache.txt" ]]; then
+        deps+=(-G Ninja -DCMAKE_MAKE_PROGRAM="$ninja_bin")
+      fi
       cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
         -DCMAKE_PREFIX_PATH="$prefix" -DWINNOW_CUDA=ON -DWINNOW_TORCH=ON \
         -DWINNOW_PYTHON="$(command -v python3)" "${deps[@]}" > "$OUT/configure.log" 2>&1 \

@@ -2,6 +2,7 @@
 # Installs the Debian packages winnow builds and tests with, only those missing.
 #   tools/install-deps.sh          build + tests
 #   tools/install-deps.sh bench    also what the CPU benchmark compares against
+#   tools/install-deps.sh gpudeps  also what tools/prepare_gpu_deps.sh copies (ninja)
 #   tools/install-deps.sh corpus   only the language-modeling corpus's source: the Linux
 #                                  kernel's documentation (linux-doc, GPL-2.0)
 set -euo pipefail
@@ -20,6 +21,10 @@ packages=(cmake g++ make libeigen3-dev libgtest-dev libcli11-dev nlohmann-json3-
           libplplot-dev python3-venv libgloo-dev ccache)
 if [[ "${1:-}" == "corpus" ]]; then
   packages=(linux-doc python3)
+fi
+if [[ "${1:-}" == "gpudeps" ]]; then
+  # The build tool tools/prepare_gpu_deps.sh copies for the GPU machine's build.
+  packages+=(ninja-build)
 fi
 if [[ "${1:-}" == "bench" ]]; then
   # An optimized BLAS for LibTorch's composed baseline (Debian's default is the reference BLAS).

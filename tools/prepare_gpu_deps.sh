@@ -4,7 +4,7 @@
 #   tools/prepare_gpu_deps.sh && <carry .gpudeps> ; cmake -DWINNOW_DEPS_DIR=$PWD/.gpudeps ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tools/install-deps.sh
+tools/install-deps.sh gpudeps
 rm -rf .gpudeps
 mkdir -p .gpudeps/json
 cp -r /usr/include/eigen3 .gpudeps/eigen3
@@ -18,5 +18,11 @@ if command -v ccache > /dev/null; then
   mkdir -p .gpudeps/bin .gpudeps/lib
   cp "$(command -v ccache)" .gpudeps/bin/
   ldd "$(command -v ccache)" | awk '/libhiredis|libzstd/ {print $3}' | xargs -r cp -t .gpudeps/lib/
+fi
+# Ninja (Debian's ninja-build: libc and libstdc++ only), so that the GPU build runs all its
+# targets' files in one parallel build (tools/gpu_check.sh).
+if command -v ninja > /dev/null; then
+  mkdir -p .gpudeps/bin
+  cp "$(command -v ninja)" .gpudeps/bin/
 fi
 du -sh .gpudeps

@@ -21,6 +21,13 @@
 // the per-row survivor count): a warp per query row for the forward, with both views in one
 // sweep (so a key kept in either view counts once), and a block per (sequence, kv head) for the
 // backward.
+//
+// This header is the implementation both threshold_attention_forward.cu and
+// threshold_attention_backward.cu include, each defining one direction's entry point: a
+// translation unit instantiates only the kernels its direction reaches, so the two compile in
+// parallel (as one file, 166 s of a 2-core build, the longest of the library).
+#pragma once
+
 #include <cub/block/block_reduce.cuh>
 
 #include <cstdio>
@@ -1119,19 +1126,4 @@ bool decoded_forward(const detail::AttentionParams& p, const detail::ThresholdCo
 }
 
 }  // namespace
-
-void threshold_forward(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg) {
-  if (decoded_forward(p, cfg)) return;
-  NormalizedViews views(p, cfg);
-  if (fused_applies(p, cfg, nullptr)) return dispatch_fused(p, FusedForward{p, cfg, views});
-  dispatch_simple(p, SimpleForward{p, cfg, views});
-}
-
-void threshold_backward(const detail::AttentionParams& p, const detail::GradientParams& g,
-                        const detail::ThresholdConfig& cfg) {
-  NormalizedViews views(p, cfg);
-  if (fused_applies(p, cfg, &g)) return dispatch_fused(p, FusedBackward{p, g, cfg, views});
-  dispatch_simple(p, SimpleBackward{p, g, cfg, views});
-}
-
 }  // namespace winnow::cuda

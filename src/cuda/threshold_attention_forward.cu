@@ -1,0 +1,13 @@
+// Threshold attention's forward entry point (threshold_attention.cuh has the implementation).
+#include "cuda/threshold_attention.cuh"
+
+namespace winnow::cuda {
+
+void threshold_forward(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg) {
+  if (decoded_forward(p, cfg)) return;
+  NormalizedViews views(p, cfg);
+  if (fused_applies(p, cfg, nullptr)) return dispatch_fused(p, FusedForward{p, cfg, views});
+  dispatch_simple(p, SimpleForward{p, cfg, views});
+}
+
+}  // namespace winnow::cuda
