@@ -55,7 +55,7 @@ const std::vector<ProblemShape>& shapes() {
       // lambda); this one adds packed sequences with suffix queries and per-head beta and lambda.
       {"fused_keys_varlen", {{130, 130}, {200, 200}, {70, 150}}, true, 4, 4, 128, 128},
       // TDA over grouped heads with one shared beta and lambda (odd index): the row backward,
-      // which such calls take (threshold_attention.cu, keys_backward_applies); dlambda sums
+      // which such calls take (threshold_attention.cuh, keys_backward_applies); dlambda sums
       // per-head parts of both signs, so this is the case where rounding weighs most in it.
       {"fused_gqa_shared", {{300, 300}, {300, 300}}, false, 4, 2, 128, 128},
       // Short query suffixes against long keys: the forward decodes (decode.cuh's

@@ -1,12 +1,12 @@
 // Threshold attention (spec/threshold.md) as row policies of the fused kernels. The kernels see
-// queries and keys already L2-normalized (threshold_attention.cu writes them once per call), so
+// queries and keys already L2-normalized (threshold_attention.cuh writes them once per call), so
 // a score is a cosine and a weight is relu(s - tau_j)^p with tau_j = beta sqrt(2 log n_j / D):
 // no running maximum, no rescaling, no normalization of the output.
 //
 // In the forward and the row backward one launch is one view: TDA's second view runs as a
 // second launch whose weights carry the factor -lambda (the forward adds its output into the
 // first view's, the row backward adds its dV into the same accumulator), so the signed weights
-// w1 - lambda w2 are never formed in one tile: see threshold_attention.cu for what that costs.
+// w1 - lambda w2 are never formed in one tile: see threshold_attention.cuh for what that costs.
 // The key-stationary backward (ThresholdKeys) runs a launch per view too, and keeps TDA's first
 // view's dV in fp32 for the second.
 #pragma once
@@ -340,7 +340,7 @@ struct ThresholdBackwardRows {
 //
 // TDA's second view: the kernel computes with the unsigned weights w2 and applies its factor
 // -lambda where the sums leave a head: to dQ per tile, to dbeta's share per head, and to dK and
-// dV as they are stored, which needs one lambda for all the block's heads (threshold_attention.cu
+// dV as they are stored, which needs one lambda for all the block's heads (threshold_attention.cuh
 // takes this kernel for TDA with one query head per kv head only). Then sum dP w2, which
 // dlambda needs, is <V, W2^T dO> over the block's keys, from the dV registers as they are
 // stored (summed per score beside P, with dbeta's share, it took ptxas to 140 bytes of spills at
@@ -451,7 +451,7 @@ struct ThresholdKeys {
     }
     if (dv_mode == KeysDv::add_partial) {
       const float total = warp_sum(v_dot_dv);
-      // One query head per kv head (threshold_attention.cu): the sum is head hk's.
+      // One query head per kv head (threshold_attention.cuh): the sum is head hk's.
       if ((threadIdx.x & 31) == 0) atomicAdd(lambda_dot + hk * p.group_size(), total);
     }
     store_key_rows<T, DT>(dk.template at<T>(b, seq.k_start, hk), dk.row, dk_rows, seq.k_len, my_key, tig);
