@@ -25,7 +25,8 @@
 // This header is the implementation both threshold_attention_forward.cu and
 // threshold_attention_backward.cu include, each defining one direction's entry point: a
 // translation unit instantiates only the kernels its direction reaches, so the two compile in
-// parallel (as one file, 166 s of a 2-core build, the longest of the library).
+// parallel: the forward's 105 s and the backward's 35 s (sm_90a, one core of the development
+// machine) against about 140 s as one file, then the longest of the library.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
