@@ -322,6 +322,10 @@ TEST(CudaBackward, TensorMapCopiesMatchTheReferenceAndCpAsync) {
       {"d128_gqa_tail", {{193, 193}, {193, 193}}, false, 4, 2, 128, 128},
       {"d64_suffix", {{150, 333}, {150, 333}, {150, 333}}, false, 2, 2, 64, 64},
       {"d64_varlen", {{150, 400}, {0, 7}, {200, 200}}, true, 4, 2, 64, 64},
+      // Axes of one element (the map gives them a stride past the others): one sequence, and
+      // one head.
+      {"d128_one_sequence", {{300, 300}}, false, 4, 4, 128, 128},
+      {"d64_one_head", {{200, 200}, {200, 200}}, false, 1, 1, 64, 64},
   };
   int device = 0, major = 0;
   cuda_ok(cudaGetDevice(&device), "cudaGetDevice");
