@@ -38,17 +38,16 @@ bool set_tensor_maps(bool enabled) { return maps_enabled.exchange(enabled); }
 std::int64_t tensor_map_launches() { return map_launches.load(); }
 void count_tensor_map_launch() { ++map_launches; }
 
-bool row_tile_map(tile::RowTileMap& out, const detail::Operand& x, DType dtype, std::int64_t batches,
-                  std::int64_t rows, std::int64_t heads, std::int64_t dim, int box_rows) {
-  if (!maps_enabled.load() || x.data == nullptr || x.dim != 1) return false;
-  if (dtype != DType::bfloat16 && dtype != DType::float16) return false;
-  if (batches <= 0 || rows <= 0 || heads <= 0 || dim <= 0 || dim % 64 != 0) return false;
-  // Coordinates are signed 32-bit.
+std::optional<RowTileLayout> row_tile_layout(const detail::Operand& x, DType dtype, std::int64_t batches,
+                                             std::int64_t rows, std::int64_t heads, std::int64_t dim, int box_rows) {
+  if (x.data == nullptr || x.dim != 1) return std::nullopt;
+  if (dtype != DType::bfloat16 && dtype != DType::float16) return std::nullopt;
+  if (batches <= 0 || rows <= 0 || heads <= 0 || dim <= 0 || dim % 64 != 0) return std::nullopt;
+  if (box_rows <= 0 || box_rows > 256) return std::nullopt;
+  // Coordinates are signed 32-bit; strides below 2^40 bytes.
   constexpr std::int64_t kMaxDim = (std::int64_t{1} << 31) - 1, kMaxStride = std::int64_t{1} << 40;
-  if (batches > kMaxDim || rows > kMaxDim || heads > kMaxDim) return false;
-  if (reinterpret_cast<std::uintptr_t>(x.data) % 16 != 0) return false;
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
-  if (encode == nullptr) return false;
+  if (batches > kMaxDim || rows > kMaxDim || heads > kMaxDim) return std::nullopt;
+  if (reinterpret_cast<std::uintptr_t>(x.data) % 16 != 0) return std::nullopt;
 
   // The three outer axes (1 head, 2 row, 3 batch) in the order of their strides. A dimension of
   // one element may take any stride: it gets one past the largest, which keeps the order.
@@ -66,16 +65,34 @@ bool row_tile_map(tile::RowTileMap& out, const detail::Operand& x, DType dtype, 
     if (a.size == 1) a.stride = (widest + 15) / 16 * 16;
   }
   std::stable_sort(axes, axes + 3, [](const Axis& a, const Axis& b) { return a.stride < b.stride; });
-  cuuint64_t sizes[4] = {static_cast<cuuint64_t>(dim), 0, 0, 0};
-  cuuint64_t strides[3];
+  RowTileLayout layout;
+  layout.sizes[0] = static_cast<std::uint64_t>(dim);
+  layout.boxes[0] = static_cast<std::uint32_t>(128 / bytes);  // a 128-byte panel's columns
   for (int i = 0; i < 3; ++i) {
-    if (axes[i].stride <= 0 || axes[i].stride % 16 != 0 || axes[i].stride >= kMaxStride) return false;
-    sizes[i + 1] = static_cast<cuuint64_t>(axes[i].size);
-    strides[i] = static_cast<cuuint64_t>(axes[i].stride);
+    if (axes[i].stride <= 0 || axes[i].stride % 16 != 0 || axes[i].stride >= kMaxStride) return std::nullopt;
+    layout.sizes[i + 1] = static_cast<std::uint64_t>(axes[i].size);
+    layout.strides[i] = static_cast<std::uint64_t>(axes[i].stride);
+    layout.boxes[i + 1] = axes[i].name == 2 ? static_cast<std::uint32_t>(box_rows) : 1;
+    if (axes[i].name == 1) layout.head_axis = i + 1;
+    if (axes[i].name == 2) layout.row_axis = i + 1;
+    if (axes[i].name == 3) layout.batch_axis = i + 1;
   }
-  cuuint32_t boxes[4] = {static_cast<cuuint32_t>(128 / bytes), 1, 1, 1};  // a 128-byte panel's columns
-  for (int i = 0; i < 3; ++i) {
-    if (axes[i].name == 2) boxes[i + 1] = static_cast<cuuint32_t>(box_rows);
+  return layout;
+}
+
+bool row_tile_map(tile::RowTileMap& out, const detail::Operand& x, DType dtype, std::int64_t batches,
+                  std::int64_t rows, std::int64_t heads, std::int64_t dim, int box_rows) {
+  if (!maps_enabled.load()) return false;
+  const std::optional<RowTileLayout> layout = row_tile_layout(x, dtype, batches, rows, heads, dim, box_rows);
+  if (!layout) return false;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
+  if (encode == nullptr) return false;
+  cuuint64_t sizes[4], strides[3];
+  cuuint32_t boxes[4];
+  for (int i = 0; i < 4; ++i) {
+    sizes[i] = layout->sizes[i];
+    boxes[i] = layout->boxes[i];
+    if (i < 3) strides[i] = layout->strides[i];
   }
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   tile::RowTileMap m;
@@ -84,12 +101,9 @@ bool row_tile_map(tile::RowTileMap& out, const detail::Operand& x, DType dtype, 
              x.data, sizes, strides, boxes, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (status != CUDA_SUCCESS) return false;
-  for (int i = 0; i < 3; ++i) {
-    const int axis = i + 1;
-    if (axes[i].name == 1) m.head_axis = axis;
-    if (axes[i].name == 2) m.row_axis = axis;
-    if (axes[i].name == 3) m.batch_axis = axis;
-  }
+  m.head_axis = layout->head_axis;
+  m.row_axis = layout->row_axis;
+  m.batch_axis = layout->batch_axis;
   out = m;
   return true;
 }

@@ -4,11 +4,30 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "core/params.h"
-#include "cuda/tile/tensor_copies.cuh"
+#include "cuda/tile/row_tile_map.h"
 
 namespace winnow::cuda {
+
+// What row_tile_map asks the driver for: the map's dimensions innermost first (dim, then the
+// head, row and batch axes in the order of their strides), the strides of the outer three in
+// bytes, the box (a 128-byte panel's columns, box_rows rows of one head and sequence), and
+// where each axis went (1, 2 or 3). Host only; no driver needed (tests check it on CPU machines).
+struct RowTileLayout {
+  std::uint64_t sizes[4] = {0, 0, 0, 0};
+  std::uint64_t strides[3] = {0, 0, 0};
+  std::uint32_t boxes[4] = {0, 0, 0, 0};
+  int head_axis = 1, row_axis = 2, batch_axis = 3;
+};
+
+// The layout for operand x ([batches][rows][heads][dim] by its strides, 16-bit elements), or
+// nothing where a map cannot describe it: elements not contiguous along dim, dim not a multiple
+// of 64, a base or stride not a multiple of 16 bytes (a zero stride included, unless its axis
+// has one element: that axis gets a stride past the others), sizes past 32-bit coordinates.
+std::optional<RowTileLayout> row_tile_layout(const detail::Operand& x, DType dtype, std::int64_t batches,
+                                             std::int64_t rows, std::int64_t heads, std::int64_t dim, int box_rows);
 
 // A map of operand x's rows ([batches][rows][heads][dim] by its strides, 16-bit elements) in
 // boxes of box_rows rows x 64 columns of one head and sequence, with the 128-byte swizzle of

@@ -15,21 +15,12 @@
 // Everything here compiles for any architecture; only kernels built for sm_90a may call it.
 #pragma once
 
-#include <cuda.h>  // CUtensorMap: the map itself is built on the host (tensor_maps.h)
-
 #include <cstdint>
 
 #include "cuda/tile/ptx.cuh"
+#include "cuda/tile/row_tile_map.h"
 
 namespace winnow::cuda::tile {
-
-// The map's dimensions are the operand's, innermost first: dim, then head, row and batch in
-// the order of their strides (the driver describes strides as growing outwards). The axes say
-// where each went.
-struct RowTileMap {  // 128-byte aligned, as CUtensorMap is
-  CUtensorMap map;
-  std::int32_t head_axis = 1, row_axis = 2, batch_axis = 3;
-};
 
 // The mbarrier's current phase expects `bytes` more of copies, and this thread arrives on it.
 __device__ __forceinline__ void mbar_arrive_expecting(std::uint64_t* bar, std::uint32_t bytes) {
