@@ -99,7 +99,10 @@ else
   for kernels in hopper portable; do
     for i in 0 1 2 3 4 5 6 7; do
       if [[ $kernels == portable ]]; then export WINNOW_PORTABLE_KERNELS=1; else unset WINNOW_PORTABLE_KERNELS; fi
-      GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout 400 $T --gtest_brief=1 --gtest_filter="${SUITE_FILTER:-*}" \
+      # Without --gtest_brief each test's start is written (and flushed) as it begins, so a shard
+      # cut off by the time limit still says which test it hung in (2026-11-29: every Hopper shard
+      # hung on the first tensor-copy backward and, brief, left empty logs).
+      GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout 400 $T --gtest_filter="${SUITE_FILTER:-*}" \
         > "$R/suite-$kernels-$i.log" 2>&1 &
     done
     wait
@@ -107,6 +110,10 @@ else
     ran=$(cat "$R"/suite-$kernels-*.log | grep -E '^\[==========\] [0-9]+ tests' | awk '{s += $2} END {print s + 0}')
     passed=$(cat "$R"/suite-$kernels-*.log | grep -E '^\[  PASSED  \]' | awk '{s += $4} END {print s + 0}')
     say "suite, $kernels kernels: $passed of $ran passed; failures: $(grep -hE '^\[  FAILED  \] [A-Za-z]' "$R"/suite-$kernels-*.log | sed 's/, where GetParam.*//' | sort -u | head -8 | tr '\n' ' ')"
+    for f in "$R"/suite-$kernels-*.log; do
+      grep -qE '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$f" ||
+        say "  $(basename "$f" .log) cut off in: $(grep -E '^\[ RUN      \]' "$f" | tail -1 | sed 's/^\[ RUN      \] //')"
+    done
   done
   F=${SANITIZE_FILTER:-'CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*:CudaSmallDecode.*:CudaContiguousDecode.*:Cuda/CudaPagedDecode.*'}
   # The sanitizers' logs keep each test's name (no --gtest_brief), so that a run cut off by its
