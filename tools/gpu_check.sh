@@ -99,6 +99,11 @@ for stage in "${stages[@]}"; do
       # CUDA file, then the operator library). A build folder keeps the generator it has.
       ninja_bin=$(command -v ninja || true)
       [[ -z "$ninja_bin" && -x .gpudeps/bin/ninja ]] && ninja_bin=$PWD/.gpudeps/bin/ninja
+      # A copied binary that cannot run there (its C++ library too old) leaves the build to make.
+      if [[ -n "$ninja_bin" ]] && ! "$ninja_bin" --version > /dev/null 2>&1; then
+        echo "gpu_check: $ninja_bin does not run here; building with make"
+        ninja_bin=""
+      fi
       if [[ -n "$ninja_bin" && ! -f "$BUILD/CMakeCache.txt" ]]; then
         deps+=(-G Ninja -DCMAKE_MAKE_PROGRAM="$ninja_bin")
       fi
