@@ -26,6 +26,8 @@ P=$R/progress.txt
 mkdir -p "$R"
 START=$(date +%s)
 say() { echo "[$(( $(date +%s) - START )) s] $*" >> "$P"; }
+# The test a gtest log (not --gtest_brief) last started: where a run cut off by its limit was.
+last_started() { grep -E '^\[ RUN      \]' "$1" | tail -1 | sed 's/^\[ RUN      \] //'; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader >> "$P" 2>&1
 export BUILD_TARGETS=${BUILD_TARGETS:-"winnow_cuda_tests winnow_torch winnow_cli"}
 BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 8192 32768 --dims 128 64
@@ -112,7 +114,7 @@ else
     say "suite, $kernels kernels: $passed of $ran passed; failures: $(grep -hE '^\[  FAILED  \] [A-Za-z]' "$R"/suite-$kernels-*.log | sed 's/, where GetParam.*//' | sort -u | head -8 | tr '\n' ' ')"
     for f in "$R"/suite-$kernels-*.log; do
       grep -qE '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$f" ||
-        say "  $(basename "$f" .log) cut off in: $(grep -E '^\[ RUN      \]' "$f" | tail -1 | sed 's/^\[ RUN      \] //')"
+        say "  $(basename "$f" .log) cut off in: $(last_started "$f")"
     done
   done
   F=${SANITIZE_FILTER:-'CudaSmall.*:CudaBackward.*:CudaTileSkipping.*:CudaDeterminism.*:CudaSmallDecode.*:CudaContiguousDecode.*:Cuda/CudaPagedDecode.*'}
@@ -129,7 +131,7 @@ else
   for f in "$R"/racecheck-*.log "$R"/memcheck.log; do
     say "$(basename "$f" .log): $(grep -hE 'RACECHECK SUMMARY|ERROR SUMMARY|PASSED|tests ran' "$f" | tr '\n' ' ')"
     if ! grep -qE 'RACECHECK SUMMARY|ERROR SUMMARY' "$f"; then
-      say "  cut off by the time limit in: $(grep -E '^\[ RUN      \]' "$f" | tail -1 | sed 's/^\[ RUN      \] //')"
+      say "  cut off by the time limit in: $(last_started "$f")"
     fi
   done
 fi

@@ -386,8 +386,7 @@ void launch_keys_backward_kernel(const detail::AttentionParams& p, const detail:
   // The operands by tensor copies where all four can be mapped; the statistics' bulk copies
   // need 16-byte aligned rows (whole padded tiles of floats from an aligned base).
   KeysBackwardLoads loads;
-  const auto aligned = [](const float* x) { return reinterpret_cast<std::uintptr_t>(x) % 16 == 0; };
-  loads.tensor = p.cu_seqlens_q == nullptr && aligned(buf.row_stats[0]) && aligned(buf.row_stats[1]) &&
+  loads.tensor = p.cu_seqlens_q == nullptr && aligned_to(buf.row_stats[0], 16) && aligned_to(buf.row_stats[1], 16) &&
                  row_tile_map(loads.q, keys.queries(p), p.dtype, p.num_seqs, p.len_q, p.heads_q, D, Shape::kBQ) &&
                  row_tile_map(loads.dout, g.dout, p.dtype, p.num_seqs, p.len_q, p.heads_q, D, Shape::kBQ) &&
                  row_tile_map(loads.k, keys.keys(p), p.dtype, p.num_seqs, p.len_k, p.heads_kv, D, Shape::kBK) &&

@@ -9,6 +9,7 @@
 #include <cstdlib>
 
 #include "cuda/cuda.h"
+#include "cuda/element_types.cuh"
 #include "winnow/tensor.h"
 
 namespace winnow::cuda {
@@ -47,7 +48,7 @@ std::optional<RowTileLayout> row_tile_layout(const detail::Operand& x, DType dty
   // Coordinates are signed 32-bit; strides below 2^40 bytes.
   constexpr std::int64_t kMaxDim = (std::int64_t{1} << 31) - 1, kMaxStride = std::int64_t{1} << 40;
   if (batches > kMaxDim || rows > kMaxDim || heads > kMaxDim) return std::nullopt;
-  if (reinterpret_cast<std::uintptr_t>(x.data) % 16 != 0) return std::nullopt;
+  if (!aligned_to(x.data, 16)) return std::nullopt;
 
   // The three outer axes (1 head, 2 row, 3 batch) in the order of their strides. A dimension of
   // one element may take any stride: it gets one past the largest, which keeps the order.
@@ -66,13 +67,13 @@ std::optional<RowTileLayout> row_tile_layout(const detail::Operand& x, DType dty
   }
   std::stable_sort(axes, axes + 3, [](const Axis& a, const Axis& b) { return a.stride < b.stride; });
   RowTileLayout layout;
-  layout.sizes[0] = static_cast<std::uint64_t>(dim);
-  layout.boxes[0] = static_cast<std::uint32_t>(128 / bytes);  // a 128-byte panel's columns
+  layout.sizes[0] = static_cast<cuuint64_t>(dim);
+  layout.boxes[0] = static_cast<cuuint32_t>(128 / bytes);  // a 128-byte panel's columns
   for (int i = 0; i < 3; ++i) {
     if (axes[i].stride <= 0 || axes[i].stride % 16 != 0 || axes[i].stride >= kMaxStride) return std::nullopt;
-    layout.sizes[i + 1] = static_cast<std::uint64_t>(axes[i].size);
-    layout.strides[i] = static_cast<std::uint64_t>(axes[i].stride);
-    layout.boxes[i + 1] = axes[i].name == 2 ? static_cast<std::uint32_t>(box_rows) : 1;
+    layout.sizes[i + 1] = static_cast<cuuint64_t>(axes[i].size);
+    layout.strides[i] = static_cast<cuuint64_t>(axes[i].stride);
+    layout.boxes[i + 1] = axes[i].name == 2 ? static_cast<cuuint32_t>(box_rows) : 1;
     if (axes[i].name == 1) layout.head_axis = i + 1;
     if (axes[i].name == 2) layout.row_axis = i + 1;
     if (axes[i].name == 3) layout.batch_axis = i + 1;
@@ -87,19 +88,12 @@ bool row_tile_map(tile::RowTileMap& out, const detail::Operand& x, DType dtype, 
   if (!layout) return false;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
   if (encode == nullptr) return false;
-  cuuint64_t sizes[4], strides[3];
-  cuuint32_t boxes[4];
-  for (int i = 0; i < 4; ++i) {
-    sizes[i] = layout->sizes[i];
-    boxes[i] = layout->boxes[i];
-    if (i < 3) strides[i] = layout->strides[i];
-  }
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   tile::RowTileMap m;
   const CUresult status =
       encode(&m.map, dtype == DType::bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-             x.data, sizes, strides, boxes, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+             x.data, layout->sizes, layout->strides, layout->boxes, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (status != CUDA_SUCCESS) return false;
   m.head_axis = layout->head_axis;
   m.row_axis = layout->row_axis;

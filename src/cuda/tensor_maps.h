@@ -15,10 +15,10 @@ namespace winnow::cuda {
 // head, row and batch axes in the order of their strides), the strides of the outer three in
 // bytes, the box (a 128-byte panel's columns, box_rows rows of one head and sequence), and
 // where each axis went (1, 2 or 3). Host only; no driver needed (tests check it on CPU machines).
-struct RowTileLayout {
-  std::uint64_t sizes[4] = {0, 0, 0, 0};
-  std::uint64_t strides[3] = {0, 0, 0};
-  std::uint32_t boxes[4] = {0, 0, 0, 0};
+struct RowTileLayout {  // in the driver's types (<cuda.h>), passed to it as they are
+  cuuint64_t sizes[4] = {0, 0, 0, 0};
+  cuuint64_t strides[3] = {0, 0, 0};
+  cuuint32_t boxes[4] = {0, 0, 0, 0};
   int head_axis = 1, row_axis = 2, batch_axis = 3;
 };
 
