@@ -134,5 +134,28 @@ template <class T>
 WINNOW_HD T screen_cut(T tau, T err_q, T scale_q, T err_k, T scale_k) {
   return (tau - screen_margin(err_q, err_k)) / (scale_q * scale_k);
 }
+// The same cut with no division per key tile, for the kernel's loop over tiles: a row's two
+// terms once (screen_row_cut), then per tile a subtraction and two products with the tile's
+// reciprocal scale (screen_tile_cut):
+//   cut = (tau - margin) / (scale_q scale_k) = (offset - err_k) (factor / scale_k),
+//   offset = (tau - err_q N - slack) / (N + err_q),  factor = (N + err_q) / scale_q.
+// Its rounding differs from screen_cut's by a few ulps of the cut, a score error of a few ulps
+// of tau, far inside kScreenSlack: the argument above holds (ThresholdScreen.
+// IntegerProductsBoundTheScores checks both forms). A row with no keys to screen gets offset
+// +infinity: its cut is +infinity, above every product.
+template <class T>
+struct ScreenRowCut {
+  T offset;
+  T factor;
+};
+template <class T>
+WINNOW_HD ScreenRowCut<T> screen_row_cut(T tau, T err_q, T scale_q) {
+  const T err_weight = T(kScreenRowNorm) + err_q;
+  return {(tau - err_q * T(kScreenRowNorm) - T(kScreenSlack)) / err_weight, err_weight / scale_q};
+}
+template <class T>
+WINNOW_HD T screen_tile_cut(const ScreenRowCut<T>& row, T err_k, T inv_scale_k) {
+  return (row.offset - err_k) * (row.factor * inv_scale_k);
+}
 
 }  // namespace winnow::math::threshold

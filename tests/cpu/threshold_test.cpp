@@ -288,13 +288,23 @@ TEST(ThresholdScreen, IntegerProductsBoundTheScores) {
               << to_string(dtype) << " D " << D << " rows " << a << " " << b;
           for (float tau : {0.05f, 0.2f, 0.35f, 0.6f, 0.95f}) {
             const float cut = mt::screen_cut(tau, err[static_cast<std::size_t>(a)], scale[static_cast<std::size_t>(a)], err_max, scale_max);
-            if (!(cut >= 1.f) || static_cast<double>(product) > std::floor(cut)) continue;
-            ++ruled_out;
-            EXPECT_LE(score, static_cast<double>(tau)) << to_string(dtype) << " D " << D << " rows " << a << " " << b;
+            // The kernel's form: the row's terms once, the tile's reciprocal scale.
+            const float tile_cut = mt::screen_tile_cut(
+                mt::screen_row_cut(tau, err[static_cast<std::size_t>(a)], scale[static_cast<std::size_t>(a)]), err_max,
+                1.f / scale_max);
+            // Within a tenth of the slack, in score units, of the divided form.
+            EXPECT_LE(std::abs(static_cast<double>(tile_cut) - cut) * scale[static_cast<std::size_t>(a)] * scale_max,
+                      0.1 * mt::kScreenSlack)
+                << to_string(dtype) << " D " << D << " rows " << a << " " << b << " tau " << tau;
+            for (const float c : {cut, tile_cut}) {
+              if (!(c >= 1.f) || static_cast<double>(product) > std::floor(c)) continue;
+              ++ruled_out;
+              EXPECT_LE(score, static_cast<double>(tau)) << to_string(dtype) << " D " << D << " rows " << a << " " << b;
+            }
           }
         }
       }
-      EXPECT_GT(ruled_out, n * n) << "the screen rules out most pairs of random rows at these thresholds";
+      EXPECT_GT(ruled_out, 2 * n * n) << "the screen rules out most pairs of random rows at these thresholds";
     }
   }
 }

@@ -66,8 +66,12 @@ struct ThresholdScreenParams {
     return q_meta[v][p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h];
   }
   template <class Tile>
+  __device__ __forceinline__ const float2* tile_bounds(int v, const AttentionParams& p, const Tile& qt) const {
+    return tile_meta[v] + (qt.b * p.heads_kv + qt.hk) * key_tiles;
+  }
+  template <class Tile>
   __device__ __forceinline__ float2 tile_bound(int v, const AttentionParams& p, const Tile& qt, int kt) const {
-    return tile_meta[v][(qt.b * p.heads_kv + qt.hk) * key_tiles + kt];
+    return tile_bounds(v, p, qt)[kt];
   }
   template <class Tile>
   __device__ __forceinline__ std::uint32_t* live_row(const AttentionParams& p, const Tile& qt) const {
@@ -254,8 +258,13 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
     const float power = sp.view.power;
     const float lambda = Views == 2 ? -sp.view.factor(qt.h) : 0.f;
     std::int64_t limit[2];
-    float tau[2], q_scale[Views][2], q_err[Views][2];
+    float tau[2];
     bool in[2];
+    // Each row's part of its cut, once (math::threshold::screen_row_cut): the loop over key tiles
+    // then needs no division (an H200 profile of the divided form: 12% of the stall samples in
+    // the cut's IEEE divisions and their slow-path branches). A row past the sequence gets the
+    // numerator +infinity: its cut is above every product, and it never makes a tile dense.
+    mt::ScreenRowCut<float> row_cut[Views][2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
@@ -264,11 +273,19 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       tau[half] = beta * sp.view.unit(limit[half]);
 #pragma unroll
       for (int v = 0; v < Views; ++v) {
-        const float2 m = in[half] ? sp.row_bound(v, p, qt, row) : make_float2(1.f, 0.f);
-        q_scale[v][half] = m.x;
-        q_err[v][half] = m.y;
+        if (in[half]) {
+          const float2 m = sp.row_bound(v, p, qt, row);
+          row_cut[v][half] = mt::screen_row_cut(tau[half], m.y, m.x);
+        } else {
+          row_cut[v][half] = {INFINITY, 1.f};
+        }
       }
     }
+    // The block's key tiles' bounds, tile kt at [kt].
+    const float2* tile_bounds[Views];
+#pragma unroll
+    for (int v = 0; v < Views; ++v) tile_bounds[v] = sp.tile_bounds(v, p, qt);
+    const bool counting = sp.stats != nullptr;
     const T* q_rows[Views][2];
 #pragma unroll
     for (int v = 0; v < Views; ++v) {
@@ -338,32 +355,39 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
 
     for (int i = 0, kt = n_tiles - 1; i < n_tiles; ++i, --kt) {
       const int s = i % S;
-      // The tile's largest key scale and error radius, read while the products run.
+      // The tile's largest key scale and error radius, read while the stage fills.
       float2 tm[Views];
 #pragma unroll
-      for (int v = 0; v < Views; ++v) tm[v] = sp.tile_bound(v, p, qt, kt);
+      for (int v = 0; v < Views; ++v) tm[v] = tile_bounds[v][kt];
       tile::mbar_wait(&k_full[s], (i / S) & 1);
       if (end[s] < 0) break;
       tile::fence_to_async_proxy();
 
-      // Each row's cut; a row whose tau lies within the bound makes the tile dense.
+      // Each row's cut, computed while the first view's product runs; a row whose tau lies
+      // within the bound (a cut below 1, or NaN) makes the tile dense. The conversion
+      // saturates: an infinite cut is INT_MAX.
       int cut[Views][2];
       bool dense = false;
+      auto find_cuts = [&] {
 #pragma unroll
-      for (int v = 0; v < Views; ++v) {
+        for (int v = 0; v < Views; ++v) {
+          // An approximate reciprocal: its error of an ulp or two is inside the cut's slack.
+          const float inv_scale_k = __fdividef(1.f, tm[v].x);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float c = mt::screen_cut(tau[half], q_err[v][half], q_scale[v][half], tm[v].y, tm[v].x);
-          dense = dense || (in[half] && !(c >= 1.f));
-          cut[v][half] = !in[half] ? INT_MAX : (c >= 1.f ? (c < 1e9f ? static_cast<int>(c) : INT_MAX) : 0);
+          for (int half = 0; half < 2; ++half) {
+            const float c = mt::screen_tile_cut(row_cut[v][half], tm[v].y, inv_scale_k);
+            dense = dense || !(c >= 1.f);
+            cut[v][half] = __float2int_rz(c);
+          }
         }
-      }
-      dense = __any_sync(0xffffffffu, dense);
+        dense = __any_sync(0xffffffffu, dense);
+      };
 
       // One view at a time (one accumulator's registers): the largest product of each row
       // against its cut, and only where some row of the warp is over, the candidates: bit
       // 4 j + e of this thread's accumulator entries, over either view, among the visible keys.
       std::uint64_t cand = 0;
+      bool over = false;  // some row of the warp has a product above its cut (warp-uniform)
       const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
 #pragma unroll
       for (int v = 0; v < Views; ++v) {
@@ -376,6 +400,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
           tile::wgmma_ss_s8_n128(acc, q_tile(v).k_major(64 * wg, 32 * ks), k_tile(s, v).k_major(0, 32 * ks), ks > 0);
         }
         tile::wgmma_commit();
+        if (v == 0) find_cuts();
         tile::wgmma_wait<0>();
         tile::pin(acc);
         if (v == Views - 1) {
@@ -383,13 +408,15 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
           tile::mbar_arrive(&k_empty[s]);
         }
         if (done || dense) continue;
-        int m0 = INT_MIN, m1 = INT_MIN;
+        // Two partial maxima per row, so that neither is one chain of 16 three-way maxima.
+        int m[2][2] = {{INT_MIN, INT_MIN}, {INT_MIN, INT_MIN}};
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          m0 = max(m0, max(acc[4 * j], acc[4 * j + 1]));
-          m1 = max(m1, max(acc[4 * j + 2], acc[4 * j + 3]));
+          m[0][j % 2] = max(m[0][j % 2], max(acc[4 * j], acc[4 * j + 1]));
+          m[1][j % 2] = max(m[1][j % 2], max(acc[4 * j + 2], acc[4 * j + 3]));
         }
-        if (__any_sync(0xffffffffu, m0 > cut[v][0] || m1 > cut[v][1])) {
+        if (__any_sync(0xffffffffu, max(m[0][0], m[0][1]) > cut[v][0] || max(m[1][0], m[1][1]) > cut[v][1])) {
+          over = true;
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
 #pragma unroll
@@ -402,10 +429,11 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         }
       }
       if (done) continue;
-      if (!dense && __any_sync(0xffffffffu, cand != 0)) {
+      // Products above the cut may all lie past the causal limit: then count is 0.
+      if (!dense && over) {
         const int count = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(__popcll(cand))));
         dense = count > kSparseCandidates;
-        if (!dense && sp.stats != nullptr && lane == 0) {
+        if (!dense && count > 0 && counting && lane == 0) {
           atomicAdd(sp.stats + 2, 1ull);
           atomicAdd(sp.stats + 3, static_cast<unsigned long long>(count));
         }
@@ -433,7 +461,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         }
       }
       if (dense && lane == 0) mark_dense(kt);
-      if (sp.stats != nullptr && lane == 0) {
+      if (counting && lane == 0) {
         atomicAdd(sp.stats, 1ull);
         if (dense) atomicAdd(sp.stats + 1, 1ull);
       }
