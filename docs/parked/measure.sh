@@ -36,6 +36,9 @@ BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 
 SMALL_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --lengths 1024 4096 --dims 16 32
              --methods sdpa_flash sdpa_cudnn winnow_stick_breaking winnow_sieve_bound)
 
+SCREEN_BENCH=(python3 bench/gpu_threshold_bench.py --methods sdpa_flash winnow_tra winnow_tda winnow_tra_beta1_screen
+              winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen)
+
 
 # $COMBINED: parked patch names (stacked in that order; measure.sh makes the combined patch) or
 # a patch file holding them all: one A/B instead of one per patch, running $COMBINED_COMMAND
@@ -85,6 +88,8 @@ for patch in ${PATCHES:-none}; do
   bench=("${BENCH[@]}")
   # A patch for head dimensions 16 and 32 shows in these rows instead.
   [[ $patch == small-dims-* ]] && bench=("${SMALL_BENCH[@]}")
+  # A patch to threshold attention's int8 screen: the screened rows at beta 1 and 0.
+  [[ $patch == screen-* ]] && bench=("${SCREEN_BENCH[@]}")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
