@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
     // Each row's part of its cut, once (math::threshold::screen_row_cut): the loop over key tiles
     // then needs no division (an H200 profile of the divided form: 12% of the stall samples in
     // the cut's IEEE divisions and their slow-path branches). A row past the sequence gets the
-    // numerator +infinity: its cut is above every product, and it never makes a tile dense.
+    // offset +infinity: its cut is above every product, and it never makes a tile dense.
     mt::ScreenRowCut<float> row_cut[Views][2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
