@@ -722,8 +722,9 @@ void fused_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg,
   }
 }
 
-// The screen's scratch: per view the int8 rows and their bounds, and the dense / live tile bits
-// (cleared), carved from one buffer of the caller's allocator.
+// The screen's scratch: per view the int8 rows and their bounds, the dense / live tile bits
+// (cleared), and per row group its candidates and their count (cleared), carved from one buffer
+// of the caller's allocator.
 class ScreenBuffer {
  public:
   ScreenBuffer(const detail::AttentionParams& p, int views)
@@ -736,7 +737,9 @@ class ScreenBuffer {
         per_view_(aligned(q_rows_ * kScreenRowBytes) + aligned(k_rows_ * kScreenRowBytes) +
                   aligned(q_rows_ * sizeof(float2)) + aligned(tiles_ * sizeof(float2))),
         bits_(aligned((dense_words_ + live_words_) * sizeof(std::uint32_t))),
-        buffer_(p, views * per_view_ + bits_) {
+        groups_(static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(row_groups(p))),
+        counts_(aligned(groups_ * sizeof(int))),
+        buffer_(p, views * per_view_ + bits_ + counts_ + groups_ * kGroupCandidates * sizeof(std::uint32_t)) {
     auto* base = buffer_.as<unsigned char>();
     const RowGeometry q = query_rows(p), k = key_rows(p, kScreenRowBytes);
     RowGeometry q8 = q;
@@ -757,7 +760,11 @@ class ScreenBuffer {
     params_.q_blocks = map_query_blocks(p);
     params_.dense.bits = reinterpret_cast<std::uint32_t*>(base);
     params_.live_bits = params_.dense.bits + dense_words_;
-    if (bits_ > 0) check(cudaMemsetAsync(base, 0, bits_, stream_of(p)), "clearing the screen's tile bits");
+    params_.candidate_counts = reinterpret_cast<int*>(base + bits_);
+    params_.candidates = reinterpret_cast<std::uint32_t*>(base + bits_ + counts_);
+    if (bits_ + counts_ > 0) {
+      check(cudaMemsetAsync(base, 0, bits_ + counts_, stream_of(p)), "clearing the screen's tile bits and counts");
+    }
   }
   ThresholdScreenParams& params() { return params_; }
   LiveKeyTiles live() const { return {params_.live_bits, params_.q_blocks, params_.dense.words}; }
@@ -769,7 +776,7 @@ class ScreenBuffer {
 
  private:
   static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-  std::size_t q_rows_, k_rows_, tiles_, dense_words_, live_words_, per_view_, bits_;
+  std::size_t q_rows_, k_rows_, tiles_, dense_words_, live_words_, per_view_, bits_, groups_, counts_;
   DeviceBuffer buffer_;
   ThresholdScreenParams params_;
 };
@@ -785,6 +792,8 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
   allow_shared_memory(kernel, smem);
   kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, sp);
   check_launch("threshold_screen_sm90_kernel");
+  threshold_candidates_kernel<T, D, Views><<<grid, 32 * Shape::kBQ / kScreenGroupRows, 0, stream_of(p)>>>(p, sp);
+  check_launch("threshold_candidates_kernel");
 }
 
 // The screen is opt-in (WINNOW_THRESHOLD_SCREEN set, WINNOW_DENSE_KEY_TILES not): on the H100 it
@@ -794,8 +803,9 @@ bool screen_requested(const detail::AttentionParams& p) {
   return std::getenv("WINNOW_THRESHOLD_SCREEN") != nullptr && key_tile_skipping_enabled(p);
 }
 
-// The screened forward where it runs (Hopper, requested): the screen writes the
-// output's sparse part, then each view's fused forward adds the dense tiles'.
+// The screened forward where it runs (Hopper, requested): the screen lists the candidates and
+// the dense tiles, the candidate pass writes the output's sparse part, then each view's fused
+// forward adds the dense tiles'.
 template <class T, int D>
 bool screened_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg, NormalizedViews& views) {
   if (!screen_requested(p) || !hopper_kernel_runs(threshold_screen_sm90_kernel<T, D, 1>)) return false;

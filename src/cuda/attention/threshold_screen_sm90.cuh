@@ -10,7 +10,8 @@
 // pairs above the cut ("candidates") get their exact score from the 16-bit rows and, when it
 // clears tau, their weighted value row, on the CUDA cores. Per warp (16 rows) and key tile:
 //   no candidate                nothing more;
-//   a few (kSparseCandidates)   handled here, exactly;
+//   a few (kSparseCandidates)   listed for the candidate pass (threshold_candidates_kernel,
+//                               below), which handles them exactly after the screen;
 //   many, or a row whose tau is within the bound (beta near 0, the first rows)
 //                               the tile is "dense" for this warp: a bit in DenseTileBits, and the
 //                               block's bit in live_bits, so the fused forward (forward_sm90.cuh
@@ -18,8 +19,8 @@
 //                               rows' weights for it, every other row's being zeroed there.
 // A consumer warpgroup whose warps are all dense on the first (diagonal) tile gives up on its
 // rows: every tile becomes dense for them (a low beta costs one 8-bit tile per block, not a
-// whole screen). The output written here is the candidates' part; the fused forward adds the
-// dense tiles' part into it.
+// whole screen). The candidate pass writes the output's candidates' part; the fused forward
+// adds the dense tiles' part into it.
 //
 // Block: 128 query rows of one head, a producer warpgroup copying the 8-bit key tiles (natural
 // key order, 128 keys x 128 bytes) into a ring of stages, and two consumer warpgroups of 64
@@ -40,7 +41,7 @@ namespace winnow::cuda {
 
 inline constexpr int kScreenRowBytes = 128;  // int8 rows, zero past the head dimension
 inline constexpr int kSparseCandidates = 24;  // per warp and key tile, above which the tile is dense
-inline constexpr int kCandidateSlots = 128;   // per warp: candidates kept for handling in bulk
+inline constexpr int kGroupCandidates = 256;  // per row group, over its key tiles; past them, dense
 
 struct ThresholdScreenParams {
   ThresholdCudaConfig view;  // power, dim, beta; lambda set for TDA (the second view's factor)
@@ -56,9 +57,19 @@ struct ThresholdScreenParams {
   DenseTileBits dense;
   std::uint32_t* live_bits = nullptr;
   int q_blocks = 0;
+  // Per row group (a warp's 16 rows, in DenseTileBits' order), the candidates the screen found
+  // for the candidate pass: up to kGroupCandidates entries, key << 4 | row within the group, and
+  // their count (cleared before the screen).
+  std::uint32_t* candidates = nullptr;
+  int* candidate_counts = nullptr;
   // Diagnostics (WINNOW_SCREEN_STATS): warp tiles screened, left dense, with candidates handled,
   // candidates handled. Null: not counted.
   unsigned long long* stats = nullptr;
+
+  template <class Tile>
+  __device__ __forceinline__ std::int64_t group_index(const AttentionParams& p, const Tile& qt, std::int64_t row) const {
+    return (qt.b * p.heads_q + qt.h) * dense.row_groups + row / kScreenGroupRows;
+  }
 
   // A query row's {scale, error radius}, and a key tile's largest.
   template <class Tile>
@@ -79,13 +90,15 @@ struct ThresholdScreenParams {
   }
 };
 
-// Marks key tiles 0 .. n_tiles - 1 dense for a row group, and live for its block.
+// Marks key tiles 0 .. n_tiles - 1 dense for a row group, and live for its block. By global
+// reductions (tile::red_or_global), as everything the screen writes to global memory while its
+// products are in flight.
 __device__ __forceinline__ void mark_tiles_dense(std::uint32_t* dense_row, std::uint32_t* live_row, int n_tiles) {
   for (int w = 0; 32 * w < n_tiles; ++w) {
     const int left = n_tiles - 32 * w;
     const std::uint32_t bits = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
-    dense_row[w] |= bits;
-    atomicOr(live_row + w, bits);
+    tile::red_or_global(dense_row + w, bits);
+    tile::red_or_global(live_row + w, bits);
   }
 }
 
@@ -105,9 +118,7 @@ struct Sm90ScreenSmem {
   static constexpr int kSync = kK + Shape::kStages * Views * KTile::kBytes;
   // mbarriers k_full, k_empty [stages]; end[stages]; the consumers' halt flags.
   static constexpr int kSyncBytes = 16 * Shape::kStages + 4 * Shape::kStages + tile::StageHaltFlags::bytes(Shape::kStages);
-  // Per consumer warp, its pending candidates: key << 4 | row within the warp's 16.
-  static constexpr int kCandidates = (kSync + kSyncBytes + 15) / 16 * 16;
-  static constexpr int kBytes = kCandidates + 8 * kCandidateSlots * 4 + 1024;
+  static constexpr int kBytes = kSync + kSyncBytes + 1024;
 };
 
 namespace screen {
@@ -139,7 +150,8 @@ __device__ __forceinline__ float quad_score(const T* q, const T* k, bool active,
 
 // When no row of the block can be screened on its diagonal tile (tau within the bound, as for
 // beta near 0), the block leaves every tile to the fused forward before loading anything: each
-// row group's tiles dense, the block's live, its output rows zero. Returns whether it did.
+// row group's tiles dense, the block's live, no candidates (the counts start at zero). Returns
+// whether it did.
 template <class T, int D, int Views, class Tile>
 __device__ __forceinline__ bool block_unscreenable(const AttentionParams& p, const ThresholdScreenParams& sp,
                                                    const Tile& qt) {
@@ -159,13 +171,6 @@ __device__ __forceinline__ bool block_unscreenable(const AttentionParams& p, con
   if (!__syncthreads_and(unscreenable)) return false;
   if (tid < Tile::kRows / kScreenGroupRows) {
     mark_tiles_dense(sp.dense.group(p, qt, qt.r0 + kScreenGroupRows * tid), sp.live_row(p, qt), n_tiles);
-  }
-  constexpr int kChunks = D / 8;  // 16-byte chunks of an output row
-  for (int c = tid; c < Tile::kRows * kChunks; c += blockDim.x) {
-    const std::int64_t row = qt.r0 + c / kChunks;
-    if (row < qt.s.q_len) {
-      *reinterpret_cast<uint4*>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h) + 8 * (c % kChunks)) = make_uint4(0, 0, 0, 0);
-    }
   }
   return true;
 }
@@ -255,11 +260,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
     std::uint32_t* const live_row = sp.live_row(p, qt);
 
     const float beta = sp.view.beta[qt.h * sp.view.beta_head];
-    const float power = sp.view.power;
-    const float lambda = Views == 2 ? -sp.view.factor(qt.h) : 0.f;
     std::int64_t limit[2];
-    float tau[2];
-    bool in[2];
     // Each row's part of its cut, once (math::threshold::screen_row_cut): the loop over key tiles
     // then needs no division (an H200 profile of the divided form: 12% of the stall samples in
     // the cut's IEEE divisions and their slow-path branches). A row past the sequence gets the
@@ -269,13 +270,12 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
       limit[half] = qt.limit(p, row);
-      in[half] = limit[half] >= 0;
-      tau[half] = beta * sp.view.unit(limit[half]);
+      const float tau = beta * sp.view.unit(limit[half]);
 #pragma unroll
       for (int v = 0; v < Views; ++v) {
-        if (in[half]) {
+        if (limit[half] >= 0) {
           const float2 m = sp.row_bound(v, p, qt, row);
-          row_cut[v][half] = mt::screen_row_cut(tau[half], m.y, m.x);
+          row_cut[v][half] = mt::screen_row_cut(tau, m.y, m.x);
         } else {
           row_cut[v][half] = {INFINITY, 1.f};
         }
@@ -286,160 +286,127 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
 #pragma unroll
     for (int v = 0; v < Views; ++v) tile_bounds[v] = sp.tile_bounds(v, p, qt);
     const bool counting = sp.stats != nullptr;
-    const T* q_rows[Views][2];
-#pragma unroll
-    for (int v = 0; v < Views; ++v) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        q_rows[v][half] = in[half] ? sp.q_hat[v].at<const T>(qt.b, qt.s.q_start + row0 + 8 * half, qt.h) : nullptr;
-      }
-    }
 
-    float o[D / 8][4];
-    tile::zero(o);
     bool done = false;  // this warpgroup gave its rows up to the fused forward
 
-    // Marks key tile kt dense for this warp (lane 0 only): dense_row is the warp's own.
+    // Everything written to memory while a product is in flight goes to global memory, named as
+    // such (tile::red_or_global, st_global_b32): shared-memory stores or a named barrier in a
+    // divergent path there make ptxas serialize every product of the kernel (C7518).
     auto mark_dense = [&](int kt) {
-      dense_row[kt >> 5] |= 1u << (kt & 31);
-      atomicOr(live_row + (kt >> 5), 1u << (kt & 31));
+      tile::red_or_global(dense_row + (kt >> 5), 1u << (kt & 31));
+      tile::red_or_global(live_row + (kt >> 5), 1u << (kt & 31));
     };
+    const std::int64_t group = sp.group_index(p, qt, group0);
+    std::uint32_t* const listed_candidates = sp.candidates + group * kGroupCandidates;
+    int listed = 0;  // the same in every lane
 
-    // The warp's pending candidates, each handled by the quad that holds its row's output: per
-    // pass every quad takes its next one (scanning the list from its cursor), so up to eight
-    // candidates' rows are loaded at once.
-    std::uint32_t* const candidates =
-        reinterpret_cast<std::uint32_t*>(smem + Smem::kCandidates) + (4 * wg + warp) * kCandidateSlots;
-    int pending = 0;  // the same in every lane
-    auto handle_candidates = [&]() {
-      int cursor = 0;
-      while (true) {
-        std::uint32_t entry = 0;
-        bool active = false;
-        for (; cursor < pending; ++cursor) {
-          const std::uint32_t x = candidates[cursor];
-          if (static_cast<int>(x & 7u) == g) {
-            entry = x;
-            active = true;
-            ++cursor;
-            break;
-          }
-        }
-        if (!__any_sync(0xffffffffu, active)) break;
-        const int half = static_cast<int>((entry >> 3) & 1u);
-        const std::int64_t key = static_cast<std::int64_t>(entry >> 4);
-        float w = 0.f;
+    // The products, one per key tile and view (j = Views i + v over tiles i = 0, 1, ...; tile i
+    // is key tile n_tiles - 1 - i, in stage i % S), each into one of two accumulators in turn.
+    // From tile 1 on, product j + 1 is issued as soon as product j is screened against the
+    // cuts, before the tile's candidates are listed, its bits and counters written and the next
+    // stage waited for: the matrix units work while the CUDA cores do that (an H200 profile of
+    // the form that issued after all of it: the int8 tensor pipe 31% active, each warp's work
+    // one chain of about 200 instructions per tile). Tile 0 goes first, alone: its vote is a
+    // named barrier.
+    //
+    // Issuing product j + 1 before product j is screened, with both accumulators live, makes
+    // ptxas serialize every product of the kernel (C7518, a warpgroup wait it inserts in a
+    // divergent path: docs/parked/README.md). So here one product is in flight at a time, and
+    // every step waits for one product and issues one, with no branch around either; the loop
+    // ends only between pairs of steps (each accumulator keeps its registers). Where no product
+    // is left to issue (past the last, or once the producer ended), a step issues a stand-in (Q
+    // against itself, in shared memory for the whole kernel) whose result nobody reads.
+    const int products = Views * n_tiles;
+    auto issue = [&](int (&acc)[64], int i, int v, bool real) {
 #pragma unroll
-        for (int v = 0; v < Views; ++v) {
-          const T* k = active ? sp.k_hat[v].at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
-          const float score = screen::quad_score<T, D>(half == 0 ? q_rows[v][0] : q_rows[v][1], k, active, tig);
-          const float wv = mt::weight(score - tau[half], power);
-          w += v == 0 ? wv : -lambda * wv;
-        }
-        if (active && w != 0.f) {
-          const T* vrow = p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk);
-          const float w_lo = half == 0 ? w : 0.f, w_hi = half == 0 ? 0.f : w;
+      for (int j = 0; j < 64; ++j) asm volatile("" : "=r"(acc[j]));
+      tile::wgmma_fence();
 #pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            const float2 x = screen::feature_pair(vrow, n, tig);
-            o[n][0] += w_lo * x.x;
-            o[n][1] += w_lo * x.y;
-            o[n][2] += w_hi * x.x;
-            o[n][3] += w_hi * x.y;
-          }
-        }
+      for (int ks = 0; ks < kScreenRowBytes / 32; ++ks) {
+        const std::uint64_t keys = real ? k_tile(i % S, v).k_major(0, 32 * ks) : q_tile(0).k_major(0, 32 * ks);
+        tile::wgmma_ss_s8_n128(acc, q_tile(real ? v : 0).k_major(64 * wg, 32 * ks), keys, ks > 0);
       }
-      pending = 0;
-      __syncwarp();
+      tile::wgmma_commit();
     };
-
-    for (int i = 0, kt = n_tiles - 1; i < n_tiles; ++i, --kt) {
-      const int s = i % S;
-      // The tile's largest key scale and error radius, read while the stage fills.
-      float2 tm[Views];
+    // The tile's largest key scale and error radius: read when the tile's first product is
+    // issued, used when it is screened.
+    float2 tm[Views];
+    auto read_bounds = [&](int i) {
 #pragma unroll
-      for (int v = 0; v < Views; ++v) tm[v] = tile_bounds[v][kt];
-      tile::mbar_wait(&k_full[s], (i / S) & 1);
-      if (end[s] < 0) break;
+      for (int v = 0; v < Views; ++v) tm[v] = tile_bounds[v][n_tiles - 1 - i];
+    };
+    // Waits for tile i's stage; false when the producer ended instead (both warpgroups done).
+    auto stage_ready = [&](int i) {
+      tile::mbar_wait(&k_full[i % S], (i / S) & 1);
+      if (end[i % S] < 0) return false;
       tile::fence_to_async_proxy();
+      return true;
+    };
+    auto release = [&](int i) {
+      if (wtid == 0) halted.publish(i % S, wg, done);
+      tile::mbar_arrive(&k_empty[i % S]);
+    };
 
-      // Each row's cut, computed while the first view's product runs; a row whose tau lies
-      // within the bound (a cut below 1, or NaN) makes the tile dense. The conversion
-      // saturates: an infinite cut is INT_MAX.
-      int cut[Views][2];
-      bool dense = false;
-      auto find_cuts = [&] {
-#pragma unroll
-        for (int v = 0; v < Views; ++v) {
-          // An approximate reciprocal: its error of an ulp or two is inside the cut's slack.
-          const float inv_scale_k = __fdividef(1.f, tm[v].x);
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const float c = mt::screen_tile_cut(row_cut[v][half], tm[v].y, inv_scale_k);
-            dense = dense || !(c >= 1.f);
-            cut[v][half] = __float2int_rz(c);
-          }
-        }
-        dense = __any_sync(0xffffffffu, dense);
-      };
+    // Per tile, across its views.
+    int cut[Views][2];
+    bool dense = false;
+    bool over = false;       // some row of the warp has a product above its cut (warp-uniform)
+    std::uint64_t cand = 0;  // bit 4 e + c of this thread's accumulator entries, over the views
 
-      // One view at a time (one accumulator's registers): the largest product of each row
-      // against its cut, and only where some row of the warp is over, the candidates: bit
-      // 4 j + e of this thread's accumulator entries, over either view, among the visible keys.
-      std::uint64_t cand = 0;
-      bool over = false;  // some row of the warp has a product above its cut (warp-uniform)
-      const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
+    // Each row's cut; a row whose tau lies within the bound (a cut below 1, or NaN) makes the
+    // tile dense. The conversion saturates: an infinite cut is INT_MAX.
+    auto find_cuts = [&] {
+      dense = false;
 #pragma unroll
-      for (int v = 0; v < Views; ++v) {
-        int acc[64];
+      for (int u = 0; u < Views; ++u) {
+        // An approximate reciprocal: its error of an ulp or two is inside the cut's slack.
+        const float inv_scale_k = __fdividef(1.f, tm[u].x);
 #pragma unroll
-        for (int j = 0; j < 64; ++j) asm volatile("" : "=r"(acc[j]));
-        tile::wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kScreenRowBytes / 32; ++ks) {
-          tile::wgmma_ss_s8_n128(acc, q_tile(v).k_major(64 * wg, 32 * ks), k_tile(s, v).k_major(0, 32 * ks), ks > 0);
+        for (int half = 0; half < 2; ++half) {
+          const float c = mt::screen_tile_cut(row_cut[u][half], tm[u].y, inv_scale_k);
+          dense = dense || !(c >= 1.f);
+          cut[u][half] = __float2int_rz(c);
         }
-        tile::wgmma_commit();
-        if (v == 0) find_cuts();
-        tile::wgmma_wait<0>();
-        tile::pin(acc);
-        if (v == Views - 1) {
-          if (wtid == 0) halted.publish(s, wg, done);
-          tile::mbar_arrive(&k_empty[s]);
-        }
-        if (done || dense) continue;
-        // Two partial maxima per row, so that neither is one chain of 16 three-way maxima.
-        int m[2][2] = {{INT_MIN, INT_MIN}, {INT_MIN, INT_MIN}};
+      }
+      dense = __any_sync(0xffffffffu, dense);
+      over = false;
+      cand = 0;
+    };
+    // A view's products against the rows' cuts: where some row of the warp is over, the
+    // candidates among the visible keys.
+    auto screen_product = [&](int v, const int (&acc)[64], std::int64_t key0) {
+      // Two partial maxima per row, so that neither is one chain of 16 three-way maxima.
+      int m[2][2] = {{INT_MIN, INT_MIN}, {INT_MIN, INT_MIN}};
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          m[0][j % 2] = max(m[0][j % 2], max(acc[4 * j], acc[4 * j + 1]));
-          m[1][j % 2] = max(m[1][j % 2], max(acc[4 * j + 2], acc[4 * j + 3]));
-        }
-        if (__any_sync(0xffffffffu, max(m[0][0], m[0][1]) > cut[v][0] || max(m[1][0], m[1][1]) > cut[v][1])) {
-          over = true;
+      for (int e = 0; e < 16; ++e) {
+        m[0][e % 2] = max(m[0][e % 2], max(acc[4 * e], acc[4 * e + 1]));
+        m[1][e % 2] = max(m[1][e % 2], max(acc[4 * e + 2], acc[4 * e + 3]));
+      }
+      if (__any_sync(0xffffffffu, max(m[0][0], m[0][1]) > cut[v][0] || max(m[1][0], m[1][1]) > cut[v][1])) {
+        over = true;
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
+        for (int e = 0; e < 16; ++e) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int half = e / 2;
-              const std::int64_t key = key0 + 8 * j + 2 * tig + (e & 1);
-              if (acc[4 * j + e] > cut[v][half] && key <= limit[half]) cand |= 1ull << (4 * j + e);
-            }
+          for (int c = 0; c < 4; ++c) {
+            const int half = c / 2;
+            const std::int64_t key = key0 + 8 * e + 2 * tig + (c & 1);
+            if (acc[4 * e + c] > cut[v][half] && key <= limit[half]) cand |= 1ull << (4 * e + c);
           }
         }
       }
-      if (done) continue;
+    };
+    // After the tile's last view: its candidates listed for the candidate pass, or the tile left
+    // dense (too many for one tile, or for the group's list).
+    auto finish_tile = [&](int kt, std::int64_t key0) {
       // Products above the cut may all lie past the causal limit: then count is 0.
       if (!dense && over) {
         const int count = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(__popcll(cand))));
-        dense = count > kSparseCandidates;
-        if (!dense && count > 0 && counting && lane == 0) {
-          atomicAdd(sp.stats + 2, 1ull);
-          atomicAdd(sp.stats + 3, static_cast<unsigned long long>(count));
-        }
-        if (!dense) {
-          // Appended to the warp's list, in order of lane: the list is handled in bulk (below)
-          // so that the eight quads' loads overlap.
+        dense = count > kSparseCandidates || listed + count > kGroupCandidates;
+        if (!dense && count > 0) {
+          if (counting && lane == 0) {
+            tile::red_add_global(sp.stats + 2, 1ull);
+            tile::red_add_global(sp.stats + 3, static_cast<unsigned long long>(count));
+          }
           const int mine = __popcll(cand);
           int before = mine;
 #pragma unroll
@@ -447,45 +414,178 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
             const int t = __shfl_up_sync(0xffffffffu, before, off);
             if (lane >= off) before += t;
           }
-          int slot = pending + before - mine;
-          while (cand != 0) {
-            const int idx = __ffsll(cand) - 1;
-            cand &= cand - 1;
+          int slot = listed + before - mine;
+          for (std::uint64_t left = cand; left != 0; left &= left - 1) {
+            const int idx = __ffsll(left) - 1;
             const int row = g + 8 * ((idx & 3) >> 1);
             const std::int64_t key = key0 + 8 * (idx >> 2) + 2 * tig + (idx & 1);
-            candidates[slot++] = static_cast<std::uint32_t>(key) << 4 | static_cast<std::uint32_t>(row);
+            tile::st_global_b32(listed_candidates + slot++,
+                                static_cast<std::uint32_t>(key) << 4 | static_cast<std::uint32_t>(row));
           }
-          pending += count;
-          __syncwarp();
-          if (pending > kCandidateSlots - kSparseCandidates) handle_candidates();
+          listed += count;
         }
       }
       if (dense && lane == 0) mark_dense(kt);
       if (counting && lane == 0) {
-        atomicAdd(sp.stats, 1ull);
-        if (dense) atomicAdd(sp.stats + 1, 1ull);
+        tile::red_add_global(sp.stats, 1ull);
+        if (dense) tile::red_add_global(sp.stats + 1, 1ull);
       }
-      if (i == 0) {
-        // A warpgroup whose warps are all dense on the diagonal tile leaves every tile of its
-        // rows to the fused forward.
-        done = tile::named_sync_and(kConsumerBarrier + wg, 128, dense);
-        if (done && lane == 0) mark_tiles_dense(dense_row, live_row, n_tiles);
+    };
+
+    int acc0[64], acc1[64];
+    {
+      // Tile 0 (the diagonal), nothing else in flight. The producer cannot end before its first
+      // tiles: tile 0's stage is always filled.
+      const int kt = n_tiles - 1;
+      const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
+      read_bounds(0);
+      stage_ready(0);
+      issue(acc0, 0, 0, true);
+      if constexpr (Views == 2) issue(acc1, 0, 1, true);
+      find_cuts();
+      tile::wgmma_wait<0>();
+      tile::pin(acc0);
+      if constexpr (Views == 2) tile::pin(acc1);
+      release(0);
+      if (!dense) {
+        screen_product(0, acc0, key0);
+        if constexpr (Views == 2) screen_product(1, acc1, key0);
       }
+      finish_tile(kt, key0);
+      // A warpgroup whose warps are all dense on the diagonal tile leaves every tile of its rows
+      // to the fused forward.
+      done = tile::named_sync_and(kConsumerBarrier + wg, 128, dense);
+      if (done && lane == 0) mark_tiles_dense(dense_row, live_row, n_tiles);
     }
 
-    if (pending > 0) handle_candidates();
+    // One step from tile 1 on: wait for product j + 1's stage (where it starts a tile) and for
+    // product j; screen product j; issue product j + 1 (or the stand-in); then, while it runs,
+    // finish product j's tile (its candidates listed, its bits and counters written). Steps past
+    // the last product, or after the producer ended, screen nothing: the producer ends only once
+    // both warpgroups are done, so nothing is left to screen then.
+    bool ended = false;
+    auto step = [&](int j, int (&acc)[64], int (&next)[64]) {
+      const int i = j / Views, v = j % Views, kt = n_tiles - 1 - i;
+      const bool real = j < products && !ended;
+      if (real && v == 0) find_cuts();
+      const int i1 = (j + 1) / Views, v1 = (j + 1) % Views;
+      bool real1 = j + 1 < products && !ended;
+      if (real1 && v1 == 0) {
+        read_bounds(i1);
+        if (!stage_ready(i1)) ended = true, real1 = false;
+      }
+      tile::wgmma_wait<0>();
+      tile::pin(acc);
+      const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
+      if (real) {
+        if (v == Views - 1) release(i);
+        if (!done && !dense) screen_product(v, acc, key0);
+      }
+      issue(next, i1, v1, real1);
+      if (!real) return;
+      if (v == Views - 1 && !done) finish_tile(kt, key0);
+    };
+
+    bool first = Views < products && !ended;
+    if (first) {
+      read_bounds(1);
+      if (!stage_ready(1)) ended = true, first = false;
+    }
+    issue(acc0, 1, 0, first);
+    const int steps = (products - Views + 1) / 2 * 2;
+    for (int j = Views; j < Views + steps && !ended; j += 2) {
+      step(j, acc0, acc1);
+      step(j + 1, acc1, acc0);
+    }
+    tile::wgmma_wait<0>();
+    if (lane == 0) sp.candidate_counts[group] = listed;
+  }
+#endif
+}
+
+// The candidates' part of the output, after the screen: it writes every output row of the
+// screened problem (zero where a row has no candidate), and the fused forward then adds the
+// dense tiles' part. Same grid as the screen, a warp per row group: each candidate (the
+// screen's list for the group) gets its exact score from the 16-bit rows and, where the weight
+// is nonzero, its weighted value row, handled by the quad that holds its row's output; per pass
+// every quad takes its next one, so up to eight candidates' rows are loaded at once.
+template <class T, int D, int Views>
+__global__ void __launch_bounds__(32 * Sm90ScreenShape::kBQ / kScreenGroupRows)
+    threshold_candidates_kernel(const AttentionParams p, const ThresholdScreenParams sp) {
+  namespace mt = math::threshold;
+  const QueryTile<Sm90ScreenShape::kBQ, Sm90ScreenShape::kBK> qt(p);
+  if (qt.empty()) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  const std::int64_t group0 = qt.r0 + kScreenGroupRows * warp;
+  if (group0 >= qt.s.q_len) return;
+  const std::int64_t row0 = group0 + g;
+  const float beta = sp.view.beta[qt.h * sp.view.beta_head];
+  const float lambda = Views == 2 ? -sp.view.factor(qt.h) : 0.f;
+  float tau[2];
+  const T* q_rows[Views][2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const std::int64_t row = row0 + 8 * half;
-      if (row >= qt.s.q_len) continue;
-      T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t row = row0 + 8 * half;
+    const std::int64_t limit = qt.limit(p, row);
+    tau[half] = beta * sp.view.unit(limit);
+#pragma unroll
+    for (int v = 0; v < Views; ++v) {
+      q_rows[v][half] = limit >= 0 ? sp.q_hat[v].at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
+    }
+  }
+  const std::int64_t group = sp.group_index(p, qt, group0);
+  const int count = min(sp.candidate_counts[group], kGroupCandidates);
+  const std::uint32_t* const list = sp.candidates + group * kGroupCandidates;
+
+  float o[D / 8][4];
+  tile::zero(o);
+  int cursor = 0;
+  while (true) {
+    std::uint32_t entry = 0;
+    bool active = false;
+    for (; cursor < count; ++cursor) {
+      const std::uint32_t x = list[cursor];
+      if (static_cast<int>(x & 7u) == g) {
+        entry = x;
+        active = true;
+        ++cursor;
+        break;
+      }
+    }
+    if (!__any_sync(0xffffffffu, active)) break;
+    const int half = static_cast<int>((entry >> 3) & 1u);
+    const std::int64_t key = static_cast<std::int64_t>(entry >> 4);
+    float w = 0.f;
+#pragma unroll
+    for (int v = 0; v < Views; ++v) {
+      const T* k = active ? sp.k_hat[v].at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
+      const float score = screen::quad_score<T, D>(half == 0 ? q_rows[v][0] : q_rows[v][1], k, active, tig);
+      const float wv = mt::weight(score - tau[half], sp.view.power);
+      w += v == 0 ? wv : -lambda * wv;
+    }
+    if (active && w != 0.f) {
+      const T* vrow = p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk);
+      const float w_lo = half == 0 ? w : 0.f, w_hi = half == 0 ? 0.f : w;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) = tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+        const float2 x = screen::feature_pair(vrow, n, tig);
+        o[n][0] += w_lo * x.x;
+        o[n][1] += w_lo * x.y;
+        o[n][2] += w_hi * x.x;
+        o[n][3] += w_hi * x.y;
       }
     }
   }
-#endif
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t row = row0 + 8 * half;
+    if (row >= qt.s.q_len) continue;
+    T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) = tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
+    }
+  }
 }
 
 }  // namespace winnow::cuda

@@ -29,6 +29,20 @@ __device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
   return v;
 }
 
+// Integer stores and reductions into global memory, named as global: ptxas cannot tell a
+// generic address from a shared one, so while a warpgroup's products are in flight it waits for
+// them before a generic store or atomic, and where that wait falls in a divergent path it
+// serializes every product of the kernel (C7518).
+__device__ __forceinline__ void red_or_global(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("red.global.or.b32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_global_b32(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.global.b32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ void red_add_global(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.global.add.u64 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "l"(v) : "memory");
+}
+
 // x as one floating-point reduction into a zero would leave it: red/atom.add.f32 flush
 // subnormal inputs and results to zero (PTX ISA), so a gradient written directly matches, bit
 // for bit, one summed into a cleared accumulator.
