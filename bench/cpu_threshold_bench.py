@@ -40,7 +40,7 @@ def main():
     for beta in (0.0, 0.5, 1.0):
         b = torch.tensor([beta])
         lam = torch.tensor([0.5])
-        _, nonzero = torch.ops.winnow.threshold_attention_forward(q, k, v, b, count_nonzero=True)
+        _, nonzero, _ = torch.ops.winnow.threshold_attention_forward(q, k, v, b, count_nonzero=True)
         zeros = 1 - (nonzero.float() / visible).mean().item()
         tra = median_seconds(lambda: winnow.threshold_attention(q, k, v, b))
         tda = median_seconds(lambda: winnow.threshold_attention(q, k, v, b, lam=lam, q2=q2, k2=k2))

@@ -58,7 +58,9 @@ def print_kernels(title, prof, calls):
     rows = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = e.name.split("(")[0].split("<")[0].replace("void ", "")[-48:]
+            # The anonymous namespace's parenthesis would cut every winnow kernel's name short.
+            name = e.name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
+            name = name.replace("void ", "")[-48:]
             rows[name] = rows.get(name, 0.0) + e.device_time / calls
     print(f"{title}: {sum(rows.values()) / 1000:.3f} ms")
     for name, us in sorted(rows.items(), key=lambda kv: -kv[1]):

@@ -51,6 +51,19 @@ Checked checked(const AttentionCall& call, const Views& views,
   return c;
 }
 
+// The saved rows' record, checked against the call's shapes; only the CUDA route keeps them.
+void* saved_rows_record(const AttentionCall& call, const detail::AttentionParams& p, bool tda,
+                        const TensorView& t) {
+  if (call.route() != Route::cuda) {
+    call.fail("saved_rows", "none: only the CUDA route keeps the normalized rows",
+              "a record on the " + std::string(call.route() == Route::reference ? "reference" : "CPU") + " route");
+  }
+  const std::int64_t size = saved_rows_size<std::int64_t>(
+      p.rows_q * p.heads_q, p.rows_k * p.heads_kv, p.dim_qk, static_cast<std::int64_t>(element_size(p.dtype)),
+      tda ? 2 : 1);
+  return call.flat("saved_rows", t, DType::int32, size);
+}
+
 }  // namespace
 
 void forward(const AttentionInputs& in, const Views& views, const Options& options,
@@ -63,6 +76,9 @@ void forward(const AttentionInputs& in, const Views& views, const Options& optio
     c.config.nonzero = call.row_stats("nonzero", *outputs.nonzero, DType::int32);
     call.require_writable("nonzero", *outputs.nonzero);
   }
+  if (outputs.saved_rows) {
+    c.config.saved_rows = saved_rows_record(call, c.params, c.config.differential(), *outputs.saved_rows);
+  }
   switch (call.route()) {
     case Route::reference: return reference::threshold_forward(c.params, c.config);
     case Route::cpu: return cpu::threshold_forward(c.params, c.config);
@@ -72,7 +88,7 @@ void forward(const AttentionInputs& in, const Views& views, const Options& optio
 
 void backward(const AttentionInputs& in, const Views& views, const Options& options,
               const TensorView& dout, const AttentionGrads& grads, const ViewGrads& view_grads,
-              const ExecContext& ctx) {
+              const ExecContext& ctx, const std::optional<TensorView>& saved_rows) {
   AttentionCall call("winnow::threshold::backward", in, ctx);
   Checked c = checked(call, views, options);
   const detail::GradientParams g = call.gradients(dout, grads);
@@ -89,6 +105,7 @@ void backward(const AttentionInputs& in, const Views& views, const Options& opti
     call.fail(view_grads.dlambda ? "dlambda" : view_grads.dq2 ? "dq2" : "dk2",
               "no gradient of a second view without lambda (TRA)", "a tensor");
   }
+  if (saved_rows) c.config.saved_rows = saved_rows_record(call, c.params, c.config.differential(), *saved_rows);
   switch (call.route()) {
     case Route::reference: return reference::threshold_backward(c.params, g, c.config);
     case Route::cpu: return cpu::threshold_backward(c.params, g, c.config);

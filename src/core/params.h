@@ -146,6 +146,9 @@ struct ThresholdConfig {
   Operand beta, lambda;
   Operand q2, k2;  // TDA's second view, laid out like q and k
   Operand nonzero;  // int32 per query row, written when data != nullptr (forward only)
+  // The saved rows (winnow/threshold.h; CUDA only): the forward writes them, the backward reads
+  // them instead of normalizing, where data != nullptr.
+  void* saved_rows = nullptr;
   // Backward only.
   Operand dbeta, dlambda, dq2, dk2;
   WINNOW_HD bool differential() const { return lambda.data != nullptr; }

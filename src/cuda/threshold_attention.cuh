@@ -41,6 +41,7 @@
 #include "cuda/cuda.h"
 #include "cuda/element_types.cuh"
 #include "cuda/launch_attention.cuh"
+#include "winnow/threshold.h"
 
 namespace winnow::cuda {
 namespace {
@@ -188,12 +189,16 @@ __device__ __forceinline__ ScreenRow load_row4(const T* x, int dim) {
 }
 
 // x / max(|x|, eps) rounded to T, stored into hat and returned as read back (what the kernels
-// score); *largest: the row's largest |feature|.
+// score); *largest: the row's largest |feature|; *inv_norm: the inverse norm, negated where the
+// norm was clipped at eps (as normalize_rows_kernel writes it, for a backward of saved rows).
 template <class T>
-__device__ __forceinline__ ScreenRow normalize_row4(const T* x, T* hat, int dim, float eps, float* largest) {
+__device__ __forceinline__ ScreenRow normalize_row4(const T* x, T* hat, int dim, float eps, float* largest,
+                                                    float* inv_norm) {
   const int lane = threadIdx.x % 32;
   ScreenRow r = load_row4(x, dim);
-  const float inv = math::inverse_norm(simple::warp_sum(r.a[0] * r.a[0] + r.a[1] * r.a[1] + r.a[2] * r.a[2] + r.a[3] * r.a[3]), eps);
+  const float sum = simple::warp_sum(r.a[0] * r.a[0] + r.a[1] * r.a[1] + r.a[2] * r.a[2] + r.a[3] * r.a[3]);
+  const float inv = math::inverse_norm(sum, eps);
+  *inv_norm = math::norm_clipped(sum, eps) ? -inv : inv;
   float m = 0.f;
   if (4 * lane < dim) {
     uint2 bits;
@@ -231,16 +236,19 @@ __device__ __forceinline__ float quantize_row4(const ScreenRow& r, float scale, 
 // A warp per (batch row, head) of the queries: normalized, quantized with the row's own scale;
 // meta = {scale, error radius}.
 template <class T>
-__global__ void normalize_quantize_queries_kernel(const Operand src, const Operand hat, const Operand q8, float2* meta,
-                                                  const RowGeometry r, float eps) {
+__global__ void normalize_quantize_queries_kernel(const Operand src, const Operand hat, float* inv_norm,
+                                                  const Operand q8, float2* meta, const RowGeometry r, float eps) {
   const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (idx >= r.rows * r.heads) return;
   const std::int64_t row = idx / r.heads, h = idx % r.heads, b = r.sequence(row), at = r.row_in(row);
-  float largest;
-  const ScreenRow a = normalize_row4<T>(src.at<const T>(b, at, h), hat.at<T>(b, at, h), r.dim, eps, &largest);
+  float largest, inv;
+  const ScreenRow a = normalize_row4<T>(src.at<const T>(b, at, h), hat.at<T>(b, at, h), r.dim, eps, &largest, &inv);
   const float scale = mt::screen_scale(largest);
   const float err = quantize_row4(a, scale, q8.at<std::int8_t>(b, at, h));
-  if (threadIdx.x % 32 == 0) meta[idx] = make_float2(scale, err);
+  if (threadIdx.x % 32 == 0) {
+    meta[idx] = make_float2(scale, err);
+    inv_norm[idx] = inv;
+  }
 }
 
 // A block per (key tile, kv head, sequence): the tile's keys normalized, then quantized with one
@@ -248,7 +256,8 @@ __global__ void normalize_quantize_queries_kernel(const Operand src, const Opera
 // largest error radius}.
 template <class T>
 __global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParams p, const Operand src, const Operand hat,
-                                                    const Operand k8, float2* tile_meta, int key_tiles, float eps) {
+                                                    float* inv_norm, const Operand k8, float2* tile_meta, int key_tiles,
+                                                    float eps) {
   constexpr int kWarps = kWarpsPerBlock;
   __shared__ float largest_of[kWarps];
   const int t = blockIdx.x, warp = threadIdx.x / 32;
@@ -259,9 +268,10 @@ __global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParam
   float largest = 0.f;
   for (int j = warp; j < kCellKeys && first + j < s.k_len; j += kWarps) {
     const std::int64_t row = s.k_start + first + j;
-    float m;
-    normalize_row4<T>(src.at<const T>(b, row, hk), hat.at<T>(b, row, hk), dim, eps, &m);
+    float m, inv;
+    normalize_row4<T>(src.at<const T>(b, row, hk), hat.at<T>(b, row, hk), dim, eps, &m, &inv);
     largest = fmaxf(largest, m);
+    if (threadIdx.x % 32 == 0) inv_norm[p.batch_row_k(b, row) * p.heads_kv + hk] = inv;
   }
   if (threadIdx.x % 32 == 0) largest_of[warp] = largest;
   __syncthreads();
@@ -587,22 +597,37 @@ struct ViewRows {
   float* k_inv = nullptr;
 };
 
-// Scratch for every view's normalized rows, from the caller's allocator.
+// Every view's normalized rows, laid out as the saved rows (winnow/threshold.h): in the
+// caller's record where the config has one (the forward fills it; a backward reads it and
+// normalizes nothing), else in scratch from the caller's allocator.
 class NormalizedViews {
  public:
   NormalizedViews(const detail::AttentionParams& p, const ThresholdConfig& cfg)
       : views_(cfg.differential() ? 2 : 1),
         q_(query_rows(p)),
         k_(key_rows(p, static_cast<int>(p.dim_qk))),
-        q_elems_(static_cast<std::size_t>(q_.rows * q_.heads * q_.dim)),
-        k_elems_(static_cast<std::size_t>(k_.rows * k_.heads * k_.dim)),
-        q_norms_(static_cast<std::size_t>(q_.rows * q_.heads)),
-        k_norms_(static_cast<std::size_t>(k_.rows * k_.heads)),
-        buffer_(p, views_ * ((q_elems_ + k_elems_) * element_size(p.dtype) + (q_norms_ + k_norms_) * sizeof(float) + 32)) {}
+        bytes_(4 * static_cast<std::size_t>(threshold::saved_rows_size<std::int64_t>(
+                       q_.rows * q_.heads, k_.rows * k_.heads, q_.dim,
+                       static_cast<std::int64_t>(element_size(p.dtype)), views_))),
+        buffer_(p, cfg.saved_rows != nullptr ? 0 : bytes_) {
+    auto* base = static_cast<unsigned char*>(cfg.saved_rows != nullptr ? cfg.saved_rows : buffer_.as<void>());
+    const auto segment = [&](std::int64_t bytes) {
+      unsigned char* at = base;
+      base += threshold::saved_rows_segment_bytes<std::int64_t>(bytes);
+      return at;
+    };
+    const std::int64_t element = static_cast<std::int64_t>(element_size(p.dtype));
+    for (int v = 0; v < views_; ++v) {
+      ViewRows& vr = rows_[v];
+      vr.q_hat = contiguous(segment(q_.rows * q_.heads * q_.dim * element), q_);
+      vr.k_hat = contiguous(segment(k_.rows * k_.heads * k_.dim * element), k_);
+      vr.q_inv = reinterpret_cast<float*>(segment(q_.rows * q_.heads * 4));
+      vr.k_inv = reinterpret_cast<float*>(segment(k_.rows * k_.heads * 4));
+    }
+  }
 
   template <class T>
   void compute(const detail::AttentionParams& p, const ThresholdConfig& cfg) {
-    assign_rows<T>();
     const float eps = static_cast<float>(cfg.norm_eps);
     for (int v = 0; v < views_; ++v) {
       ViewRows& vr = rows_[v];
@@ -612,27 +637,31 @@ class NormalizedViews {
       normalize_rows<T>(k_src, vr.k_hat, vr.k_inv, k_, eps, p.dtype, stream_of(p));
     }
   }
-  // The forward's rows for the screen: normalized (as compute writes them, without the inverse
-  // norms) and quantized into `screen`'s int8 rows and bounds.
+  // The backward's rows: the saved ones where the call has them, else computed.
+  template <class T>
+  void compute_unless_saved(const detail::AttentionParams& p, const ThresholdConfig& cfg) {
+    if (cfg.saved_rows == nullptr) compute<T>(p, cfg);
+  }
+  // The forward's rows for the screen: normalized (as compute writes them) and quantized into
+  // `screen`'s int8 rows and bounds.
   template <class T>
   void compute_screened(const detail::AttentionParams& p, const ThresholdConfig& cfg, ThresholdScreenParams& screen) {
-    assign_rows<T>();
     const float eps = static_cast<float>(cfg.norm_eps);
     for (int v = 0; v < views_; ++v) {
       const Operand& q_src = v == 0 ? p.q : cfg.q2;
       const Operand& k_src = v == 0 ? p.k : cfg.k2;
       screen.q_hat[v] = rows_[v].q_hat;
       screen.k_hat[v] = rows_[v].k_hat;
-      if (q_norms_ > 0) {
+      if (q_.rows * q_.heads > 0) {
         normalize_quantize_queries_kernel<T><<<warp_blocks(q_), 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
-            q_src, rows_[v].q_hat, screen.q8[v], screen.q_meta[v], q_, eps);
+            q_src, rows_[v].q_hat, rows_[v].q_inv, screen.q8[v], screen.q_meta[v], q_, eps);
         check_launch("threshold normalize_quantize_queries_kernel");
       }
       const dim3 grid(static_cast<unsigned>(screen.key_tiles), static_cast<unsigned>(p.heads_kv),
                       static_cast<unsigned>(p.num_seqs));
       if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
         normalize_quantize_key_tiles_kernel<T><<<grid, 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
-            p, k_src, rows_[v].k_hat, screen.k8[v], screen.tile_meta[v], screen.key_tiles, eps);
+            p, k_src, rows_[v].k_hat, rows_[v].k_inv, screen.k8[v], screen.tile_meta[v], screen.key_tiles, eps);
         check_launch("threshold normalize_quantize_key_tiles_kernel");
       }
     }
@@ -643,26 +672,9 @@ class NormalizedViews {
   const RowGeometry& keys() const { return k_; }
 
  private:
-  template <class T>
-  void assign_rows() {
-    auto* base = buffer_.as<unsigned char>();
-    for (int v = 0; v < views_; ++v) {
-      ViewRows& vr = rows_[v];
-      vr.q_hat = contiguous(base, q_);
-      base += q_elems_ * sizeof(T);
-      vr.k_hat = contiguous(base, k_);
-      base += k_elems_ * sizeof(T);
-      base = reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(base) + 15) / 16 * 16);
-      vr.q_inv = reinterpret_cast<float*>(base);
-      vr.k_inv = vr.q_inv + q_norms_;
-      base += (q_norms_ + k_norms_) * sizeof(float);
-      base = reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(base) + 15) / 16 * 16);
-    }
-  }
-
   int views_;
   RowGeometry q_, k_;
-  std::size_t q_elems_, k_elems_, q_norms_, k_norms_;
+  std::size_t bytes_;
   DeviceBuffer buffer_;
   ViewRows rows_[2];
 };
@@ -1080,6 +1092,17 @@ struct FusedForward {
     fused_forward<T, D>(p, cfg, views);
   }
 };
+// The rows alone, for a forward that decoded (its kernels normalize as they read) but keeps
+// the saved rows for a backward.
+struct RowsOnly {
+  const detail::AttentionParams& p;
+  const ThresholdConfig& cfg;
+  NormalizedViews& views;
+  template <class T>
+  void operator()() const {
+    views.compute<T>(p, cfg);
+  }
+};
 struct SimpleForward {
   const detail::AttentionParams& p;
   const ThresholdConfig& cfg;
@@ -1097,7 +1120,7 @@ struct FusedBackward {
   NormalizedViews& views;
   template <class T, int D>
   void operator()() const {
-    views.compute<T>(p, cfg);
+    views.compute_unless_saved<T>(p, cfg);
     fused_backward<T, D>(p, g, cfg, views);
   }
 };
@@ -1108,7 +1131,7 @@ struct SimpleBackward {
   NormalizedViews& views;
   template <class T>
   void operator()() const {
-    views.compute<T>(p, cfg);
+    views.compute_unless_saved<T>(p, cfg);
     simple_backward<T>(p, g, cfg, views);
   }
 };

@@ -4,7 +4,11 @@
 namespace winnow::cuda {
 
 void threshold_forward(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg) {
-  if (decoded_forward(p, cfg)) return;
+  if (decoded_forward(p, cfg)) {
+    if (cfg.saved_rows == nullptr) return;
+    NormalizedViews views(p, cfg);
+    return dispatch_simple(p, RowsOnly{p, cfg, views});
+  }
   NormalizedViews views(p, cfg);
   if (fused_applies(p, cfg, nullptr)) return dispatch_fused(p, FusedForward{p, cfg, views});
   dispatch_simple(p, SimpleForward{p, cfg, views});

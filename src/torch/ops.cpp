@@ -504,16 +504,18 @@ std::tuple<at::Tensor, at::Tensor> stick_breaking_attention_no_grad(
 
 // ------------------------------------------------------------------ alpha-entmax
 
-// The support record's length (winnow/entmax.h) for q's and k's sizes (ints or symbolic):
-// their rows times heads, all dimensions but the last.
+// Rows times heads of an attention operand's sizes (ints or symbolic): all dimensions but the last.
+template <class Int, class Sizes>
+Int rows_and_heads(Sizes sizes) {
+  Int n = 1;
+  for (std::size_t d = 0; d + 1 < sizes.size(); ++d) n = n * sizes[d];
+  return n;
+}
+
+// The support record's length (winnow/entmax.h) for q's and k's sizes.
 template <class Int, class Sizes>
 Int support_record_length(Sizes q_sizes, Sizes k_sizes) {
-  auto rows_and_heads = [](Sizes sizes) {
-    Int n = 1;
-    for (std::size_t d = 0; d + 1 < sizes.size(); ++d) n = n * sizes[d];
-    return n;
-  };
-  return entmax::support_record_size<Int>(rows_and_heads(q_sizes), rows_and_heads(k_sizes));
+  return entmax::support_record_size<Int>(rows_and_heads<Int>(q_sizes), rows_and_heads<Int>(k_sizes));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> entmax_forward_op(
@@ -781,25 +783,38 @@ threshold::Views threshold_views(const char* op, const at::Tensor& beta, const O
   return v;
 }
 
+// The saved rows' length (winnow/threshold.h) for q's and k's sizes (ints or symbolic).
+template <class Int, class Sizes>
+Int saved_rows_length(Sizes q_sizes, Sizes k_sizes, std::int64_t element_bytes, bool tda) {
+  return threshold::saved_rows_size<Int>(rows_and_heads<Int>(q_sizes), rows_and_heads<Int>(k_sizes),
+                                         Int(q_sizes.back()), Int(element_bytes), Int(tda ? 2 : 1));
+}
+
 // nonzero: per query row, the keys kept in some view (int32), when count_nonzero; else empty.
-std::tuple<at::Tensor, at::Tensor> threshold_forward_op(
+// saved_rows: the normalized rows for the backward (winnow/threshold.h; CUDA), when keep_rows;
+// else empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> threshold_forward_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
     const Opt<at::Tensor>& lam, const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
     const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k, double power, bool attend_current,
-    bool clamp_lambda, double norm_eps, bool count_nonzero, bool reference) {
+    bool clamp_lambda, double norm_eps, bool count_nonzero, bool reference, bool keep_rows) {
   constexpr const char* op = "winnow.threshold_attention_forward";
   return translate_errors([&] {
     const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
     at::Tensor out = at::empty(out_shape(q, v), q.options());
     at::Tensor nonzero = count_nonzero ? at::empty(stats_shape(q), q.options().dtype(at::kInt))
                                        : at::empty({0}, q.options().dtype(at::kInt));
+    const std::int64_t rows =
+        keep_rows ? saved_rows_length<std::int64_t>(q.sizes(), k.sizes(), q.element_size(), lam.has_value()) : 0;
+    at::Tensor saved_rows = at::empty({rows}, q.options().dtype(at::kInt));
     const threshold::Options options{power, attend_current, clamp_lambda, norm_eps};
-    threshold::Outputs outputs{view_of(out, op, "out"), std::nullopt};
+    threshold::Outputs outputs{view_of(out, op, "out"), std::nullopt, std::nullopt};
     if (count_nonzero) outputs.nonzero = view_of(nonzero, op, "nonzero");
+    if (keep_rows) outputs.saved_rows = view_of(saved_rows, op, "saved_rows");
     const DeviceScope scope(q);
     threshold::forward(in, threshold_views(op, beta, lam, q2, k2), options, outputs,
                        scope.context(false, reference));
-    return std::make_tuple(out, nonzero);
+    return std::make_tuple(out, nonzero, saved_rows);
   });
 }
 
@@ -812,7 +827,8 @@ ThresholdGrads threshold_backward_op(const at::Tensor& q, const at::Tensor& k, c
                                      const at::Tensor& dout, const Opt<at::Tensor>& cu_q,
                                      const Opt<at::Tensor>& cu_k, double power,
                                      bool attend_current, bool clamp_lambda, double norm_eps,
-                                     bool deterministic, bool reference) {
+                                     bool deterministic, bool reference,
+                                     const Opt<at::Tensor>& saved_rows) {
   constexpr const char* op = "winnow.threshold_attention_backward";
   return translate_errors([&] {
     const AttentionInputs in = inputs(op, q, k, v, cu_q, cu_k);
@@ -830,10 +846,12 @@ ThresholdGrads threshold_backward_op(const at::Tensor& q, const at::Tensor& k, c
       vg.dk2 = view_of(dk2, op, "dk2");
     }
     const threshold::Options options{power, attend_current, clamp_lambda, norm_eps};
+    std::optional<TensorView> rows;
+    if (saved_rows.has_value()) rows = view_of(*saved_rows, op, "saved_rows");
     const DeviceScope scope(q);
     threshold::backward(in, threshold_views(op, beta, lam, q2, k2), options,
                         view_of(dout, op, "dout"), grad_views(op, dq, dk, dv), vg,
-                        scope.context(deterministic, reference));
+                        scope.context(deterministic, reference), rows);
     return std::make_tuple(dq, dk, dv, dbeta, dlam, dq2, dk2);
   });
 }
@@ -845,22 +863,27 @@ Opt<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? Opt<at::Tensor>(t) : Opt<at::Tensor>();
 }
 
+// keep_rows: the forward keeps the normalized rows for the backward (winnow/threshold.h), which
+// then normalizes nothing; asked for only where it can pay (CUDA), unless
+// WINNOW_THRESHOLD_KEEP_ROWS=0 in the environment trades that time for the rows' memory (per
+// view as much as q and k, held from forward to backward).
 struct ThresholdFunction : public torch::autograd::Function<ThresholdFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const at::Tensor& beta,
                                const Opt<at::Tensor>& lam, const Opt<at::Tensor>& q2,
                                const Opt<at::Tensor>& k2, const Opt<at::Tensor>& cu_q,
                                const Opt<at::Tensor>& cu_k, double power, bool attend_current,
-                               bool clamp_lambda, double norm_eps) {
-    at::Tensor out = std::get<0>(threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power,
-                                                   attend_current, clamp_lambda, norm_eps, false,
-                                                   false));
+                               bool clamp_lambda, double norm_eps, bool keep_rows) {
+    auto [out, nonzero, saved_rows] = threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power,
+                                                        attend_current, clamp_lambda, norm_eps, false, false,
+                                                        keep_rows);
     const auto or_undefined = [](const Opt<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
-    save_call(ctx, {q, k, v, beta, or_undefined(lam), or_undefined(q2), or_undefined(k2)}, cu_q,
+    save_call(ctx, {q, k, v, beta, or_undefined(lam), or_undefined(q2), or_undefined(k2), saved_rows}, cu_q,
               cu_k, Opt<double>(), attend_current);
     ctx->saved_data["power"] = power;
     ctx->saved_data["clamp_lambda"] = clamp_lambda;
     ctx->saved_data["norm_eps"] = norm_eps;
+    ctx->saved_data["keep_rows"] = keep_rows;
     return {out};
   }
 
@@ -873,15 +896,17 @@ struct ThresholdFunction : public torch::autograd::Function<ThresholdFunction> {
       shape.back() = s[2].size(-1);
       dout = at::zeros(shape, s[0].options());
     }
+    Opt<at::Tensor> saved_rows;
+    if (ctx->saved_data["keep_rows"].toBool()) saved_rows = s[7];
     auto [dq, dk, dv, dbeta, dlam, dq2, dk2] = threshold_backward(
         s[0], s[1], s[2], s[3], defined_or_none(s[4]), defined_or_none(s[5]), defined_or_none(s[6]),
         dout, c.cu_q, c.cu_k, ctx->saved_data["power"].toDouble(), c.attend_current,
         ctx->saved_data["clamp_lambda"].toBool(), ctx->saved_data["norm_eps"].toDouble(),
-        at::globalContext().deterministicAlgorithms(), false);
+        at::globalContext().deterministicAlgorithms(), false, saved_rows);
     const bool tda = s[4].defined();
     return {dq, dk, dv, dbeta, tda ? dlam : at::Tensor(), tda ? dq2 : at::Tensor(),
             tda ? dk2 : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -891,8 +916,12 @@ at::Tensor threshold_attention_autograd(const at::Tensor& q, const at::Tensor& k
                                         const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>& cu_k,
                                         double power, bool attend_current, bool clamp_lambda,
                                         double norm_eps) {
+  static const bool allowed = [] {
+    const char* v = std::getenv("WINNOW_THRESHOLD_KEEP_ROWS");
+    return v == nullptr || std::string(v) != "0";
+  }();
   return ThresholdFunction::apply(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power, attend_current,
-                                  clamp_lambda, norm_eps)[0];
+                                  clamp_lambda, norm_eps, allowed && q.is_cuda())[0];
 }
 
 at::Tensor threshold_attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -902,7 +931,7 @@ at::Tensor threshold_attention_no_grad(const at::Tensor& q, const at::Tensor& k,
                                        double power, bool attend_current, bool clamp_lambda,
                                        double norm_eps) {
   return std::get<0>(threshold_forward(q, k, v, beta, lam, q2, k2, cu_q, cu_k, power,
-                                      attend_current, clamp_lambda, norm_eps, false, false));
+                                      attend_current, clamp_lambda, norm_eps, false, false, false));
 }
 
 // ------------------------------------------------------------------ screening (Multiscreen)
@@ -1841,20 +1870,24 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor&, const at::
                          at::empty_symint(gate.sym_sizes(), gate.options()));
 }
 
-std::tuple<at::Tensor, at::Tensor> threshold_forward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> threshold_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
-    const Opt<at::Tensor>&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
+    const Opt<at::Tensor>& lam, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
     const Opt<at::Tensor>&, const Opt<at::Tensor>&, double, bool, bool, double,
-    bool count_nonzero, bool) {
+    bool count_nonzero, bool, bool keep_rows) {
   check_attention("winnow.threshold_attention_forward", q, k, v);
-  return std::make_tuple(out(q, v), count_nonzero ? counts(q) : at::empty({0}, q.options().dtype(at::kInt)));
+  const c10::SymInt rows = keep_rows ? saved_rows_length<c10::SymInt>(q.sym_sizes(), k.sym_sizes(),
+                                                                      q.element_size(), lam.has_value())
+                                     : c10::SymInt(0);
+  return std::make_tuple(out(q, v), count_nonzero ? counts(q) : at::empty({0}, q.options().dtype(at::kInt)),
+                         at::empty_symint({rows}, q.options().dtype(at::kInt)));
 }
 
 ThresholdGrads threshold_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& beta, const Opt<at::Tensor>& lam,
                                   const Opt<at::Tensor>& q2, const Opt<at::Tensor>& k2,
                                   const at::Tensor&, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
-                                  double, bool, bool, double, bool, bool) {
+                                  double, bool, bool, double, bool, bool, const Opt<at::Tensor>&) {
   auto [dq, dk, dv] = grads("winnow.threshold_attention_backward", q, k, v);
   const bool tda = lam.has_value();
   return std::make_tuple(dq, dk, dv, at::empty_like(beta),
@@ -2030,14 +2063,15 @@ TORCH_LIBRARY(winnow, m) {
       "threshold_attention_forward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? lam=None, "
       "Tensor? q2=None, Tensor? k2=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
       "float power=2.0, bool attend_current=True, bool clamp_lambda=True, float norm_eps=1e-06, "
-      "bool count_nonzero=False, bool reference=False) -> (Tensor out, Tensor nonzero)");
+      "bool count_nonzero=False, bool reference=False, bool keep_rows=False) "
+      "-> (Tensor out, Tensor nonzero, Tensor saved_rows)");
   m.def(
       "threshold_attention_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? lam, "
       "Tensor? q2, Tensor? k2, Tensor dout, Tensor? cu_seqlens_q=None, "
       "Tensor? cu_seqlens_k=None, float power=2.0, bool attend_current=True, "
       "bool clamp_lambda=True, float norm_eps=1e-06, bool deterministic=False, "
-      "bool reference=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbeta, Tensor dlam, "
-      "Tensor dq2, Tensor dk2)");
+      "bool reference=False, Tensor? saved_rows=None) -> (Tensor dq, Tensor dk, Tensor dv, "
+      "Tensor dbeta, Tensor dlam, Tensor dq2, Tensor dk2)");
   m.def(
       "screening_attention(Tensor q, Tensor k, Tensor v, Tensor s_w, Tensor s_r, *, "
       "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float mipe_threshold=256.0, "

@@ -414,6 +414,40 @@ TEST(ThresholdApi, ErrorsNameTheArgument) {
                "argument 'beta': expected float32");
 }
 
+// The saved rows are the CUDA route's: a forward or backward elsewhere is told so, by name,
+// before it writes anything.
+TEST(ThresholdApi, SavedRowsAreForTheCudaRouteOnly) {
+  const Inputs in = make_inputs(kOneSequence, 13);
+  HostTensor out(in.main.dout.shape(), DType::float64);
+  out.fill(7.0);
+  const std::int64_t dim = in.main.q.shape().back();
+  HostTensor rows({threshold::saved_rows_size<std::int64_t>(in.main.q.numel() / dim, in.main.k.numel() / dim, dim, 8,
+                                                            in.tda ? 2 : 1)},
+                  DType::int32);
+  for (const ExecContext& ctx : {reference(), ExecContext{}}) {
+    expect_error([&] { threshold::forward(attention_inputs(in), views_of(in), in.options, {out.view(), std::nullopt, rows.view()}, ctx); },
+                 "argument 'saved_rows': expected none: only the CUDA route keeps the normalized rows");
+    for (double x : out.values()) ASSERT_EQ(x, 7.0);
+  }
+  HostTensor dq(in.main.q.shape(), DType::float64), dk(in.main.k.shape(), DType::float64),
+      dv(in.main.v.shape(), DType::float64), dbeta(in.beta.shape(), DType::float64);
+  threshold::ViewGrads vg;
+  vg.dbeta = dbeta.view();
+  expect_error([&] {
+    threshold::backward(attention_inputs(in), views_of(in), in.options, in.main.dout.view(),
+                        {dq.view(), dk.view(), dv.view()}, vg, {}, rows.view());
+  }, "argument 'saved_rows'");
+}
+
+// The record's length: per view the normalized q and k rows and their inverse norms, each
+// segment rounded up to 256 bytes, in int32 elements.
+TEST(ThresholdApi, SavedRowsSize) {
+  // 10 query rows x 2 heads and 7 key rows x 1 head of D 64 in bf16, TDA: q 2560 bytes, k 896
+  // -> 1024, inverse norms 80 -> 256 and 28 -> 256.
+  EXPECT_EQ(threshold::saved_rows_size<std::int64_t>(20, 7, 64, 2, 2), 2 * (2560 + 1024 + 256 + 256) / 4);
+  EXPECT_EQ(threshold::saved_rows_size<std::int64_t>(0, 0, 64, 2, 1), 0);
+}
+
 // The CUDA kernels' per-score form (math::threshold::weight_and_slope, through relu) against the
 // two separate definitions, bit for bit, in float as the kernels call it: around the threshold,
 // far from it, at the -inf the kernels give the scores they leave out, and at NaN.

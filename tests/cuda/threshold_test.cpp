@@ -4,6 +4,8 @@
 // row and the key-stationary backward) and the simple path (float32,
 // other head dimensions), powers 2, 1.5 and 1, per-head and shared beta, causal and strict,
 // atomic and deterministic backward; every gradient, beta's and lambda's included.
+// The atomic backward reads the rows its forward saved (winnow/threshold.h); the deterministic
+// one normalizes again, then is checked against a run from saved rows.
 //
 // p = 1 has a slope that jumps at the threshold (p < 2 one that is infinitely steep there), so
 // in 16-bit a key whose score lies within rounding of its row's threshold may fall either way,
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -132,6 +135,21 @@ void expect_close(const ThresholdGrads& got, const ThresholdGrads& want, const s
   }
 }
 
+// Two runs of one backward, one from saved rows: the same rows, so the same gradients but for
+// the order of fp32 sums.
+void expect_same(const ThresholdGrads& got, const ThresholdGrads& want, bool tda) {
+  constexpr double kSame = 1e-6;
+  EXPECT_LT(relative_error(got.dq, want.dq), kSame) << "dq from saved rows";
+  EXPECT_LT(relative_error(got.dk, want.dk), kSame) << "dk from saved rows";
+  EXPECT_LT(relative_error(got.dv, want.dv), kSame) << "dv from saved rows";
+  EXPECT_LT(relative_error(got.dbeta, want.dbeta), kSame) << "dbeta from saved rows";
+  if (tda) {
+    EXPECT_LT(relative_error(got.dq2, want.dq2), kSame) << "dq2 from saved rows";
+    EXPECT_LT(relative_error(got.dk2, want.dk2), kSame) << "dk2 from saved rows";
+    EXPECT_LT(relative_error(got.dlambda, want.dlambda), kSame) << "dlambda from saved rows";
+  }
+}
+
 // The same problem with a shared beta and lambda given as per-head copies of their values.
 ThresholdInputs per_head_parameters(const ThresholdInputs& in) {
   ThresholdInputs out = in;
@@ -213,9 +231,18 @@ TEST_P(ThresholdCuda, ForwardAndEveryGradientMatchTheReference) {
       ExecContext ctx;
       ctx.deterministic = deterministic;
       CudaPlacement gpu;
-      const std::vector<double> out = threshold_forward(x, ctx, &gpu);
-      const ThresholdGrads got = threshold_backward(x, ctx, &gpu);
+      // The atomic pass (and the simple path) runs as training does: the backward reads the rows
+      // the forward saved. The deterministic pass normalizes again, and then, given the saved
+      // rows of a second forward, must find the same gradients.
+      const TensorView rows = gpu.place(saved_rows_record(x));
+      const bool saved = !deterministic;
+      const std::vector<double> out = threshold_forward(x, ctx, &gpu, saved ? std::optional(rows) : std::nullopt);
+      const ThresholdGrads got = threshold_backward(x, ctx, &gpu, saved ? std::optional(rows) : std::nullopt);
       SCOPED_TRACE(shape.name + " beta " + std::to_string(beta) + (deterministic ? " deterministic" : ""));
+      if (deterministic) {
+        threshold_forward(x, ctx, &gpu, rows);
+        expect_same(threshold_backward(x, ctx, &gpu, rows), got, tda);
+      }
       ThresholdGrads want_here = want;
       if (dtype != DType::float32) {
         // dbeta and dlambda sum terms of both signs over every visible pair, so the scores'
@@ -280,6 +307,23 @@ TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
                        std::to_string(beta));
           EXPECT_LT(relative_error(out, want), tolerance(DType::bfloat16));
           EXPECT_LT(relative_error(out, dense), tolerance(DType::bfloat16));
+          if (beta == 0.7 && power == 2.0) {
+            // The screen's normalization pass writes the saved rows too (its own kernels): the
+            // backward from them matches the one that normalizes again.
+            const TensorView rows = gpu.place(saved_rows_record(x));
+            with_screen([&] { return threshold_forward(x, {}, &gpu, rows); });
+            const ThresholdGrads from_saved = threshold_backward(x, {}, &gpu, rows);
+            const ThresholdGrads again = threshold_backward(x, {}, &gpu);
+            EXPECT_LT(relative_error(from_saved.dq, again.dq), tolerance(DType::bfloat16)) << "dq";
+            EXPECT_LT(relative_error(from_saved.dk, again.dk), tolerance(DType::bfloat16)) << "dk";
+            EXPECT_LT(relative_error(from_saved.dv, again.dv), tolerance(DType::bfloat16)) << "dv";
+            EXPECT_LT(relative_error(from_saved.dbeta, again.dbeta), tolerance(DType::bfloat16)) << "dbeta";
+            if (tda) {
+              EXPECT_LT(relative_error(from_saved.dq2, again.dq2), tolerance(DType::bfloat16)) << "dq2";
+              EXPECT_LT(relative_error(from_saved.dk2, again.dk2), tolerance(DType::bfloat16)) << "dk2";
+              EXPECT_LT(relative_error(from_saved.dlambda, again.dlambda), tolerance(DType::bfloat16)) << "dlambda";
+            }
+          }
         }
       }
     }
@@ -340,9 +384,13 @@ TEST(CudaSmall, ThresholdFusedAndSimplePaths) {
         ExecContext ctx;
         ctx.deterministic = deterministic;
         CudaPlacement gpu;
-        const std::vector<double> out = deterministic ? with_screen([&] { return threshold_forward(x, ctx, &gpu); })
-                                                      : threshold_forward(x, ctx, &gpu);
-        const ThresholdGrads g = threshold_backward(x, ctx, &gpu);
+        // Saved rows (written by the screen's normalization in the screened pass) but at beta 1.2.
+        const TensorView rows = gpu.place(saved_rows_record(x));
+        const std::optional<TensorView> saved = beta == 1.2 ? std::nullopt : std::optional(rows);
+        const std::vector<double> out = deterministic
+                                            ? with_screen([&] { return threshold_forward(x, ctx, &gpu, saved); })
+                                            : threshold_forward(x, ctx, &gpu, saved);
+        const ThresholdGrads g = threshold_backward(x, ctx, &gpu, saved);
         for (const auto* values : {&out, &g.dq, &g.dk, &g.dv, &g.dbeta}) {
           for (double v : *values) ASSERT_TRUE(std::isfinite(v)) << shape.name << " tda " << tda;
         }

@@ -153,6 +153,14 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
                           {}, "tra"))
         out.append(Sample("threshold_attention_backward", (q, k, v, beta, lam, q2, k2, dout),
                           {}, "tda"))
+        if torch.device(device).type == "cuda":
+            # The normalized rows kept from the forward for the backward (CUDA only).
+            rows = torch.ops.winnow.threshold_attention_forward(
+                q, k, v, beta, lam=lam, q2=q2, k2=k2, keep_rows=True)[2]
+            out.append(Sample("threshold_attention_forward", (q, k, v, beta),
+                              {"lam": lam, "q2": q2, "k2": k2, "keep_rows": True}, "tda keep_rows"))
+            out.append(Sample("threshold_attention_backward", (q, k, v, beta, lam, q2, k2, dout),
+                              {"saved_rows": rows}, "tda saved_rows"))
 
     # Screening (Multiscreen): s_w and s_r per query head or one for the layer, float32 (float64
     # for float64 inputs); d_K may differ from d_V.

@@ -544,18 +544,22 @@ def test_threshold_high_beta_leaves_exact_zeros_and_gradcheck():
     out = winnow.threshold_attention(q, k, v, torch.tensor([50.0], dtype=torch.float64))
     assert (out[:, 1:] == 0).all() and (out[:, 0] != 0).any()
     # The survivor count per row: at most the first query's own key.
-    _, nonzero = torch.ops.winnow.threshold_attention_forward(
+    _, nonzero, _ = torch.ops.winnow.threshold_attention_forward(
         q.detach(), k.detach(), v.detach(), torch.tensor([50.0], dtype=torch.float64),
         count_nonzero=True)
     assert nonzero.dtype == torch.int32 and nonzero.shape == (1, 9, 2)
     assert (nonzero[:, 1:] == 0).all() and nonzero[:, 0].le(1).all()
-    _, relu_count = torch.ops.winnow.threshold_attention_forward(
+    _, relu_count, _ = torch.ops.winnow.threshold_attention_forward(
         q.detach(), k.detach(), v.detach(), torch.zeros(1, dtype=torch.float64), power=1.0,
         count_nonzero=True)
     cos = torch.einsum("bjhd,bid->bjhi", torch.nn.functional.normalize(q.detach(), dim=-1),
                        torch.nn.functional.normalize(k.detach()[:, :, 0], dim=-1))
     want = (cos.gt(0) & torch.ones(9, 9, dtype=torch.bool).tril()[None, :, None, :]).sum(-1)
     assert torch.equal(relu_count, want.to(torch.int32))
+    # The normalized rows are kept by the CUDA forward only: asked for here, a clear error.
+    with pytest.raises(ValueError, match="argument 'saved_rows'"):
+        torch.ops.winnow.threshold_attention_forward(
+            q.detach(), k.detach(), v.detach(), torch.zeros(1, dtype=torch.float64), keep_rows=True)
     beta = torch.tensor([0.4], dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda q, k, v, beta: winnow.threshold_attention(q, k, v, beta), (q, k, v, beta))

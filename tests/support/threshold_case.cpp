@@ -81,12 +81,23 @@ Placed place(const ThresholdInputs& in, Placement* placement) {
 
 }  // namespace
 
-std::vector<double> threshold_forward(const ThresholdInputs& in, const ExecContext& ctx, Placement* placement) {
+HostTensor saved_rows_record(const ThresholdInputs& in) {
+  const std::int64_t dim = in.main.q.shape().back();
+  const std::int64_t size = threshold::saved_rows_size<std::int64_t>(
+      in.main.q.numel() / dim, in.main.k.numel() / dim, dim,
+      static_cast<std::int64_t>(element_size(in.main.q.dtype())), in.tda ? 2 : 1);
+  HostTensor record({size}, DType::int32);
+  record.fill(0);
+  return record;
+}
+
+std::vector<double> threshold_forward(const ThresholdInputs& in, const ExecContext& ctx, Placement* placement,
+                                      const std::optional<TensorView>& saved_rows) {
   HostTensor out(in.main.dout.shape(), in.main.q.dtype());
   out.fill(std::nan(""));
   const Placed p = place(in, placement);
   const TensorView out_v = placement ? placement->place(out) : out.view();
-  threshold::forward(p.in, p.views, in.options, {out_v}, ctx);
+  threshold::forward(p.in, p.views, in.options, {out_v, std::nullopt, saved_rows}, ctx);
   if (placement) placement->fetch(out_v, out);
   return out.values();
 }
@@ -104,7 +115,8 @@ std::vector<double> threshold_survivors(const ThresholdInputs& in, const ExecCon
   return nonzero.values();
 }
 
-ThresholdGrads threshold_backward(const ThresholdInputs& in, const ExecContext& ctx, Placement* placement) {
+ThresholdGrads threshold_backward(const ThresholdInputs& in, const ExecContext& ctx, Placement* placement,
+                                  const std::optional<TensorView>& saved_rows) {
   const DType t = in.main.q.dtype(), s = in.beta.dtype();
   HostTensor dq(in.main.q.shape(), t), dk(in.main.k.shape(), t), dv(in.main.v.shape(), t),
       dq2(in.main.q.shape(), t), dk2(in.main.k.shape(), t), dbeta(in.beta.shape(), s),
@@ -121,7 +133,7 @@ ThresholdGrads threshold_backward(const ThresholdInputs& in, const ExecContext& 
     vg.dq2 = at(dq2);
     vg.dk2 = at(dk2);
   }
-  threshold::backward(p.in, p.views, in.options, p.dout, grads, vg, ctx);
+  threshold::backward(p.in, p.views, in.options, p.dout, grads, vg, ctx, saved_rows);
   if (placement) {
     placement->fetch(grads.dq, dq);
     placement->fetch(grads.dk, dk);

@@ -3,6 +3,7 @@
 // reference.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,13 +47,20 @@ struct ThresholdGrads {
 // The float64 reference backend, what every test compares against.
 ExecContext reference_backend();
 
-// placement == nullptr: the tensors stay on the host.
+// A record for the saved rows of `in` (winnow/threshold.h), on the host, zeroed: place it
+// where the calls run and hand the same view to a forward and then its backward.
+HostTensor saved_rows_record(const ThresholdInputs& in);
+
+// placement == nullptr: the tensors stay on the host. saved_rows: the forward writes the
+// normalized rows there, the backward reads them.
 std::vector<double> threshold_forward(const ThresholdInputs& in, const ExecContext& ctx,
-                                      Placement* placement = nullptr);
+                                      Placement* placement = nullptr,
+                                      const std::optional<TensorView>& saved_rows = std::nullopt);
 // The per-row survivor counts (threshold::Outputs::nonzero) of a forward call.
 std::vector<double> threshold_survivors(const ThresholdInputs& in, const ExecContext& ctx,
                                         Placement* placement = nullptr);
 ThresholdGrads threshold_backward(const ThresholdInputs& in, const ExecContext& ctx,
-                                  Placement* placement = nullptr);
+                                  Placement* placement = nullptr,
+                                  const std::optional<TensorView>& saved_rows = std::nullopt);
 
 }  // namespace winnow::testing
