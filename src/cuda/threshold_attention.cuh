@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/attention/simple.cuh"
 #include "cuda/attention/threshold_rows.cuh"
@@ -613,7 +614,9 @@ class NormalizedViews {
     auto* base = static_cast<unsigned char*>(cfg.saved_rows != nullptr ? cfg.saved_rows : buffer_.as<void>());
     const auto segment = [&](std::int64_t bytes) {
       unsigned char* at = base;
-      base += threshold::saved_rows_segment_bytes<std::int64_t>(bytes);
+      const std::int64_t padded = threshold::saved_rows_segment_bytes<std::int64_t>(bytes);
+      if (padded > bytes) padding_.push_back({at + bytes, static_cast<std::size_t>(padded - bytes)});
+      base += padded;
       return at;
     };
     const std::int64_t element = static_cast<std::int64_t>(element_size(p.dtype));
@@ -635,6 +638,14 @@ class NormalizedViews {
       const Operand& k_src = v == 0 ? p.k : cfg.k2;
       normalize_rows<T>(q_src, vr.q_hat, vr.q_inv, q_, eps, p.dtype, stream_of(p));
       normalize_rows<T>(k_src, vr.k_hat, vr.k_inv, k_, eps, p.dtype, stream_of(p));
+    }
+  }
+  // A forward keeping the saved rows writes every byte of the record: the normalization passes
+  // its rows, this the padding between segments (none where each segment's size is a multiple of
+  // 256 bytes), so that the record is a function of the inputs.
+  void clear_padding(const detail::AttentionParams& p) const {
+    for (const Padding& pad : padding_) {
+      check(cudaMemsetAsync(pad.at, 0, pad.bytes, stream_of(p)), "clearing the saved rows' padding");
     }
   }
   // The backward's rows: the saved ones where the call has them, else computed.
@@ -674,9 +685,14 @@ class NormalizedViews {
  private:
   int views_;
   RowGeometry q_, k_;
+  struct Padding {
+    unsigned char* at;
+    std::size_t bytes;
+  };
   std::size_t bytes_;
   DeviceBuffer buffer_;
   ViewRows rows_[2];
+  std::vector<Padding> padding_;
 };
 
 ThresholdCudaConfig view_config(const detail::AttentionParams& p, const ThresholdConfig& cfg, int view) {

@@ -7,9 +7,11 @@ void threshold_forward(const detail::AttentionParams& p, const detail::Threshold
   if (decoded_forward(p, cfg)) {
     if (cfg.saved_rows == nullptr) return;
     NormalizedViews views(p, cfg);
+    views.clear_padding(p);
     return dispatch_simple(p, RowsOnly{p, cfg, views});
   }
   NormalizedViews views(p, cfg);
+  if (cfg.saved_rows != nullptr) views.clear_padding(p);
   if (fused_applies(p, cfg, nullptr)) return dispatch_fused(p, FusedForward{p, cfg, views});
   dispatch_simple(p, SimpleForward{p, cfg, views});
 }

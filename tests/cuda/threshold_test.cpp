@@ -135,18 +135,20 @@ void expect_close(const ThresholdGrads& got, const ThresholdGrads& want, const s
   }
 }
 
-// Two runs of one backward, one from saved rows: the same rows, so the same gradients but for
-// the order of fp32 sums.
+// Two runs of one deterministic backward, one from saved rows: the same rows, so the same
+// gradients. dbeta and dlambda are fp32 atomic sums of terms of both signs over every pair even
+// in the deterministic mode, and move between runs by up to 6e-5 of their (small) totals
+// (2026-11-29, H200); rows read wrong would move them by whole terms.
 void expect_same(const ThresholdGrads& got, const ThresholdGrads& want, bool tda) {
-  constexpr double kSame = 1e-6;
+  constexpr double kSame = 1e-6, kSameSums = 1e-3;
   EXPECT_LT(relative_error(got.dq, want.dq), kSame) << "dq from saved rows";
   EXPECT_LT(relative_error(got.dk, want.dk), kSame) << "dk from saved rows";
   EXPECT_LT(relative_error(got.dv, want.dv), kSame) << "dv from saved rows";
-  EXPECT_LT(relative_error(got.dbeta, want.dbeta), kSame) << "dbeta from saved rows";
+  EXPECT_LT(relative_error(got.dbeta, want.dbeta), kSameSums) << "dbeta from saved rows";
   if (tda) {
     EXPECT_LT(relative_error(got.dq2, want.dq2), kSame) << "dq2 from saved rows";
     EXPECT_LT(relative_error(got.dk2, want.dk2), kSame) << "dk2 from saved rows";
-    EXPECT_LT(relative_error(got.dlambda, want.dlambda), kSame) << "dlambda from saved rows";
+    EXPECT_LT(relative_error(got.dlambda, want.dlambda), kSameSums) << "dlambda from saved rows";
   }
 }
 
