@@ -39,6 +39,9 @@ SMALL_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --le
 SCREEN_BENCH=(python3 bench/gpu_threshold_bench.py --methods sdpa_flash winnow_tra winnow_tda winnow_tra_beta1_screen
               winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen)
 
+# A patch to threshold attention's other kernels: the beta-0 rows beside softmax's.
+THRESHOLD_BENCH=(python3 bench/gpu_threshold_bench.py --methods sdpa_flash winnow_softmax winnow_tra winnow_tda)
+
 
 # $COMBINED: parked patch names (stacked in that order; measure.sh makes the combined patch) or
 # a patch file holding them all: one A/B instead of one per patch, running $COMBINED_COMMAND
@@ -90,6 +93,7 @@ for patch in ${PATCHES:-none}; do
   [[ $patch == small-dims-* ]] && bench=("${SMALL_BENCH[@]}")
   # A patch to threshold attention's int8 screen: the screened rows at beta 1 and 0.
   [[ $patch == screen-* ]] && bench=("${SCREEN_BENCH[@]}")
+  [[ $patch == threshold-* ]] && bench=("${THRESHOLD_BENCH[@]}")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
