@@ -205,6 +205,10 @@ def threshold_attention(
     [0, 1] unless ``clamp_lambda`` is False. ``beta`` and ``lam`` are (Hq) or (1) tensors
     (float32, float64 for float64 inputs); everything but the offsets is differentiable. ReLA
     is beta = 0 with power 1. Shapes as in :func:`softmax_attention`.
+
+    Memory: on CUDA, when gradients are wanted, the forward keeps its normalized queries and
+    keys (per view as much as q and k) until the backward, which then need not normalize them
+    again; ``WINNOW_THRESHOLD_KEEP_ROWS=0`` in the environment trades that time for the memory.
     """
     return torch.ops.winnow.threshold_attention(
         q, k, v, beta, lam=lam, q2=q2, k2=k2, cu_seqlens_q=cu_seqlens_q,
