@@ -607,10 +607,11 @@ class NormalizedViews {
       : views_(cfg.differential() ? 2 : 1),
         q_(query_rows(p)),
         k_(key_rows(p, static_cast<int>(p.dim_qk))),
-        bytes_(4 * static_cast<std::size_t>(threshold::saved_rows_size<std::int64_t>(
-                       q_.rows * q_.heads, k_.rows * k_.heads, q_.dim,
-                       static_cast<std::int64_t>(element_size(p.dtype)), views_))),
-        buffer_(p, cfg.saved_rows != nullptr ? 0 : bytes_) {
+        buffer_(p, cfg.saved_rows != nullptr
+                       ? 0
+                       : 4 * static_cast<std::size_t>(threshold::saved_rows_size<std::int64_t>(
+                                 q_.rows * q_.heads, k_.rows * k_.heads, q_.dim,
+                                 static_cast<std::int64_t>(element_size(p.dtype)), views_))) {
     auto* base = static_cast<unsigned char*>(cfg.saved_rows != nullptr ? cfg.saved_rows : buffer_.as<void>());
     const auto segment = [&](std::int64_t bytes) {
       unsigned char* at = base;
@@ -689,7 +690,6 @@ class NormalizedViews {
     unsigned char* at;
     std::size_t bytes;
   };
-  std::size_t bytes_;
   DeviceBuffer buffer_;
   ViewRows rows_[2];
   std::vector<Padding> padding_;
@@ -1108,8 +1108,7 @@ struct FusedForward {
     fused_forward<T, D>(p, cfg, views);
   }
 };
-// The rows alone, for a forward that decoded (its kernels normalize as they read) but keeps
-// the saved rows for a backward.
+// The rows alone: the saved rows of a forward that decoded.
 struct RowsOnly {
   const detail::AttentionParams& p;
   const ThresholdConfig& cfg;
