@@ -31,6 +31,7 @@
 
 #include <cub/block/block_reduce.cuh>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <type_traits>
@@ -354,6 +355,28 @@ __global__ void store_grad_rows_packed_kernel(const float* g_hat, const Operand 
 }
 
 // dbeta and dlambda from their per-head fp32 sums, into the caller's per-head (or shared) tensors.
+// A block per query head: its parts of dbeta and of sum dP w2 summed in a fixed order (each
+// thread a fixed stride, then a fixed tree), into the per-head sums store_head_grads_kernel reads.
+__global__ void sum_head_parts_kernel(const float* beta_parts, const float* lambda_parts, std::int64_t per_head,
+                                      float* dbeta_sum, float* lambda_dot) {
+  constexpr int kThreads = 256;
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  const std::int64_t h = blockIdx.x;
+  float beta = 0.f, lambda = 0.f;
+  for (std::int64_t i = threadIdx.x; i < per_head; i += kThreads) {
+    beta += beta_parts[h * per_head + i];
+    if (lambda_parts != nullptr) lambda += lambda_parts[h * per_head + i];
+  }
+  const float beta_total = Reduce(storage).Sum(beta);
+  __syncthreads();
+  const float lambda_total = Reduce(storage).Sum(lambda);
+  if (threadIdx.x == 0) {
+    dbeta_sum[h] = beta_total;
+    if (lambda_parts != nullptr) lambda_dot[h] = lambda_total;
+  }
+}
+
 __global__ void store_head_grads_kernel(const float* dbeta_sum, const float* lambda_dot, const ThresholdConfig cfg,
                                         std::int64_t heads) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
@@ -416,12 +439,14 @@ struct SimpleThreshold {
   Operand q2_hat, k2_hat;    // TDA
   Operand nonzero;           // int32 per query row; data == nullptr: not counted
   // Backward: fp32 [batch row][head][dim] accumulators of dL/dq_hat, dL/dk_hat per view and
-  // of dv, and the per-head sums of dbeta and of sum dP w2.
+  // of dv, and the parts of dbeta and of sum dP w2, one slot per (query head, sequence) at
+  // [head][parts_per_head] (ThresholdCudaConfig's layout, summed in the same fixed order).
   float* dq_hat[2] = {nullptr, nullptr};
   float* dk_hat[2] = {nullptr, nullptr};
   float* dv = nullptr;
-  float* dbeta = nullptr;
-  float* lambda_dot = nullptr;
+  float* beta_parts = nullptr;
+  float* lambda_parts = nullptr;
+  std::int64_t parts_per_head = 0;
 };
 
 // Forward: a warp per query row; each lane takes keys base + lane, scores both views, then the
@@ -566,9 +591,10 @@ __global__ void __launch_bounds__(simple::kBackwardThreads)
     __syncthreads();
     const float lambda_total = Reduce(reduce_storage).Sum(lambda_part);
     __syncthreads();
+    // One block per (kv head, sequence) owns this slot.
     if (t == 0) {
-      atomicAdd(x.dbeta + h, beta_total);
-      if (tda) atomicAdd(x.lambda_dot + h, lambda_total);
+      x.beta_parts[h * x.parts_per_head + b] = beta_total;
+      if (tda) x.lambda_parts[h * x.parts_per_head + b] = lambda_total;
     }
   }
 }
@@ -900,14 +926,19 @@ struct BackwardScratch {
   int* order[2] = {nullptr, nullptr};
   float* dbeta = nullptr;
   float* lambda_dot = nullptr;
+  // The row and simple paths' parts of those two, [head][parts_per_head] (ThresholdCudaConfig).
+  float* beta_parts = nullptr;
+  float* lambda_parts = nullptr;
+  std::int64_t parts_per_head = 0;
 };
 
 class BackwardBuffer {
  public:
   // Every segment a multiple of four floats: the fused kernels add into dk and dv 16 bytes at a time.
   static std::size_t aligned(std::size_t n) { return (n + 3) / 4 * 4; }
-  // with_key_sums: the fp32 dk_hat and dv accumulators (not for the key-stationary backward,
-  // which stores dk and dv itself).
+  // with_key_sums: the fp32 dk_hat and dv accumulators and the per-head parts (the row and
+  // simple paths; not for the key-stationary backward, which stores dk and dv itself and adds
+  // its per-head sums by atomics, in the atomic mode only).
   BackwardBuffer(const detail::AttentionParams& p, int views, bool with_dq, bool with_key_sums,
                  std::size_t order_per_view)
       : dk_(with_key_sums ? aligned(static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_qk)) : 0),
@@ -915,7 +946,9 @@ class BackwardBuffer {
         dq_(with_dq ? aligned(static_cast<std::size_t>(p.rows_q * p.heads_q * p.dim_qk)) : 0),
         order_(aligned(order_per_view)),
         heads_(aligned(static_cast<std::size_t>(p.heads_q))),
-        floats_(views * (dk_ + dq_ + order_) + dv_ + 2 * heads_),
+        per_head_(with_key_sums ? std::max<std::int64_t>(p.rows_q, p.num_seqs) : 0),
+        parts_(aligned(static_cast<std::size_t>(p.heads_q * per_head_))),
+        floats_(views * (dk_ + dq_ + order_) + dv_ + 2 * heads_ + 2 * parts_),
         buffer_(p, floats_ * sizeof(float)) {
     float* at = buffer_.as<float>();
     if (floats_ > 0) check(cudaMemsetAsync(at, 0, floats_ * sizeof(float), stream_of(p)), "clearing accumulators");
@@ -931,11 +964,19 @@ class BackwardBuffer {
     at += dv_;
     s_.dbeta = at;
     s_.lambda_dot = at + heads_;
+    at += 2 * heads_;
+    if (with_key_sums) {
+      s_.beta_parts = at;
+      s_.lambda_parts = at + parts_;
+      s_.parts_per_head = per_head_;
+    }
   }
   const BackwardScratch& scratch() const { return s_; }
 
  private:
-  std::size_t dk_, dv_, dq_, order_, heads_, floats_;
+  std::size_t dk_, dv_, dq_, order_, heads_;
+  std::int64_t per_head_;
+  std::size_t parts_, floats_;
   DeviceBuffer buffer_;
   BackwardScratch s_;
 };
@@ -969,6 +1010,11 @@ void store_backward(const detail::AttentionParams& p, const detail::GradientPara
                          stream_of(p));
     }
     store_grad_rows<T>(s.dv, Operand{}, nullptr, g.dv, vr, p.dtype, stream_of(p));
+  }
+  if (p.heads_q > 0) {
+    sum_head_parts_kernel<<<static_cast<unsigned>(p.heads_q), 256, 0, stream_of(p)>>>(
+        s.beta_parts, cfg.differential() ? s.lambda_parts : nullptr, s.parts_per_head, s.dbeta, s.lambda_dot);
+    check_launch("threshold sum_head_parts_kernel");
   }
   store_head_grads(p, cfg, s);
 }
@@ -1052,8 +1098,9 @@ void fused_backward(const detail::AttentionParams& p, const detail::GradientPara
     ThresholdCudaConfig c = view_config(p, cfg, v);
     c.q_hat = rows.q_hat;
     c.q_inv_norm = rows.q_inv;
-    c.dbeta = s.dbeta;
-    c.lambda_dot = s.lambda_dot;
+    c.beta_parts = s.beta_parts;
+    c.lambda_parts = s.lambda_parts;
+    c.parts_per_head = s.parts_per_head;
     detail::GradientParams gv = g;
     if (v == 1) gv.dq = cfg.dq2;
     KeyGradAccumulators acc;
@@ -1083,8 +1130,9 @@ void simple_backward(const detail::AttentionParams& p, const detail::GradientPar
     x.dk_hat[v] = s.dk_hat[v];
   }
   x.dv = s.dv;
-  x.dbeta = s.dbeta;
-  x.lambda_dot = s.lambda_dot;
+  x.beta_parts = s.beta_parts;
+  x.lambda_parts = s.lambda_parts;
+  x.parts_per_head = s.parts_per_head;
   const dim3 grid(static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.num_seqs));
   if (grid.x > 0 && grid.y > 0) {
     const int smem = static_cast<int>((2 * p.dim_qk + p.dim_v + 2 * simple::kBackwardThreads) * sizeof(float));

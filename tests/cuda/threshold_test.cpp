@@ -140,20 +140,27 @@ void expect_close(const ThresholdGrads& got, const ThresholdGrads& want, const s
   expect_grads_close(got, want, tda, tol, shared);
 }
 
-// Two runs of one deterministic backward, one from saved rows: the same rows, so the same
-// gradients. dbeta and dlambda are fp32 atomic sums of terms of both signs over every pair even
-// in the deterministic mode, and move between runs by up to 6e-5 of their (small) totals
-// (2026-11-29, H200); rows read wrong would move them by whole terms.
+// Two runs of one deterministic backward, one from saved rows: the same rows, and no atomics
+// (dbeta's and dlambda's parts summed in a fixed order too), so the same bits.
+void expect_bits(const std::vector<double>& got, const std::vector<double>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  std::size_t differ = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i] && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0u) << what << " from saved rows: " << differ << " elements differ, the first at " << first
+                        << " (" << got[first] << " against " << want[first] << ")";
+}
+
 void expect_same(const ThresholdGrads& got, const ThresholdGrads& want, bool tda) {
-  constexpr double kSame = 1e-6, kSameSums = 1e-3;
-  EXPECT_LT(relative_error(got.dq, want.dq), kSame) << "dq from saved rows";
-  EXPECT_LT(relative_error(got.dk, want.dk), kSame) << "dk from saved rows";
-  EXPECT_LT(relative_error(got.dv, want.dv), kSame) << "dv from saved rows";
-  EXPECT_LT(relative_error(got.dbeta, want.dbeta), kSameSums) << "dbeta from saved rows";
+  expect_bits(got.dq, want.dq, "dq");
+  expect_bits(got.dk, want.dk, "dk");
+  expect_bits(got.dv, want.dv, "dv");
+  expect_bits(got.dbeta, want.dbeta, "dbeta");
   if (tda) {
-    EXPECT_LT(relative_error(got.dq2, want.dq2), kSame) << "dq2 from saved rows";
-    EXPECT_LT(relative_error(got.dk2, want.dk2), kSame) << "dk2 from saved rows";
-    EXPECT_LT(relative_error(got.dlambda, want.dlambda), kSameSums) << "dlambda from saved rows";
+    expect_bits(got.dq2, want.dq2, "dq2");
+    expect_bits(got.dk2, want.dk2, "dk2");
+    expect_bits(got.dlambda, want.dlambda, "dlambda");
   }
 }
 

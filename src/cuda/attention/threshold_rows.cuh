@@ -45,12 +45,16 @@ struct ThresholdCudaConfig {
   bool clamp_lambda = true;
   bool add_to_output = false;  // forward: out = out (the first view's) + this view's
   // Backward: dq through the normalization from the normalized queries and their inverse norms
-  // ([batch row][head], negative where the norm was clipped at eps); dbeta and (second view)
-  // sum_ij dp_ij w_ij, per query head, added into fp32 accumulators.
+  // ([batch row][head], negative where the norm was clipped at eps); dbeta's and (second view)
+  // sum_ij dp_ij w_ij's parts per query head, one slot per warp of 16 query rows
+  // ([head][parts_per_head], at the warp's first batch row), which a reduction in a fixed order
+  // sums, so that the backward's results repeat bit for bit (fp32 atomics would add the parts
+  // in whatever order they arrive).
   detail::Operand q_hat;
   const float* q_inv_norm = nullptr;
-  float* dbeta = nullptr;
-  float* lambda_dot = nullptr;
+  float* beta_parts = nullptr;
+  float* lambda_parts = nullptr;
+  std::int64_t parts_per_head = 0;
   // Forward after the screen: where this launch computes a row group's weights; elsewhere the
   // screen has added them already (or they are exact zeros), so they are zeroed here.
   DenseTileBits dense;
@@ -324,9 +328,13 @@ struct ThresholdBackwardRows {
       beta_part += __shfl_xor_sync(0xffffffffu, beta_part, off);
       lambda_part += __shfl_xor_sync(0xffffffffu, lambda_part, off);
     }
-    if ((threadIdx.x & 31) == 0) {
-      atomicAdd(cfg.dbeta + qt.h, beta_part);
-      if (second_view) atomicAdd(cfg.lambda_dot + qt.h, lambda_part);
+    // Lane 0's rows start the warp's 16. A warp past its sequence's last row has parts of 0 and
+    // a slot that may be the next sequence's first warp's: it writes nothing. The views' launches
+    // run one after the other, so the second adds to the first's part without a race.
+    if ((threadIdx.x & 31) == 0 && row0 < qt.s.q_len) {
+      const std::int64_t slot = qt.h * cfg.parts_per_head + p.batch_row_q(qt.b, qt.s.q_start + row0);
+      cfg.beta_parts[slot] += beta_part;
+      if (second_view) cfg.lambda_parts[slot] += lambda_part;
     }
   }
 };
