@@ -461,6 +461,11 @@ TEST(ThresholdMath, WeightAndSlopeAtOnceEqualTheSeparateForms) {
       SCOPED_TRACE("p " + std::to_string(p) + " x " + std::to_string(x));
       EXPECT_EQ(ws.weight, mt::weight(x, p));
       EXPECT_EQ(ws.slope, mt::weight_slope(x, p));
+      // The form the key-stationary kernel takes (p = 2 and 1 there): the slope over p, which
+      // times p gives the slope's bits back.
+      const mt::WeightSlope<float> over = mt::weight_and_slope_over_p(x, p);
+      EXPECT_EQ(over.weight, ws.weight);
+      if (p == 2.f || p == 1.f) EXPECT_EQ(p * over.slope, ws.slope);
     }
   }
 }

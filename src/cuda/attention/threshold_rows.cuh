@@ -386,9 +386,12 @@ struct ThresholdKeys {
   __device__ __forceinline__ void begin(const AttentionParams&, std::int64_t h) {
     factor = lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
   }
+  // dS leaves grad divided by p (math::threshold::weight_and_slope_over_p: at p = 2 no 2 r a
+  // score); every sum over it (dQ, dK, dbeta) is multiplied by kSlopeScale = p once instead.
+  static constexpr float kSlopeScale = P == ThresholdPower::two ? 2.f : 1.f;
   __device__ __forceinline__ void grad(float& z, float& dp, float tau, float, bool visible) const {
     // A score left out (masked, or a padding row: tau = +inf) is x = -inf: weight and slope 0.
-    const auto ws = math::threshold::weight_and_slope(visible ? z - tau : -INFINITY, threshold_p<P>(power));
+    const auto ws = math::threshold::weight_and_slope_over_p(visible ? z - tau : -INFINITY, threshold_p<P>(power));
     dp *= ws.slope;
     z = ws.weight;
   }
@@ -401,11 +404,11 @@ struct ThresholdKeys {
       beta_part -= (ds[n][0] + ds[n][2]) * u.x + (ds[n][1] + ds[n][3]) * u.y;
     }
   }
-  __device__ __forceinline__ float dq_scale() const { return factor; }
+  __device__ __forceinline__ float dq_scale() const { return factor * kSlopeScale; }
   // Called by every consumer thread at once: a warp's share into the head's accumulator.
   __device__ __forceinline__ void end(const AttentionParams&, std::int64_t h) {
     const float total = warp_sum(beta_part);
-    if ((threadIdx.x & 31) == 0) atomicAdd(dbeta + h, factor * total);
+    if ((threadIdx.x & 31) == 0) atomicAdd(dbeta + h, factor * kSlopeScale * total);
     beta_part = 0.f;
   }
   static __device__ __forceinline__ float warp_sum(float x) {
@@ -435,10 +438,11 @@ struct ThresholdKeys {
       normalize_grad_row<T, DT>(dk_rows, half, in ? k_hat.template at<const T>(b, seq.k_start + key, hk) : nullptr,
                                 k_inv + key_row, tig);
       if (!in) continue;
+      const float dk_scale = factor * kSlopeScale;
 #pragma unroll
       for (int n = 0; n < DT; ++n) {
-        dk_rows[n][2 * half] *= factor;
-        dk_rows[n][2 * half + 1] *= factor;
+        dk_rows[n][2 * half] *= dk_scale;
+        dk_rows[n][2 * half + 1] *= dk_scale;
       }
       if (dv_mode == KeysDv::store) continue;
       float2* const partial_row = reinterpret_cast<float2*>(dv_partial + key_row * p.dim_v + 2 * tig);
