@@ -106,8 +106,9 @@ if [[ ! -x $T ]]; then
   say "no $T: the builds failed; see $R/ab-*/build-*.txt"
 else
   # $SUITE_FILTER: a gtest filter for the suite (default: every test), for a change whose tests
-  # are known; $SANITIZE_FILTER and $SANITIZE_SECONDS likewise for the sanitizers.
-  for kernels in hopper portable; do
+  # are known; $SANITIZE_FILTER and $SANITIZE_SECONDS likewise for the sanitizers; $SUITE_KERNELS
+  # (default "hopper portable") for a change to one kernel set only.
+  for kernels in ${SUITE_KERNELS:-hopper portable}; do
     for i in 0 1 2 3 4 5 6 7; do
       if [[ $kernels == portable ]]; then export WINNOW_PORTABLE_KERNELS=1; else unset WINNOW_PORTABLE_KERNELS; fi
       # Without --gtest_brief each test's start is written (and flushed) as it begins, so a shard
