@@ -17,7 +17,7 @@
 # so far.
 # start then polls for $POLL_SECONDS (default 540). Keep it a minute or more below the call's
 # limit: a call stopped at its limit brings nothing back, not even what poll would have packed
-# (2026-11-30: with 443 s of the session's GPU time left, a start that polled 540 s returned
+# (2026-11-29, session 72: with 443 s of the session's GPU time left, a start that polled 540 s returned
 # nothing). The limit is the call's timeout or less, when the session's GPU time is short.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
