@@ -12,6 +12,13 @@ instruction classes, not totals against run time; local loads and stores (LDL/ST
 
     python3 tools/sass_mix.py src/cuda/stick_breaking.cu --kernel 'forward_sm90.*bfloat16Li64'
     python3 tools/sass_mix.py build.cubin --kernel keys_sm90 --loops 2 --top 12
+    python3 tools/sass_mix.py src/cuda/threshold_attention_forward.cu --kernel 'forward_sm90.*bfloat16Li128.*TwoView' --products
+
+--products counts what is issued around each cluster of warpgroup products (HGMMA, IGMMA within
+80 instructions of each other), from 40 instructions before its first product to its last: the
+products' operand descriptors are built there. R2UR among them means descriptors built in
+ordinary registers and moved to uniform ones, two moves a descriptor (tile::warp_uniform in
+src/cuda/tile/hopper.cuh says why and how to avoid it).
 
 A .cu file is compiled to an sm_90a cubin first (nvcc, the repository's include paths).
 cuobjdump comes from PATH, or from PyPI's nvidia-cuda-cuobjdump wheel (pip install
@@ -32,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # SASS opcode (before the first dot) -> the class it is counted under.
 CLASSES = {
     "special function (MUFU)": {"MUFU"},
-    "matrix (HGMMA, HMMA)": {"HGMMA", "HMMA"},
+    "matrix (HGMMA, IGMMA, HMMA)": {"HGMMA", "IGMMA", "HMMA"},
     "fp32 (FADD, FMUL, FFMA)": {"FADD", "FMUL", "FFMA"},
     "fp32 compare/select (FMNMX, FSEL, FSETP)": {"FMNMX", "FSEL", "FSETP"},
     "integer (IMAD, IADD3, LOP3, SHF, ISETP, LEA)": {"IMAD", "IADD3", "LOP3", "SHF", "ISETP", "LEA", "IABS", "IMNMX"},
@@ -42,7 +49,10 @@ CLASSES = {
     "spills (LDL, STL)": {"LDL", "STL"},
     "shuffles (SHFL)": {"SHFL"},
     "barriers (BAR, SYNCS, WARPGROUP)": {"BAR", "SYNCS", "WARPGROUP"},
+    "to uniform registers (R2UR)": {"R2UR"},
 }
+
+PRODUCTS = {"HGMMA", "IGMMA"}
 
 
 def find_cuobjdump():
@@ -92,6 +102,18 @@ def loops_of(instructions, count):
     return sorted(set(spans), key=lambda s: s[0] - s[1])[:count]
 
 
+def product_clusters(ops):
+    """(first, last) indices of runs of warpgroup products no more than 80 instructions apart."""
+    at = [i for i, op in enumerate(ops) if op in PRODUCTS]
+    clusters = []
+    for i in at:
+        if clusters and i - clusters[-1][1] < 80:
+            clusters[-1][1] = i
+        else:
+            clusters.append([i, i])
+    return clusters
+
+
 def print_mix(ops, indent):
     counts = collections.Counter(ops)
     for label, members in CLASSES.items():
@@ -109,6 +131,8 @@ def main():
     parser.add_argument("--top", type=int, default=0, help="also list the N most frequent opcodes")
     parser.add_argument("--loops", type=int, default=0,
                         help="also the mix of the N longest loops (a main loop's count is per iteration)")
+    parser.add_argument("--products", action="store_true",
+                        help="also the instructions issued around each cluster of warpgroup products")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         cubin = cubin_of(args.input, args.arch, workdir) if args.input.endswith(".cu") else args.input
@@ -122,6 +146,12 @@ def main():
         counts = print_mix(ops, "  ")
         if args.top:
             print("  most frequent: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top)))
+        if args.products:
+            for first, last in product_clusters(ops):
+                around = ops[max(0, first - 40):last + 1]
+                products = sum(op in PRODUCTS for op in around)
+                moves = sum(op == "R2UR" for op in around)
+                print(f"  {products:3d} products at {instructions[first][0]:#x}: {len(around)} instructions, {moves} R2UR")
         for first, last in loops_of(instructions, args.loops):
             body = [op for a, op, _ in instructions if first <= a <= last]
             print(f"  loop {first:#x}..{last:#x}: {len(body)} instructions")
