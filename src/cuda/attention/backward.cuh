@@ -265,12 +265,7 @@ __global__ void __launch_bounds__(32 * kBackwardWarps, 1)
   for (int half = 0; half < 2; ++half) {
     const std::int64_t row = row0 + 8 * half;
     if (row >= qt.s.q_len) continue;
-    T* out = g.dq.at<T>(qt.b, qt.s.q_start + row, qt.h);
-#pragma unroll
-    for (int n = 0; n < DT; ++n) {
-      *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
-          tile::pack2<T>(dq[n][2 * half], dq[n][2 * half + 1]);
-    }
+    tile::store_fragment_row<T>(g.dq.at<T>(qt.b, qt.s.q_start + row, qt.h), dq, half, tig);
   }
 }
 

@@ -137,11 +137,7 @@ __device__ __forceinline__ void store_key_rows(T* base, std::int64_t row_stride,
   for (int half = 0; half < 2; ++half) {
     const std::int64_t key = my_key + 8 * half;
     if (key >= k_len) continue;
-    T* const out = base + key * row_stride;
-#pragma unroll
-    for (int n = 0; n < DT; ++n) {
-      *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) = tile::pack2<T>(x[n][2 * half], x[n][2 * half + 1]);
-    }
+    tile::store_fragment_row<T>(base + key * row_stride, x, half, tig);
   }
 }
 

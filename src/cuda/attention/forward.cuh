@@ -333,12 +333,7 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<(DK > DV
     const std::int64_t row = row0 + 8 * half;
     if (row >= qt.s.q_len) continue;
     if constexpr (Rows::kUsesValues) {
-      T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
-#pragma unroll
-      for (int n = 0; n < DT; ++n) {
-        *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) =
-            tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
-      }
+      tile::store_fragment_row<T>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h), o, half, tig);
     }
     if (tig == 0) {
       if constexpr (Rows::kUsesValues && kWritesStats<Rows>) {

@@ -580,11 +580,7 @@ __global__ void __launch_bounds__(32 * Sm90ScreenShape::kBQ / kScreenGroupRows)
   for (int half = 0; half < 2; ++half) {
     const std::int64_t row = row0 + 8 * half;
     if (row >= qt.s.q_len) continue;
-    T* out = p.out.at<T>(qt.b, qt.s.q_start + row, qt.h);
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<std::uint32_t*>(out + 8 * n + 2 * tig) = tile::pack2<T>(o[n][2 * half], o[n][2 * half + 1]);
-    }
+    tile::store_fragment_row<T>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h), o, half, tig);
   }
 }
 

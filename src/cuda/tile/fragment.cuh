@@ -83,6 +83,16 @@ __device__ __forceinline__ void to_operand(const float (&acc)[2 * KS][4], std::u
   }
 }
 
+// A thread's share of one of its two fragment rows (half 0: row g, half 1: row g + 8; columns
+// 8 n + 2 tig + 0..1) stored as T from `row`, the row's first column: a 32-bit store a pair.
+template <class T, int N>
+__device__ __forceinline__ void store_fragment_row(T* row, const float (&x)[N][4], int half, int tig) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    *reinterpret_cast<std::uint32_t*>(row + 8 * n + 2 * tig) = pack2<T>(x[n][2 * half], x[n][2 * half + 1]);
+  }
+}
+
 // Whether any element of packed 16-bit operands is nonzero (a signed zero counts as zero), in
 // this thread's share; a caller votes over the lanes that hold the tile.
 template <int KS>
