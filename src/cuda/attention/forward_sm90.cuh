@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
   } else {
     // ---------------------------------------------------------------- consumers
     tile::registers_claim<Shape::kConsumerRegisters>();
-    const int ctid = tid - 128, wg = ctid / 128, wtid = ctid % 128;
+    const int ctid = tid - 128, wg = tile::warp_uniform(ctid / 128), wtid = ctid % 128;
     const int warp = wtid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
     const std::int64_t row0 = qt.r0 + 64 * wg + 16 * warp + g;  // this thread's rows: row0, row0 + 8
     const int my_turn = kTurnBarrier + wg, other_turn = kTurnBarrier + 1 - wg;
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       for (i = 1; i < n_tiles; ++i) {
         kt = sweep.before(kt);
         tiles_at = tile::opaque(smem);
-        const int s = i % S, prev = (i - 1) % S;
+        const int s = tile::warp_uniform(i % S), prev = (s + S - 1) % S;
         tile::mbar_wait(&k_full[s], (i / S) & 1);
         if (end[s] < 0) break;
         if constexpr (Rows::kUsesValues) tile::mbar_wait(&v_full[prev], ((i - 1) / S) & 1);

@@ -59,6 +59,18 @@ __device__ __forceinline__ P* opaque(P* p) {
   return p;
 }
 
+// A value that every lane of the warp holds alike (a warpgroup's index, a ring's stage), passed
+// through the warp's reduction so that ptxas knows it is: REDUX writes a uniform register, and
+// the products' operand descriptors computed from it stay on the uniform datapath. Computed
+// from a value ptxas takes to differ by lane (anything from threadIdx, a loop counter in an
+// ordinary register), each descriptor is built in ordinary registers and moved over by two R2UR
+// a product: TDA's forward issued 363 instructions around its 36 products a round, 244 with its
+// warpgroup and stage indices passed through here (SASS, sm_90a, 2026-11-29). On an H200 the
+// TRA forward ran 5-8% faster, TDA 0-3% (2026-11-30, docs/performance.md).
+__device__ __forceinline__ int warp_uniform(int x) {
+  return static_cast<int>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(x)));
+}
+
 // Keeps the compiler from moving reads or writes of accumulator registers across the
 // asynchronous product that owns them (between issue and wait the hardware writes them).
 template <int N>
