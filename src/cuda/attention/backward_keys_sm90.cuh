@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
   } else {
     // ---------------------------------------------------------------- consumers
     tile::registers_claim<Shape::kConsumerRegisters>();
-    const int ctid = tid - 128, wg = ctid / 128, wtid = ctid % 128;
+    const int ctid = tid - 128, wg = tile::warp_uniform(ctid / 128), wtid = ctid % 128;
     const int warp = wtid / 32, lane = tid % 32, gq = lane / 4, tig = lane % 4;
     const std::int64_t kc = k0 + 64 * wg;                // this consumer's first key
     const std::int64_t my_key = kc + 16 * warp + gq;      // this thread's keys: my_key, my_key + 8
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
     // S^T and dP^T of tile i (stage i % S), one commit group.
     float sc[NT][4], dp[NT][4];
     auto issue_scores = [&](int i) {
-      const int s = i % S;
+      const int s = tile::warp_uniform(i % S);
       tile::mbar_wait(&full[s], (i / S) & 1);
       tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
       tile::fresh(sc);
@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
     bool prev_votes = false, prev_live = true;
     for (int i = 0; tiles > 0 && i <= tiles; ++i) {
       const bool has_tile = i < tiles;
-      const int s = i % S;
+      const int s = tile::warp_uniform(i % S);
       const std::int64_t h = tile_head(has_tile ? i : 0), r0 = tile_row(has_tile ? i : 0);
       tiles_at = tile::opaque(smem);
       bool votes = false, live = true;

@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
   } else {
     // ---------------------------------------------------------------- consumers
     tile::registers_claim<Shape::kConsumerRegisters>();
-    const int ctid = tid - 128, wg = ctid / 128, wtid = ctid % 128;
+    const int ctid = tid - 128, wg = tile::warp_uniform(ctid / 128), wtid = ctid % 128;
     const int warp = wtid / 32, lane = tid % 32, gq = lane / 4, tig = lane % 4;
     const std::int64_t row0 = qt.r0 + 64 * wg + 16 * warp + gq;  // this thread's rows: row0, row0 + 8
     RowMask mask;
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
     // S = Q K^T and dP = dO V^T of tile i (stage i % S), one commit group.
     float sc[NT][4], dp[NT][4];
     auto issue_scores = [&](int i) {
-      const int s = i % S;
+      const int s = tile::warp_uniform(i % S);
       tile::mbar_wait(&k_full[s], (i / S) & 1);
       tile::mbar_wait(&v_full[s], (i / S) & 1);
       tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(Sm90BackwardShape::kThreads, 1)
     int prev_kt = 0;
     for (int i = 0, kt = first_tile; kt < qt.key_tiles || i > 0; ++i) {
       const bool has_tile = kt < qt.key_tiles;
-      const int s = i % S, b = i % Smem::kWeightBuffers;
+      const int s = tile::warp_uniform(i % S), b = i % Smem::kWeightBuffers;
       tiles_at = tile::opaque(smem);
       if (has_tile) {
         if (i > 0 || wg == 1) tile::named_sync(my_turn, 256);
