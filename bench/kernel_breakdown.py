@@ -5,6 +5,10 @@ prints each CUDA kernel's time per call, so a change to one sweep of a multi-swe
 checked on its own.
 
   python3 bench/kernel_breakdown.py --lengths 4096 16384 --methods winnow_entmax15 adasplash2_entmax15
+
+Threshold attention's methods (gpu_threshold_bench.py: winnow_tra, winnow_tda_beta1_screen, ...)
+run on that bench's inputs instead: two query/key views, beta and lambda as tensors with
+gradients.
 """
 
 import argparse
@@ -16,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_attention_bench as bench  # noqa: E402
+import gpu_threshold_bench as threshold_bench  # noqa: E402
 
 
 def kernel_times(fn, calls):
@@ -54,20 +59,29 @@ def main():
     torch.manual_seed(0)
     heads = 12 if args.dim == 128 else 16
     available = bench.methods()
+    threshold_methods = threshold_bench.methods()
     for L in args.lengths:
         B = max(1, args.tokens // L)
         q, k, v = bench.make_inputs(args.inputs, B, L, heads, args.dim)
         for name in args.methods:
-            if name not in available:
+            if name in available:
+                prepare, fn = available[name]
+                inputs = prepare(q, k, v)
+            elif name in threshold_methods and name not in ("sdpa_flash", "sdpa_cudnn", "winnow_softmax"):
+                # gpu_threshold_bench's inputs: q, k, v and the second view's q2, k2, with beta's
+                # scale and lambda (the method multiplies the scale by its beta).
+                fn = threshold_methods[name]
+                views = [t.detach().requires_grad_() for t in (q, k, v, torch.randn_like(q), torch.randn_like(k))]
+                inputs = views + [torch.ones(1, device="cuda", requires_grad=True),
+                                  torch.full((1,), 0.5, device="cuda", requires_grad=True)]
+            else:
                 print(f"# {name}: not available")
                 continue
-            prepare, fn = available[name]
-            inputs = prepare(q, k, v)
             out = fn(*inputs)
             grad = torch.randn_like(out)
             phases = {
                 "forward": lambda: fn(*inputs),
-                "backward": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True),
+                "backward": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True),
             }
             for phase, call in phases.items():
                 times = kernel_times(call, args.calls)
