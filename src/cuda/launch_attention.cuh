@@ -299,6 +299,13 @@ void launch_simple_backward(const detail::AttentionParams& p, const detail::Grad
   store_key_grads(p, g, buffer.as<float>(), buffer.as<float>() + dk);
 }
 
+// Calls fn.template operator()<T, D>() for the fused path's head dimension, D 64 or 128, of one
+// element type (a file that compiles one type's kernels).
+template <class T, class Fn>
+void dispatch_fused_dims(const detail::AttentionParams& p, Fn&& fn) {
+  p.dim_qk == 64 ? fn.template operator()<T, 64>() : fn.template operator()<T, 128>();
+}
+
 // Calls fn.template operator()<T, D>() for the fused path's (dtype, head dimension): D 64 or
 // 128, and with SmallDims (a mechanism whose calls fused_path_applies admitted with
 // small_dims) also 16 and 32.
@@ -315,11 +322,7 @@ void dispatch_fused(const detail::AttentionParams& p, Fn&& fn) {
       return;
     }
   }
-  if (p.dim_qk == 64) {
-    bf16 ? fn.template operator()<__nv_bfloat16, 64>() : fn.template operator()<__half, 64>();
-  } else {
-    bf16 ? fn.template operator()<__nv_bfloat16, 128>() : fn.template operator()<__half, 128>();
-  }
+  bf16 ? dispatch_fused_dims<__nv_bfloat16>(p, fn) : dispatch_fused_dims<__half>(p, fn);
 }
 
 template <class Fn>

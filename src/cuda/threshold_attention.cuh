@@ -22,11 +22,14 @@
 // sweep (so a key kept in either view counts once), and a block per (sequence, kv head) for the
 // backward.
 //
-// This header is the implementation both threshold_attention_forward.cu and
-// threshold_attention_backward.cu include, each defining one direction's entry point: a
-// translation unit instantiates only the kernels its direction reaches, so the two compile in
-// parallel: the forward's 105 s and the backward's 35 s (sm_90a, one core of the development
-// machine) against 163 s as one file, then the longest of the library.
+// This header is the implementation that threshold_attention_forward.cu,
+// threshold_attention_forward_bf16.cu, threshold_attention_forward_fp16.cu and
+// threshold_attention_backward.cu include, each defining an entry point: a translation unit
+// instantiates only the kernels its entry reaches, so they compile in parallel. As one file
+// the forward and backward took 163 s (sm_90a, one core of the development machine), split by
+// direction 105 s and 35 s; the forward was then the longest unit of the library and the end of
+// every cold GPU build (2026-11-30: past 215 s on the GPU machine), hence its fused path split
+// by element type too.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
@@ -1222,5 +1225,19 @@ bool decoded_forward(const detail::AttentionParams& p, const detail::ThresholdCo
   return true;
 }
 
+// The fused path's forward of one element type: the rows normalized (into the saved-rows
+// record when the call keeps one), then the screen or the fused kernels.
+template <class T>
+void fused_forward_of_type(const detail::AttentionParams& p, const ThresholdConfig& cfg) {
+  NormalizedViews views(p, cfg);
+  if (cfg.saved_rows != nullptr) views.clear_padding(p);
+  dispatch_fused_dims<T>(p, FusedForward{p, cfg, views});
+}
+
 }  // namespace
+
+// fused_forward_of_type for bf16 and fp16, each in a file of its own.
+void threshold_fused_forward_bf16(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg);
+void threshold_fused_forward_fp16(const detail::AttentionParams& p, const detail::ThresholdConfig& cfg);
+
 }  // namespace winnow::cuda

@@ -176,14 +176,14 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
           "clearing the support totals");
   }
   cfg.tile_max = tiles.map();
-  launch_fused_forward<T, D, ThresholdStartRows>(p, cfg);
+  launch_threshold_sweep<T, D>(ThresholdSweep::start, p, cfg, LiveKeyTiles{});
   if (cfg.bound) return output_sweep();
   // No look at the flag between the first two sweeps: the collect sweep's blocks whose rows all
   // settled in the first return at once, which costs less than waiting for the host.
   cfg.tile_max = TileMaxMap{};
   const float score_to_x = static_cast<float>(p.scale) * (cfg.alpha - 1.f);
   clear_flag();
-  launch_fused_forward<T, D, ThresholdCollectRows>(p, cfg, tiles.select_above_floors(cfg.state, score_to_x));
+  launch_threshold_sweep<T, D>(ThresholdSweep::collect, p, cfg, tiles.select_above_floors(cfg.state, score_to_x));
   flag.copy_from(cfg.unfinished, stream, counted != nullptr ? HostFlag::kInts : 1);
   output_sweep();
   cfg.support_totals = nullptr;  // the step sweeps count nothing
@@ -199,7 +199,7 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
   const LiveKeyTiles live = tiles.select_above_floors(cfg.state, score_to_x);
   for (int step = 0; step < math::entmax::kMaxSearchSteps; ++step) {
     clear_flag();
-    launch_fused_forward<T, D, ThresholdStepRows>(p, cfg, live);
+    launch_threshold_sweep<T, D>(ThresholdSweep::step, p, cfg, live);
     flag.copy_from(cfg.unfinished, stream);
     if (!flag.wait()) break;
   }

@@ -80,6 +80,35 @@ template <class T, int D>
 void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles,
                      const std::function<void()>& output_sweep, CountedSupport* counted = nullptr);
 
+// One sweep of the search on the forward kernel (entmax_rows.cuh: ThresholdStartRows,
+// ThresholdCollectRows, ThresholdStepRows). find_thresholds' control flow is one function in
+// threshold_search.cu; the sweeps' kernels, most of the search's compile time, are compiled per
+// element type in threshold_search_bf16.cu and threshold_search_fp16.cu, in parallel.
+enum class ThresholdSweep { start, collect, step };
+template <class T, int D>
+void launch_threshold_sweep(ThresholdSweep sweep, const detail::AttentionParams& p, const ThresholdCudaConfig& cfg,
+                            const LiveKeyTiles& live) {
+  switch (sweep) {
+    case ThresholdSweep::start: return launch_fused_forward<T, D, ThresholdStartRows>(p, cfg, live);
+    case ThresholdSweep::collect: return launch_fused_forward<T, D, ThresholdCollectRows>(p, cfg, live);
+    case ThresholdSweep::step: return launch_fused_forward<T, D, ThresholdStepRows>(p, cfg, live);
+  }
+}
+// The instantiations: entmax's and Sieve's head dimensions 64 and 128, and Sieve's 16 and 32 (on
+// the portable kernels); extern here, defined in the file of their element type (which may
+// follow the declaration).
+#define WINNOW_THRESHOLD_SWEEPS(EXTERN, T)                                                            \
+  EXTERN template void launch_threshold_sweep<T, 16>(ThresholdSweep, const detail::AttentionParams&, \
+                                                     const ThresholdCudaConfig&, const LiveKeyTiles&); \
+  EXTERN template void launch_threshold_sweep<T, 32>(ThresholdSweep, const detail::AttentionParams&, \
+                                                     const ThresholdCudaConfig&, const LiveKeyTiles&); \
+  EXTERN template void launch_threshold_sweep<T, 64>(ThresholdSweep, const detail::AttentionParams&, \
+                                                     const ThresholdCudaConfig&, const LiveKeyTiles&); \
+  EXTERN template void launch_threshold_sweep<T, 128>(ThresholdSweep, const detail::AttentionParams&, \
+                                                      const ThresholdCudaConfig&, const LiveKeyTiles&);
+WINNOW_THRESHOLD_SWEEPS(extern, __nv_bfloat16)
+WINNOW_THRESHOLD_SWEEPS(extern, __half)
+
 // The simple path's launch for either mechanism (a warp per query row).
 template <simple::Mechanism M>
 struct SimpleForward {
