@@ -97,6 +97,10 @@ for stage in "${stages[@]}"; do
       # make builds them one after another: the operator library's C++ files only started after
       # the test binary had linked (283 s of a cold build on 2026-11-29, most of it the longest
       # CUDA file, then the operator library). A build folder keeps the generator it has.
+      # A target list does not shorten a cold build much: on 2026-11-30 winnow_torch alone had
+      # not linked after 215 s on a fresh machine, waiting on threshold_attention_forward.cu
+      # and threshold_search.cu (each since split in two by element type). Give a cold build
+      # four minutes of a call's limit.
       ninja_bin=$(command -v ninja || true)
       [[ -z "$ninja_bin" && -x .gpudeps/bin/ninja ]] && ninja_bin=$PWD/.gpudeps/bin/ninja
       # A copied binary that cannot run there (its C++ library too old) leaves the build to make.
