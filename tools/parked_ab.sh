@@ -67,6 +67,12 @@ if [[ " $* " == *" bench/gpu_"*"_bench.py "* && " $* " != *" --json "* ]]; then
   command+=(--json @AB_JSON@)
 fi
 export WINNOW_LIBRARY="$PWD/$BUILD/libwinnow_torch.so"
+# Baseline wheels carried in .whl/ (AdaSplash-2), as tools/gpu_check.sh's bench installs them, so
+# that an A/B's bench measures them beside both trees.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target "$BUILD/site" .whl/*.whl \
+    && export PYTHONPATH="$PWD/$BUILD/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 for (( r = 1; r <= rounds; ++r )); do
   for t in main patch; do
     if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) - start > DEADLINE )); then

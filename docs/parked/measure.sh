@@ -39,6 +39,11 @@ SMALL_BENCH=(python3 bench/gpu_attention_bench.py --tokens 32768 --heads 16 --le
 SCREEN_BENCH=(python3 bench/gpu_threshold_bench.py --methods sdpa_flash winnow_tra winnow_tda winnow_tra_beta1_screen
               winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen)
 
+# A patch to entmax's or Sieve's kernels (issue 10's shapes): their rows beside SDPA flash and,
+# when its wheel was carried (.whl/), AdaSplash-2.
+ENTMAX_BENCH=(python3 bench/gpu_attention_bench.py --tokens 16384 --heads 12 --lengths 4096 16384 --dims 128
+              --methods sdpa_flash winnow_entmax15 adasplash2_entmax15 winnow_sieve_exact winnow_sieve_bound)
+
 # A patch to threshold attention's other kernels: the beta-0 rows beside softmax's.
 THRESHOLD_BENCH=(python3 bench/gpu_threshold_bench.py --methods sdpa_flash winnow_softmax winnow_tra winnow_tda)
 
@@ -94,6 +99,7 @@ for patch in ${PATCHES:-none}; do
   # A patch to threshold attention's int8 screen: the screened rows at beta 1 and 0.
   [[ $patch == screen-* ]] && bench=("${SCREEN_BENCH[@]}")
   [[ $patch == threshold-* ]] && bench=("${THRESHOLD_BENCH[@]}")
+  [[ $patch == entmax-* || $patch == sieve-* ]] && bench=("${ENTMAX_BENCH[@]}")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
