@@ -119,6 +119,16 @@ for stage in "${stages[@]}"; do
       [[ -n "${BUILD_TARGETS:-}" ]] && targets=(--target $BUILD_TARGETS)
       if cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}" > "$OUT/build.log" 2>&1; then
         note "build: ok ($(( $(date +%s) - start )) s)"
+        # ptxas serializes every warpgroup product of a kernel it cannot keep asynchronous (a
+        # product in flight across a loop's back edge, C7514; a shared-memory store or named
+        # barrier in a divergent path while one runs, C7518; ...), and says so only in the build
+        # output: a kernel that silently lost its overlap is named here (ccache replays it).
+        serialized=$(grep -E "wgmma.mma_async instructions are serialized" "$OUT/build.log" |
+          grep -oE "function '[^']+'" | sort -u)
+        if [[ -n "$serialized" ]]; then
+          echo "$serialized" | head -10
+          note "build: $(echo "$serialized" | wc -l) kernels with serialized warpgroup products (C75xx in build.log)"
+        fi
       else
         grep -E "error|Error" "$OUT/build.log" | head -40
         note "build: FAILED"
