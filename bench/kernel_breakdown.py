@@ -67,7 +67,7 @@ def main():
             if name in available:
                 prepare, fn = available[name]
                 inputs = prepare(q, k, v)
-            elif name in threshold_methods and name not in ("sdpa_flash", "sdpa_cudnn", "winnow_softmax"):
+            elif name in threshold_methods:
                 # gpu_threshold_bench's inputs: q, k, v and the second view's q2, k2, with beta's
                 # scale and lambda (the method multiplies the scale by its beta).
                 fn = threshold_methods[name]

@@ -97,15 +97,14 @@ void launch_threshold_sweep(ThresholdSweep sweep, const detail::AttentionParams&
 // The instantiations: entmax's and Sieve's head dimensions 64 and 128, and Sieve's 16 and 32 (on
 // the portable kernels); extern here, defined in the file of their element type (which may
 // follow the declaration).
-#define WINNOW_THRESHOLD_SWEEPS(EXTERN, T)                                                            \
-  EXTERN template void launch_threshold_sweep<T, 16>(ThresholdSweep, const detail::AttentionParams&, \
-                                                     const ThresholdCudaConfig&, const LiveKeyTiles&); \
-  EXTERN template void launch_threshold_sweep<T, 32>(ThresholdSweep, const detail::AttentionParams&, \
-                                                     const ThresholdCudaConfig&, const LiveKeyTiles&); \
-  EXTERN template void launch_threshold_sweep<T, 64>(ThresholdSweep, const detail::AttentionParams&, \
-                                                     const ThresholdCudaConfig&, const LiveKeyTiles&); \
-  EXTERN template void launch_threshold_sweep<T, 128>(ThresholdSweep, const detail::AttentionParams&, \
-                                                      const ThresholdCudaConfig&, const LiveKeyTiles&);
+#define WINNOW_THRESHOLD_SWEEP(EXTERN, T, D)                                                  \
+  EXTERN template void launch_threshold_sweep<T, D>(ThresholdSweep, const detail::AttentionParams&, \
+                                                    const ThresholdCudaConfig&, const LiveKeyTiles&);
+#define WINNOW_THRESHOLD_SWEEPS(EXTERN, T) \
+  WINNOW_THRESHOLD_SWEEP(EXTERN, T, 16)    \
+  WINNOW_THRESHOLD_SWEEP(EXTERN, T, 32)    \
+  WINNOW_THRESHOLD_SWEEP(EXTERN, T, 64)    \
+  WINNOW_THRESHOLD_SWEEP(EXTERN, T, 128)
 WINNOW_THRESHOLD_SWEEPS(extern, __nv_bfloat16)
 WINNOW_THRESHOLD_SWEEPS(extern, __half)
 
