@@ -125,7 +125,7 @@ bool launch_sm90_forward(const detail::AttentionParams& p, const Config& cfg, co
   const detail::AttentionParams pq = with_heads_per_sweep(p, Pass::forward, Shape::kBQ);
   const dim3 grid = query_tile_grid(pq, Shape::kBQ);
   if (grid.x == 0 || grid.z == 0) return true;
-  const int smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>, kViews<Rows>>::kBytes;
+  const int smem = Sm90ForwardSmemOf<T, D, Rows>::kBytes;
   allow_shared_memory(kernel, smem);
   kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(pq, cfg, live);
   check_launch("attention_forward_sm90_kernel");

@@ -124,6 +124,7 @@ struct ThresholdSweepRows {
 // float max operations per score, which ran on the ALU pipe at half rate: an H200 profile of
 // the sweep showed 273 FMNMX per warp and tile, the pipe 54% busy, and the matrix units 40%.)
 struct ThresholdStartRows : ThresholdSweepRows {
+  static constexpr bool kPairsTiles = true;  // forward_sm90.cuh: two key tiles a round
   static constexpr int kKept = 2;  // per thread and row
   float scale;
   float top[2][kKept] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};  // raw scores q . k

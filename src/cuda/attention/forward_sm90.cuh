@@ -52,24 +52,25 @@ inline constexpr int kViews<Rows, std::void_t<decltype(Rows::kViews)>> = Rows::k
 template <int Views>
 inline constexpr int kSm90ForwardBK = Views == 2 ? 64 : Sm90ForwardShape::kBK;
 
-// V's ring comes last: sweeps without values lend that space, grown to ScratchBytes, to their
-// row policy (forward.cuh, kScratchBytes). With two views, the second view's queries follow
-// the first's and each key stage holds both views' tiles.
-template <class T, int D, int ScratchBytes = 0, int Views = 1>
+// V's ring comes last (none for a sweep without values): sweeps without values lend that space,
+// ScratchBytes of it, to their row policy (forward.cuh, kScratchBytes). With two views, the
+// second view's queries follow the first's and each key stage holds both views' tiles.
+template <class T, int D, int ScratchBytes = 0, int Views = 1, int Stages = Sm90ForwardShape::kStages,
+          bool UsesValues = true>
 struct Sm90ForwardSmem {
   using Shape = Sm90ForwardShape;
+  static constexpr int kStages = Stages;
   static constexpr int kBK = kSm90ForwardBK<Views>;
   using QTile = tile::PanelTile<T, Shape::kBQ, D>;
   using KVTile = tile::PanelTile<T, kBK, D>;
   static constexpr int kQ = 0;                         // view v at kQ + v * QTile::kBytes
   static constexpr int kK = kQ + Views * QTile::kBytes;  // stage s, view v at kK + (s * Views + v) * KVTile::kBytes
-  static constexpr int kSync = kK + Shape::kStages * Views * KVTile::kBytes;
+  static constexpr int kSync = kK + Stages * Views * KVTile::kBytes;
   // mbarriers k_full, k_empty, v_full, v_empty [stages]; end[stages] (-1: the producer
   // stopped before this stage's K); the consumers' halt flags.
-  static constexpr int kSyncBytes =
-      32 * Shape::kStages + 4 * Shape::kStages + tile::StageHaltFlags::bytes(Shape::kStages);
+  static constexpr int kSyncBytes = 32 * Stages + 4 * Stages + tile::StageHaltFlags::bytes(Stages);
   static constexpr int kV = (kSync + kSyncBytes + 1023) / 1024 * 1024;
-  static constexpr int kVBytes = Shape::kStages * KVTile::kBytes;
+  static constexpr int kVBytes = UsesValues ? Stages * KVTile::kBytes : 0;
   static constexpr int kLastBytes = kVBytes > ScratchBytes ? kVBytes : ScratchBytes;
   // Dynamic shared memory is only 16-byte aligned; the swizzle needs 1024.
   static constexpr int kBytes = kV + kLastBytes + 1024;
@@ -80,14 +81,35 @@ inline constexpr int kProducerBarrier = 1, kConsumerBarrier = 2, kTurnBarrier = 
 
 // Segments: p.segment_len may be set (short sequences packed, launch_attention.cuh). A
 // separate instantiation, so that the mask of every other call keeps its registers.
+// A value-free sweep (no P V, no halting, no zero-tile votes) whose policy sets kPairsTiles
+// (the threshold search's start sweep, entmax's and Sieve's) takes two key tiles a round, the
+// second tile's product running while the first is weighed; the others keep one round a tile,
+// their P V the product that runs while they weigh. (The step sweep, paired, held ptxas for
+// minutes; the collect sweep's lists fill V's space, which four stages would need.)
+template <class Rows, class = void>
+inline constexpr bool kPairsTiles = false;
+template <class Rows>
+inline constexpr bool kPairsTiles<Rows, std::void_t<decltype(Rows::kPairsTiles)>> =
+    Rows::kPairsTiles && !Rows::kUsesValues && !Rows::kCanHalt && !kSkipsZeroTiles<Rows>;
+
+// A pairing sweep consumes two stages a round: with four, the next round's tiles load while
+// this round's are weighed (with two, the second's load would start only as the round ends).
+template <class Rows>
+inline constexpr int kSm90ForwardStages = kPairsTiles<Rows> ? 4 : Sm90ForwardShape::kStages;
+
+// The shared memory of a row policy's forward.
+template <class T, int D, class Rows>
+using Sm90ForwardSmemOf =
+    Sm90ForwardSmem<T, D, kScratchBytes<Rows>, kViews<Rows>, kSm90ForwardStages<Rows>, Rows::kUsesValues>;
+
 template <class T, int D, class Rows, class Config, bool Segments = false>
 __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     attention_forward_sm90_kernel(const AttentionParams p, const Config cfg, const LiveKeyTiles live) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Shape = Sm90ForwardShape;
   constexpr int NV = kViews<Rows>;
-  using Smem = Sm90ForwardSmem<T, D, kScratchBytes<Rows>, NV>;
-  constexpr int BQ = Shape::kBQ, BK = Smem::kBK, S = Shape::kStages;
+  using Smem = Sm90ForwardSmemOf<T, D, Rows>;
+  constexpr int BQ = Shape::kBQ, BK = Smem::kBK, S = Smem::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (tile::smem_address(smem_raw) & 1023)) & 1023);
   // The tiles' views: the consumers rebuild them each round from tile::opaque(smem), so that
@@ -318,7 +340,41 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       weigh(sc, sc2, kt);
       after_weights(sc, kt);
 
-      for (i = 1; i < n_tiles; ++i) {
+      i = 1;
+      if constexpr (kPairsTiles<Rows>) {
+        // Two tiles a round: both S products issued in one turn, tile i weighed while S_{i+1}
+        // runs, then S_{i+1}. Both are waited for within the round: with a product in flight
+        // across the loop's back edge ptxas serializes every product of the kernel (C7514).
+        for (; i + 1 < n_tiles; i += 2) {
+          const int kt0 = sweep.before(kt), kt1 = sweep.before(kt0);
+          tiles_at = tile::opaque(smem);
+          const int s0 = tile::warp_uniform(i % S), s1 = tile::warp_uniform((i + 1) % S);
+          tile::mbar_wait(&k_full[s0], (i / S) & 1);
+          tile::mbar_wait(&k_full[s1], ((i + 1) / S) & 1);
+          tile::fence_to_async_proxy();
+          float sc1[BK / 8][4];
+          SecondScores sc2b;
+          tile::fresh(sc);
+          tile::fresh(sc1);
+          tile::named_sync(my_turn, 256);
+          tile::wgmma_fence();
+          issue_s(sc, sc2, s0);
+          issue_s(sc1, sc2b, s1);
+          tile::named_arrive(other_turn, 256);
+          tile::wgmma_wait<1>();
+          tile::pin(sc);
+          tile::mbar_arrive(&k_empty[s0]);
+          weigh(sc, sc2, kt0);
+          after_weights(sc, kt0);
+          tile::wgmma_wait<0>();
+          tile::pin(sc1);
+          tile::mbar_arrive(&k_empty[s1]);
+          weigh(sc1, sc2b, kt1);
+          after_weights(sc1, kt1);
+          kt = kt1;
+        }
+      }
+      for (; i < n_tiles; ++i) {
         kt = sweep.before(kt);
         tiles_at = tile::opaque(smem);
         const int s = tile::warp_uniform(i % S), prev = (s + S - 1) % S;
