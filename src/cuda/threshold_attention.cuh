@@ -130,27 +130,44 @@ struct PackedRowLane {
   }
 };
 
+// A lane's eight features of x normalized, rounded to T and stored into hat when valid, and
+// returned as read back (what the kernels score): the one normalization of the packed kernels,
+// the screen's included, so the screened forward scores the rows the unscreened one would.
+// Every lane of the warp takes part; an invalid lane holds zeros. *inv_norm: the signed
+// inverse norm.
+template <class T, int kLanes>
+__device__ __forceinline__ void normalize_packed_row(const T* x, T* hat, bool valid, float eps, float (&a)[8],
+                                                     float* inv_norm) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a[j] = 0.f;
+  if (valid) {
+    const Pack<T, 8> in = load_pack<T, 8>(x);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[j] = widen(in.v[j]);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sum += a[j] * a[j];
+  sum = tile::lanes_sum<kLanes>(sum);
+  const float inv = math::inverse_norm(sum, eps);
+  *inv_norm = math::norm_clipped(sum, eps) ? -inv : inv;
+  Pack<T, 8> out;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    out.v[j] = narrow_to<T>(a[j] * inv);
+    a[j] = valid ? widen(out.v[j]) : 0.f;
+  }
+  if (valid) store_pack<T, 8>(hat, out);
+}
+
 template <class T, int kLanes>
 __global__ void normalize_rows_packed_kernel(const Operand src, const Operand dst, float* inv_norm,
                                              const RowGeometry r, float eps) {
   const PackedRowLane<kLanes> l(r);
-  float x[8] = {};
-  if (l.valid) {
-    const Pack<T, 8> in = load_pack<T, 8>(src.at<const T>(l.b, l.at, l.h) + 8 * l.sub);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = widen(in.v[j]);
-  }
-  float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) sum += x[j] * x[j];
-  sum = tile::lanes_sum<kLanes>(sum);  // every lane takes part; rows past the end add zeros
-  if (!l.valid) return;
-  const float inv = math::inverse_norm(sum, eps);
-  Pack<T, 8> out;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) out.v[j] = narrow_to<T>(x[j] * inv);
-  store_pack<T, 8>(dst.at<T>(l.b, l.at, l.h) + 8 * l.sub, out);
-  if (l.sub == 0) inv_norm[l.idx] = math::norm_clipped(sum, eps) ? -inv : inv;
+  float x[8], inv;
+  normalize_packed_row<T, kLanes>(src.at<const T>(l.b, l.at, l.h) + 8 * l.sub, dst.at<T>(l.b, l.at, l.h) + 8 * l.sub,
+                                  l.valid, eps, x, &inv);
+  if (l.valid && l.sub == 0) inv_norm[l.idx] = inv;
 }
 
 // Whether the packed kernels take rows of this geometry: 16-bit T, 64 or 128 features.
@@ -174,125 +191,109 @@ unsigned packed_blocks(const RowGeometry& r) {
   return static_cast<unsigned>((r.rows * r.heads + rows_per_block - 1) / rows_per_block);
 }
 
-// The screen's rows: a warp per row, a lane per four consecutive features (dim 64 or 128, rows
-// 16-byte aligned with contiguous features; lanes past dim / 4 hold zeros).
-struct ScreenRow {
-  float a[4];
-};
+// The screen's rows, in the packed kernels' layout (kLanes = dim / 8 lanes a row, eight
+// features a lane, one 16-byte access each way; dim 64 or 128, rows as aligned_rows requires).
+// A warp a row with 8-byte accesses, as these kernels were first written, took 0.08 ms per
+// view and tensor at 16K tokens and 12 heads (H200, 2026-11-30): three times the packed
+// normalization's time, and 19% of the screened TRA forward at 16K (35% of TDA's at 4K).
 
-template <class T>
-__device__ __forceinline__ ScreenRow load_row4(const T* x, int dim) {
-  const int lane = threadIdx.x % 32;
-  ScreenRow r{{0.f, 0.f, 0.f, 0.f}};
-  if (4 * lane < dim) {
-    const uint2 bits = *reinterpret_cast<const uint2*>(x + 4 * lane);
-    const T* e = reinterpret_cast<const T*>(&bits);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) r.a[j] = simple::load(e + j);
-  }
-  return r;
-}
-
-// x / max(|x|, eps) rounded to T, stored into hat and returned as read back (what the kernels
-// score); *largest: the row's largest |feature|; *inv_norm: the inverse norm, negated where the
-// norm was clipped at eps (as normalize_rows_kernel writes it, for a backward of saved rows).
-template <class T>
-__device__ __forceinline__ ScreenRow normalize_row4(const T* x, T* hat, int dim, float eps, float* largest,
-                                                    float* inv_norm) {
-  const int lane = threadIdx.x % 32;
-  ScreenRow r = load_row4(x, dim);
-  const float sum = simple::warp_sum(r.a[0] * r.a[0] + r.a[1] * r.a[1] + r.a[2] * r.a[2] + r.a[3] * r.a[3]);
-  const float inv = math::inverse_norm(sum, eps);
-  *inv_norm = math::norm_clipped(sum, eps) ? -inv : inv;
+__device__ __forceinline__ float largest_magnitude(const float (&a)[8]) {
   float m = 0.f;
-  if (4 * lane < dim) {
-    uint2 bits;
-    T* e = reinterpret_cast<T*>(&bits);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      e[j] = simple::from_float<T>(r.a[j] * inv);
-      r.a[j] = simple::load(e + j);
-      m = fmaxf(m, fabsf(r.a[j]));
-    }
-    *reinterpret_cast<uint2*>(hat + 4 * lane) = bits;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  *largest = m;
-  return r;
+  for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(a[j]));
+  return m;
 }
 
-// The row as int8 with `scale` into q8 (kScreenRowBytes, zero past dim); returns its error radius.
-__device__ __forceinline__ float quantize_row4(const ScreenRow& r, float scale, std::int8_t* q8) {
-  const int lane = threadIdx.x % 32;
-  std::uint32_t packed = 0;
+// The lane's eight features as int8 with `scale` into q8 + 8 * sub (and zeros at dim + 8 * sub:
+// the screen's rows are kScreenRowBytes long, zero past dim); returns the lane's part of the
+// row's squared error radius.
+template <int kLanes>
+__device__ __forceinline__ float quantize_packed_row(const float (&a)[8], float scale, std::int8_t* q8, int sub) {
+  std::uint32_t word[2] = {0u, 0u};
   float err = 0.f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int c = mt::screen_quantize(r.a[j], scale);
-    packed |= (static_cast<std::uint32_t>(c) & 0xffu) << (8 * j);
-    const float e = r.a[j] - scale * static_cast<float>(c);
+  for (int j = 0; j < 8; ++j) {
+    const int c = mt::screen_quantize(a[j], scale);
+    word[j / 4] |= (static_cast<std::uint32_t>(c) & 0xffu) << (8 * (j % 4));
+    const float e = a[j] - scale * static_cast<float>(c);
     err += e * e;
   }
-  *reinterpret_cast<std::uint32_t*>(q8 + 4 * lane) = packed;
-  return sqrtf(simple::warp_sum(err));
+  *reinterpret_cast<uint2*>(q8 + 8 * sub) = make_uint2(word[0], word[1]);
+  if constexpr (8 * kLanes < kScreenRowBytes) {
+    static_assert(2 * 8 * kLanes == kScreenRowBytes, "the padding is one more lane's eight bytes per lane");
+    *reinterpret_cast<uint2*>(q8 + 8 * kLanes + 8 * sub) = make_uint2(0u, 0u);
+  }
+  return err;
 }
 
-// A warp per (batch row, head) of the queries: normalized, quantized with the row's own scale;
-// meta = {scale, error radius}.
-template <class T>
+// kLanes lanes per (batch row, head) of the queries: normalized, quantized with the row's own
+// scale; meta = {scale, error radius}.
+template <class T, int kLanes>
 __global__ void normalize_quantize_queries_kernel(const Operand src, const Operand hat, float* inv_norm,
                                                   const Operand q8, float2* meta, const RowGeometry r, float eps) {
-  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
-  if (idx >= r.rows * r.heads) return;
-  const std::int64_t row = idx / r.heads, h = idx % r.heads, b = r.sequence(row), at = r.row_in(row);
-  float largest, inv;
-  const ScreenRow a = normalize_row4<T>(src.at<const T>(b, at, h), hat.at<T>(b, at, h), r.dim, eps, &largest, &inv);
-  const float scale = mt::screen_scale(largest);
-  const float err = quantize_row4(a, scale, q8.at<std::int8_t>(b, at, h));
-  if (threadIdx.x % 32 == 0) {
-    meta[idx] = make_float2(scale, err);
-    inv_norm[idx] = inv;
+  const PackedRowLane<kLanes> l(r);
+  float a[8], inv;
+  normalize_packed_row<T, kLanes>(src.at<const T>(l.b, l.at, l.h) + 8 * l.sub, hat.at<T>(l.b, l.at, l.h) + 8 * l.sub,
+                                  l.valid, eps, a, &inv);
+  const float scale = mt::screen_scale(tile::lanes_max<kLanes>(largest_magnitude(a)));
+  float err = 0.f;
+  if (l.valid) err = quantize_packed_row<kLanes>(a, scale, q8.at<std::int8_t>(l.b, l.at, l.h), l.sub);
+  err = sqrtf(tile::lanes_sum<kLanes>(err));
+  if (l.valid && l.sub == 0) {
+    meta[l.idx] = make_float2(scale, err);
+    inv_norm[l.idx] = inv;
   }
 }
 
 // A block per (key tile, kv head, sequence): the tile's keys normalized, then quantized with one
 // scale, the tile's (so that the screen's cut is exact in the keys' scale); tile_meta = {scale,
-// largest error radius}.
-template <class T>
+// largest error radius}. Each lane keeps its rows' normalized features in registers between
+// the two steps: kCellKeys / (kWarpsPerBlock * 32 / kLanes) rows, all loads in flight at once.
+template <class T, int kLanes>
 __global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParams p, const Operand src, const Operand hat,
                                                     float* inv_norm, const Operand k8, float2* tile_meta, int key_tiles,
                                                     float eps) {
-  constexpr int kWarps = kWarpsPerBlock;
-  __shared__ float largest_of[kWarps];
-  const int t = blockIdx.x, warp = threadIdx.x / 32;
+  constexpr int kRowsPerPass = kWarpsPerBlock * (32 / kLanes), kPasses = kCellKeys / kRowsPerPass;
+  static_assert(kCellKeys % kRowsPerPass == 0, "whole passes over a key tile");
+  __shared__ float largest_of[kWarpsPerBlock];
+  const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane % kLanes;
   const std::int64_t hk = blockIdx.y, b = blockIdx.z;
   const detail::SequenceExtent s = p.sequence(b);
-  const int dim = static_cast<int>(p.dim_qk);
-  const std::int64_t first = static_cast<std::int64_t>(t) * kCellKeys;
+  const std::int64_t first = static_cast<std::int64_t>(t) * kCellKeys + warp * (32 / kLanes) + lane / kLanes;
+  float a[kPasses][8];
   float largest = 0.f;
-  for (int j = warp; j < kCellKeys && first + j < s.k_len; j += kWarps) {
-    const std::int64_t row = s.k_start + first + j;
-    float m, inv;
-    normalize_row4<T>(src.at<const T>(b, row, hk), hat.at<T>(b, row, hk), dim, eps, &m, &inv);
-    largest = fmaxf(largest, m);
-    if (threadIdx.x % 32 == 0) inv_norm[p.batch_row_k(b, row) * p.heads_kv + hk] = inv;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const std::int64_t key = first + i * kRowsPerPass;
+    const bool valid = key < s.k_len;
+    const std::int64_t row = s.k_start + (valid ? key : 0);
+    float inv;
+    normalize_packed_row<T, kLanes>(src.at<const T>(b, row, hk) + 8 * sub, hat.at<T>(b, row, hk) + 8 * sub, valid,
+                                    eps, a[i], &inv);
+    largest = fmaxf(largest, largest_magnitude(a[i]));
+    if (valid && sub == 0) inv_norm[p.batch_row_k(b, row) * p.heads_kv + hk] = inv;
   }
-  if (threadIdx.x % 32 == 0) largest_of[warp] = largest;
+  largest = tile::lanes_max<32>(largest);
+  if (lane == 0) largest_of[warp] = largest;
   __syncthreads();
-  for (int w = 0; w < kWarps; ++w) largest = fmaxf(largest, largest_of[w]);
+#pragma unroll
+  for (int w = 0; w < kWarpsPerBlock; ++w) largest = fmaxf(largest, largest_of[w]);
   const float scale = mt::screen_scale(largest);
   float err = 0.f;
-  // Each warp quantizes the rows it normalized (its own writes, read back in program order).
-  for (int j = warp; j < kCellKeys && first + j < s.k_len; j += kWarps) {
-    const std::int64_t row = s.k_start + first + j;
-    err = fmaxf(err, quantize_row4(load_row4(hat.at<const T>(b, row, hk), dim), scale, k8.at<std::int8_t>(b, row, hk)));
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const std::int64_t key = first + i * kRowsPerPass;
+    const bool valid = key < s.k_len;
+    float row_err = 0.f;
+    if (valid) row_err = quantize_packed_row<kLanes>(a[i], scale, k8.at<std::int8_t>(b, s.k_start + key, hk), sub);
+    err = fmaxf(err, sqrtf(tile::lanes_sum<kLanes>(row_err)));
   }
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) largest_of[warp] = err;
+  err = tile::lanes_max<32>(err);
+  __syncthreads();  // every warp has read largest_of
+  if (lane == 0) largest_of[warp] = err;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) err = fmaxf(err, largest_of[w]);
+    for (int w = 0; w < kWarpsPerBlock; ++w) err = fmaxf(err, largest_of[w]);
     tile_meta[(b * p.heads_kv + hk) * key_tiles + t] = make_float2(scale, err);
   }
 }
@@ -694,15 +695,20 @@ class NormalizedViews {
       screen.q_hat[v] = rows_[v].q_hat;
       screen.k_hat[v] = rows_[v].k_hat;
       if (q_.rows * q_.heads > 0) {
-        normalize_quantize_queries_kernel<T><<<warp_blocks(q_), 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
-            q_src, rows_[v].q_hat, rows_[v].q_inv, screen.q8[v], screen.q_meta[v], q_, eps);
+        with_packed_lanes(q_.dim, [&](auto lanes) {
+          normalize_quantize_queries_kernel<T, decltype(lanes)::value><<<packed_blocks(q_), 32 * kWarpsPerBlock, 0,
+                                                                         stream_of(p)>>>(
+              q_src, rows_[v].q_hat, rows_[v].q_inv, screen.q8[v], screen.q_meta[v], q_, eps);
+        });
         check_launch("threshold normalize_quantize_queries_kernel");
       }
       const dim3 grid(static_cast<unsigned>(screen.key_tiles), static_cast<unsigned>(p.heads_kv),
                       static_cast<unsigned>(p.num_seqs));
       if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
-        normalize_quantize_key_tiles_kernel<T><<<grid, 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
-            p, k_src, rows_[v].k_hat, rows_[v].k_inv, screen.k8[v], screen.tile_meta[v], screen.key_tiles, eps);
+        with_packed_lanes(k_.dim, [&](auto lanes) {
+          normalize_quantize_key_tiles_kernel<T, decltype(lanes)::value><<<grid, 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
+              p, k_src, rows_[v].k_hat, rows_[v].k_inv, screen.k8[v], screen.tile_meta[v], screen.key_tiles, eps);
+        });
         check_launch("threshold normalize_quantize_key_tiles_kernel");
       }
     }
@@ -866,8 +872,8 @@ bool screen_requested(const detail::AttentionParams& p) {
 template <class T, int D>
 bool screened_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg, NormalizedViews& views) {
   if (!screen_requested(p) || !hopper_kernel_runs(threshold_screen_sm90_kernel<T, D, 1>)) return false;
-  // The normalization reads four features at once from the raw rows (the first view's are
-  // aligned on the fused path).
+  // The normalization reads eight features (16 bytes) at once from the raw rows (the first
+  // view's are aligned on the fused path).
   if (cfg.differential() && (!aligned_rows(cfg.q2, p.dtype) || !aligned_rows(cfg.k2, p.dtype))) return false;
   ScreenBuffer screen(p, views.count());
   ThresholdScreenParams& sp = screen.params();

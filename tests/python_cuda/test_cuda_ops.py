@@ -163,6 +163,72 @@ def test_short_suffix_decoding_matches_cpu(mechanism, q_len):
         assert (got[1].cpu().double() - want[1]).abs().max().item() < 1e-2
 
 
+# The int8 screen's forward (WINNOW_THRESHOLD_SCREEN, Hopper): its own normalization and
+# quantization kernels, the screen, the candidate pass and the dense tiles' forward. At beta 1
+# most warps' tiles hold a few candidates, at 0.7 some tiles are dense, at 0.2 nearly all. Out
+# and every gradient (the backward from the rows the screen's normalization saved) match the
+# unscreened forward's, and the output the CPU kernels' in float64. Awkward shapes: a batched
+# 1100-row sequence with 4 query heads on 2 kv heads, and packed sequences of 700, 0 and 390
+# queries on 520 keys.
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("tda", [False, True])
+@pytest.mark.parametrize("beta", [1.0, 0.7, 0.2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_screened_threshold_forward_matches_unscreened(dtype, tol, dim, tda, beta, packed, capfd):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the int8 screen runs on Hopper only")
+    gen = torch.Generator().manual_seed(31)
+    if packed:
+        seqs = [(700, 700), (0, 0), (390, 520)]
+        cu_q = torch.tensor([0, 700, 700, 1090], dtype=torch.int32)
+        cu_k = torch.tensor([0, 700, 700, 1220], dtype=torch.int32)
+        shape_q, shape_k = (sum(s[0] for s in seqs), 4, dim), (sum(s[1] for s in seqs), 2, dim)
+        offsets = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    else:
+        shape_q, shape_k = (1, 1100, 4, dim), (1, 1100, 2, dim)
+        offsets = {}
+    q, q2 = (torch.randn(shape_q, generator=gen).to(dtype) for _ in range(2))
+    k, k2, v = (torch.randn(shape_k, generator=gen).to(dtype) for _ in range(3))
+    beta_t = torch.full((4,), beta)
+    lam = torch.full((1,), 0.4)
+
+    def call(inputs, extra, offs):
+        q, k, v, q2, k2 = inputs
+        b, lm = extra
+        if tda:
+            return winnow.threshold_attention(q, k, v, b, lam=lm, q2=q2, k2=k2, **offs)
+        return winnow.threshold_attention(q, k, v, b, **offs)
+
+    def run(screen):
+        inputs = [t.cuda().requires_grad_() for t in (q, k, v, q2, k2)]
+        extra = [t.cuda().requires_grad_() for t in (beta_t, lam)]
+        offs = {name: o.cuda() for name, o in offsets.items()}
+        os.environ["WINNOW_SCREEN_STATS"] = "1"
+        if screen:
+            os.environ["WINNOW_THRESHOLD_SCREEN"] = "1"
+        try:
+            out = call(inputs, extra, offs)
+        finally:
+            os.environ.pop("WINNOW_THRESHOLD_SCREEN", None)
+            del os.environ["WINNOW_SCREEN_STATS"]
+        used = inputs[:3] + (inputs[3:] if tda else []) + extra[:1] + (extra[1:] if tda else [])
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
+        return out, torch.autograd.grad(out, used, w)
+
+    out, grads = run(screen=True)
+    assert "winnow screen:" in capfd.readouterr().err  # the screen ran
+    dense_out, dense_grads = run(screen=False)
+    assert "winnow screen:" not in capfd.readouterr().err
+    assert torch.isfinite(out.float()).all()
+    assert rel(out, dense_out) < tol
+    for g, d in zip(grads, dense_grads):
+        assert rel(g, d) < tol
+    with torch.no_grad():
+        want = call([t.double() for t in (q, k, v, q2, k2)], [beta_t.double(), lam.double()], offsets)
+    assert rel(out.cpu(), want) < tol
+
+
 def test_rms_norm_cuda_into_bfloat16_matches_composed():
     torch.manual_seed(7)
     x = (3 * torch.randn(4, 33, 256, device="cuda")).requires_grad_()

@@ -15,6 +15,15 @@ __device__ __forceinline__ float lanes_sum(float x) {
   return x;
 }
 
+// The largest over each group of Lanes consecutive lanes, as lanes_sum.
+template <int Lanes>
+__device__ __forceinline__ float lanes_max(float x) {
+  static_assert(Lanes > 0 && Lanes <= 32 && (Lanes & (Lanes - 1)) == 0, "a power of two up to 32");
+#pragma unroll
+  for (int m = Lanes / 2; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+  return x;
+}
+
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   x += __shfl_xor_sync(0xffffffffu, x, 2);
