@@ -301,21 +301,23 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
     int listed = 0;  // the same in every lane
 
     // The products, one per key tile and view (j = Views i + v over tiles i = 0, 1, ...; tile i
-    // is key tile n_tiles - 1 - i, in stage i % S), each into one of two accumulators in turn.
-    // From tile 1 on, product j + 1 is issued as soon as product j is screened against the
-    // cuts, before the tile's candidates are listed, its bits and counters written and the next
-    // stage waited for: the matrix units work while the CUDA cores do that (an H200 profile of
-    // the form that issued after all of it: the int8 tensor pipe 31% active, each warp's work
-    // one chain of about 200 instructions per tile). Tile 0 goes first, alone: its vote is a
-    // named barrier.
+    // is key tile n_tiles - 1 - i, in stage i % S), two an iteration into two accumulators:
+    // products j and j + 1 are issued back to back, product j is screened while j + 1 runs
+    // (its tile's candidates listed and bits written too, where it is the tile's last view),
+    // then j + 1 is screened. For TDA the two are one tile's views. Tile 0 goes first, alone:
+    // its vote is a named barrier.
     //
-    // Issuing product j + 1 before product j is screened, with both accumulators live, makes
-    // ptxas serialize every product of the kernel (C7518, a warpgroup wait it inserts in a
-    // divergent path: docs/parked/README.md). So here one product is in flight at a time, and
-    // every step waits for one product and issues one, with no branch around either; the loop
-    // ends only between pairs of steps (each accumulator keeps its registers). Where no product
-    // is left to issue (past the last, or once the producer ended), a step issues a stand-in (Q
-    // against itself, in shared memory for the whole kernel) whose result nobody reads.
+    // ptxas keeps the products asynchronous only where every product issued in an iteration is
+    // waited for in it (with one in flight across the loop's back edge it serializes them all:
+    // C7514, an accumulator read in the pipeline stage), and only where nothing but global
+    // memory is written while one runs (shared-memory stores or a named barrier in a divergent
+    // path there: C7518): so the stages are released after both products are done, and the
+    // tile's candidates go to global lists (tile::red_or_global, st_global_b32). An H200 profile
+    // of the form with one product in flight at a time (2026-11-30, docs/performance.md): the
+    // int8 tensor pipe 37% active, each warp's work a chain of about 217 instructions a tile.
+    // Every iteration issues two products, with no branch around them; where no product is left
+    // to issue (past the last, or once the producer ended) it issues a stand-in (Q against
+    // itself, in shared memory for the whole kernel) whose result nobody reads.
     const int products = Views * n_tiles;
     auto issue = [&](int (&acc)[64], int i, int v, bool real) {
 #pragma unroll
@@ -327,13 +329,6 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         tile::wgmma_ss_s8_n128(acc, q_tile(real ? v : 0).k_major(64 * wg, 32 * ks), keys, ks > 0);
       }
       tile::wgmma_commit();
-    };
-    // The tile's largest key scale and error radius: read when the tile's first product is
-    // issued, used when it is screened.
-    float2 tm[Views];
-    auto read_bounds = [&](int i) {
-#pragma unroll
-      for (int v = 0; v < Views; ++v) tm[v] = tile_bounds[v][n_tiles - 1 - i];
     };
     // Waits for tile i's stage; false when the producer ended instead (both warpgroups done).
     auto stage_ready = [&](int i) {
@@ -347,34 +342,42 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       tile::mbar_arrive(&k_empty[i % S]);
     };
 
-    // Per tile, across its views.
-    int cut[Views][2];
-    bool dense = false;
-    bool over = false;       // some row of the warp has a product above its cut (warp-uniform)
-    std::uint64_t cand = 0;  // bit 4 e + c of this thread's accumulator entries, over the views
-
+    // One key tile's screening, across its views: the tile's largest key scale and error radius
+    // (read an iteration ahead), each row's cut, whether the warp leaves the tile dense, whether
+    // some row of the warp has a product above its cut (warp-uniform), and the candidates among
+    // this thread's accumulator entries (bit 4 e + c), over the views.
+    struct TileScreen {
+      float2 bounds[Views];
+      int cut[Views][2];
+      bool dense, over;
+      std::uint64_t cand;
+    };
+    auto read_bounds = [&](TileScreen& t, int i) {
+#pragma unroll
+      for (int v = 0; v < Views; ++v) t.bounds[v] = tile_bounds[v][n_tiles - 1 - i];
+    };
     // Each row's cut; a row whose tau lies within the bound (a cut below 1, or NaN) makes the
     // tile dense. The conversion saturates: an infinite cut is INT_MAX.
-    auto find_cuts = [&] {
-      dense = false;
+    auto find_cuts = [&](TileScreen& t) {
+      bool dense = false;
 #pragma unroll
       for (int u = 0; u < Views; ++u) {
         // An approximate reciprocal: its error of an ulp or two is inside the cut's slack.
-        const float inv_scale_k = __fdividef(1.f, tm[u].x);
+        const float inv_scale_k = __fdividef(1.f, t.bounds[u].x);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float c = mt::screen_tile_cut(row_cut[u][half], tm[u].y, inv_scale_k);
+          const float c = mt::screen_tile_cut(row_cut[u][half], t.bounds[u].y, inv_scale_k);
           dense = dense || !(c >= 1.f);
-          cut[u][half] = __float2int_rz(c);
+          t.cut[u][half] = __float2int_rz(c);
         }
       }
-      dense = __any_sync(0xffffffffu, dense);
-      over = false;
-      cand = 0;
+      t.dense = __any_sync(0xffffffffu, dense);
+      t.over = false;
+      t.cand = 0;
     };
     // A view's products against the rows' cuts: where some row of the warp is over, the
     // candidates among the visible keys.
-    auto screen_product = [&](int v, const int (&acc)[64], std::int64_t key0) {
+    auto screen_product = [&](TileScreen& t, int v, const int (&acc)[64], std::int64_t key0) {
       // Two partial maxima per row, so that neither is one chain of 16 three-way maxima.
       int m[2][2] = {{INT_MIN, INT_MIN}, {INT_MIN, INT_MIN}};
 #pragma unroll
@@ -382,40 +385,41 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         m[0][e % 2] = max(m[0][e % 2], max(acc[4 * e], acc[4 * e + 1]));
         m[1][e % 2] = max(m[1][e % 2], max(acc[4 * e + 2], acc[4 * e + 3]));
       }
-      if (__any_sync(0xffffffffu, max(m[0][0], m[0][1]) > cut[v][0] || max(m[1][0], m[1][1]) > cut[v][1])) {
-        over = true;
+      if (__any_sync(0xffffffffu, max(m[0][0], m[0][1]) > t.cut[v][0] || max(m[1][0], m[1][1]) > t.cut[v][1])) {
+        t.over = true;
 #pragma unroll
         for (int e = 0; e < 16; ++e) {
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             const int half = c / 2;
             const std::int64_t key = key0 + 8 * e + 2 * tig + (c & 1);
-            if (acc[4 * e + c] > cut[v][half] && key <= limit[half]) cand |= 1ull << (4 * e + c);
+            if (acc[4 * e + c] > t.cut[v][half] && key <= limit[half]) t.cand |= 1ull << (4 * e + c);
           }
         }
       }
     };
     // After the tile's last view: its candidates listed for the candidate pass, or the tile left
     // dense (too many for one tile, or for the group's list).
-    auto finish_tile = [&](int kt, std::int64_t key0) {
+    auto finish_tile = [&](TileScreen& t, int kt, std::int64_t key0) {
+      bool dense = t.dense;
       // Products above the cut may all lie past the causal limit: then count is 0.
-      if (!dense && over) {
-        const int count = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(__popcll(cand))));
+      if (!dense && t.over) {
+        const int count = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(__popcll(t.cand))));
         dense = count > kSparseCandidates || listed + count > kGroupCandidates;
         if (!dense && count > 0) {
           if (counting && lane == 0) {
             tile::red_add_global(sp.stats + 2, 1ull);
             tile::red_add_global(sp.stats + 3, static_cast<unsigned long long>(count));
           }
-          const int mine = __popcll(cand);
+          const int mine = __popcll(t.cand);
           int before = mine;
 #pragma unroll
           for (int off = 1; off < 32; off *= 2) {
-            const int t = __shfl_up_sync(0xffffffffu, before, off);
-            if (lane >= off) before += t;
+            const int up = __shfl_up_sync(0xffffffffu, before, off);
+            if (lane >= off) before += up;
           }
           int slot = listed + before - mine;
-          for (std::uint64_t left = cand; left != 0; left &= left - 1) {
+          for (std::uint64_t left = t.cand; left != 0; left &= left - 1) {
             const int idx = __ffsll(left) - 1;
             const int row = g + 8 * ((idx & 3) >> 1);
             const std::int64_t key = key0 + 8 * (idx >> 2) + 2 * tig + (idx & 1);
@@ -430,74 +434,83 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         tile::red_add_global(sp.stats, 1ull);
         if (dense) tile::red_add_global(sp.stats + 1, 1ull);
       }
+      return dense;
     };
 
     int acc0[64], acc1[64];
+    TileScreen ts[2];
     {
       // Tile 0 (the diagonal), nothing else in flight. The producer cannot end before its first
       // tiles: tile 0's stage is always filled.
       const int kt = n_tiles - 1;
       const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
-      read_bounds(0);
+      read_bounds(ts[0], 0);
       stage_ready(0);
       issue(acc0, 0, 0, true);
       if constexpr (Views == 2) issue(acc1, 0, 1, true);
-      find_cuts();
+      find_cuts(ts[0]);
       tile::wgmma_wait<0>();
       tile::pin(acc0);
       if constexpr (Views == 2) tile::pin(acc1);
       release(0);
-      if (!dense) {
-        screen_product(0, acc0, key0);
-        if constexpr (Views == 2) screen_product(1, acc1, key0);
+      if (!ts[0].dense) {
+        screen_product(ts[0], 0, acc0, key0);
+        if constexpr (Views == 2) screen_product(ts[0], 1, acc1, key0);
       }
-      finish_tile(kt, key0);
+      const bool dense = finish_tile(ts[0], kt, key0);
       // A warpgroup whose warps are all dense on the diagonal tile leaves every tile of its rows
       // to the fused forward.
       done = tile::named_sync_and(kConsumerBarrier + wg, 128, dense);
       if (done && lane == 0) mark_tiles_dense(dense_row, live_row, n_tiles);
     }
 
-    // One step from tile 1 on: wait for product j + 1's stage (where it starts a tile) and for
-    // product j; screen product j; issue product j + 1 (or the stand-in); then, while it runs,
-    // finish product j's tile (its candidates listed, its bits and counters written). Steps past
-    // the last product, or after the producer ended, screen nothing: the producer ends only once
-    // both warpgroups are done, so nothing is left to screen then.
+    // From tile 1 on: an iteration's products j + u (u = 0, 1) are of tiles i0 .. i0 + kTiles - 1,
+    // product j + u's in ts[slot(u)] (j is a multiple of Views: TDA's two are one tile's views).
+    constexpr int kTiles = Views == 1 ? 2 : 1;
+    auto slot = [](int u) { return Views == 1 ? u : 0; };
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) {
+      if (1 + u < n_tiles) read_bounds(ts[u], 1 + u);
+    }
     bool ended = false;
-    auto step = [&](int j, int (&acc)[64], int (&next)[64]) {
-      const int i = j / Views, v = j % Views, kt = n_tiles - 1 - i;
-      const bool real = j < products && !ended;
-      if (real && v == 0) find_cuts();
-      const int i1 = (j + 1) / Views, v1 = (j + 1) % Views;
-      bool real1 = j + 1 < products && !ended;
-      if (real1 && v1 == 0) {
-        read_bounds(i1);
-        if (!stage_ready(i1)) ended = true, real1 = false;
+    for (int j = Views; j < products && !ended; j += 2) {
+      const int i0 = j / Views;
+      bool real[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = (j + u) / Views, v = (j + u) % Views;
+        real[u] = j + u < products && !ended;
+        if (real[u] && v == 0 && !stage_ready(i)) ended = true, real[u] = false;
       }
+      issue(acc0, j / Views, j % Views, real[0]);
+      issue(acc1, (j + 1) / Views, (j + 1) % Views, real[1]);
+      // While they run: the tiles' cuts, then the next iteration's bounds.
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (real[u] && (j + u) % Views == 0) find_cuts(ts[slot(u)]);
+      }
+#pragma unroll
+      for (int u = 0; u < kTiles; ++u) {
+        if (i0 + kTiles + u < n_tiles) read_bounds(ts[u], i0 + kTiles + u);
+      }
+      auto screen = [&](int u, const int (&acc)[64]) {
+        const int i = (j + u) / Views, v = (j + u) % Views, kt = n_tiles - 1 - i;
+        const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
+        TileScreen& t = ts[slot(u)];
+        if (done) return;
+        if (!t.dense) screen_product(t, v, acc, key0);
+        if (v == Views - 1) finish_tile(t, kt, key0);
+      };
+      tile::wgmma_wait<1>();
+      tile::pin(acc0);
+      if (real[0]) screen(0, acc0);
       tile::wgmma_wait<0>();
-      tile::pin(acc);
-      const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
-      if (real) {
-        if (v == Views - 1) release(i);
-        if (!done && !dense) screen_product(v, acc, key0);
-      }
-      issue(next, i1, v1, real1);
-      if (!real) return;
-      if (v == Views - 1 && !done) finish_tile(kt, key0);
-    };
-
-    bool first = Views < products && !ended;
-    if (first) {
-      read_bounds(1);
-      if (!stage_ready(1)) ended = true, first = false;
+      tile::pin(acc1);
+      // Both products done: their stages go back to the producer.
+      if (real[0] && j % Views == Views - 1) release(j / Views);
+      if (real[1] && (j + 1) % Views == Views - 1) release((j + 1) / Views);
+      if (real[1]) screen(1, acc1);
     }
-    issue(acc0, 1, 0, first);
-    const int steps = (products - Views + 1) / 2 * 2;
-    for (int j = Views; j < Views + steps && !ended; j += 2) {
-      step(j, acc0, acc1);
-      step(j + 1, acc1, acc0);
-    }
-    tile::wgmma_wait<0>();
     if (lane == 0) sp.candidate_counts[group] = listed;
   }
 #endif
