@@ -2,7 +2,9 @@
 benchmark's methods (gpu_attention_bench.py: same names, same inputs) under torch.profiler and
 prints each CUDA kernel's time per call, so a change to one sweep of a multi-sweep mechanism
 (entmax's threshold search, its output sweep, the backward's U sweep) can be predicted and
-checked on its own.
+checked on its own. Each phase's heading also gives the call's time between CUDA events (as the
+benchmarks time it) and its host time: where the first exceeds the kernels' sum, the second
+says whether the GPU waited for the host.
 
   python3 bench/kernel_breakdown.py --lengths 4096 16384 --methods winnow_entmax15 adasplash2_entmax15
 
@@ -15,6 +17,7 @@ import argparse
 import collections
 import os
 import sys
+import time
 
 import torch
 
@@ -39,6 +42,20 @@ def kernel_times(fn, calls):
             t[0] += e.device_time / calls
             t[1] += 1
     return {name: (us, n / calls) for name, (us, n) in totals.items()}
+
+
+def host_ms(fn, calls):
+    """Host milliseconds per call of `calls` back-to-back calls, from an idle GPU, without
+    waiting for the GPU between them: beside the kernels' time it says whether the GPU waits
+    for the host (host time near or above the kernels') or the call waits for the GPU (a copy
+    to the host and its synchronization count here too)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e3 / calls
 
 
 def short(name, width=90):
@@ -89,8 +106,9 @@ def main():
                 # The call's time between CUDA events, as the benchmarks time it: beyond the
                 # kernels' sum it holds the gaps where the GPU waited for the host.
                 wall = bench.median_ms(call)
+                host = host_ms(call, args.calls)
                 print(f"\n## L={L} B={B} {name} {phase}: {total / 1e3:.3f} ms of kernels per call, "
-                      f"{wall:.3f} ms between events")
+                      f"{wall:.3f} ms between events, {host:.3f} ms on the host")
                 for kname, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
                     print(f"{us / 1e3:9.3f} ms {us / total * 100:5.1f}% x{n:4.1f}  {short(kname)}")
 
