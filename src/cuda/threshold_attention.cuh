@@ -424,14 +424,18 @@ template <class T>
 void normalize_rows(const Operand& src, const Operand& dst, float* inv, const RowGeometry& r, float eps,
                     DType dtype, cudaStream_t stream) {
   if (r.rows * r.heads == 0) return;
-  if (packed_rows_apply<T>(r) && aligned_rows(src, dtype)) {
-    with_packed_lanes(r.dim, [&](auto lanes) {
-      normalize_rows_packed_kernel<T, decltype(lanes)::value>
-          <<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
-    });
-  } else {
-    normalize_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
+  // The packed kernels are instantiated for the 16-bit types only, the only ones they take.
+  if constexpr (sizeof(T) == 2) {
+    if (packed_rows_apply<T>(r) && aligned_rows(src, dtype)) {
+      with_packed_lanes(r.dim, [&](auto lanes) {
+        normalize_rows_packed_kernel<T, decltype(lanes)::value>
+            <<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
+      });
+      check_launch("threshold normalize_rows_packed_kernel");
+      return;
+    }
   }
+  normalize_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
   check_launch("threshold normalize_rows_kernel");
 }
 
@@ -441,14 +445,17 @@ template <class T>
 void store_grad_rows(const float* g_hat, const Operand& hat, const float* inv, const Operand& out,
                      const RowGeometry& r, DType dtype, cudaStream_t stream) {
   if (r.rows * r.heads == 0) return;
-  if (packed_rows_apply<T>(r) && aligned_rows(out, dtype)) {
-    with_packed_lanes(r.dim, [&](auto lanes) {
-      store_grad_rows_packed_kernel<T, decltype(lanes)::value>
-          <<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
-    });
-  } else {
-    store_grad_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
+  if constexpr (sizeof(T) == 2) {
+    if (packed_rows_apply<T>(r) && aligned_rows(out, dtype)) {
+      with_packed_lanes(r.dim, [&](auto lanes) {
+        store_grad_rows_packed_kernel<T, decltype(lanes)::value>
+            <<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
+      });
+      check_launch("threshold store_grad_rows_packed_kernel");
+      return;
+    }
   }
+  store_grad_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
   check_launch("threshold store_grad_rows_kernel");
 }
 
