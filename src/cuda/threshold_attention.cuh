@@ -419,23 +419,32 @@ unsigned warp_blocks(const RowGeometry& r) {
   return static_cast<unsigned>((r.rows * r.heads + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
+// packed(lanes) where the packed kernels take rows r of `rows` (packed_rows_apply, aligned_rows),
+// else plain(). The packed kernels are instantiated for the 16-bit types only, the only ones
+// they take.
+template <class T, class Packed, class Plain>
+void launch_rows(const RowGeometry& r, const Operand& rows, DType dtype, Packed&& packed, Plain&& plain) {
+  if constexpr (sizeof(T) == 2) {
+    if (packed_rows_apply<T>(r) && aligned_rows(rows, dtype)) {
+      with_packed_lanes(r.dim, packed);
+      return;
+    }
+  }
+  plain();
+}
+
 // x / max(|x|, eps) of every row of src into dst (contiguous), the signed inverse norms into inv.
 template <class T>
 void normalize_rows(const Operand& src, const Operand& dst, float* inv, const RowGeometry& r, float eps,
                     DType dtype, cudaStream_t stream) {
   if (r.rows * r.heads == 0) return;
-  // The packed kernels are instantiated for the 16-bit types only, the only ones they take.
-  if constexpr (sizeof(T) == 2) {
-    if (packed_rows_apply<T>(r) && aligned_rows(src, dtype)) {
-      with_packed_lanes(r.dim, [&](auto lanes) {
+  launch_rows<T>(
+      r, src, dtype,
+      [&](auto lanes) {
         normalize_rows_packed_kernel<T, decltype(lanes)::value>
             <<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
-      });
-      check_launch("threshold normalize_rows_packed_kernel");
-      return;
-    }
-  }
-  normalize_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps);
+      },
+      [&] { normalize_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(src, dst, inv, r, eps); });
   check_launch("threshold normalize_rows_kernel");
 }
 
@@ -445,17 +454,15 @@ template <class T>
 void store_grad_rows(const float* g_hat, const Operand& hat, const float* inv, const Operand& out,
                      const RowGeometry& r, DType dtype, cudaStream_t stream) {
   if (r.rows * r.heads == 0) return;
-  if constexpr (sizeof(T) == 2) {
-    if (packed_rows_apply<T>(r) && aligned_rows(out, dtype)) {
-      with_packed_lanes(r.dim, [&](auto lanes) {
+  launch_rows<T>(
+      r, out, dtype,
+      [&](auto lanes) {
         store_grad_rows_packed_kernel<T, decltype(lanes)::value>
             <<<packed_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
+      },
+      [&] {
+        store_grad_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
       });
-      check_launch("threshold store_grad_rows_packed_kernel");
-      return;
-    }
-  }
-  store_grad_rows_kernel<T><<<warp_blocks(r), 32 * kWarpsPerBlock, 0, stream>>>(g_hat, hat, inv, out, r);
   check_launch("threshold store_grad_rows_kernel");
 }
 
