@@ -214,14 +214,15 @@ __device__ __forceinline__ float largest_magnitude(const float (&a)[8]) {
 
 // The lane's eight features as int8 with `scale` into q8 + 8 * sub (and zeros at dim + 8 * sub:
 // the screen's rows are kScreenRowBytes long, zero past dim); returns the lane's part of the
-// row's squared error radius.
+// row's squared error radius. `largest`: the |a| the scale was taken from.
 template <int kLanes>
-__device__ __forceinline__ float quantize_packed_row(const float (&a)[8], float scale, std::int8_t* q8, int sub) {
+__device__ __forceinline__ float quantize_packed_row(const float (&a)[8], float largest, std::int8_t* q8, int sub) {
+  const float scale = mt::screen_scale(largest), inverse_scale = mt::screen_inverse_scale(largest);
   std::uint32_t word[2] = {0u, 0u};
   float err = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const int c = mt::screen_quantize(a[j], scale);
+    const int c = mt::screen_quantize(a[j], inverse_scale);
     word[j / 4] |= (static_cast<std::uint32_t>(c) & 0xffu) << (8 * (j % 4));
     const float e = a[j] - scale * static_cast<float>(c);
     err += e * e;
@@ -245,9 +246,9 @@ __global__ void normalize_quantize_queries_kernel(const Operand src, const Opera
   float a[8], inv;
   normalize_packed_row<T, kLanes>(load_packed_row(src.at<const T>(l.b, l.at, l.h) + 8 * l.sub, l.valid),
                                   hat.at<T>(l.b, l.at, l.h) + 8 * l.sub, l.valid, eps, a, &inv);
-  const float scale = mt::screen_scale(tile::lanes_max<kLanes>(largest_magnitude(a)));
+  const float largest = tile::lanes_max<kLanes>(largest_magnitude(a)), scale = mt::screen_scale(largest);
   float err = 0.f;
-  if (l.valid) err = quantize_packed_row<kLanes>(a, scale, q8.at<std::int8_t>(l.b, l.at, l.h), l.sub);
+  if (l.valid) err = quantize_packed_row<kLanes>(a, largest, q8.at<std::int8_t>(l.b, l.at, l.h), l.sub);
   err = sqrtf(tile::lanes_sum<kLanes>(err));
   if (l.valid && l.sub == 0) {
     meta[l.idx] = make_float2(scale, err);
@@ -301,7 +302,7 @@ __global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParam
     const std::int64_t key = first + i * kRowsPerPass;
     const bool valid = key < s.k_len;
     float row_err = 0.f;
-    if (valid) row_err = quantize_packed_row<kLanes>(a[i], scale, k8.at<std::int8_t>(b, s.k_start + key, hk), sub);
+    if (valid) row_err = quantize_packed_row<kLanes>(a[i], largest, k8.at<std::int8_t>(b, s.k_start + key, hk), sub);
     err = fmaxf(err, sqrtf(tile::lanes_sum<kLanes>(row_err)));
   }
   err = tile::lanes_max<32>(err);

@@ -113,7 +113,8 @@ WINNOW_HD bool zero_tiles_likely(T tau, T dim) {
 
 // The screen of the CUDA forward (cuda/attention/threshold_screen_sm90.cuh) rules pairs out
 // with 8-bit products before any 16-bit one. A normalized row a, as the kernels store it in 16
-// bits, is written as scale * c with c int8 (|c_d| <= 127, scale = max_d |a_d| / 127) and
+// bits, is written as scale * c with c int8 (|c_d| <= 127, scale = max_d |a_d| / 127, c_d the
+// nearest integer to a_d (127 / max_d |a_d|)) and
 // err = |a - scale c| (the quantization's error radius). For two rows a, b:
 //   |a.b - scale_a scale_b (c_a.c_b)| <= err_a |b| + |scale_a c_a| err_b
 //                                     <= err_a N + (N + err_a) err_b
@@ -128,10 +129,18 @@ template <class T>
 WINNOW_HD T screen_scale(T max_abs) {
   return max_abs > T(0) ? max_abs / T(kScreenLevels) : T(1);
 }
+// Rows are quantized by a product with the reciprocal of their scale, not by a division: the
+// bound above holds for any codes c (err is measured from the codes chosen), and eight IEEE
+// divisions a lane were most of the normalization kernels' arithmetic (each a reciprocal, a
+// refinement, a range check and a slow-path branch in SASS).
 template <class T>
-WINNOW_HD int screen_quantize(T x, T scale) {
+WINNOW_HD T screen_inverse_scale(T max_abs) {
+  return max_abs > T(0) ? T(kScreenLevels) / max_abs : T(1);
+}
+template <class T>
+WINNOW_HD int screen_quantize(T x, T inverse_scale) {
   using std::rint;
-  const T c = rint(x / scale);
+  const T c = rint(x * inverse_scale);
   return static_cast<int>(c > T(kScreenLevels) ? T(kScreenLevels) : (c < T(-kScreenLevels) ? T(-kScreenLevels) : c));
 }
 // The bound on |a.b - scale_a scale_b (c_a.c_b)| from the two error radii (err_k may be the

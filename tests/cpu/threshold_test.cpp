@@ -260,11 +260,11 @@ TEST(ThresholdScreen, IntegerProductsBoundTheScores) {
       for (std::int64_t r = 0; r < n; ++r) {
         float largest = 0.f;
         for (std::int64_t d = 0; d < D; ++d) largest = std::max(largest, std::abs(static_cast<float>(hat[static_cast<std::size_t>(r * D + d)])));
-        const float s = mt::screen_scale(largest);
+        const float s = mt::screen_scale(largest), inverse = mt::screen_inverse_scale(largest);
         float e2 = 0.f;
         for (std::int64_t d = 0; d < D; ++d) {
           const float a = static_cast<float>(hat[static_cast<std::size_t>(r * D + d)]);
-          const int c = mt::screen_quantize(a, s);
+          const int c = mt::screen_quantize(a, inverse);
           ASSERT_LE(std::abs(c), mt::kScreenLevels);
           codes[static_cast<std::size_t>(r * D + d)] = c;
           e2 += (a - s * static_cast<float>(c)) * (a - s * static_cast<float>(c));
