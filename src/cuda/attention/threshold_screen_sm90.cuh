@@ -387,13 +387,36 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       }
       if (__any_sync(0xffffffffu, max(m[0][0], m[0][1]) > t.cut[v][0] || max(m[1][0], m[1][1]) > t.cut[v][1])) {
         t.over = true;
+        // Entry (e, c) is key key0 + 2 tig + 8 e + (c & 1): visible to its row when 8 e + (c & 1)
+        // is at most visible[c / 2], a 32-bit offset against compile-time columns. Comparing
+        // each entry's 64-bit key with the row's limit took about four and a half instructions
+        // an entry on this path (SASS, 2026-11-30), which about one warp tile in eight takes;
+        // below the diagonal, where every key is visible, an entry takes its compare and its
+        // bit.
+        int visible[2];
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
+        for (int half = 0; half < 2; ++half) {
+          const std::int64_t d = limit[half] - key0 - 2 * tig;
+          visible[half] = d < 0 ? -1 : (d > BK ? BK : static_cast<int>(d));
+        }
+        if (min(visible[0], visible[1]) >= 8 * 15 + 1) {
+          // Two masks, even and odd e, so that the bits go in as four chains of 16, not two of 32.
+          std::uint64_t part[2] = {0, 0};
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int half = c / 2;
-            const std::int64_t key = key0 + 8 * e + 2 * tig + (c & 1);
-            if (acc[4 * e + c] > t.cut[v][half] && key <= limit[half]) t.cand |= 1ull << (4 * e + c);
+          for (int e = 0; e < 16; ++e) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              if (acc[4 * e + c] > t.cut[v][c / 2]) part[e % 2] |= 1ull << (4 * e + c);
+            }
+          }
+          t.cand |= part[0] | part[1];
+        } else {
+#pragma unroll
+          for (int e = 0; e < 16; ++e) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              if (acc[4 * e + c] > t.cut[v][c / 2] && 8 * e + (c & 1) <= visible[c / 2]) t.cand |= 1ull << (4 * e + c);
+            }
           }
         }
       }
