@@ -99,7 +99,11 @@ for patch in ${PATCHES:-none}; do
   # A patch to threshold attention's int8 screen: the screened rows at beta 1 and 0.
   [[ $patch == screen-* ]] && bench=("${SCREEN_BENCH[@]}")
   [[ $patch == threshold-* ]] && bench=("${THRESHOLD_BENCH[@]}")
-  [[ $patch == entmax-* || $patch == sieve-* ]] && bench=("${ENTMAX_BENCH[@]}")
+  # Entmax's and Sieve's: their rows, then their kernels' times (the bench's rows move by 1-2%
+  # between rounds, more than a change to one of their three sweeps shows).
+  [[ $patch == entmax-* || $patch == sieve-* ]] &&
+    bench=(bash -c "${ENTMAX_BENCH[*]} --json @AB_JSON@; python3 bench/kernel_breakdown.py --lengths 4096 16384 \
+                    --methods winnow_entmax15 winnow_sieve_exact --calls 3 > @AB_JSON@.kernels.txt 2>&1")
   say "A/B $patch"
   OUT=$R/ab-$patch tools/parked_ab.sh "docs/parked/$patch.patch" -- "${bench[@]}" > "$R/ab-$patch.txt" 2>&1
   say "A/B $patch: rc $?"
