@@ -11,7 +11,8 @@
 #    - $APPLY (patch names): applied and built, no A/B, for a patch measured already (then
 #      only the patches named in $PATCHES get an A/B, on top of them);
 # 2. the whole C++ CUDA suite on the Hopper and the portable kernels (eight shards each);
-# 3. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests;
+# 3. compute-sanitizer racecheck and memcheck over the small, backward and tile-skipping tests
+#    (racecheck without the one decoding test it cannot finish in time; see there);
 # 4. the Python operators' CUDA tests, where winnow_torch was built (PYCUDA=0 skips them);
 # 5. with $STUDIES set (see there), rows of study files, one at a time, checkpoints chosen at 8x;
 # 6. with $AFTER set, that command line.
@@ -141,9 +142,15 @@ else
   # The sanitizers' logs keep each test's name (no --gtest_brief), so that a run cut off by its
   # time limit says which test it was in ($SANITIZE_SHARDS: more shards, less to cut off).
   shards=${SANITIZE_SHARDS:-4}
+  # Under racecheck the decoding test of Sieve and entmax runs past the time limit (its shard was
+  # cut off in it in sessions 73 and 75, leaving the shard's later tests unchecked): memcheck
+  # runs it, racecheck the others ($RACECHECK_FILTER to choose).
+  slow=CudaContiguousDecode.SieveAndEntmaxDecodeBehindTheirSearch
+  if [[ $F == *-* ]]; then RF=${RACECHECK_FILTER:-"$F:$slow"}; else RF=${RACECHECK_FILTER:-"$F-$slow"}; fi
+  say "racecheck filter: $RF"
   for (( i = 0; i < shards; ++i )); do
     GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${SANITIZE_SECONDS:-500}" compute-sanitizer --tool racecheck --error-exitcode 9 \
-      $T --gtest_filter="$F" > "$R/racecheck-$i.log" 2>&1 &
+      $T --gtest_filter="$RF" > "$R/racecheck-$i.log" 2>&1 &
   done
   timeout "${SANITIZE_SECONDS:-500}" compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_filter="$F" \
     > "$R/memcheck.log" 2>&1 &
