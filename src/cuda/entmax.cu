@@ -11,6 +11,7 @@
 // with support, and then the fused backward kernel over those cells only.
 // Everything else runs on the simple path (a warp per query row), and so do forwards with a
 // scale that is not positive (threshold_search_applies).
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdlib>
@@ -128,6 +129,12 @@ struct FusedEntmaxForward {
     EntmaxListedConfig listed;
     static_cast<EntmaxCudaConfig&>(listed) = e;
     listed.lists = record.lists;
+    // WINNOW_ENTMAX_STAGED_RECORDS=n (tests): Hopper's listing sweep files its warps' staged
+    // support bits once a thread has n records for a row, not 16; read on every call, so that a
+    // test can switch it.
+    if (const char* staged = std::getenv("WINNOW_ENTMAX_STAGED_RECORDS")) {
+      listed.staged_records = std::clamp(std::atoi(staged), 1, kStagedSupportRecords);
+    }
     // From zero before every output sweep: it runs a second time when the search needed step
     // sweeps. Then [0] = 1 (one byte on the zeros: little-endian int 1).
     CountedSupport counted;

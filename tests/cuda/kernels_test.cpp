@@ -609,6 +609,30 @@ TEST(CudaEntmax, SparseBackwardMatchesTheReferenceAndTheDenseBackward) {
   }
 }
 
+// Two support records (winnow/entmax.h) of the same problem: the same header, key counts and
+// row counts, and each row's listed keys the same set (rows past their list keep the keys filed
+// first, which depends on the order of filing).
+void expect_same_support_record(const std::vector<double>& a, const std::vector<double>& b, const ProblemShape& s) {
+  ASSERT_EQ(a.size(), b.size());
+  constexpr std::int64_t kLength = entmax::kSupportListLength, kHeader = entmax::kSupportRecordHeader;
+  std::int64_t q_rows = 0, k_rows = 0;
+  for (auto [lq, lk] : s.seqs) q_rows += lq, k_rows += lk;
+  const std::int64_t rows = q_rows * s.heads_q, keys_at = kHeader + k_rows * s.heads_kv + rows;
+  for (std::int64_t i = 0; i < keys_at; ++i) {
+    ASSERT_EQ(a[static_cast<std::size_t>(i)], b[static_cast<std::size_t>(i)]) << "header and counts, entry " << i;
+  }
+  for (std::int64_t slot = 0; slot < rows; ++slot) {
+    const auto n = static_cast<std::int64_t>(a[static_cast<std::size_t>(kHeader + k_rows * s.heads_kv + slot)]);
+    if (n > kLength) continue;
+    const auto first = a.begin() + keys_at + slot * kLength;
+    std::vector<double> listed_a(first, first + n), listed_b(b.begin() + keys_at + slot * kLength,
+                                                             b.begin() + keys_at + slot * kLength + n);
+    std::sort(listed_a.begin(), listed_a.end());
+    std::sort(listed_b.begin(), listed_b.end());
+    ASSERT_EQ(listed_a, listed_b) << "row slot " << slot;
+  }
+}
+
 // A support record kept by the forward (winnow/entmax.h): on the fused path the forward lists
 // every row's support (each listed key's gap, recomputed in float64 from the kernel's tau and
 // the rounded inputs, is positive up to rounding, and every clearly positive one is listed),
@@ -658,6 +682,19 @@ TEST(CudaEntmax, TheForwardsSupportListsServeTheBackward) {
       const bool overflowed = c.listed && got.support[2] != 0;
       if (c.overflow) EXPECT_TRUE(overflowed);
       EXPECT_EQ(took_sparse, c.listed && !overflowed);
+      if (c.listed) {
+        // Hopper stages each row's support bits and files them at the block's end; filed at
+        // every record instead (each tile with support), it lists the same keys and counts,
+        // in another order.
+        CudaPlacement staged_gpu;
+        RunConfig staged_cfg = cfg;
+        staged_cfg.placement = &staged_gpu;
+        const ScopedEnv every_record("WINNOW_ENTMAX_STAGED_RECORDS", "1");
+        const Results staged = run(problem, staged_cfg);
+        EXPECT_EQ(staged.stat, got.stat);
+        EXPECT_EQ(staged.out, got.out);
+        expect_same_support_record(got.support, staged.support, c.shape);
+      }
       cfg.keep_support = false;
       cfg.placement = &plain_gpu;
       const Results plain = run(problem, cfg);

@@ -138,6 +138,70 @@ struct SupportListing {
     }
   }
 
+  // Staged filing (Hopper's listing output sweep, which has shared memory to spare beside V):
+  // a tile's nonzero bits go to the thread's records, one 8-byte store a row, and are filed at
+  // the block's end, or when some thread of the warp has no room left. The per-tile filing
+  // above costs a vote, two quad scans and the list's address a tile, about 130 instructions
+  // a thread (SASS, sm_90a) in a sweep that has little issue to spare.
+  std::uint32_t staged[2] = {0u, 0u};       // each row's first record (shared address)
+  std::uint32_t staged_next[2] = {0u, 0u};  // its next free one
+  std::uint32_t staging_stride = 0u, staging_room = 0u;  // bytes between records; capacity x stride
+
+  __device__ __forceinline__ void borrow_staging(std::uint32_t slot, int stride, int capacity) {
+    staging_stride = static_cast<std::uint32_t>(stride);
+    staging_room = static_cast<std::uint32_t>(capacity * stride);
+    staged[0] = staged_next[0] = slot;
+    staged[1] = staged_next[1] = slot + 8u * 4u * 8u;  // row + 8
+  }
+  __device__ __forceinline__ bool staging() const { return staging_room != 0u; }
+
+  template <int NT>
+  __device__ __forceinline__ void stage(const SupportBitsOfTile& in, const RowMask& mask) {
+    static_assert(2 * NT <= 32, "a bit per score of a row");
+    const std::uint32_t bits[2] = {in.row(0), in.row(1)};
+    const bool full = staged_next[0] == staged[0] + staging_room || staged_next[1] == staged[1] + staging_room;
+    if (__any_sync(0xffffffffu, full)) file_staged();
+    const int first_key = static_cast<int>(mask.key0) + key_of<8 * NT>(mask.tig, 0, 0);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (bits[half] != 0u) {
+        tile::st_shared_v2_b32(staged_next[half], static_cast<std::uint32_t>(first_key), bits[half]);
+        staged_next[half] += staging_stride;
+      }
+    }
+  }
+
+  // Files every staged record, as file() files a tile's bits: the quad scans each row's keys
+  // once, and each thread writes its stretch of the row's list. Every lane of the warp calls it.
+  __device__ __forceinline__ void file_staged() {
+    const int tig = static_cast<int>(threadIdx.x & 3u);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      int mine = 0;
+      for (std::uint32_t a = staged[half]; a < staged_next[half]; a += staging_stride) {
+        std::uint32_t first_key, bits;
+        tile::ld_shared_v2_b32(a, first_key, bits);
+        mine += __popc(bits);
+      }
+      const tile::QuadScan scan = tile::quad_scan(static_cast<float>(mine), tig);
+      int at = count[half] + static_cast<int>(scan.before);
+      count[half] += static_cast<int>(scan.total);
+      int* const out = list[half];
+      for (std::uint32_t a = staged[half]; a < staged_next[half]; a += staging_stride) {
+        std::uint32_t first_key, bits;
+        tile::ld_shared_v2_b32(a, first_key, bits);
+        int* const counts_at = key_counts + static_cast<std::int64_t>(first_key) * key_stride;
+        for (std::uint32_t w = bits; w != 0; w &= w - 1) {
+          const int bit = __ffs(static_cast<int>(w)) - 1;
+          if (at < kSupportCapacity) out[at] = key_row0 + static_cast<int>(first_key) + bit;
+          ++at;
+          atomicAdd(counts_at + bit * key_stride, 1);
+        }
+      }
+      staged_next[half] = staged[half];
+    }
+  }
+
   // The totals once per warp (counts are the same on the four threads of a quad).
   __device__ __forceinline__ void finish() const {
     const int listed = (threadIdx.x & 3) == 0 ? min(count[0], kSupportCapacity) + min(count[1], kSupportCapacity) : 0;
@@ -206,19 +270,32 @@ struct EntmaxSupportRows : ThresholdSweepRows {
   }
 };
 
+// Records a thread stages per row before its warp files them, on Hopper (EntmaxListedRows).
+inline constexpr int kStagedSupportRecords = 16;
+
 // The forward's output sweep when the caller keeps a support record: entmax's weights, and
 // each positive gap filed as it goes (the bits come from the gaps the weights need anyway).
 struct EntmaxListedConfig : EntmaxCudaConfig {
   SupportLists lists;
+  int staged_records = kStagedSupportRecords;  // 1 to kStagedSupportRecords (tests take 1)
 };
 
 struct EntmaxListedRows : EntmaxRows {
   SupportListing listing;
+  // Staged support bits on Hopper (forward.cuh, kStagingBytes): 16 records a thread and row
+  // (fewer when cfg.staged_records says so), 64 KB beside V's ring. On random scores a row's
+  // support is a few dozen keys over every key tile, so a thread stages about one record in
+  // four to eight tiles.
+  static constexpr int kStagingBytes = kForwardBQ * 4 * kStagedSupportRecords * 8;
+  int staged_records;
+  __device__ __forceinline__ void borrow_staging(std::uint32_t slot, int stride, int capacity) {
+    listing.borrow_staging(slot, stride, min(capacity, staged_records));
+  }
 
   template <class Tile>
   __device__ __forceinline__ EntmaxListedRows(const AttentionParams& p, const EntmaxListedConfig& cfg,
                                               const Tile& qt, std::int64_t row0)
-      : EntmaxRows(p, cfg, qt, row0), listing(p, cfg.lists, qt, row0) {
+      : EntmaxRows(p, cfg, qt, row0), listing(p, cfg.lists, qt, row0), staged_records(cfg.staged_records) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       // +infinity: a row past the sequence has no weights and files nothing.
@@ -235,12 +312,17 @@ struct EntmaxListedRows : EntmaxRows {
       s[n][i] = em::weight<F>(gap, alpha);
       in.set(n, i, gap > 0.f);
     });
-    listing.file<NT>(in, mask);
+    if (listing.staging()) {
+      listing.stage<NT>(in, mask);
+    } else {
+      listing.file<NT>(in, mask);
+    }
   }
 
   template <int DT>
-  __device__ __forceinline__ void finish(float (&o)[DT][4], float (&stat)[2]) const {
+  __device__ __forceinline__ void finish(float (&o)[DT][4], float (&stat)[2]) {
     EntmaxRows::finish(o, stat);
+    if (listing.staging()) listing.file_staged();
     listing.finish();
   }
 

@@ -43,6 +43,13 @@
 //                              slot[j * stride], j < capacity, with slot = base + 4 r + tig
 //                              (consecutive lanes in consecutive banks). The Hopper kernel
 //                              grants kScratchBytes, the portable one V's space only.
+//   kStagingBytes,             optional, sweeps with values: shared memory beside V's ring in
+//   borrow_staging(slot,       which the policy stages 8-byte records per thread and row (the
+//     stride, capacity)        listing output sweep's support bits, filed at the block's end).
+//                              Row r (local), tig own records at slot + j * stride bytes, j <
+//                              capacity, slot = base + 8 (4 r + tig). The Hopper kernel grants
+//                              it; the portable one grants none (capacity 0), and the policy
+//                              does without.
 #pragma once
 
 #include <cstdint>
@@ -117,6 +124,21 @@ __device__ __forceinline__ void lend_scratch(Rows& rows, void* base, int bytes, 
     static_assert(!Rows::kUsesValues, "scratch lies where V would");
     float* const slot = static_cast<float*>(base) + 4 * static_cast<int>(row0 - qt.r0) + tig;
     rows.borrow_scratch(slot, 4 * BQ, bytes / static_cast<int>(4 * BQ * sizeof(float)));
+  }
+}
+
+template <class Rows, class = void>
+inline constexpr int kStagingBytes = 0;
+template <class Rows>
+inline constexpr int kStagingBytes<Rows, std::void_t<decltype(Rows::kStagingBytes)>> = Rows::kStagingBytes;
+
+// kStagingBytes of shared memory at base (1024-aligned), records of 8 bytes (forward.cuh, top).
+template <int BQ, class Rows, class Tile>
+__device__ __forceinline__ void lend_staging(Rows& rows, void* base, const Tile& qt, std::int64_t row0, int tig) {
+  if constexpr (kStagingBytes<Rows> > 0) {
+    static_assert(Rows::kUsesValues, "the value-free sweeps have their scratch");
+    const std::uint32_t slot = tile::smem_address(base) + 8u * static_cast<std::uint32_t>(4 * (row0 - qt.r0) + tig);
+    rows.borrow_staging(slot, 8 * 4 * BQ, kStagingBytes<Rows> / (8 * 4 * BQ));
   }
 }
 

@@ -56,7 +56,7 @@ inline constexpr int kSm90ForwardBK = Views == 2 ? 64 : Sm90ForwardShape::kBK;
 // ScratchBytes of it, to their row policy (forward.cuh, kScratchBytes). With two views, the
 // second view's queries follow the first's and each key stage holds both views' tiles.
 template <class T, int D, int ScratchBytes = 0, int Views = 1, int Stages = Sm90ForwardShape::kStages,
-          bool UsesValues = true>
+          bool UsesValues = true, int StagingBytes = 0>
 struct Sm90ForwardSmem {
   using Shape = Sm90ForwardShape;
   static constexpr int kStages = Stages;
@@ -72,8 +72,10 @@ struct Sm90ForwardSmem {
   static constexpr int kV = (kSync + kSyncBytes + 1023) / 1024 * 1024;
   static constexpr int kVBytes = UsesValues ? Stages * KVTile::kBytes : 0;
   static constexpr int kLastBytes = kVBytes > ScratchBytes ? kVBytes : ScratchBytes;
+  static constexpr int kStaging = kV + kLastBytes;  // StagingBytes (forward.cuh, kStagingBytes)
   // Dynamic shared memory is only 16-byte aligned; the swizzle needs 1024.
-  static constexpr int kBytes = kV + kLastBytes + 1024;
+  static constexpr int kBytes = kStaging + StagingBytes + 1024;
+  static_assert(kBytes <= 227 * 1024, "a Hopper block's shared memory");
 };
 
 // Named barriers: 1 producer; 2, 3 each consumer's own; 4, 5 the consumers' turns.
@@ -99,8 +101,8 @@ inline constexpr int kSm90ForwardStages = kPairsTiles<Rows> ? 4 : Sm90ForwardSha
 
 // The shared memory of a row policy's forward.
 template <class T, int D, class Rows>
-using Sm90ForwardSmemOf =
-    Sm90ForwardSmem<T, D, kScratchBytes<Rows>, kViews<Rows>, kSm90ForwardStages<Rows>, Rows::kUsesValues>;
+using Sm90ForwardSmemOf = Sm90ForwardSmem<T, D, kScratchBytes<Rows>, kViews<Rows>, kSm90ForwardStages<Rows>,
+                                          Rows::kUsesValues, kStagingBytes<Rows>>;
 
 template <class T, int D, class Rows, class Config, bool Segments = false>
 __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
@@ -226,6 +228,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     Rows rows(p, cfg, qt, row0);
     const ScoresFromMemory<T, D, QueryTile<BQ, BK>> rescore{p, qt, row0};
     lend_scratch<BQ>(rows, smem + Smem::kV, Smem::kLastBytes, qt, row0, tig);
+    lend_staging<BQ>(rows, smem + Smem::kStaging, qt, row0, tig);
     float o[D / 8][4];
     tile::zero(o);
     std::uint32_t pa[BK / 16][4];  // P of the previous tile, waiting for its product with V

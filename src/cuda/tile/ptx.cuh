@@ -28,6 +28,12 @@ __device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(address));
   return v;
 }
+__device__ __forceinline__ void st_shared_v2_b32(std::uint32_t address, std::uint32_t a, std::uint32_t b) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(address), "r"(a), "r"(b));
+}
+__device__ __forceinline__ void ld_shared_v2_b32(std::uint32_t address, std::uint32_t& a, std::uint32_t& b) {
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(a), "=r"(b) : "r"(address));
+}
 
 // Integer stores and reductions into global memory, named as global: ptxas cannot tell a
 // generic address from a shared one, so while a warpgroup's products are in flight it waits for
