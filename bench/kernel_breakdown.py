@@ -4,7 +4,10 @@ prints each CUDA kernel's time per call, so a change to one sweep of a multi-swe
 (entmax's threshold search, its output sweep, the backward's U sweep) can be predicted and
 checked on its own. Each phase's heading also gives the call's time between CUDA events (as the
 benchmarks time it) and its host time: where the first exceeds the kernels' sum, the second
-says whether the GPU waited for the host.
+says whether the GPU waited for the host. A timeline line under it splits that excess: how long
+after the call began on the host its first GPU work started (the host's dispatch, which a
+benchmark's start event counts), and how much of the GPU's span idled between the call's
+kernels, copies and memsets.
 
   python3 bench/kernel_breakdown.py --lengths 4096 16384 --methods winnow_entmax15 adasplash2_entmax15
 
@@ -42,6 +45,49 @@ def kernel_times(fn, calls):
             t[0] += e.device_time / calls
             t[1] += 1
     return {name: (us, n / calls) for name, (us, n) in totals.items()}
+
+
+MARK = "kernel_breakdown_call"
+
+
+def timeline_us(fn, calls):
+    """Medians over `calls` calls, each from an idle GPU: microseconds from the call's start on
+    the host to its first GPU activity, the GPU's span from that start to the last activity's
+    end, and the idle time inside the span. Profiler time stamps of host and device share one
+    clock (Kineto aligns them) to within a microsecond or so."""
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(calls):
+            with torch.profiler.record_function(f"{MARK}_{i}"):
+                fn()
+            torch.cuda.synchronize()
+    calls_at, device = [], []
+    for e in prof.events():
+        if e.name.startswith(MARK):  # the host range; its GPU annotation would fill the gaps
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                calls_at.append(e.time_range.start)
+        elif e.device_type == torch.autograd.DeviceType.CUDA:
+            device.append((e.time_range.start, e.time_range.end))
+    calls_at.sort()
+    device.sort()
+    dispatch, span, idle = [], [], []
+    for i, begun in enumerate(calls_at):
+        until = calls_at[i + 1] if i + 1 < len(calls_at) else float("inf")
+        mine = [d for d in device if begun <= d[0] < until]
+        if not mine:
+            continue
+        busy, reach = 0.0, mine[0][0]
+        for start, end in mine:  # the union of the intervals, in start order
+            if end > reach:
+                busy += end - max(start, reach)
+                reach = end
+        dispatch.append(mine[0][0] - begun)
+        span.append(reach - mine[0][0])
+        idle.append(span[-1] - busy)
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    return median(dispatch), median(span), median(idle)
 
 
 def host_ms(fn, calls):
@@ -109,6 +155,12 @@ def main():
                 host = host_ms(call, args.calls)
                 print(f"\n## L={L} B={B} {name} {phase}: {total / 1e3:.3f} ms of kernels per call, "
                       f"{wall:.3f} ms between events, {host:.3f} ms on the host")
+                try:
+                    dispatch, span, idle = timeline_us(call, args.calls)
+                    print(f"   timeline: first GPU work {dispatch:.0f} us after the call began on the host; "
+                          f"GPU span {span:.0f} us, {idle:.0f} us of it idle between the call's kernels")
+                except Exception as e:  # a profiler without aligned clocks or annotations: the kernels still print
+                    print(f"   timeline: not available ({type(e).__name__}: {e})")
                 for kname, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
                     print(f"{us / 1e3:9.3f} ms {us / total * 100:5.1f}% x{n:4.1f}  {short(kname)}")
 
