@@ -90,6 +90,33 @@ def timeline_us(fn, calls):
     return median(dispatch), median(span), median(idle)
 
 
+def host_trace(fn, limit):
+    """One call's host and GPU events in time order, microseconds from the call's start on the
+    host: PyTorch's operators, the CUDA runtime's calls (launches, memsets, attribute calls,
+    waits) and the GPU's kernels, copies and memsets. The host's own work between the runtime's
+    calls shows as the gaps between them. The profiler adds a few microseconds to each event.
+    The traced call is the profile's second: in its first, the profiler's activity buffers are
+    set up at the first CUDA call (2 ms, "Activity Buffer Request"; 2026-11-30)."""
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for name in (MARK + "_warm", MARK):
+            with torch.profiler.record_function(name):
+                fn()
+            torch.cuda.synchronize()
+    events = prof.events()
+    begun = min(e.time_range.start for e in events
+                if e.name == MARK and e.device_type == torch.autograd.DeviceType.CPU)
+    rows = sorted((e.time_range.start - begun, e.time_range.end - e.time_range.start,
+                   "gpu" if e.device_type == torch.autograd.DeviceType.CUDA else "host", e.name)
+                  for e in events if not e.name.startswith(MARK) and e.time_range.start >= begun)
+    for start, length, where, name in rows[:limit]:
+        print(f"   {start:9.1f} us {length:9.1f} us  {where:4}  {short(name, 80)}")
+    if len(rows) > limit:
+        print(f"   ... {len(rows) - limit} more events")
+
+
 def host_ms(fn, calls):
     """Host milliseconds per call of `calls` back-to-back calls, from an idle GPU, without
     waiting for the GPU between them: beside the kernels' time it says whether the GPU waits
@@ -117,6 +144,8 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["winnow_entmax15"])
     ap.add_argument("--inputs", choices=["random", "local"], default="random")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--host-trace", type=int, default=0, metavar="N",
+                    help="after each phase's kernels, its first N host and GPU events of one call")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -163,6 +192,9 @@ def main():
                     print(f"   timeline: not available ({type(e).__name__}: {e})")
                 for kname, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
                     print(f"{us / 1e3:9.3f} ms {us / total * 100:5.1f}% x{n:4.1f}  {short(kname)}")
+                if args.host_trace > 0:
+                    print("   one call's events (start, length, where, name):")
+                    host_trace(call, args.host_trace)
 
 
 if __name__ == "__main__":
