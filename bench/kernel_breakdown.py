@@ -50,28 +50,36 @@ def kernel_times(fn, calls):
 MARK = "kernel_breakdown_call"
 
 
-def timeline_us(fn, calls):
-    """Medians over `calls` calls, each from an idle GPU: microseconds from the call's start on
-    the host to its first GPU activity, the GPU's span from that start to the last activity's
-    end, and the idle time inside the span. Profiler time stamps of host and device share one
-    clock (Kineto aligns them) to within a microsecond or so."""
+def profiled_calls(fn, calls):
+    """Runs fn `calls` times under the profiler (host and GPU), each call marked and from an
+    idle GPU. Returns the marked calls' start times on the host, in order, and the other events
+    from the first of them on. An unmarked call goes first: in a profile's first call the
+    profiler sets up its activity buffers at the first CUDA call (2 ms, "Activity Buffer
+    Request"; 2026-11-30). Host and device time stamps share one clock (Kineto aligns them) to
+    within a microsecond or so."""
     fn()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        for i in range(calls):
-            with torch.profiler.record_function(f"{MARK}_{i}"):
+        for i in range(-1, calls):
+            with torch.profiler.record_function(f"{MARK}_{i}" if i >= 0 else f"{MARK}_warm"):
                 fn()
             torch.cuda.synchronize()
-    calls_at, device = [], []
-    for e in prof.events():
-        if e.name.startswith(MARK):  # the host range; its GPU annotation would fill the gaps
-            if e.device_type == torch.autograd.DeviceType.CPU:
-                calls_at.append(e.time_range.start)
-        elif e.device_type == torch.autograd.DeviceType.CUDA:
-            device.append((e.time_range.start, e.time_range.end))
-    calls_at.sort()
-    device.sort()
+    events = prof.events()
+    # The host ranges only: a mark's GPU annotation spans its call's kernels.
+    starts = sorted(e.time_range.start for e in events if e.name.startswith(MARK) and e.name != f"{MARK}_warm"
+                    and e.device_type == torch.autograd.DeviceType.CPU)
+    others = [e for e in events if not e.name.startswith(MARK) and e.time_range.start >= starts[0]]
+    return starts, others
+
+
+def timeline_us(fn, calls):
+    """Medians over `calls` calls, each from an idle GPU: microseconds from the call's start on
+    the host to its first GPU activity, the GPU's span from that start to the last activity's
+    end, and the idle time inside the span."""
+    calls_at, events = profiled_calls(fn, calls)
+    device = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
     dispatch, span, idle = [], [], []
     for i, begun in enumerate(calls_at):
         until = calls_at[i + 1] if i + 1 < len(calls_at) else float("inf")
@@ -94,23 +102,10 @@ def host_trace(fn, limit):
     """One call's host and GPU events in time order, microseconds from the call's start on the
     host: PyTorch's operators, the CUDA runtime's calls (launches, memsets, attribute calls,
     waits) and the GPU's kernels, copies and memsets. The host's own work between the runtime's
-    calls shows as the gaps between them. The profiler adds a few microseconds to each event.
-    The traced call is the profile's second: in its first, the profiler's activity buffers are
-    set up at the first CUDA call (2 ms, "Activity Buffer Request"; 2026-11-30)."""
-    fn()
-    torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for name in (MARK + "_warm", MARK):
-            with torch.profiler.record_function(name):
-                fn()
-            torch.cuda.synchronize()
-    events = prof.events()
-    begun = min(e.time_range.start for e in events
-                if e.name == MARK and e.device_type == torch.autograd.DeviceType.CPU)
+    calls shows as the gaps between them. The profiler adds a few microseconds to each event."""
+    (begun,), events = profiled_calls(fn, 1)
     rows = sorted((e.time_range.start - begun, e.time_range.end - e.time_range.start,
-                   "gpu" if e.device_type == torch.autograd.DeviceType.CUDA else "host", e.name)
-                  for e in events if not e.name.startswith(MARK) and e.time_range.start >= begun)
+                   "gpu" if e.device_type == torch.autograd.DeviceType.CUDA else "host", e.name) for e in events)
     for start, length, where, name in rows[:limit]:
         print(f"   {start:9.1f} us {length:9.1f} us  {where:4}  {short(name, 80)}")
     if len(rows) > limit:
