@@ -25,6 +25,7 @@
 
 #include "cuda/attention/entmax_sparse.cuh"
 #include "cuda/cuda.h"
+#include "cuda/side_stream.h"
 #include "cuda/threshold_search.cuh"
 
 namespace winnow::cuda {
@@ -136,17 +137,35 @@ struct FusedEntmaxForward {
       listed.staged_records = std::clamp(std::atoi(staged), 1, kStagedSupportRecords);
     }
     // From zero before every output sweep: it runs a second time when the search needed step
-    // sweeps. Then [0] = 1 (one byte on the zeros: little-endian int 1).
+    // sweeps. Then [0] = 1 (one byte on the zeros: little-endian int 1). For the first, on the
+    // side stream while the first sweep runs, where the clears do not stand between the sweeps.
+    auto clear_record = [&](cudaStream_t s) {
+      check(cudaMemsetAsync(record.listed, 0, record.clear_ints * sizeof(int), s), "clearing the support record");
+      check(cudaMemsetAsync(record.listed, 1, 1, s), "marking the support record listed");
+    };
+    SideStream& side = SideStream::for_current_device();
+    bool cleared_beside = false;  // and not yet listed into
     CountedSupport counted;
     find_thresholds<T, D>(
         p, t, tiles,
         [&] {
-          check(cudaMemsetAsync(record.listed, 0, record.clear_ints * sizeof(int), stream),
-                "clearing the support record");
-          check(cudaMemsetAsync(record.listed, 1, 1, stream), "marking the support record listed");
+          if (cleared_beside) {
+            side.wait_for_mark(stream);
+            cleared_beside = false;
+          } else {
+            clear_record(stream);
+          }
           launch_fused_forward<T, D, EntmaxListedRows>(p, listed, tiles.select(p.stats, tau_to_score));
         },
-        &counted);
+        &counted,
+        [&] {
+          // After the first sweep (the record's memory may be what the caller's stream used
+          // before), beside the second.
+          side.follow(stream);
+          clear_record(side.stream());
+          side.mark();
+          cleared_beside = true;
+        });
     if (counted.known) {
       CountedRecords::instance().put(cfg.support, counted);
     } else {

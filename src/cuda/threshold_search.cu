@@ -1,6 +1,7 @@
 // The threshold search of the fused path (entmax_rows.cuh), shared by entmax and Sieve.
 #include "cuda/threshold_search.cuh"
 #include "cuda/cuda.h"
+#include "cuda/side_stream.h"
 
 #include <atomic>
 #include <cstdint>
@@ -105,10 +106,11 @@ namespace {
 
 std::atomic<std::int64_t> output_reruns{0};
 
-// Four ints (the search flag and the support totals) that a stream copies to pinned host
-// memory and the host reads once an event says they landed, so that the host may go on
-// enqueueing work while the copy waits its turn. One per thread and device (events belong to a
-// device), kept for the thread's life.
+// Four ints (the search flag and the support totals) that the side stream copies to pinned host
+// memory once the sweeps' stream has reached them, and the host reads once an event says they
+// landed: the host goes on enqueueing work while the copy waits its turn, and the sweeps'
+// stream goes on to the next kernel without the copy between them. One per thread and device
+// (events belong to a device), kept for the thread's life.
 class HostFlag {
  public:
   HostFlag() {
@@ -131,9 +133,11 @@ class HostFlag {
   }
   static constexpr int kInts = 4;  // unfinished, then ThresholdCudaConfig::support_totals
   void copy_from(const int* device_flag, cudaStream_t stream, int ints = 1) {
-    check(cudaMemcpyAsync(value_, device_flag, ints * sizeof(int), cudaMemcpyDeviceToHost, stream),
+    SideStream& side = SideStream::for_current_device();
+    side.follow(stream);
+    check(cudaMemcpyAsync(value_, device_flag, ints * sizeof(int), cudaMemcpyDeviceToHost, side.stream()),
           "reading the search flag");
-    check(cudaEventRecord(landed_, stream), "recording the search flag's copy");
+    check(cudaEventRecord(landed_, side.stream()), "recording the search flag's copy");
   }
   bool wait() const {
     check(cudaEventSynchronize(landed_), "waiting for a threshold sweep");
@@ -159,7 +163,8 @@ std::int64_t threshold_output_reruns() { return output_reruns.load(); }
 // of their block (every probe lies above its row's floor).
 template <class T, int D>
 void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles,
-                     const std::function<void()>& output_sweep, CountedSupport* counted) {
+                     const std::function<void()>& output_sweep, CountedSupport* counted,
+                     const std::function<void()>& beside_first_sweep) {
   const std::size_t rows = static_cast<std::size_t>(p.rows_q * p.heads_q);
   DeviceBuffer buffer(p, rows * sizeof(SavedSearch) + HostFlag::kInts * sizeof(int));
   cfg.state = row_buffer(p, buffer.as<void>(), 1);
@@ -172,17 +177,22 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
   if (counted != nullptr) {
     *counted = CountedSupport{};
     cfg.support_totals = cfg.unfinished + 1;
-    check(cudaMemsetAsync(cfg.support_totals, 0, (HostFlag::kInts - 1) * sizeof(int), stream),
-          "clearing the support totals");
+  }
+  // The flag (which the first sweep does not touch) and the totals from zero in one clear before
+  // the first sweep, where the GPU waits for the host's launches anyway: a clear between the
+  // sweeps cost it about 2 us.
+  const int cleared = counted != nullptr ? HostFlag::kInts : cfg.bound ? 0 : 1;
+  if (cleared > 0) {
+    check(cudaMemsetAsync(cfg.unfinished, 0, cleared * sizeof(int), stream), "clearing the search flag and totals");
   }
   cfg.tile_max = tiles.map();
   launch_threshold_sweep<T, D>(ThresholdSweep::start, p, cfg, LiveKeyTiles{});
+  if (beside_first_sweep) beside_first_sweep();
   if (cfg.bound) return output_sweep();
   // No look at the flag between the first two sweeps: the collect sweep's blocks whose rows all
   // settled in the first return at once, which costs less than waiting for the host.
   cfg.tile_max = TileMaxMap{};
   const float score_to_x = static_cast<float>(p.scale) * (cfg.alpha - 1.f);
-  clear_flag();
   launch_threshold_sweep<T, D>(ThresholdSweep::collect, p, cfg, tiles.select_above_floors(cfg.state, score_to_x));
   flag.copy_from(cfg.unfinished, stream, counted != nullptr ? HostFlag::kInts : 1);
   output_sweep();
@@ -209,7 +219,7 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
 
 #define WINNOW_FIND_THRESHOLDS(T, D)                                                                \
   template void find_thresholds<T, D>(const detail::AttentionParams&, ThresholdCudaConfig, LiveTileSelection&, \
-                                      const std::function<void()>&, CountedSupport*);
+                                      const std::function<void()>&, CountedSupport*, const std::function<void()>&);
 WINNOW_FIND_THRESHOLDS(__nv_bfloat16, 64)
 WINNOW_FIND_THRESHOLDS(__nv_bfloat16, 128)
 WINNOW_FIND_THRESHOLDS(__half, 64)

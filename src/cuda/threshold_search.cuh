@@ -76,9 +76,14 @@ struct CountedSupport {
   bool overflow = false;     // some row's support is longer than its list
 };
 
+// Finds each row's threshold and calls output_sweep to launch the sweep that uses it (again,
+// in the rare call where the search needed step sweeps). beside_first_sweep, when given, is
+// called once the first sweep is launched: work for the host (or a side stream) while the GPU
+// runs it.
 template <class T, int D>
 void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, LiveTileSelection& tiles,
-                     const std::function<void()>& output_sweep, CountedSupport* counted = nullptr);
+                     const std::function<void()>& output_sweep, CountedSupport* counted = nullptr,
+                     const std::function<void()>& beside_first_sweep = {});
 
 // One sweep of the search on the forward kernel (entmax_rows.cuh: ThresholdStartRows,
 // ThresholdCollectRows, ThresholdStepRows). find_thresholds' control flow is one function in
