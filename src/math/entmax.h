@@ -38,15 +38,29 @@ WINNOW_HD_OUTLINED S power(S base, S exponent) {
   return pow(base, exponent);
 }
 
+// [gap]_+, and 0 for NaN. On the GPU one max (FMNMX) instead of the compare and select that
+// the branch compiles to: the output sweep's per-score work for 1.5-entmax goes from four
+// instructions to three (SASS, sm_90a; its ncu duration 533 -> 514 us at 4K keys, H200).
+template <class S>
+WINNOW_HD S positive_part(S gap) {
+#ifdef __CUDA_ARCH__
+  return fmax(gap, S(0));
+#else
+  return gap > S(0) ? gap : S(0);
+#endif
+}
+
 // p for the gap x - tau.
 template <Family F = Family::any, class S>
 WINNOW_HD S weight(S gap, S alpha) {
-  if (!(gap > S(0))) return S(0);
   if constexpr (F == Family::sparsemax) {
-    return gap;
+    return positive_part(gap);
   } else if constexpr (F == Family::entmax15) {
-    return gap * gap;
-  } else if constexpr (F == Family::general) {
+    const S g = positive_part(gap);
+    return g * g;
+  }
+  if (!(gap > S(0))) return S(0);
+  if constexpr (F == Family::general) {
     return power(gap, S(1) / (alpha - S(1)));
   } else {
     if (alpha == S(2)) return gap;
@@ -59,11 +73,10 @@ WINNOW_HD S weight(S gap, S alpha) {
 // (times -1 / (alpha - 1)) the derivative of sum_i p_i with respect to tau.
 template <Family F = Family::any, class S>
 WINNOW_HD S grad_weight(S gap, S alpha) {
+  if constexpr (F == Family::entmax15) return positive_part(gap);
   if (!(gap > S(0))) return S(0);
   if constexpr (F == Family::sparsemax) {
     return S(1);
-  } else if constexpr (F == Family::entmax15) {
-    return gap;
   } else if constexpr (F == Family::general) {
     return power(gap, (S(2) - alpha) / (alpha - S(1)));
   } else {

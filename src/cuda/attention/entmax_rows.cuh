@@ -71,6 +71,34 @@ __device__ __forceinline__ void for_each_gap(const float (&s)[NT][4], const RowM
   });
 }
 
+// As for_each_gap, but fn gets tau - x (+infinity for invisible keys), from an fma of its own
+// rather than by negating the gap (-(+0) is -0): its sign bit is then set exactly where the gap
+// is positive, for a tau that is not -0 (never_negative_zero), NaN scores aside (the GPU's NaN
+// is positive). A support bit is then one funnel shift (SupportBitsOfTile::push) instead of a
+// compare and a predicated add, and the weights take the gap as -below, a free operand
+// negation.
+template <bool Masked, int NT>
+__device__ __forceinline__ float gap_below(const float (&s)[NT][4], const RowMask& mask, float x_scale,
+                                           const float (&tau)[2], int n, int i) {
+  const int half = i / 2, e = i % 2;
+  return !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], -x_scale, tau[half]) : INFINITY;
+}
+template <bool Masked, int NT, class Fn>
+__device__ __forceinline__ void for_each_gap_below(const float (&s)[NT][4], const RowMask& mask, float x_scale,
+                                                   const float (&tau)[2], float alpha, Fn&& fn) {
+  math::entmax::with_family(alpha, [&](auto family) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) fn(family, n, i, i / 2, gap_below<Masked>(s, mask, x_scale, tau, n, i));
+    }
+  });
+}
+
+// t, with -0 made +0: for_each_gap_below's fma gives -0 only for a zero product and tau = -0.
+// (An addition, not a compare: x + 0 is not folded away, since it is not x for x = -0.)
+__device__ __forceinline__ float never_negative_zero(float t) { return t + 0.f; }
+
 struct ThresholdCudaConfig {
   float alpha = 1.5f, tolerance = 1e-5f;
   bool bound = false;  // Sieve's bound filter: threshold = max - eps, in score units

@@ -71,16 +71,28 @@ struct SupportRecord {
 };
 
 // A thread's support bits of one tile: per row (half) a word with bit 2 n + e set for score
-// s[n][2 half + e] in the support, which is key key_of(tig, n, e) = tig BK / 4 + that bit. Two
-// partial words per row, so that the ORs are not one chain of 32 (measured only together with
-// the listing's selects: the backward's sweep went 0.51 -> 0.45 ms at 4K keys, H100).
+// s[n][2 half + e] in the support, which is key key_of(tig, n, e) = tig BK / 4 + that bit. Each
+// score's bit is the sign bit of tau - x (for_each_gap_below), shifted in by one funnel shift:
+// push is called for each row in increasing n and e, so the first score ends up highest, and
+// row() reverses the word. Two partial words per row, the first and the second half of the
+// tile's scores, so that the shifts are not one chain of 2 NT. A compare and a predicated add a
+// score before: the listing sweep's per-score work is now the plain sweep's, four instructions.
+// Its time did not move with that (0.531 -> 0.529 ms at 4K keys, H200, 2026-11-30): per-score
+// issue is not what it waits on.
+template <int NT>
 struct SupportBitsOfTile {
+  static_assert(NT % 2 == 0 && 2 * NT <= 32, "a bit per score of a row, two partial words");
   std::uint32_t part[2][2] = {{0u, 0u}, {0u, 0u}};
-  __device__ __forceinline__ void set(int n, int i, bool in) {
-    const int half = i / 2, e = i % 2;
-    if (in) part[half][n % 2] |= 1u << (2 * n + e);
+  __device__ __forceinline__ void push(int n, int half, float below) {
+    std::uint32_t& word = part[half][n < NT / 2 ? 0 : 1];
+    word = __funnelshift_l(__float_as_uint(below), word, 1);
   }
-  __device__ __forceinline__ std::uint32_t row(int half) const { return part[half][0] | part[half][1]; }
+  // Score (n, e) is at bit NT - 1 - (2 n + e) of the first word (n < NT / 2) or of the second
+  // (n - NT / 2 for n), so at 2 NT - 1 - (2 n + e) of first x 2^NT + second.
+  __device__ __forceinline__ std::uint32_t row(int half) const {
+    const std::uint32_t high_first = (part[half][0] << NT) | part[half][1];
+    return __brev(high_first << (32 - 2 * NT));
+  }
 };
 
 // Files a thread's support keys of each key tile into its two rows' lists: the quad scans its
@@ -117,24 +129,37 @@ struct SupportListing {
   // 12% of the sweep's, most of them 64-bit arithmetic and selects between the rows; this form
   // has no 64-bit bit scans or row selects and spills less, and the sweep's time did not change).
   template <int NT>
-  __device__ __forceinline__ void file(const SupportBitsOfTile& in, const RowMask& mask) {
-    static_assert(2 * NT <= 32, "a bit per score of a row");
+  __device__ __forceinline__ void file(const SupportBitsOfTile<NT>& in, const RowMask& mask) {
     const std::uint32_t bits[2] = {in.row(0), in.row(1)};
     if (!__any_sync(0xffffffffu, (bits[0] | bits[1]) != 0)) return;
     const int first_key = static_cast<int>(mask.key0) + key_of<8 * NT>(mask.tig, 0, 0);
-    int* const counts_at = key_counts + static_cast<std::int64_t>(first_key) * key_stride;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const tile::QuadScan scan = tile::quad_scan(static_cast<float>(__popc(bits[half])), mask.tig);
-      int at = count[half] + static_cast<int>(scan.before);
-      count[half] += static_cast<int>(scan.total);
-      int* const out = list[half];
-      for (std::uint32_t w = bits[half]; w != 0; w &= w - 1) {
-        const int bit = __ffs(static_cast<int>(w)) - 1;
-        if (at < kSupportCapacity) out[at] = key_row0 + first_key + bit;
-        ++at;
-        atomicAdd(counts_at + bit * key_stride, 1);
-      }
+      int at = claim(half, __popc(bits[half]), mask.tig);
+      file_keys(half, at, first_key, bits[half]);
+    }
+  }
+
+  // The place of the thread's first of n keys in the row's list: the quad's four threads write
+  // disjoint stretches, in tig order. Every lane of the warp calls it.
+  __device__ __forceinline__ int claim(int half, int n, int tig) {
+    const tile::QuadScan scan = tile::quad_scan(static_cast<float>(n), tig);
+    const int at = count[half] + static_cast<int>(scan.before);
+    count[half] += static_cast<int>(scan.total);
+    return at;
+  }
+
+  // Keys first_key + b for the set bits b of `bits` into the row's list from place `at`
+  // (advanced past them; those past the list's end are counted, not written), each key's count
+  // up by one.
+  __device__ __forceinline__ void file_keys(int half, int& at, int first_key, std::uint32_t bits) {
+    int* const out = list[half];
+    int* const counts_at = key_counts + static_cast<std::int64_t>(first_key) * key_stride;
+    for (std::uint32_t w = bits; w != 0; w &= w - 1) {
+      const int bit = __ffs(static_cast<int>(w)) - 1;
+      if (at < kSupportCapacity) out[at] = key_row0 + first_key + bit;
+      ++at;
+      atomicAdd(counts_at + bit * key_stride, 1);
     }
   }
 
@@ -142,7 +167,7 @@ struct SupportListing {
   // a tile's nonzero bits go to the thread's records, one 8-byte store a row, and are filed at
   // the block's end, or when some thread of the warp has no room left. The per-tile filing
   // above costs a vote, two quad scans and the list's address a tile, about 130 instructions
-  // a thread (SASS, sm_90a) in a sweep that has little issue to spare.
+  // a thread (SASS, sm_90a), shuffles among them, between a tile's scores and its P V.
   std::uint32_t staged[2] = {0u, 0u};       // each row's first record (shared address)
   std::uint32_t staged_next[2] = {0u, 0u};  // its next free one
   std::uint32_t staging_stride = 0u, staging_room = 0u;  // bytes between records; capacity x stride
@@ -156,8 +181,7 @@ struct SupportListing {
   __device__ __forceinline__ bool staging() const { return staging_room != 0u; }
 
   template <int NT>
-  __device__ __forceinline__ void stage(const SupportBitsOfTile& in, const RowMask& mask) {
-    static_assert(2 * NT <= 32, "a bit per score of a row");
+  __device__ __forceinline__ void stage(const SupportBitsOfTile<NT>& in, const RowMask& mask) {
     const std::uint32_t bits[2] = {in.row(0), in.row(1)};
     const bool full = staged_next[0] == staged[0] + staging_room || staged_next[1] == staged[1] + staging_room;
     if (__any_sync(0xffffffffu, full)) file_staged();
@@ -183,20 +207,11 @@ struct SupportListing {
         tile::ld_shared_v2_b32(a, first_key, bits);
         mine += __popc(bits);
       }
-      const tile::QuadScan scan = tile::quad_scan(static_cast<float>(mine), tig);
-      int at = count[half] + static_cast<int>(scan.before);
-      count[half] += static_cast<int>(scan.total);
-      int* const out = list[half];
+      int at = claim(half, mine, tig);
       for (std::uint32_t a = staged[half]; a < staged_next[half]; a += staging_stride) {
         std::uint32_t first_key, bits;
         tile::ld_shared_v2_b32(a, first_key, bits);
-        int* const counts_at = key_counts + static_cast<std::int64_t>(first_key) * key_stride;
-        for (std::uint32_t w = bits; w != 0; w &= w - 1) {
-          const int bit = __ffs(static_cast<int>(w)) - 1;
-          if (at < kSupportCapacity) out[at] = key_row0 + static_cast<int>(first_key) + bit;
-          ++at;
-          atomicAdd(counts_at + bit * key_stride, 1);
-        }
+        file_keys(half, at, static_cast<int>(first_key), bits);
       }
       staged_next[half] = staged[half];
     }
@@ -240,20 +255,18 @@ struct EntmaxSupportRows : ThresholdSweepRows {
     for (int half = 0; half < 2; ++half) {
       const std::int64_t row = row0 + 8 * half;
       // +infinity: no gap of a row past the sequence is positive.
-      tau[half] = row < qt.s.q_len ? *cfg.tau.at<const float>(qt.b, qt.s.q_start + row, qt.h) : INFINITY;
+      tau[half] = row < qt.s.q_len ? never_negative_zero(*cfg.tau.at<const float>(qt.b, qt.s.q_start + row, qt.h))
+                                   : INFINITY;
     }
   }
 
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
-    SupportBitsOfTile in;
+    SupportBitsOfTile<NT> in;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i / 2, e = i % 2;
-        in.set(n, i, (!Masked || mask.visible<8 * NT>(half, n, e)) && fmaf(s[n][i], x_scale, -tau[half]) > 0.f);
-      }
+      for (int i = 0; i < 4; ++i) in.push(n, i / 2, gap_below<Masked>(s, mask, x_scale, tau, n, i));
     }
     listing.file<NT>(in, mask);
   }
@@ -299,18 +312,18 @@ struct EntmaxListedRows : EntmaxRows {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       // +infinity: a row past the sequence has no weights and files nothing.
-      if (row0 + 8 * half >= qt.s.q_len) tau[half] = INFINITY;
+      tau[half] = row0 + 8 * half < qt.s.q_len ? never_negative_zero(tau[half]) : INFINITY;
     }
   }
 
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
     namespace em = math::entmax;
-    SupportBitsOfTile in;
-    for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int, float gap) {
+    SupportBitsOfTile<NT> in;
+    for_each_gap_below<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int half, float below) {
       constexpr em::Family F = decltype(family)::value;
-      s[n][i] = em::weight<F>(gap, alpha);
-      in.set(n, i, gap > 0.f);
+      s[n][i] = em::weight<F>(-below, alpha);
+      in.push(n, half, below);
     });
     if (listing.staging()) {
       listing.stage<NT>(in, mask);
