@@ -10,6 +10,7 @@ benchmark's start event counts), and how much of the GPU's span idled between th
 kernels, copies and memsets.
 
   python3 bench/kernel_breakdown.py --lengths 4096 16384 --methods winnow_entmax15 adasplash2_entmax15
+  python3 bench/kernel_breakdown.py --lengths 4096 --phases forward inference   # with and without gradients
 
 Threshold attention's methods (gpu_threshold_bench.py: winnow_tra, winnow_tda_beta1_screen, ...)
 run on that bench's inputs instead: two query/key views, beta and lambda as tensors with
@@ -139,6 +140,9 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["winnow_entmax15"])
     ap.add_argument("--inputs", choices=["random", "local"], default="random")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--phases", nargs="+", choices=["forward", "inference", "backward"],
+                    default=["forward", "backward"],
+                    help="forward (keeping what the backward needs), inference (the forward under no_grad), backward")
     ap.add_argument("--host-trace", type=int, default=0, metavar="N",
                     help="after each phase's kernels, its first N host and GPU events of one call")
     args = ap.parse_args()
@@ -166,11 +170,19 @@ def main():
                 continue
             out = fn(*inputs)
             grad = torch.randn_like(out)
+            def inference():
+                with torch.no_grad():
+                    return fn(*inputs)
+
             phases = {
                 "forward": lambda: fn(*inputs),
+                # Without gradients: entmax's output sweep then lists no supports (the plain
+                # sweep), and Sieve's and the others' forwards save nothing for a backward.
+                "inference": inference,
                 "backward": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True),
             }
-            for phase, call in phases.items():
+            for phase in args.phases:
+                call = phases[phase]
                 times = kernel_times(call, args.calls)
                 total = sum(us for us, _ in times.values())
                 # The call's time between CUDA events, as the benchmarks time it: beyond the

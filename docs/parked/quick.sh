@@ -12,25 +12,37 @@
 # 2. runs the C++ CUDA tests in $TEST_FILTER in eight shards side by side, and beside them
 #    compute-sanitizer racecheck over $RACE_FILTER (none when empty);
 # 3. bench/kernel_breakdown.py $BREAKDOWN (none when empty): the kernels' times, to set against
-#    an earlier run's on main;
-# 4. tools/ncu_summary.sh $NCU (none when empty), its report left out of $OUT (too large).
+#    an earlier run's on main; once per word of $BREAKDOWN_VARIANTS when given, each word an
+#    environment assignment for that run (WINNOW_...=value);
+# 4. tools/ncu_summary.sh $NCU (none when empty), its report left out (too large).
 # Every step has a time limit ($*_SECONDS), so that the call returns what it has before its own
 # limit: a call stopped at its limit brings nothing back. The summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
+# At most 8 files come back from a call (device README): every log goes to $L, packed into
+# $OUT/quick-logs.tgz at the end, with the progress, breakdown and ncu summaries beside it.
+L=/tmp/quick-logs
+rm -rf "$L" && mkdir -p "$L"
+pack() {
+  rm -f "$L"/*.ncu-rep
+  tar czf "$OUT/quick-logs.tgz" -C "$(dirname "$L")" "$(basename "$L")"
+  for f in progress.txt breakdown.txt ncu.txt; do [[ -f "$L/$f" ]] && cp "$L/$f" "$OUT/"; done
+  return 0
+}
+trap pack EXIT
 START=$(date +%s)
-P=$OUT/progress.txt
+P=$L/progress.txt
 say() { echo "[$(( $(date +%s) - START )) s] $*" >> "$P"; }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader > "$P" 2>&1
 
-BUILD_TARGETS="winnow_cuda_tests winnow_torch" OUT=$OUT timeout "${BUILD_SECONDS:-300}" tools/gpu_check.sh build \
-  > "$OUT/build.log" 2>&1
+BUILD_TARGETS="winnow_cuda_tests winnow_torch" OUT=$L timeout "${BUILD_SECONDS:-300}" tools/gpu_check.sh build \
+  > "$L/build.log" 2>&1
 rc=$?
 say "build: rc $rc"
 if (( rc != 0 )); then
-  tail -30 "$OUT/build.log"
+  tail -30 "$L/build.log"
   exit 1
 fi
 
@@ -38,39 +50,48 @@ T=build-gpu/tests/winnow_cuda_tests
 if [[ -n "${TEST_FILTER:-}" ]]; then
   for i in 0 1 2 3 4 5 6 7; do
     GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout "${TEST_SECONDS:-120}" "$T" --gtest_filter="$TEST_FILTER" \
-      > "$OUT/tests-$i.log" 2>&1 &
+      > "$L/tests-$i.log" 2>&1 &
   done
 fi
 if [[ -n "${RACE_FILTER:-}" ]]; then
   timeout "${TEST_SECONDS:-120}" compute-sanitizer --tool racecheck --error-exitcode 9 "$T" \
-    --gtest_filter="$RACE_FILTER" > "$OUT/racecheck.log" 2>&1 &
+    --gtest_filter="$RACE_FILTER" > "$L/racecheck.log" 2>&1 &
 fi
 wait
 if [[ -n "${TEST_FILTER:-}" ]]; then
   for i in 0 1 2 3 4 5 6 7; do
     # A shard that its limit cut off has no summary line: name the test it was in.
-    summary=$(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/tests-$i.log" | tr '\n' ' ')
-    [[ -n $summary ]] || summary="cut off in $(grep -E '^\[ RUN      \]' "$OUT/tests-$i.log" | tail -1)"
+    summary=$(grep -E '^\[  (PASSED|FAILED)  \]' "$L/tests-$i.log" | tr '\n' ' ')
+    [[ -n $summary ]] || summary="cut off in $(grep -E '^\[ RUN      \]' "$L/tests-$i.log" | tail -1)"
     say "tests, shard $i: $summary"
   done
 fi
-[[ -z "${RACE_FILTER:-}" ]] || say "racecheck: $(grep -E 'PASSED|FAILED|RACECHECK SUMMARY' "$OUT/racecheck.log" | tr '\n' ' ')"
+[[ -z "${RACE_FILTER:-}" ]] || say "racecheck: $(grep -E 'PASSED|FAILED|RACECHECK SUMMARY' "$L/racecheck.log" | tr '\n' ' ')"
 
 export WINNOW_LIBRARY=$PWD/build-gpu/libwinnow_torch.so
-if [[ -n "${BREAKDOWN:-}" ]]; then
+if [[ -n "${BREAKDOWN:-}" && -n "${BREAKDOWN_VARIANTS:-}" ]]; then
+  # One breakdown per variant, each an environment assignment (NAME=value) for its run.
+  for variant in $BREAKDOWN_VARIANTS; do
+    # shellcheck disable=SC2086  # the arguments are words
+    env "$variant" timeout "${BREAKDOWN_SECONDS:-100}" python3 bench/kernel_breakdown.py $BREAKDOWN \
+      > "$L/breakdown-variant.txt" 2>&1
+    say "kernel breakdown, $variant: rc $?"
+    { echo "=== $variant"; cat "$L/breakdown-variant.txt"; } >> "$L/breakdown.txt"
+  done
+elif [[ -n "${BREAKDOWN:-}" ]]; then
   # shellcheck disable=SC2086  # the arguments are words
-  timeout "${BREAKDOWN_SECONDS:-100}" python3 bench/kernel_breakdown.py $BREAKDOWN > "$OUT/breakdown.txt" 2>&1
+  timeout "${BREAKDOWN_SECONDS:-100}" python3 bench/kernel_breakdown.py $BREAKDOWN > "$L/breakdown.txt" 2>&1
   say "kernel breakdown: rc $?"
 fi
 if [[ -n "${NCU:-}" ]]; then
   # shellcheck disable=SC2086
-  OUT=$OUT NCU_NAME_BASE=${NCU_NAME_BASE:-demangled} timeout "${NCU_SECONDS:-120}" tools/ncu_summary.sh $NCU \
-    > "$OUT/ncu.txt" 2>&1
+  OUT=$L NCU_NAME_BASE=${NCU_NAME_BASE:-demangled} timeout "${NCU_SECONDS:-120}" tools/ncu_summary.sh $NCU \
+    > "$L/ncu.txt" 2>&1
   say "ncu: rc $?"
-  rm -f "$OUT"/*.ncu-rep
+  rm -f "$L"/*.ncu-rep
 fi
 
 cat "$P"
-[[ -f "$OUT/breakdown.txt" ]] && grep -v -E 'not available|UserWarning|_warn_once' "$OUT/breakdown.txt"
-[[ -f "$OUT/ncu.txt" ]] && head -20 "$OUT/ncu.txt"
+[[ -f "$L/breakdown.txt" ]] && grep -v -E 'not available|UserWarning|_warn_once' "$L/breakdown.txt"
+[[ -f "$L/ncu.txt" ]] && head -20 "$L/ncu.txt"
 exit 0
