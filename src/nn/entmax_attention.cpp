@@ -85,6 +85,9 @@ const Mechanism& entmax_mechanism() {
         "alpha-entmax attention (exactly sparse weights; alpha 2 is sparsemax); "
         "RoPE (linear, ntk, dynamic, yarn) | NoPE";
     m.fused_operator = "winnow::entmax_attention";
+    m.graph_blocker = [](const AttentionConfig&) -> std::string {
+      return "entmax attention's threshold search reads a flag on the host";
+    };
     m.positions = {"rope", "nope"};
     m.option_keys = option_keys_of<EntmaxOptions>();
     m.resolve_options = resolve_options_as<EntmaxOptions>;

@@ -372,8 +372,9 @@ const Mechanism& gsa_mechanism() {
     m.summary = "Gated Sparse Attention: value and output gates, an indexer (sigmoid | relu) with exact "
                 "top-k selection under an adaptive budget, softmax over the selection; RoPE | NoPE";
     m.fused_operator = "winnow::gsa_sparse_attention";
-    // The budget reads its running mean on the host every step.
-    m.graph_capturable = false;
+    m.graph_blocker = [](const AttentionConfig&) -> std::string {
+      return "GSA's budget reads its running mean on the host every step";
+    };
     m.positions = {"rope", "nope"};
     m.option_keys = option_keys_of<GsaOptions>();
     m.resolve_options = resolve_options_as<GsaOptions>;

@@ -27,9 +27,11 @@ struct Mechanism {
   std::string fused_operator;          // the winnow operator its kernel path calls
   std::vector<std::string> positions;  // the positional encodings it takes; the first is its default
   std::vector<std::string> option_keys;  // its own keys in model.attention, for messages and info
-  // Whether a training step with this layer can be captured as a CUDA graph: no host
-  // synchronization and no tensors built from host data inside its forward and backward.
-  bool graph_capturable = false;
+  // Why a training step with this layer cannot be captured as a CUDA graph (a synchronization
+  // with the host, or tensors built from host data, inside its forward or backward), or "" when
+  // it can; given the resolved configuration, since that can decide it (Sieve's filter). Unset:
+  // it cannot, the layer not having been checked for capture.
+  std::function<std::string(const AttentionConfig&)> graph_blocker;
 
   // Checks the mechanism's own keys (found in the attention object at `path`) and returns them
   // with every default filled in; an unknown key or bad value is an error naming it.
@@ -41,6 +43,9 @@ struct Mechanism {
   // Builds the layer; layer_index counts from 0.
   std::function<std::shared_ptr<AttentionLayer>(const ModelConfig&, std::int64_t layer_index)> make;
 };
+
+// Mechanism::graph_blocker of a layer whose steps never synchronize with the host.
+inline std::string no_graph_blocker(const AttentionConfig&) { return ""; }
 
 const std::vector<Mechanism>& mechanisms();
 // The entry called `name`; an unknown name is an error naming `key` and listing the known ones.

@@ -141,7 +141,7 @@ const Mechanism& softmax_mechanism() {
     m.summary = "softmax attention; RoPE (linear, ntk, dynamic, yarn) | NoPE | ALiBi, SSMax, "
                 "QK-norm, output gate G1, value gate G2";
     m.fused_operator = "winnow::softmax_attention";
-    m.graph_capturable = true;
+    m.graph_blocker = no_graph_blocker;
     m.positions = {"rope", "nope", "alibi"};
     m.option_keys = option_keys_of<SoftmaxOptions>();
     m.resolve_options = resolve_options_as<SoftmaxOptions>;

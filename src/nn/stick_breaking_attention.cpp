@@ -52,7 +52,7 @@ const Mechanism& stick_breaking_mechanism() {
     m.summary = "stick-breaking attention (keys i < j by default), remainder bias, head-wise "
                 "GroupNorm, early halting; NoPE | RoPE";
     m.fused_operator = "winnow::stick_breaking_attention";
-    m.graph_capturable = true;
+    m.graph_blocker = no_graph_blocker;
     m.positions = {"nope", "rope"};
     m.option_keys = option_keys_of<StickBreakingOptions>();
     m.resolve_options = resolve_options_as<StickBreakingOptions>;

@@ -557,9 +557,9 @@ std::string Trainer::graph_blocker() const {
   }
   if (!step_hooks.empty() || !aux_loss_fns.empty()) return "host code runs inside the step";
   const nn::AttentionConfig& a = config_.model.attention;
-  if (!nn::find_mechanism(a.kind, "model.attention.kind").graph_capturable) {
-    return a.kind + " attention synchronizes with the host";
-  }
+  const nn::Mechanism& m = nn::find_mechanism(a.kind, "model.attention.kind");
+  if (!m.graph_blocker) return a.kind + " attention has not been checked for capture";
+  if (std::string why = m.graph_blocker(a); !why.empty()) return why;
   if (a.position == "rope" && a.rope.scaling == "dynamic") {
     return "dynamic RoPE builds its tables on the host every call";
   }

@@ -1222,5 +1222,27 @@ TEST(Mechanisms, EveryEntryBuildsItsLayerAndNamesAreUnique) {
   }
 }
 
+// What keeps a training step out of a CUDA graph is said per configuration: Sieve's exact filter
+// and entmax read their search's flag on the host.
+TEST(Mechanisms, GraphBlockersFollowTheConfiguration) {
+  auto blocker = [](const std::string& kind, const nlohmann::json& options) {
+    ModelConfig c;
+    c.vocab_size = 11;
+    c.d_model = 32;
+    c.context_len = 8;
+    c.attention.kind = kind;
+    c.attention.options = options;
+    resolve(c);
+    const Mechanism& m = find_mechanism(kind, "model.attention.kind");
+    return m.graph_blocker ? m.graph_blocker(c.attention) : std::string("unset");
+  };
+  EXPECT_EQ(blocker("softmax", nlohmann::json::object()), "");
+  EXPECT_EQ(blocker("stick_breaking", nlohmann::json::object()), "");
+  EXPECT_NE(blocker("sieve", {{"filter", "bound"}}).find("bound filter"), std::string::npos);
+  EXPECT_NE(blocker("sieve", nlohmann::json::object()).find("exact filter"), std::string::npos);
+  EXPECT_NE(blocker("entmax", nlohmann::json::object()).find("flag on the host"), std::string::npos);
+  EXPECT_NE(blocker("gsa", nlohmann::json::object()).find("budget"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace winnow::nn
