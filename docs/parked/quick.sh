@@ -8,9 +8,10 @@
 #   NCU='entmax-listed EntmaxListedRows -- python3 tools/profile_attention.py --mechanism entmax15 --length 4096' \
 #   docs/parked/quick.sh
 #
-# 1. builds winnow_cuda_tests and winnow_torch (tools/gpu_check.sh build);
+# 1. builds winnow_cuda_tests and winnow_torch, or $BUILD_TARGETS (tools/gpu_check.sh build);
 # 2. runs the C++ CUDA tests in $TEST_FILTER in eight shards side by side, and beside them
-#    compute-sanitizer racecheck over $RACE_FILTER (none when empty);
+#    compute-sanitizer racecheck over $RACE_FILTER (none when empty); then the model layer's
+#    CUDA tests in $MODEL_TEST_FILTER (none when empty);
 # 3. bench/kernel_breakdown.py $BREAKDOWN (none when empty): the kernels' times, to set against
 #    an earlier run's on main; once per word of $BREAKDOWN_VARIANTS when given, each word an
 #    environment assignment for that run (WINNOW_...=value);
@@ -37,7 +38,7 @@ P=$L/progress.txt
 say() { echo "[$(( $(date +%s) - START )) s] $*" >> "$P"; }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader > "$P" 2>&1
 
-BUILD_TARGETS="winnow_cuda_tests winnow_torch" OUT=$L timeout "${BUILD_SECONDS:-300}" tools/gpu_check.sh build \
+BUILD_TARGETS="${BUILD_TARGETS:-winnow_cuda_tests winnow_torch}" OUT=$L timeout "${BUILD_SECONDS:-300}" tools/gpu_check.sh build \
   > "$L/build.log" 2>&1
 rc=$?
 say "build: rc $rc"
@@ -67,6 +68,12 @@ if [[ -n "${TEST_FILTER:-}" ]]; then
   done
 fi
 [[ -z "${RACE_FILTER:-}" ]] || say "racecheck: $(grep -E 'PASSED|FAILED|RACECHECK SUMMARY' "$L/racecheck.log" | tr '\n' ' ')"
+if [[ -n "${MODEL_TEST_FILTER:-}" ]]; then
+  # The model layer's CUDA tests (add winnow_model_cuda_tests to BUILD_TARGETS).
+  timeout "${TEST_SECONDS:-120}" build-gpu/tests/winnow_model_cuda_tests --gtest_filter="$MODEL_TEST_FILTER" \
+    > "$L/model-tests.log" 2>&1
+  say "model tests: rc $? $(grep -E '^\[  (PASSED|FAILED)  \]|^\[  FAILED' "$L/model-tests.log" | tr '\n' ' ')"
+fi
 
 export WINNOW_LIBRARY=$PWD/build-gpu/libwinnow_torch.so
 if [[ -n "${BREAKDOWN:-}" && -n "${BREAKDOWN_VARIANTS:-}" ]]; then
