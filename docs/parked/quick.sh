@@ -9,7 +9,8 @@
 #   docs/parked/quick.sh
 #
 # 1. builds winnow_cuda_tests and winnow_torch, or $BUILD_TARGETS (tools/gpu_check.sh build);
-# 2. runs the C++ CUDA tests in $TEST_FILTER in eight shards side by side, and beside them
+# 2. runs the C++ CUDA tests in $TEST_FILTER in eight shards side by side ($TEST_REPEAT times
+#    over, default once; a shard then has one summary a repeat), and beside them
 #    compute-sanitizer racecheck over $RACE_FILTER (none when empty); then the model layer's
 #    CUDA tests in $MODEL_TEST_FILTER (none when empty);
 # 3. bench/kernel_breakdown.py $BREAKDOWN (none when empty): the kernels' times, to set against
@@ -51,6 +52,7 @@ T=build-gpu/tests/winnow_cuda_tests
 if [[ -n "${TEST_FILTER:-}" ]]; then
   for i in 0 1 2 3 4 5 6 7; do
     GTEST_TOTAL_SHARDS=8 GTEST_SHARD_INDEX=$i timeout "${TEST_SECONDS:-120}" "$T" --gtest_filter="$TEST_FILTER" \
+      --gtest_repeat="${TEST_REPEAT:-1}" \
       > "$L/tests-$i.log" 2>&1 &
   done
 fi
