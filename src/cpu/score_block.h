@@ -49,24 +49,29 @@ void entmax_thresholds(const QueryTile& qt, const ScoreTile<T>& z, double alpha,
     if (visible > 0) search[static_cast<std::size_t>(r)].start(x_max[r], T(visible));
   }
   RowVector<T> f(qt.n), sum_u(qt.n), t(qt.n);
-  for (int step = 0; step < em::kMaxSearchSteps; ++step) {
-    for (std::int64_t r = 0; r < qt.n; ++r) t[r] = search[static_cast<std::size_t>(r)].probe(0);
-    f.setZero();
-    sum_u.setZero();
-    for (std::int64_t c = 0; c < z.cols(); ++c) {
-      for (std::int64_t r = 0; r < qt.n; ++r) {
-        const T gap = (a - T(1)) * z(r, c) - t[r];
-        f[r] += em::weight(gap, a);
-        sum_u[r] += em::grad_weight(gap, a);
+  // alpha's family fixed outside the sweeps: no test of alpha per score, and one power per
+  // score for the general family (weight_and_grad).
+  em::with_family(a, [&](auto family) {
+    constexpr em::Family F = decltype(family)::value;
+    for (int step = 0; step < em::kMaxSearchSteps; ++step) {
+      for (std::int64_t r = 0; r < qt.n; ++r) t[r] = search[static_cast<std::size_t>(r)].probe(0);
+      f.setZero();
+      sum_u.setZero();
+      for (std::int64_t c = 0; c < z.cols(); ++c) {
+        for (std::int64_t r = 0; r < qt.n; ++r) {
+          const auto w = em::weight_and_grad<F>((a - T(1)) * z(r, c) - t[r], a);
+          f[r] += w.p;
+          sum_u[r] += w.u;
+        }
       }
+      bool all_done = true;
+      for (std::int64_t r = 0; r < qt.n; ++r) {
+        const T fr[1] = {f[r]}, ur[1] = {sum_u[r]};
+        all_done &= search[static_cast<std::size_t>(r)].step(fr, ur);
+      }
+      if (all_done) break;
     }
-    bool all_done = true;
-    for (std::int64_t r = 0; r < qt.n; ++r) {
-      const T fr[1] = {f[r]}, ur[1] = {sum_u[r]};
-      all_done &= search[static_cast<std::size_t>(r)].step(fr, ur);
-    }
-    if (all_done) break;
-  }
+  });
   for (std::int64_t r = 0; r < qt.n; ++r) {
     const std::int64_t visible = std::min<std::int64_t>(qt.first_limit + r + 1, z.cols());
     tau[r] = visible > 0 ? search[static_cast<std::size_t>(r)].tau() : T(0);

@@ -86,6 +86,29 @@ WINNOW_HD S grad_weight(S gap, S alpha) {
   }
 }
 
+// p and u of one gap together, for the threshold search's sums (f = sum p, f' from sum u) and
+// the backward: off the two families with their own forms, u = gap^((2 - alpha) / (alpha - 1))
+// and p = u gap, one power instead of two where u is finite (on the CPU the powers were most of
+// a general alpha's forward).
+template <class S>
+struct WeightAndGrad {
+  S p, u;
+};
+template <Family F, class S>
+WINNOW_HD WeightAndGrad<S> weight_and_grad(S gap, S alpha) {
+  static_assert(F != Family::any, "the family fixed first (with_family)");
+  if constexpr (F == Family::general) {
+    if (!(gap > S(0))) return {S(0), S(0)};
+    using std::isinf;
+    const S u = power(gap, (S(2) - alpha) / (alpha - S(1)));
+    // For alpha > 2 u's exponent is negative, and past alpha near 9 a gap near the smallest
+    // floats takes u to infinity, where p itself is small: p by its own power there.
+    return {isinf(u) ? power(gap, S(1) / (alpha - S(1))) : u * gap, u};
+  } else {
+    return {weight<F>(gap, alpha), grad_weight<F>(gap, alpha)};
+  }
+}
+
 // dz_i = u_i (dp_i - delta), delta = sum_k u_k dp_k / sum_k u_k.
 template <class U, class DP, class R>
 WINNOW_HD auto grad_logit(const U& u, const DP& dp, const R& delta) {

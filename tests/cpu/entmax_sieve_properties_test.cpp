@@ -110,6 +110,31 @@ void check_threshold_search(double alpha, double tolerance, int max_sweeps) {
   }
 }
 
+// weight_and_grad (one power for both) against weight and grad_weight (a power each): u the
+// same, p the same but for the general family, where p = u gap differs from gap^(1 / (alpha -
+// 1)) by the exponents' float rounding, about 2^-23 |ln gap| / (alpha - 1) relative; p finite
+// also where u overflows (alpha 10, the smallest gaps).
+TEST(Entmax, WeightAndGradMatchesItsTwoParts) {
+  namespace em = math::entmax;
+  auto check = [](auto family, float alpha) {
+    constexpr em::Family F = decltype(family)::value;
+    for (float gap : {-1.f, 0.f, 1e-45f, 1e-38f, 1e-20f, 1e-6f, 0.3f, 1.f, 2.5f, 40.f}) {
+      const auto both = em::weight_and_grad<F>(gap, alpha);
+      const float p = em::weight<F>(gap, alpha), u = em::grad_weight<F>(gap, alpha);
+      const float spread =
+          F == em::Family::general && gap > 0.f ? 4e-7f * (1.f + std::abs(std::log(gap)) / (alpha - 1.f)) : 0.f;
+      EXPECT_LE(std::abs(both.p - p), spread * std::abs(p)) << "alpha " << alpha << " gap " << gap;
+      EXPECT_TRUE(both.u == u || (std::isinf(both.u) && std::isinf(u))) << "alpha " << alpha << " gap " << gap;
+      EXPECT_TRUE(std::isfinite(both.p)) << "alpha " << alpha << " gap " << gap;
+    }
+  };
+  for (float alpha : {1.2f, 1.3f, 3.f, 10.f}) {
+    check(std::integral_constant<em::Family, em::Family::general>{}, alpha);
+  }
+  check(std::integral_constant<em::Family, em::Family::entmax15>{}, 1.5f);
+  check(std::integral_constant<em::Family, em::Family::sparsemax>{}, 2.f);
+}
+
 TEST(Entmax, ThresholdSearchConvergesInFewSweeps) {
   // Four probes: at most 6 sweeps in float64 simulations of these rows (Newton: up to 12).
   check_threshold_search<double, 4>(1.5, 1e-5, 6);
