@@ -82,14 +82,12 @@ const Mechanism& sieve_mechanism() {
     m.positions = {"nope"};
     m.option_keys = option_keys_of<SieveOptions>();
     m.resolve_options = resolve_sieve_options;
-    // The exact filter's search reads whether a row still moves after its collecting sweep
-    // (threshold_search.cu) on the CUDA kernels. The bound filter's threshold is the row
-    // maximum, from one sweep with no flag to read, but its steps have not yet been captured on
-    // a GPU (docs/parked/sieve-bound-graph-capture.patch).
+    // The bound filter's threshold is the row maximum, from one sweep with no flag to read; the
+    // exact filter's search reads whether a row still moves after its collecting sweep
+    // (threshold_search.cu) on the CUDA kernels.
     m.graph_blocker = [](const AttentionConfig& a) -> std::string {
       const auto o = options_of<SieveOptions>(a);
-      return o.filter == "bound" ? "sieve attention's bound filter has not yet been run under capture"
-                                 : "sieve attention's exact filter reads its threshold search's flag on the host";
+      return o.filter == "bound" ? "" : "sieve attention's exact filter reads its threshold search's flag on the host";
     };
     m.check = [](const AttentionConfig& a, const std::string& path) {
       const auto o = options_of<SieveOptions>(a);

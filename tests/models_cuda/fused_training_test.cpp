@@ -280,7 +280,8 @@ TEST(CudaCrossEntropy, MatchesLogSoftmaxGatherAndSum) {
 
 // ------------------------------------------------------------------ the CUDA trainer
 
-ExperimentConfig small(const std::string& out_dir, const std::string& kind) {
+ExperimentConfig small(const std::string& out_dir, const std::string& kind,
+                       const nlohmann::json& options = nlohmann::json::object()) {
   nlohmann::json j = {
       {"seed", 7},
       {"device", "cuda"},
@@ -292,6 +293,7 @@ ExperimentConfig small(const std::string& out_dir, const std::string& kind) {
       {"task", {{"name", "progression"}, {"vocab_size", 12}}},
   };
   if (kind == "softmax") j["model"]["attention"]["position"] = "rope";
+  for (const auto& [key, value] : options.items()) j["model"]["attention"][key] = value;
   return parse_experiment(j);
 }
 
@@ -516,9 +518,15 @@ TEST(CudaTrainer, EnqueuedStepsEqualSynchronousSteps) {
 }
 
 TEST(CudaTrainer, GraphReplaysEqualOrdinarySteps) {
-  for (const char* kind : {"softmax", "stick_breaking"}) {
+  // Sieve with the bound filter: its threshold is the row maximum, from a sweep with no flag
+  // for the host to read (the exact filter's search has one).
+  const std::vector<std::pair<std::string, nlohmann::json>> runs = {
+      {"softmax", nlohmann::json::object()},
+      {"stick_breaking", nlohmann::json::object()},
+      {"sieve", {{"filter", "bound"}}}};
+  for (const auto& [kind, options] : runs) {
     const std::string dir_a = scratch("eager"), dir_b = scratch("graph");
-    ExperimentConfig eager_config = small(dir_a, kind), graph_config = small(dir_b, kind);
+    ExperimentConfig eager_config = small(dir_a, kind, options), graph_config = small(dir_b, kind, options);
     eager_config.train.cuda_graph = false;
     Trainer a(eager_config), b(graph_config);
     a.quiet = b.quiet = true;
