@@ -163,6 +163,8 @@ def methods():
     m["winnow_stick_breaking_halt40"] = (
         same_layout, lambda q, k, v: winnow.stick_breaking_attention(q, k, v, halt_cutoff=40.0)[0])
     m["winnow_entmax15"] = (same_layout, lambda q, k, v: winnow.entmax_attention(q, k, v, alpha=1.5))
+    # A general alpha: its weights take an outlined power where 1.5 and 2 take a square or none.
+    m["winnow_entmax13"] = (same_layout, lambda q, k, v: winnow.entmax_attention(q, k, v, alpha=1.3))
     m["winnow_sieve_exact"] = (same_layout, lambda q, k, v: winnow.sieve_attention(q, k, v)[0])
     m["winnow_sieve_bound"] = (
         same_layout, lambda q, k, v: winnow.sieve_attention(q, k, v, filter="bound")[0])

@@ -295,8 +295,9 @@ struct ThresholdStepRows : ThresholdSweepRows {
       constexpr em::Family F = decltype(family)::value;
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        f[half][k] += em::weight<F>(x - probe[half][k], alpha);
-        sum_u[half][k] += em::grad_weight<F>(x - probe[half][k], alpha);
+        const auto w = em::weight_and_grad<F>(x - probe[half][k], alpha);
+        f[half][k] += w.p;
+        sum_u[half][k] += w.u;
       }
     });
   }
@@ -476,8 +477,9 @@ struct ThresholdCollectRows : ThresholdSweepRows {
                 const float x = tile::ld_shared_f32(a) * x_scale;
 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                  f[k] += em::weight<F>(x - search.probe(k), alpha);
-                  u[k] += em::grad_weight<F>(x - search.probe(k), alpha);
+                  const auto w = em::weight_and_grad<F>(x - search.probe(k), alpha);
+                  f[k] += w.p;
+                  u[k] += w.u;
                 }
               }
             }
@@ -656,8 +658,9 @@ struct EntmaxBackwardRows {
     namespace em = math::entmax;
     for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int half, float gap) {
       constexpr em::Family F = decltype(family)::value;
-      s[n][i] = em::weight<F>(gap, alpha);
-      dp[n][i] = scale * em::grad_logit(em::grad_weight<F>(gap, alpha), dp[n][i], delta[half]);
+      const auto w = em::weight_and_grad<F>(gap, alpha);
+      s[n][i] = w.p;
+      dp[n][i] = scale * em::grad_logit(w.u, dp[n][i], delta[half]);
     });
   }
 };
