@@ -24,16 +24,15 @@ bool weights(const ScoreTile<T>& z, std::int64_t i0, std::int64_t n, const RowVe
   if (u != nullptr) u->resize(z.rows(), n);
   bool any = false;
   em::with_family(alpha, [&](auto family) {
-    constexpr em::Family F = decltype(family)::value;
     for (std::int64_t c = 0; c < n; ++c) {
       for (std::int64_t r = 0; r < z.rows(); ++r) {
         const T gap = (alpha - T(1)) * z(r, i0 + c) - tau[r];
         if (u != nullptr) {
-          const auto both = em::weight_and_grad<F>(gap, alpha);
+          const auto both = em::weight_and_grad(family, gap);
           w(r, c) = both.p;
           (*u)(r, c) = both.u;
         } else {
-          w(r, c) = em::weight<F>(gap, alpha);
+          w(r, c) = em::weight(family, gap);
         }
         any |= gap > T(0);
       }

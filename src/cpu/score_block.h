@@ -52,14 +52,13 @@ void entmax_thresholds(const QueryTile& qt, const ScoreTile<T>& z, double alpha,
   // alpha's family fixed outside the sweeps: no test of alpha per score, and one power per
   // score for the general family (weight_and_grad).
   em::with_family(a, [&](auto family) {
-    constexpr em::Family F = decltype(family)::value;
     for (int step = 0; step < em::kMaxSearchSteps; ++step) {
       for (std::int64_t r = 0; r < qt.n; ++r) t[r] = search[static_cast<std::size_t>(r)].probe(0);
       f.setZero();
       sum_u.setZero();
       for (std::int64_t c = 0; c < z.cols(); ++c) {
         for (std::int64_t r = 0; r < qt.n; ++r) {
-          const auto w = em::weight_and_grad<F>((a - T(1)) * z(r, c) - t[r], a);
+          const auto w = em::weight_and_grad(family, (a - T(1)) * z(r, c) - t[r]);
           f[r] += w.p;
           sum_u[r] += w.u;
         }

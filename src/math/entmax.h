@@ -20,20 +20,50 @@ namespace winnow::math::entmax {
 // out of their loops over scores; `any` decides per call.
 enum class Family { any, sparsemax, entmax15, general };
 
-// Calls fn(std::integral_constant<Family, F>) for alpha's family.
+// A family as with_family hands it to its callback (F is decltype(family)::value). The
+// general one carries alpha's two exponents, 1 / (alpha - 1) for p and (2 - alpha) / (alpha - 1)
+// for u, computed there once: computed per call, each was a float division per score and probe
+// that nvcc did not hoist out of the sweeps' branches (two reciprocals, their slow paths and
+// two branches a probe in the CUDA search's step sweep, SASS sm_90a).
+template <Family F, class S>
+struct FamilyOf {
+  static constexpr Family value = F;
+  WINNOW_HD explicit FamilyOf(S) {}
+};
+template <class S>
+struct FamilyOf<Family::general, S> {
+  static constexpr Family value = Family::general;
+  S p_exponent, u_exponent;
+  WINNOW_HD explicit FamilyOf(S alpha)
+      : p_exponent(S(1) / (alpha - S(1))), u_exponent((S(2) - alpha) / (alpha - S(1))) {}
+};
+
+// Calls fn(FamilyOf<F, S>(alpha)) for alpha's family.
 template <class S, class Fn>
 WINNOW_HD void with_family(S alpha, Fn&& fn) {
   if (alpha == S(2)) {
-    fn(std::integral_constant<Family, Family::sparsemax>{});
+    fn(FamilyOf<Family::sparsemax, S>(alpha));
   } else if (alpha == S(1.5)) {
-    fn(std::integral_constant<Family, Family::entmax15>{});
+    fn(FamilyOf<Family::entmax15, S>(alpha));
   } else {
-    fn(std::integral_constant<Family, Family::general>{});
+    fn(FamilyOf<Family::general, S>(alpha));
   }
 }
 
+// base^exponent for base > 0: a general alpha's weights in the output sweeps and u in the
+// backward's (weight, grad_weight; weight_and_grad has its own GPU form below). On the GPU in
+// float as exp2(exponent log2(base)): log2f is a polynomial of about twenty instructions and
+// exp2f the special function unit's with its range fixups, where powf (correctly rounded to an
+// ulp through a double-float logarithm) took about a hundred. The relative error is then
+// about |exponent log2 base| float roundings, a few 1e-7 for the weights that matter (p > 1e-6
+// at alpha 1.3), inside spec/conventions.md's float tolerance. Outlined: inlined into the same
+// loops as 1.5-entmax's code, it cost 1.5-entmax's listing output sweep 2% at 4K and 16K keys
+// (0.539 against 0.530 ms at 4K, H200, 2026-11-30). The CPU, and doubles anywhere, keep pow.
 template <class S>
 WINNOW_HD_OUTLINED S power(S base, S exponent) {
+#ifdef __CUDA_ARCH__
+  if constexpr (std::is_same_v<S, float>) return exp2f(exponent * log2f(base));
+#endif
   using std::pow;
   return pow(base, exponent);
 }
@@ -51,38 +81,28 @@ WINNOW_HD S positive_part(S gap) {
 }
 
 // p for the gap x - tau.
-template <Family F = Family::any, class S>
-WINNOW_HD S weight(S gap, S alpha) {
+template <Family F, class S>
+WINNOW_HD S weight(const FamilyOf<F, S>& family, S gap) {
   if constexpr (F == Family::sparsemax) {
     return positive_part(gap);
   } else if constexpr (F == Family::entmax15) {
     const S g = positive_part(gap);
     return g * g;
-  }
-  if (!(gap > S(0))) return S(0);
-  if constexpr (F == Family::general) {
-    return power(gap, S(1) / (alpha - S(1)));
   } else {
-    if (alpha == S(2)) return gap;
-    if (alpha == S(1.5)) return gap * gap;
-    return power(gap, S(1) / (alpha - S(1)));
+    return gap > S(0) ? power(gap, family.p_exponent) : S(0);
   }
 }
 
 // u = p^(2 - alpha) for the gap x - tau: the weight each key's logit gradient gets, and
 // (times -1 / (alpha - 1)) the derivative of sum_i p_i with respect to tau.
-template <Family F = Family::any, class S>
-WINNOW_HD S grad_weight(S gap, S alpha) {
-  if constexpr (F == Family::entmax15) return positive_part(gap);
-  if (!(gap > S(0))) return S(0);
-  if constexpr (F == Family::sparsemax) {
-    return S(1);
-  } else if constexpr (F == Family::general) {
-    return power(gap, (S(2) - alpha) / (alpha - S(1)));
+template <Family F, class S>
+WINNOW_HD S grad_weight(const FamilyOf<F, S>& family, S gap) {
+  if constexpr (F == Family::entmax15) {
+    return positive_part(gap);
+  } else if constexpr (F == Family::sparsemax) {
+    return gap > S(0) ? S(1) : S(0);
   } else {
-    if (alpha == S(2)) return S(1);
-    if (alpha == S(1.5)) return gap;
-    return power(gap, (S(2) - alpha) / (alpha - S(1)));
+    return gap > S(0) ? power(gap, family.u_exponent) : S(0);
   }
 }
 
@@ -95,18 +115,61 @@ struct WeightAndGrad {
   S p, u;
 };
 template <Family F, class S>
-WINNOW_HD WeightAndGrad<S> weight_and_grad(S gap, S alpha) {
-  static_assert(F != Family::any, "the family fixed first (with_family)");
+WINNOW_HD WeightAndGrad<S> weight_and_grad(const FamilyOf<F, S>& family, S gap) {
   if constexpr (F == Family::general) {
+#ifdef __CUDA_ARCH__
+    if constexpr (std::is_same_v<S, float>) {
+      // Inlined and without branches, both powers from one logarithm (-infinity for gap <= 0
+      // and NaN, where p's exponent takes exp2 to 0, and u is selected to 0): the threshold
+      // search's sweeps take K = 4 of these per score, and with a branch and an outlined call
+      // each, their latencies never overlapped (an alpha 1.3 step sweep at 4K keys took 7.4
+      // ms, H200, where its instructions would issue in about 2). The logarithm is the special
+      // function unit's (lg2.approx, absolute error about 2^-22), not log2f's polynomial of
+      // twenty instructions: p's and u's relative errors grow to about ln 2 x 2^-22 x their
+      // exponent, 6e-7 at alpha 1.3, against the search's tolerance of 1e-5 on sum p and the
+      // float tolerance of the dense backward's gradients (the forward's weights come from
+      // weight()). The step sweeps at 4K keys: 7.4 -> 2.7 ms (H200, 2026-11-30).
+      const float g = positive_part(gap), lg = __log2f(g);
+      const float u = exp2f(family.u_exponent * lg);
+      return {exp2f(family.p_exponent * lg), g > 0.f ? u : 0.f};
+    }
+#endif
     if (!(gap > S(0))) return {S(0), S(0)};
     using std::isinf;
-    const S u = power(gap, (S(2) - alpha) / (alpha - S(1)));
+    const S u = power(gap, family.u_exponent);
     // For alpha > 2 u's exponent is negative, and past alpha near 9 a gap near the smallest
     // floats takes u to infinity, where p itself is small: p by its own power there.
-    return {isinf(u) ? power(gap, S(1) / (alpha - S(1))) : u * gap, u};
+    return {isinf(u) ? power(gap, family.p_exponent) : u * gap, u};
   } else {
-    return {weight<F>(gap, alpha), grad_weight<F>(gap, alpha)};
+    return {weight(family, gap), grad_weight(family, gap)};
   }
+}
+
+// The same with alpha given: its family fixed at compile time (F), or decided per call (any).
+template <Family F = Family::any, class S>
+WINNOW_HD S weight(S gap, S alpha) {
+  if constexpr (F == Family::any) {
+    S p = S(0);
+    with_family(alpha, [&](auto family) { p = weight(family, gap); });
+    return p;
+  } else {
+    return weight(FamilyOf<F, S>(alpha), gap);
+  }
+}
+template <Family F = Family::any, class S>
+WINNOW_HD S grad_weight(S gap, S alpha) {
+  if constexpr (F == Family::any) {
+    S u = S(0);
+    with_family(alpha, [&](auto family) { u = grad_weight(family, gap); });
+    return u;
+  } else {
+    return grad_weight(FamilyOf<F, S>(alpha), gap);
+  }
+}
+template <Family F, class S>
+WINNOW_HD WeightAndGrad<S> weight_and_grad(S gap, S alpha) {
+  static_assert(F != Family::any, "the family fixed first (with_family)");
+  return weight_and_grad(FamilyOf<F, S>(alpha), gap);
 }
 
 // dz_i = u_i (dp_i - delta), delta = sum_k u_k dp_k / sum_k u_k.

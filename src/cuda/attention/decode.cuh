@@ -556,7 +556,7 @@ __global__ void __launch_bounds__(32 * kSearchWarps) decode_search_kernel(const 
         for (int i = lane; i < listed; i += 32) {
 #pragma unroll
           for (int k = 0; k < K; ++k) {
-            const auto w = em::weight_and_grad<F>(list[i] - search.probe(k), p.alpha);
+            const auto w = em::weight_and_grad(family, list[i] - search.probe(k));
             f[k] += w.p;
             u[k] += w.u;
           }

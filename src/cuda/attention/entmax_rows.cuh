@@ -292,10 +292,9 @@ struct ThresholdStepRows : ThresholdSweepRows {
     namespace em = math::entmax;
     const float no_shift[2] = {0.f, 0.f};  // gaps from 0: x itself, set against each probe
     for_each_gap<Masked>(s, mask, x_scale, no_shift, alpha, [&](auto family, int, int, int half, float x) {
-      constexpr em::Family F = decltype(family)::value;
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        const auto w = em::weight_and_grad<F>(x - probe[half][k], alpha);
+        const auto w = em::weight_and_grad(family, x - probe[half][k]);
         f[half][k] += w.p;
         sum_u[half][k] += w.u;
       }
@@ -477,7 +476,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
                 const float x = tile::ld_shared_f32(a) * x_scale;
 #pragma unroll
                 for (int k = 0; k < K; ++k) {
-                  const auto w = em::weight_and_grad<F>(x - search.probe(k), alpha);
+                  const auto w = em::weight_and_grad(family, x - search.probe(k));
                   f[k] += w.p;
                   u[k] += w.u;
                 }
@@ -576,13 +575,12 @@ struct EntmaxRowsOf {
     namespace em = math::entmax;
     float tile_u = 0.f;
     for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int half, float gap) {
-      constexpr em::Family F = decltype(family)::value;
       if constexpr (kGradWeights) {
-        s[n][i] = em::grad_weight<F>(gap, alpha);
+        s[n][i] = em::grad_weight(family, gap);
         sum_u[half] += s[n][i];
         tile_u += s[n][i];
       } else {
-        s[n][i] = em::weight<F>(gap, alpha);
+        s[n][i] = em::weight(family, gap);
       }
     });
     if constexpr (kGradWeights) mark_support(support, mask.key0, tile_u > 0.f);
@@ -657,8 +655,7 @@ struct EntmaxBackwardRows {
   __device__ __forceinline__ void grads(float (&s)[NT][4], float (&dp)[NT][4], const RowMask& mask) const {
     namespace em = math::entmax;
     for_each_gap<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int half, float gap) {
-      constexpr em::Family F = decltype(family)::value;
-      const auto w = em::weight_and_grad<F>(gap, alpha);
+      const auto w = em::weight_and_grad(family, gap);
       s[n][i] = w.p;
       dp[n][i] = scale * em::grad_logit(w.u, dp[n][i], delta[half]);
     });

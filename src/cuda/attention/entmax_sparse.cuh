@@ -321,8 +321,7 @@ struct EntmaxListedRows : EntmaxRows {
     namespace em = math::entmax;
     SupportBitsOfTile<NT> in;
     for_each_gap_below<Masked>(s, mask, x_scale, tau, alpha, [&](auto family, int n, int i, int half, float below) {
-      constexpr em::Family F = decltype(family)::value;
-      s[n][i] = em::weight<F>(-below, alpha);
+      s[n][i] = em::weight(family, -below);
       in.push(n, half, below);
     });
     if (listing.staging()) {
@@ -409,7 +408,6 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
 
   math::entmax::with_family(sp.alpha, [&](auto family) {
     namespace em = math::entmax;
-    constexpr em::Family F = decltype(family)::value;
     constexpr int kInFlight = 2;
     float sum_u = 0.f, sum_u_dp = 0.f;
     for (int j0 = 0; j0 < n; j0 += kInFlight * kGroups) {
@@ -442,7 +440,7 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
         const int j = j0 + f * kGroups + group;
         if (j < n && sub == 0) {
           const float gap = fmaf(qk[f], x_scale, -tau);
-          const float u = em::grad_weight<F>(gap, sp.alpha);
+          const float u = em::grad_weight(family, gap);
           sum_u += u;
           sum_u_dp = fmaf(u, dp[f], sum_u_dp);
           gaps[j] = gap;
@@ -461,13 +459,13 @@ __global__ void __launch_bounds__(32 * kSparseWarps)
                                 static_cast<std::uint32_t>(h - hk * p.group_size());
     for (int j = lane; j < n; j += 32) {
       const float gap = gaps[j];
-      const float dz = scale * em::grad_logit(em::grad_weight<F>(gap, sp.alpha), dps[j], delta);
+      const float dz = scale * em::grad_logit(em::grad_weight(family, gap), dps[j], delta);
       const std::int64_t kslot = key_slot(p, b, keys[j], hk);
       const int at = sp.key_offsets[kslot] + atomicAdd(sp.key_fill + kslot, 1);
       if (at < sp.entry_capacity) {
         sp.entry_query[at] = query;
         sp.entry_dz[at] = dz;
-        sp.entry_p[at] = em::weight<F>(gap, sp.alpha);
+        sp.entry_p[at] = em::weight(family, gap);
       }
       dps[j] = dz;
     }
