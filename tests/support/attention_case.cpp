@@ -148,7 +148,7 @@ Results run(const Problem& p, const RunConfig& cfg) {
     entmax::Options opt;
     opt.scale = cfg.scale;
     opt.attend_current = cfg.attend_current;
-    opt.alpha = alpha_of(cfg.mechanism);
+    opt.alpha = cfg.alpha.value_or(alpha_of(cfg.mechanism));
     opt.tolerance = cfg.tolerance;
     entmax::Outputs outputs{out_v, stat_v, std::nullopt};
     std::optional<HostTensor> record;
@@ -170,7 +170,7 @@ Results run(const Problem& p, const RunConfig& cfg) {
     sieve::Options opt;
     opt.scale = cfg.scale;
     opt.attend_current = cfg.attend_current;
-    opt.alpha = alpha_of(cfg.mechanism);
+    opt.alpha = cfg.alpha.value_or(alpha_of(cfg.mechanism));
     opt.filter = cfg.mechanism == Mechanism::sieve_bound ? sieve::Filter::bound : sieve::Filter::exact;
     opt.tolerance = cfg.tolerance;
     opt.eps = cfg.eps;

@@ -60,6 +60,7 @@ struct RunConfig {
   std::optional<double> scale;
   bool with_dstat = true;       // stick-breaking, Sieve: pass dlog_rem
   std::optional<double> tolerance;  // entmax, Sieve: the threshold search's
+  std::optional<double> alpha;      // entmax, Sieve: in place of the mechanism's own (alpha_of)
   std::optional<double> eps;        // Sieve's bound filter
   bool permuted = false;        // store (B, L, H, D) as (B, H, L, D) / (T, H, D) as (H, T, D)
   int num_threads = 0;
