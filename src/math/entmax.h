@@ -237,6 +237,7 @@ struct ThresholdSearch {
         return true;
       }
     }
+    const S residual_before = residual();
     for (int k = 0; k < K; ++k) {
       const S t = probe(k);
       if (f[k] > S(1)) {
@@ -247,6 +248,14 @@ struct ThresholdSearch {
     }
     S c0 = hi, c1 = lo;
     int estimates = 0;
+    // With one probe a step, an estimate can creep: past alpha = 2 f is concave between the
+    // keys but not across them (each term's slope runs to -infinity at its key's kink), and
+    // near a kink Newton's step from the right end advanced by a few percent of the gap per
+    // step, the left end stuck (alpha 4, a row of 25 keys whose second key sits 1e-7 above the
+    // root: 76 steps to a float64 tolerance, past kMaxSearchSteps). A step that did not halve
+    // the better end's |f - 1| makes the next probe split the bracket. K probes spread from one
+    // estimate to the other already bracket the root closely, and are left as they were.
+    const bool creeping = K == 1 && residual() > S(0.5) * residual_before;
     // f'(tau) = -sum_i u_i / (alpha - 1).
     if (alpha_ <= S(2)) {
       if (f_lo >= S(0) && u_lo > S(0)) consider(lo + (alpha_ - S(1)) * (f_lo - S(1)) / u_lo, c0, c1, estimates);
@@ -255,7 +264,7 @@ struct ThresholdSearch {
     }
     if (f_lo >= S(0) && f_hi >= S(0)) consider(lo + (hi - lo) * (f_lo - S(1)) / (f_lo - f_hi), c0, c1, estimates);
     const S width = hi - lo;
-    if (estimates == 0) {
+    if (estimates == 0 || creeping) {
       first = lo + width * (S(1) / S(K + 1));
       last = lo + width * (S(K) / S(K + 1));
     } else if (!(c1 > c0)) {
@@ -287,6 +296,12 @@ struct ThresholdSearch {
  private:
   WINNOW_HD void finish(S tau) {
     lo = hi = first = last = tau;
+  }
+  // |f - 1| at the bracket's better evaluated end; +infinity before either is evaluated.
+  WINNOW_HD S residual() const {
+    const S at_lo = f_lo >= S(0) ? f_lo - S(1) : std::numeric_limits<S>::infinity();
+    const S at_hi = f_hi >= S(0) ? S(1) - f_hi : std::numeric_limits<S>::infinity();
+    return at_lo < at_hi ? at_lo : at_hi;
   }
   WINNOW_HD void consider(S estimate, S& c0, S& c1, int& count) const {
     if (!(estimate > lo && estimate < hi)) return;
