@@ -11,8 +11,9 @@
 # 1. builds winnow_cuda_tests and winnow_torch, or $BUILD_TARGETS (tools/gpu_check.sh build);
 # 2. runs the C++ CUDA tests in $TEST_FILTER in eight shards side by side ($TEST_REPEAT times
 #    over, default once; a shard then has one summary a repeat), and beside them
-#    compute-sanitizer racecheck over $RACE_FILTER (none when empty); then the model layer's
-#    CUDA tests in $MODEL_TEST_FILTER (none when empty);
+#    compute-sanitizer racecheck over $RACE_FILTER and memcheck over $MEMCHECK_FILTER (none when
+#    empty); then the model layer's CUDA tests in $MODEL_TEST_FILTER (none when empty), and the
+#    Python CUDA tests (tests/python_cuda) when PYCUDA=1;
 # 3. bench/kernel_breakdown.py $BREAKDOWN (none when empty): the kernels' times, to set against
 #    an earlier run's on main; once per word of $BREAKDOWN_VARIANTS when given, each word an
 #    environment assignment for that run (WINNOW_...=value);
@@ -60,6 +61,10 @@ if [[ -n "${RACE_FILTER:-}" ]]; then
   timeout "${TEST_SECONDS:-120}" compute-sanitizer --tool racecheck --error-exitcode 9 "$T" \
     --gtest_filter="$RACE_FILTER" > "$L/racecheck.log" 2>&1 &
 fi
+if [[ -n "${MEMCHECK_FILTER:-}" ]]; then
+  timeout "${TEST_SECONDS:-120}" compute-sanitizer --tool memcheck --error-exitcode 9 "$T" \
+    --gtest_filter="$MEMCHECK_FILTER" > "$L/memcheck.log" 2>&1 &
+fi
 wait
 if [[ -n "${TEST_FILTER:-}" ]]; then
   for i in 0 1 2 3 4 5 6 7; do
@@ -70,6 +75,7 @@ if [[ -n "${TEST_FILTER:-}" ]]; then
   done
 fi
 [[ -z "${RACE_FILTER:-}" ]] || say "racecheck: $(grep -E 'PASSED|FAILED|RACECHECK SUMMARY' "$L/racecheck.log" | tr '\n' ' ')"
+[[ -z "${MEMCHECK_FILTER:-}" ]] || say "memcheck: $(grep -E 'PASSED|FAILED|ERROR SUMMARY' "$L/memcheck.log" | tr '\n' ' ')"
 if [[ -n "${MODEL_TEST_FILTER:-}" ]]; then
   # The model layer's CUDA tests (add winnow_model_cuda_tests to BUILD_TARGETS).
   timeout "${TEST_SECONDS:-120}" build-gpu/tests/winnow_model_cuda_tests --gtest_filter="$MODEL_TEST_FILTER" \
@@ -78,6 +84,11 @@ if [[ -n "${MODEL_TEST_FILTER:-}" ]]; then
 fi
 
 export WINNOW_LIBRARY=$PWD/build-gpu/libwinnow_torch.so
+if [[ "${PYCUDA:-0}" == 1 ]]; then
+  PYTHONPATH="$PWD/python:$PWD/tests/python" timeout "${TEST_SECONDS:-120}" \
+    python3 -m pytest -q -p no:cacheprovider tests/python_cuda > "$L/pycuda.log" 2>&1
+  say "python CUDA tests: rc $? $(tail -1 "$L/pycuda.log")"
+fi
 if [[ -n "${BREAKDOWN:-}" && -n "${BREAKDOWN_VARIANTS:-}" ]]; then
   # One breakdown per variant, each an environment assignment (NAME=value) for its run.
   for variant in $BREAKDOWN_VARIANTS; do
