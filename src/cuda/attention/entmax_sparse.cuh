@@ -170,6 +170,7 @@ struct SupportListing {
   // a thread (SASS, sm_90a), shuffles among them, between a tile's scores and its P V.
   std::uint32_t staged[2] = {0u, 0u};       // each row's first record (shared address)
   std::uint32_t staged_next[2] = {0u, 0u};  // its next free one
+  int staged_keys[2] = {0, 0};              // keys in each row's staged records
   std::uint32_t staging_stride = 0u, staging_room = 0u;  // bytes between records; capacity x stride
 
   __device__ __forceinline__ void borrow_staging(std::uint32_t slot, int stride, int capacity) {
@@ -191,23 +192,20 @@ struct SupportListing {
       if (bits[half] != 0u) {
         tile::st_shared_v2_b32(staged_next[half], static_cast<std::uint32_t>(first_key), bits[half]);
         staged_next[half] += staging_stride;
+        staged_keys[half] += __popc(bits[half]);
       }
     }
   }
 
   // Files every staged record, as file() files a tile's bits: the quad scans each row's keys
-  // once, and each thread writes its stretch of the row's list. Every lane of the warp calls it.
+  // once (counted as they were staged, so that the records are read once, not twice), and each
+  // thread writes its stretch of the row's list. Every lane of the warp calls it.
   __device__ __forceinline__ void file_staged() {
     const int tig = static_cast<int>(threadIdx.x & 3u);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      int mine = 0;
-      for (std::uint32_t a = staged[half]; a < staged_next[half]; a += staging_stride) {
-        std::uint32_t first_key, bits;
-        tile::ld_shared_v2_b32(a, first_key, bits);
-        mine += __popc(bits);
-      }
-      int at = claim(half, mine, tig);
+      int at = claim(half, staged_keys[half], tig);
+      staged_keys[half] = 0;
       for (std::uint32_t a = staged[half]; a < staged_next[half]; a += staging_stride) {
         std::uint32_t first_key, bits;
         tile::ld_shared_v2_b32(a, first_key, bits);
