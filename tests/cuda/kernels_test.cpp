@@ -529,6 +529,64 @@ TEST(CudaEntmax, LongRowsSumToOneWithTheDefaultTolerance) {
   }
 }
 
+// alpha per call beyond the three the mechanisms name (tests/cpu/kernels_vs_reference_test.cpp
+// has the CPU's twin): near softmax (1.1: most rows' supports outgrow the collect sweep's lists,
+// so the step sweeps run), between 1.5 and 2, and past 2 (the search's concave branch, u's
+// negative exponent, weight_and_grad's select for gaps <= 0). Entmax with and without a support
+// record, and Sieve's exact filter, on the fused kernels at D 128 and 64.
+//
+// Not alpha 4, which the CPU twin takes in float64 only: the CUDA kernels compute in float32
+// whatever the inputs, and float32 arithmetic does not determine the answer there. On these
+// problems the CPU's float32 kernels are as far off as the CUDA kernels (Sieve's out 0.07 and
+// 0.10, entmax's dq 0.045 and 0.22 on the CPU; 0.07, 0.10 and up to 0.11 on CUDA, H200,
+// 2026-11-30): a key within float rounding of the threshold has an entmax weight near
+// (1e-7)^(1/3), and Sieve admits it or not, a full candidate of its stick-breaking either way.
+TEST(CudaEntmax, AnyAlphaMatchesTheReference) {
+  const std::vector<ProblemShape> shapes = {
+      {"d128", {{300, 300}}, false, 4, 2, 128, 128},
+      {"varlen_d64", {{5, 5}, {0, 0}, {200, 260}, {129, 300}}, true, 4, 2, 64, 64},
+  };
+  for (const ProblemShape& shape : shapes) {
+    const Problem problem = Problem::random(shape, 91);
+    for (double alpha : {1.1, 1.75, 2.5}) {
+      for (Mechanism m : {Mechanism::entmax15, Mechanism::sieve_exact}) {
+        for (DType dtype : {DType::bfloat16, DType::float32}) {
+          RunConfig ref;
+          ref.mechanism = m;
+          ref.alpha = alpha;
+          ref.backend = Backend::reference;
+          const Results want = run(rounded(problem, dtype), ref);
+          // Entmax's float32 gradients past alpha 1.5 meet u = gap^((2 - alpha) / (alpha - 1)),
+          // steep (below 2) or unbounded (past 2) at the support's edge. Measured on CUDA (H200,
+          // 2026-11-30): dq and dk 1.2e-5 at 1.75, 4.0e-4 at 2.5, where the CPU's float32
+          // kernels reach 7.9e-6 and 3.1e-5 on the same problems. The gap: sum u and dS come
+          // from two CUDA sweeps that recompute the scores in different orders, and a key near
+          // the edge takes a u that differs between them (not confirmed by a profile of the
+          // rows). Sieve's gradients are stick-breaking's, within the spec's float tolerance.
+          double tol = tolerance(dtype);
+          if (dtype == DType::float32 && !is_sieve(m) && alpha > 1.5) tol = alpha > 2 ? 1e-3 : 2e-5;
+          for (bool keep : {false, true}) {
+            if (keep && is_sieve(m)) continue;
+            SCOPED_TRACE(::testing::Message() << describe(shape) << " " << (is_sieve(m) ? "sieve" : "entmax")
+                                              << " alpha " << alpha << " " << to_string(dtype)
+                                              << (keep ? " support record" : ""));
+            CudaPlacement gpu;
+            RunConfig cfg;
+            cfg.mechanism = m;
+            cfg.alpha = alpha;
+            cfg.dtype = dtype;
+            cfg.keep_support = keep;
+            cfg.placement = &gpu;
+            const Results got = run(problem, cfg);
+            expect_results_close(got, want, tol);
+            if (is_sieve(m)) expect_sieve_rows_close(got, want, dtype, tol);
+          }
+        }
+      }
+    }
+  }
+}
+
 // The fused threshold search assumes a positive scale (it keeps raw scores q . k); other
 // scales take the simple path in the forward, and the backward's fused kernels take any scale.
 TEST(CudaEntmax, NegativeAndZeroScalesMatchTheReference) {
