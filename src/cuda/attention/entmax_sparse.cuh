@@ -199,17 +199,40 @@ struct SupportListing {
 
   // Files every staged record, as file() files a tile's bits: the quad scans each row's keys
   // once (counted as they were staged, so that the records are read once, not twice), and each
-  // thread writes its stretch of the row's list. Every lane of the warp calls it.
+  // thread writes its stretch of the row's list. One loop over a row's keys, which loads the
+  // next record once the last one's bits are spent, not a loop over records around one over
+  // each record's bits: a warp runs a loop for as long as its busiest lane, and nested, for
+  // the most records and, in each, for the most bits of any lane. Every lane calls it.
   __device__ __forceinline__ void file_staged() {
     const int tig = static_cast<int>(threadIdx.x & 3u);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       int at = claim(half, staged_keys[half], tig);
       staged_keys[half] = 0;
-      for (std::uint32_t a = staged[half]; a < staged_next[half]; a += staging_stride) {
-        std::uint32_t first_key, bits;
-        tile::ld_shared_v2_b32(a, first_key, bits);
-        file_keys(half, at, static_cast<int>(first_key), bits);
+      int* const out = list[half];
+      // The next record is loaded as the current one is taken, so that its load's latency
+      // passes under the current record's keys.
+      std::uint32_t a = staged[half], first_key = 0u, bits = 0u, next_first_key = 0u, next_bits = 0u;
+      if (a < staged_next[half]) {
+        tile::ld_shared_v2_b32(a, next_first_key, next_bits);
+        a += staging_stride;
+      }
+      // Records hold nonzero bits (stage() skips the others), so a record taken has a key.
+      while ((bits | next_bits) != 0u) {
+        if (bits == 0u) {
+          first_key = next_first_key;
+          bits = next_bits;
+          next_bits = 0u;
+          if (a < staged_next[half]) {
+            tile::ld_shared_v2_b32(a, next_first_key, next_bits);
+            a += staging_stride;
+          }
+        }
+        const int key = static_cast<int>(first_key) + __ffs(static_cast<int>(bits)) - 1;
+        bits &= bits - 1u;
+        if (at < kSupportCapacity) out[at] = key_row0 + key;
+        ++at;
+        atomicAdd(key_counts + key * key_stride, 1);
       }
       staged_next[half] = staged[half];
     }
