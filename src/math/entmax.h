@@ -318,18 +318,33 @@ struct ThresholdSearch {
 // most the row's. Bisection on [m - 1, m] keeping f(lo) >= 1; `steps` halvings leave lo
 // within 2^-steps of the subset's root. The fused CUDA search takes each row's few largest
 // scores from its first sweep and collects only the keys above this bound.
+// Takes the family in hand (with_family's), so that a general alpha's exponents are not
+// computed again for each of its steps x N weights; and each weight by weight_and_grad (u
+// unused), whose general-alpha GPU form is inlined and branch-free: the CUDA start sweep runs
+// this per row at its end, 16 x 32 weights, and a general alpha's outlined power made that
+// sweep 2.7x 1.5-entmax's (0.576 against 0.213 ms at 4K keys, H200).
 template <Family F, int N, class S>
-WINNOW_HD S threshold_floor(const S (&x)[N], S alpha, int steps = 16) {
+WINNOW_HD S threshold_floor(const FamilyOf<F, S>& family, const S (&x)[N], int steps = 16) {
   S m = x[0];
   for (int i = 1; i < N; ++i) m = x[i] > m ? x[i] : m;
   S lo = m - S(1), hi = m;
   for (int step = 0; step < steps; ++step) {
     const S mid = S(0.5) * (lo + hi);
     S f = S(0);
-    for (int i = 0; i < N; ++i) f += weight<F>(x[i] - mid, alpha);
+    for (int i = 0; i < N; ++i) f += weight_and_grad(family, x[i] - mid).p;
     (f >= S(1) ? lo : hi) = mid;
   }
   return lo;
+}
+template <Family F, int N, class S>
+WINNOW_HD S threshold_floor(const S (&x)[N], S alpha, int steps = 16) {
+  if constexpr (F == Family::any) {
+    S floor = S(0);
+    with_family(alpha, [&](auto family) { floor = threshold_floor(family, x, steps); });
+    return floor;
+  } else {
+    return threshold_floor(FamilyOf<F, S>(alpha), x, steps);
+  }
 }
 
 // The positive gaps d = x - tau of some keys, as the moments that f and f' of sparsemax and

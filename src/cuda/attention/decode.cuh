@@ -430,7 +430,7 @@ struct TopScoresDecode {
     float floor = -INFINITY;
     if (s.x[0] > -INFINITY) {
       math::entmax::with_family(p.alpha, [&](auto family) {
-        floor = math::entmax::threshold_floor<decltype(family)::value>(s.x, p.alpha);
+        floor = math::entmax::threshold_floor(family, s.x);
       });
     }
     float* const out = p.search_rows + 2 * search_row(p, b, row);

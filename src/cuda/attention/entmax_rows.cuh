@@ -234,7 +234,7 @@ struct ThresholdStartRows : ThresholdSweepRows {
         for (int k = 0; k < 4 * kKept; ++k) x[k] = quad_top[half][k] * x_scale;
         float floor = -INFINITY;
         math::entmax::with_family(cfg.alpha, [&](auto family) {
-          floor = math::entmax::threshold_floor<decltype(family)::value>(x, cfg.alpha);
+          floor = math::entmax::threshold_floor(family, x);
         });
         search.start((cfg.alpha - 1.f) * z_max, static_cast<float>(visible[half]), floor);
         result = search.tau() * cfg.result_scale;
