@@ -143,7 +143,7 @@ struct FusedEntmaxForward {
       check(cudaMemsetAsync(record.listed, 0, record.clear_ints * sizeof(int), s), "clearing the support record");
       check(cudaMemsetAsync(record.listed, 1, 1, s), "marking the support record listed");
     };
-    SideStream& side = SideStream::for_current_device();
+    SideStream& side = for_current_device<SideStream>();
     bool cleared_beside = false;  // and not yet listed into
     CountedSupport counted;
     find_thresholds<T, D>(

@@ -13,6 +13,16 @@
 
 namespace winnow::cuda {
 
+// The calling thread's T for the current device, made on first use and kept for the thread's
+// life: streams, events and pinned buffers belong to a device, and one a thread needs no lock.
+template <class T>
+T& for_current_device() {
+  int device = 0;
+  check(cudaGetDevice(&device), "asking for the current device");
+  thread_local std::map<int, T> objects;
+  return objects.try_emplace(device).first->second;
+}
+
 class SideStream {
  public:
   SideStream() {
@@ -29,14 +39,6 @@ class SideStream {
   }
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
-
-  // One per thread and device (streams and events belong to a device), kept for the thread's life.
-  static SideStream& for_current_device() {
-    int device = 0;
-    check(cudaGetDevice(&device), "asking for the current device");
-    thread_local std::map<int, SideStream> streams;
-    return streams.try_emplace(device).first->second;
-  }
 
   // The side stream's later work waits for all that `main` holds so far: memory the caller's
   // stream used (and its allocator may have handed out again) is then safe to write. An event

@@ -125,15 +125,9 @@ class HostFlag {
   HostFlag(const HostFlag&) = delete;
   HostFlag& operator=(const HostFlag&) = delete;
 
-  static HostFlag& for_current_device() {
-    int device = 0;
-    check(cudaGetDevice(&device), "asking for the current device");
-    thread_local std::map<int, HostFlag> flags;
-    return flags.try_emplace(device).first->second;
-  }
   static constexpr int kInts = 4;  // unfinished, then ThresholdCudaConfig::support_totals
   void copy_from(const int* device_flag, cudaStream_t stream, int ints = 1) {
-    SideStream& side = SideStream::for_current_device();
+    SideStream& side = for_current_device<SideStream>();
     side.follow(stream);
     check(cudaMemcpyAsync(value_, device_flag, ints * sizeof(int), cudaMemcpyDeviceToHost, side.stream()),
           "reading the search flag");
@@ -170,7 +164,7 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
   cfg.state = row_buffer(p, buffer.as<void>(), 1);
   cfg.unfinished = reinterpret_cast<int*>(buffer.as<SavedSearch>() + rows);
   cudaStream_t stream = stream_of(p);
-  HostFlag& flag = HostFlag::for_current_device();
+  HostFlag& flag = for_current_device<HostFlag>();
   auto clear_flag = [&] {
     check(cudaMemsetAsync(cfg.unfinished, 0, sizeof(int), stream), "clearing the search flag");
   };
