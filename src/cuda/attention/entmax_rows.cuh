@@ -52,22 +52,28 @@ struct SavedSearch {
   __device__ __forceinline__ bool settled() const { return !(bracket.y > bracket.x); }
 };
 
-// Visits a thread's scores of one tile as gaps x - tau (x = (alpha - 1) z), invisible keys at
-// -infinity where every weight function is 0, with alpha's family fixed at compile time:
-// fn(family, n, i, half, gap). The loops stay fully unrolled for each family.
-template <bool Masked, int NT, class Fn>
-__device__ __forceinline__ void for_each_gap(const float (&s)[NT][4], const RowMask& mask, float x_scale,
-                                             const float (&tau)[2], float alpha, Fn&& fn) {
+// Visits a thread's scores of one tile, (n, i) for s[n][i], with alpha's family fixed at compile
+// time: fn(family, n, i). The loops stay fully unrolled for each family.
+template <int NT, class Fn>
+__device__ __forceinline__ void for_each_score(float alpha, Fn&& fn) {
   math::entmax::with_family(alpha, [&](auto family) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i / 2, e = i % 2;
-        const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -INFINITY;
-        fn(family, n, i, half, gap);
-      }
+      for (int i = 0; i < 4; ++i) fn(family, n, i);
     }
+  });
+}
+
+// The scores as gaps x - tau (x = (alpha - 1) z), invisible keys at -infinity where every
+// weight function is 0: fn(family, n, i, half, gap).
+template <bool Masked, int NT, class Fn>
+__device__ __forceinline__ void for_each_gap(const float (&s)[NT][4], const RowMask& mask, float x_scale,
+                                             const float (&tau)[2], float alpha, Fn&& fn) {
+  for_each_score<NT>(alpha, [&](auto family, int n, int i) {
+    const int half = i / 2, e = i % 2;
+    const float gap = !Masked || mask.visible<8 * NT>(half, n, e) ? fmaf(s[n][i], x_scale, -tau[half]) : -INFINITY;
+    fn(family, n, i, half, gap);
   });
 }
 
@@ -86,12 +92,8 @@ __device__ __forceinline__ float gap_below(const float (&s)[NT][4], const RowMas
 template <bool Masked, int NT, class Fn>
 __device__ __forceinline__ void for_each_gap_below(const float (&s)[NT][4], const RowMask& mask, float x_scale,
                                                    const float (&tau)[2], float alpha, Fn&& fn) {
-  math::entmax::with_family(alpha, [&](auto family) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) fn(family, n, i, i / 2, gap_below<Masked>(s, mask, x_scale, tau, n, i));
-    }
+  for_each_score<NT>(alpha, [&](auto family, int n, int i) {
+    fn(family, n, i, i / 2, gap_below<Masked>(s, mask, x_scale, tau, n, i));
   });
 }
 
