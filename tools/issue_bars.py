@@ -27,6 +27,14 @@ class Bar:
     at_least: bool  # the measured value must be >= bound (else <= bound)
 
     @property
+    def margin(self):
+        """How far the measurement clears the bound (negative: misses it), relative to the bound,
+        as a fraction; a margin within a run's spread (1-2% here) says a repeat may fall either way."""
+        if self.measured is None:
+            return None
+        return self.measured / self.bound - 1.0 if self.at_least else self.bound / self.measured - 1.0
+
+    @property
     def status(self):
         if self.measured is None:
             return "not measured"
@@ -146,11 +154,14 @@ def main(argv=None):
         print(f"issue_bars: {e}", file=sys.stderr)
         return 1
     print(f"device: {', '.join(sorted(devices))}")
-    print(f"{'issue':>5}  {'bar':<42} {'shape':<16} {'measured':>9} {'bound':>7}  status")
+    print(f"{'issue':>5}  {'bar':<42} {'shape':<16} {'measured':>9} {'bound':>7} {'margin':>7}  status")
     for b in bars:
         measured = "-" if b.measured is None else f"{b.measured:.3f}"
         bound = f"{'>=' if b.at_least else '<='}{b.bound:g}"
-        print(f"{b.issue:>5}  {b.what:<42} {b.shape:<16} {measured:>9} {bound:>7}  {b.status}")
+        margin = "-" if b.margin is None else f"{100 * b.margin:+.1f}%"
+        print(f"{b.issue:>5}  {b.what:<42} {b.shape:<16} {measured:>9} {bound:>7} {margin:>7}  {b.status}")
+    if any(b.margin is not None and abs(b.margin) < 0.02 for b in bars):
+        print("(a margin under 2% is within a run's spread: a repeat may fall either way)")
     missed = any(b.status == "MISSED" for b in bars)
     return 2 if args.strict and missed else 0
 

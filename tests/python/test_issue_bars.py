@@ -56,3 +56,18 @@ def test_unknown_json_is_refused(tmp_path, capsys):
     path.write_text(json.dumps({"something": 1}))
     assert issue_bars.main([str(path)]) == 1
     assert "not the JSON of a known benchmark" in capsys.readouterr().err
+
+
+def test_margins_say_how_far_a_bar_is_cleared(capsys):
+    # Session 79's run: entmax-1.5's 4K forward 1.504x AdaSplash-2 against a bar of 1.5x.
+    bars, _ = issue_bars.evaluate([RESULTS / "2026-11-30-h200-issue10-bars-bench.json"])
+    got = by_name(bars)
+    forward = got[(10, "entmax-1.5 forward TF/s x AdaSplash-2", "D 128, L 4096")]
+    assert forward.status == "met" and 0 < forward.margin < 0.01
+    # A bar in time: 1.45 ms against at most 1.5 clears it by 1.5 / 1.45 - 1.
+    timed = issue_bars.Bar(14, "t", "s", 1.45, 1.5, at_least=False)
+    assert abs(timed.margin - (1.5 / 1.45 - 1)) < 1e-12
+    assert issue_bars.Bar(14, "t", "s", None, 1.5, at_least=False).margin is None
+    issue_bars.main([str(RESULTS / "2026-11-30-h200-issue10-bars-bench.json")])
+    out = capsys.readouterr().out
+    assert "+0.3%" in out and "within a run's spread" in out
