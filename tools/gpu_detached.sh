@@ -35,11 +35,14 @@ poll() {
   cat "$RESULTS/progress.txt" 2> /dev/null
   echo "== the script's output, last lines"
   tail -n 5 "$RESULTS/script.log" 2> /dev/null
-  # Files of 4 MB and more (Nsight reports, study checkpoints) stay behind: what comes back from
+  # Files of 4 MiB and more (Nsight reports, study checkpoints) stay behind: what comes back from
   # a call is capped, and one 193 MB study folder kept a whole results.tgz from coming back.
+  # Sizes in bytes: find rounds a size up to whole units first, so -size -4M meant under 3 MiB
+  # and +4M over 4, and a file in between went into neither list (an ncu source table of
+  # session 79 came back nowhere).
   (cd "$(dirname "$RESULTS")" &&
-    find "$(basename "$RESULTS")" -type f -size +4M > "$RESULTS/left-behind.txt" &&
-    find "$(basename "$RESULTS")" -type f -size -4M -print0 | tar czf "$OUT/results.tgz" --null -T -)
+    find "$(basename "$RESULTS")" -type f -size +4194303c > "$RESULTS/left-behind.txt" &&
+    find "$(basename "$RESULTS")" -type f -size -4194304c -print0 | tar czf "$OUT/results.tgz" --null -T -)
 }
 
 case "${1:-}" in
