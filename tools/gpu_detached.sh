@@ -6,7 +6,8 @@
 #   tools/gpu_detached.sh poll [SECONDS]           # in the next calls, back to back
 #
 # start copies the working tree, without its build folders, to $DETACHED_TREE (default
-# /tmp/winnow-detached; kept if it exists, so a second start reuses its builds) and runs
+# /tmp/winnow-detached; where it exists, the working tree is copied over it, so that a second
+# start on a warm machine runs the current sources and reuses the builds there) and runs
 # SCRIPT there under setsid, so that a later call's fresh copy of the working tree cannot
 # change files under it (a parked patch applied by the script, say). SCRIPT runs with $RESULTS (default /tmp/winnow-results) in its
 # environment: it writes its logs there, and lines for people to $RESULTS/progress.txt. The
@@ -54,12 +55,12 @@ case "${1:-}" in
       echo "gpu_detached: a script is still running (pid $(cat "$RESULTS/running")); poll it" >&2
       exit 3
     fi
-    if [[ ! -d "$TREE" ]]; then
-      cp -a . "$TREE" || exit 1
-      # A build tree made here would not configure there (CMake records its directory); ccache
-      # (tools/gpu_check.sh) makes the copy's build cheap.
-      rm -rf "$TREE/gpu-out" "$TREE"/build*
-    fi
+    # A build tree made here would not configure there (CMake records its directory); ccache
+    # (tools/gpu_check.sh) makes the copy's build cheap. Where the copy exists (a second start
+    # on a warm machine), its builds stay and the sources are copied over them: kept as they
+    # were, a second start ran the first one's sources (files deleted here stay there).
+    mkdir -p "$TREE" &&
+      tar -cf - --exclude='./build*' --exclude='./gpu-out' . | tar -xf - -C "$TREE" || exit 1
     rm -f "$RESULTS/progress.txt"
     # The launcher records the script's exit status where poll looks for it.
     RESULTS="$RESULTS" setsid nohup bash -c \
