@@ -340,16 +340,6 @@ WINNOW_HD S threshold_floor(const FamilyOf<F, S>& family, const S (&x)[N], int s
   }
   return lo;
 }
-template <Family F, int N, class S>
-WINNOW_HD S threshold_floor(const S (&x)[N], S alpha, int steps = 16) {
-  if constexpr (F == Family::any) {
-    S floor = S(0);
-    with_family(alpha, [&](auto family) { floor = threshold_floor(family, x, steps); });
-    return floor;
-  } else {
-    return threshold_floor(FamilyOf<F, S>(alpha), x, steps);
-  }
-}
 
 // The positive gaps d = x - tau of some keys, as the moments that f and f' of sparsemax and
 // 1.5-entmax need: f = sum d (sparsemax) or sum d^2 (1.5), f' = -count or -2 sum d. Kept apart

@@ -214,7 +214,7 @@ void check_list_threshold(int max_steps) {
       std::sort(sorted.begin(), sorted.end(), std::greater<>());
       S top[8];
       for (int i = 0; i < 8; ++i) top[i] = i < n ? S(sorted[static_cast<std::size_t>(i)]) : S(-INFINITY);
-      const S floor = std::max(em::threshold_floor<F>(top, S(alpha)), S(sorted[0] - 1));
+      const S floor = std::max(em::threshold_floor(em::FamilyOf<F, S>(S(alpha)), top), S(sorted[0] - 1));
       std::vector<S> list;
       for (double v : x) {
         if (S(v) > floor) list.push_back(S(v));
@@ -278,7 +278,7 @@ TEST(Entmax, ThresholdFloorFromAFewKeysBoundsTheRowThreshold) {
         std::sort(sorted.begin(), sorted.end(), std::greater<>());
         double subset[8];
         for (int i = 0; i < 8; ++i) subset[i] = sorted[static_cast<std::size_t>(2 * i)];
-        const double floor = em::threshold_floor<F>(subset, alpha);
+        const double floor = em::threshold_floor(family, subset);
         // The row's tau by bisection on all keys.
         double lo = sorted[0] - 1, hi = sorted[0];
         for (int step = 0; step < 100; ++step) {

@@ -559,10 +559,12 @@ TEST(CudaEntmax, AnyAlphaMatchesTheReference) {
           // Entmax's float32 gradients past alpha 1.5 meet u = gap^((2 - alpha) / (alpha - 1)),
           // steep (below 2) or unbounded (past 2) at the support's edge. Measured on CUDA (H200,
           // 2026-11-30): dq and dk 1.2e-5 at 1.75, 4.0e-4 at 2.5, where the CPU's float32
-          // kernels reach 7.9e-6 and 3.1e-5 on the same problems. The gap: sum u and dS come
-          // from two CUDA sweeps that recompute the scores in different orders, and a key near
-          // the edge takes a u that differs between them (not confirmed by a profile of the
-          // rows). Sieve's gradients are stick-breaking's, within the spec's float tolerance.
+          // kernels reach 7.9e-6 and 3.1e-5 on the same problems. A CPU emulation of the CUDA
+          // simple path (docs/parked/entmax-float32-emulation.cpp) reproduces both: the backward
+          // forms its scores as scale (q . k) where the search forms (scale q) . k, and the
+          // four-probe search stops further from the root; the fix is parked
+          // (entmax-float32-gradients.patch, with the CPU's tolerances). Sieve's gradients are
+          // stick-breaking's, within the spec's float tolerance.
           double tol = tolerance(dtype);
           if (dtype == DType::float32 && !is_sieve(m) && alpha > 1.5) tol = alpha > 2 ? 1e-3 : 2e-5;
           for (bool keep : {false, true}) {
