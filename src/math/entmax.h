@@ -233,7 +233,13 @@ struct ThresholdSearch {
     if (done()) return true;
     for (int k = 0; k < K; ++k) {
       if (fabs(f[k] - S(1)) <= tolerance_) {
-        finish(probe(k));
+        // Ends one Newton step past the probe, from the f and f' in hand: no sweep more, and
+        // tau's error, not only f's, goes down by about the tolerance's factor again, where
+        // the gradients' u is steep at the support's edge (alpha past 1.5). A step that would
+        // leave the bracket is not taken.
+        const S t = probe(k);
+        const S newton = u[k] > S(0) ? t + (alpha_ - S(1)) * (f[k] - S(1)) / u[k] : t;
+        finish(newton > lo && newton < hi ? newton : t);
         return true;
       }
     }

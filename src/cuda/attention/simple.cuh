@@ -87,6 +87,20 @@ __device__ __forceinline__ float dot_row(const float* x, const T* y, std::int64_
   return acc;
 }
 
+// dot_row of x scaled by `scale` (x[d] * scale rounded first), without storing the scaled x: the
+// backward's scores then carry the same float rounding as the forward's and the threshold
+// search's, which keep q scaled. Past alpha 1.5 entmax's u = gap^((2 - alpha) / (alpha - 1)) is
+// steep or unbounded at the support's edge, and a key near the edge took a different u in the
+// backward than the threshold implied (float32 dq 4.0e-4 off the reference at alpha 2.5, H200,
+// where the CPU's kernels, scaled alike in both passes, reach 3.1e-5); Sieve's filter could
+// admit a key in one pass and not the other.
+template <class T>
+__device__ __forceinline__ float scaled_dot_row(const float* x, float scale, const T* y, std::int64_t stride, int n) {
+  float acc = 0.f;
+  for (int d = 0; d < n; ++d) acc += (x[d] * scale) * load(y + d * stride);
+  return acc;
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
   for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
   return x;
@@ -326,7 +340,7 @@ __global__ void __launch_bounds__(kBackwardThreads)
           bool visible = key >= first;
           const T* k = visible ? p.k.at<const T>(b, s.k_start + key, hk) : nullptr;
           const T* v = visible ? p.v.at<const T>(b, s.k_start + key, hk) : nullptr;
-          const float z = visible ? scale * dot_row(q, k, p.k.dim, p.dim_qk) : 0.f;
+          const float z = visible ? scaled_dot_row(q, scale, k, p.k.dim, p.dim_qk) : 0.f;
           if constexpr (M == Mechanism::sieve) visible = visible && math::sieve::admitted(z, row_threshold);
           const float dp = visible ? dot_row(dout, v, p.v.dim, p.dim_v) : 0.f;
           float w = 0.f, dz = 0.f;
