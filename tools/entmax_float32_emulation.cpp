@@ -1,12 +1,12 @@
-// The CUDA simple path's float32 entmax threshold and logit gradients emulated on the CPU, for
-// docs/parked/entmax-float32-gradients.patch: CudaEntmax.AnyAlphaMatchesTheReference's d128
-// problem, every row, scores as the forward and the search form them (q scaled first, fused
-// multiply-adds in feature order) and as the backward forms them (scaled after the dot); tau from
-// ThresholdSearch<float, 4> (the CUDA search) and <float, 1> (the CPU's); dS = u (dp - delta)
-// against the float64 reference's, norm-relative over all rows. Build from build-cpu (after
-// `cmake --build .`) and run:
+// The CUDA simple path's float32 entmax threshold and logit gradients emulated on the CPU, which
+// found the two causes that commit 0e46e43 fixed (docs/performance.md, sessions 79 and 80):
+// CudaEntmax.AnyAlphaMatchesTheReference's d128 problem, every row, scores as the forward and the
+// search form them (q scaled first, fused multiply-adds in feature order) and as the backward forms
+// them (scaled after the dot); tau from ThresholdSearch<float, 4> (the CUDA search) and <float, 1>
+// (the CPU's); dS = u (dp - delta) against the float64 reference's, norm-relative over all rows.
+// Build from build-cpu (after `cmake --build .`) and run:
 //   g++ -std=c++17 -O2 -ffp-contract=off -I ../tests -I ../include -I ../src \
-//     ../docs/parked/entmax-float32-emulation.cpp -o /tmp/emulation tests/libwinnow_test_support.a \
+//     ../tools/entmax_float32_emulation.cpp -o /tmp/emulation tests/libwinnow_test_support.a \
 //     -L. -lwinnow -Wl,-rpath,$PWD && /tmp/emulation
 #include <cmath>
 #include <cstdio>
