@@ -329,10 +329,9 @@ struct ThresholdSearch {
 // unused), whose general-alpha GPU form is inlined and branch-free: the CUDA start sweep runs
 // this per row at its end, 16 x 8 weights, and a general alpha's outlined power made that
 // sweep 2.7x 1.5-entmax's (0.576 against 0.213 ms at 4K keys, H200; 0.257 in this form,
-// 2026-11-30). That form's
-// logarithm (lg2.approx) moves f by about 1e-7 of itself, the floor by less than the bisection's
-// own 2^-16; a floor that lands a rounding above tau leaves out keys whose weights are below
-// float resolution.
+// 2026-11-30). That form's logarithm (lg2.approx) moves f by about 1e-7 of itself, the floor by
+// less than the bisection's own 2^-16; a floor that lands a rounding above tau leaves out keys
+// whose weights are below float resolution.
 template <Family F, int N, class S>
 WINNOW_HD S threshold_floor(const FamilyOf<F, S>& family, const S (&x)[N], int steps = 16) {
   S m = x[0];
