@@ -173,7 +173,8 @@ def entmax_attention(
     On CUDA, when gradients are wanted, the forward also lists each row's support keys for the
     backward (516 bytes per query row and head, held until the backward runs), which spares the
     backward a sweep over every key; ``WINNOW_ENTMAX_KEEP_SUPPORT=0`` in the environment turns
-    that off.
+    that off. While it runs, the fused CUDA forward's threshold search borrows 1 KB per query
+    row and head (at most 512 MB; past that, 256 bytes, at most 256 MB) for its candidate lists.
     """
     return torch.ops.winnow.entmax_attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,
@@ -272,7 +273,8 @@ def sieve_attention(
 
     Returns ``(out, rem, count)``: out (B, Lq, Hq, Dv), rem (B, Lq, Hq) the stick left over
     the candidates (both differentiable in q, k, v; the filter passes no gradient), and count
-    (int32, B, Lq, Hq) the number of candidates of each row.
+    (int32, B, Lq, Hq) the number of candidates of each row. The exact filter's threshold
+    search borrows scratch memory on CUDA while the forward runs, as :func:`entmax_attention`'s.
     """
     return torch.ops.winnow.sieve_attention(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scale=scale,

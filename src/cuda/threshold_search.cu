@@ -3,8 +3,10 @@
 #include "cuda/cuda.h"
 #include "cuda/side_stream.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 
 namespace winnow::cuda {
@@ -148,6 +150,36 @@ class HostFlag {
 
 std::int64_t threshold_output_reruns() { return output_reruns.load(); }
 
+namespace {
+
+// The pool of lists the collect sweep publishes, in floats. Where every row's lists fit (4 x
+// ThresholdCollectRows::kListLength floats a row, 1 KB, in at most 2^27 floats, 512 MB), Hopper
+// files the keys into it as it finds them (ThresholdCollectToPoolRows); else 64 floats a row, a
+// quarter of that (random scores at 4K keys fill about 56), at most 2^26, which the sweep's
+// warps reserve as they publish (ThresholdCollectRows::publish), a warp finding no room left
+// searching its rows itself. WINNOW_SEARCH_LIST_POOL=n sets the pool to n floats instead (0:
+// none, every warp searches its rows in the sweep), for comparison and tests; read per call.
+inline constexpr std::int64_t kFullPoolFloatsPerRow = 4 * ThresholdCollectRows::kListLength;
+std::int64_t list_pool_floats(const detail::AttentionParams& p) {
+  const std::int64_t rows = p.rows_q * p.heads_q;
+  if (const char* forced = std::getenv("WINNOW_SEARCH_LIST_POOL")) {
+    return std::clamp<std::int64_t>(std::atoll(forced), 0, std::int64_t{1} << 27);
+  }
+  if (kFullPoolFloatsPerRow * rows <= (std::int64_t{1} << 27)) return kFullPoolFloatsPerRow * rows;
+  return std::min<std::int64_t>(64 * rows, std::int64_t{1} << 26);
+}
+
+void launch_solve_published_lists(const detail::AttentionParams& p, const ThresholdCudaConfig& cfg) {
+  const unsigned seqs = static_cast<unsigned>(p.num_seqs);
+  const dim3 grid(static_cast<unsigned>((p.max_len_q + kSolveRowsPerBlock - 1) / kSolveRowsPerBlock),
+                  static_cast<unsigned>(p.heads_q), seqs);
+  if (grid.x == 0 || seqs == 0) return;
+  solve_published_lists_kernel<><<<grid, 4 * kSolveRowsPerBlock, 0, stream_of(p)>>>(p, cfg);
+  check_launch("solve_published_lists_kernel");
+}
+
+}  // namespace
+
 // After the collect sweep and each step sweep one int comes back to the host: whether any row
 // still moves. The output sweep is enqueued right behind the collect sweep, before the host
 // looks, so that the GPU does not idle through the round trip (about 3% of entmax-1.5's
@@ -160,9 +192,21 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
                      const std::function<void()>& output_sweep, CountedSupport* counted,
                      const std::function<void()>& beside_first_sweep) {
   const std::size_t rows = static_cast<std::size_t>(p.rows_q * p.heads_q);
-  DeviceBuffer buffer(p, rows * sizeof(SavedSearch) + HostFlag::kInts * sizeof(int));
+  // Per row its search and its published lists' places, the pool, then the flag, the support
+  // totals and the pool's count (the step sweeps and the bound filter use the first only).
+  const std::size_t pool = cfg.bound ? 0 : static_cast<std::size_t>(list_pool_floats(p));
+  const std::size_t published = pool > 0 ? rows : 0;
+  DeviceBuffer buffer(p, rows * sizeof(SavedSearch) + published * sizeof(PublishedList) + pool * sizeof(float) +
+                             (HostFlag::kInts + 1) * sizeof(int));
   cfg.state = row_buffer(p, buffer.as<void>(), 1);
-  cfg.unfinished = reinterpret_cast<int*>(buffer.as<SavedSearch>() + rows);
+  unsigned char* const after_state = reinterpret_cast<unsigned char*>(buffer.as<SavedSearch>() + rows);
+  if (pool > 0) {
+    cfg.published = row_buffer(p, after_state, 1);
+    cfg.list_pool = reinterpret_cast<float*>(after_state + published * sizeof(PublishedList));
+    cfg.pool_capacity = static_cast<int>(pool);
+  }
+  cfg.unfinished = reinterpret_cast<int*>(after_state + published * sizeof(PublishedList) + pool * sizeof(float));
+  if (pool > 0) cfg.pool_used = cfg.unfinished + HostFlag::kInts;
   cudaStream_t stream = stream_of(p);
   HostFlag& flag = for_current_device<HostFlag>();
   auto clear_flag = [&] {
@@ -175,7 +219,7 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
   // The flag (which the first sweep does not touch) and the totals from zero in one clear before
   // the first sweep, where the GPU waits for the host's launches anyway: a clear between the
   // sweeps cost it about 2 us.
-  const int cleared = counted != nullptr ? HostFlag::kInts : cfg.bound ? 0 : 1;
+  const int cleared = pool > 0 ? HostFlag::kInts + 1 : counted != nullptr ? HostFlag::kInts : cfg.bound ? 0 : 1;
   if (cleared > 0) {
     check(cudaMemsetAsync(cfg.unfinished, 0, cleared * sizeof(int), stream), "clearing the search flag and totals");
   }
@@ -187,10 +231,14 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
   // settled in the first return at once, which costs less than waiting for the host.
   cfg.tile_max = TileMaxMap{};
   const float score_to_x = static_cast<float>(p.scale) * (cfg.alpha - 1.f);
-  launch_threshold_sweep<T, D>(ThresholdSweep::collect, p, cfg, tiles.select_above_floors(cfg.state, score_to_x));
+  const bool full_pool = pool > 0 && pool >= static_cast<std::size_t>(kFullPoolFloatsPerRow) * rows;
+  launch_threshold_sweep<T, D>(full_pool ? ThresholdSweep::collect_to_pool : ThresholdSweep::collect, p, cfg,
+                               tiles.select_above_floors(cfg.state, score_to_x));
+  if (pool > 0) launch_solve_published_lists(p, cfg);
   flag.copy_from(cfg.unfinished, stream, counted != nullptr ? HostFlag::kInts : 1);
   output_sweep();
   cfg.support_totals = nullptr;  // the step sweeps count nothing
+  cfg.list_pool = nullptr;       // and publish nothing
   if (!flag.wait()) {
     const int* const totals = flag.values() + 1;  // as ThresholdCudaConfig::support_totals
     if (counted != nullptr && totals[2] == 0) {

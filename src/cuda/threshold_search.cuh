@@ -89,12 +89,19 @@ void find_thresholds(const detail::AttentionParams& p, ThresholdCudaConfig cfg, 
 // ThresholdCollectRows, ThresholdStepRows). find_thresholds' control flow is one function in
 // threshold_search.cu; the sweeps' kernels, most of the search's compile time, are compiled per
 // element type in threshold_search_bf16.cu and threshold_search_fp16.cu, in parallel.
-enum class ThresholdSweep { start, collect, step };
+// collect_to_pool: the collect sweep filing into the pool (ThresholdCollectToPoolRows) where the
+// Hopper kernel runs, else the one with lists in shared memory (which then publishes them).
+enum class ThresholdSweep { start, collect, collect_to_pool, step };
 template <class T, int D>
 void launch_threshold_sweep(ThresholdSweep sweep, const detail::AttentionParams& p, const ThresholdCudaConfig& cfg,
                             const LiveKeyTiles& live) {
   switch (sweep) {
     case ThresholdSweep::start: return launch_fused_forward<T, D, ThresholdStartRows>(p, cfg, live);
+    case ThresholdSweep::collect_to_pool:
+      if constexpr (kHopperDim<D>) {
+        if (launch_sm90_forward<T, D, ThresholdCollectToPoolRows>(p, cfg, live)) return;
+      }
+      [[fallthrough]];
     case ThresholdSweep::collect: return launch_fused_forward<T, D, ThresholdCollectRows>(p, cfg, live);
     case ThresholdSweep::step: return launch_fused_forward<T, D, ThresholdStepRows>(p, cfg, live);
   }

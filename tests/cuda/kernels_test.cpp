@@ -814,6 +814,49 @@ TEST(CudaEntmax, TheForwardsSupportListsServeTheBackward) {
   }
 }
 
+// The collect sweep's lists searched by a kernel of their own (solve_published_lists_kernel):
+// filed straight into a pool that holds every row's (the default on Hopper at these sizes:
+// ThresholdCollectToPoolRows), or published from shared memory by the warps that find room in a
+// smaller pool (WINNOW_SEARCH_LIST_POOL=700 floats: a few do, the rest search their rows in the
+// sweep), or searched in the sweep (0 floats: no pool). The search is the same code over the same
+// lists in the same order, so every threshold, output and support record is the same bit for
+// bit, and the forward's count of the record's totals matches the record
+// (WINNOW_ENTMAX_CHECK_COUNTS, in the backward).
+TEST(CudaEntmax, PublishedSearchesEqualTheSweepsOwn) {
+  const std::vector<ProblemShape> shapes = {
+      {"gqa_d128", {{300, 300}, {300, 300}}, false, 8, 2, 128, 128},
+      {"long_d128", {{1100, 1100}}, false, 2, 1, 128, 128},
+      {"varlen_d64", {{5, 5}, {0, 0}, {200, 260}, {129, 300}, {1, 1}}, true, 4, 2, 64, 64},
+  };
+  for (const ProblemShape& shape : shapes) {
+    const Problem problem = Problem::random(shape, 57, 1.0);
+    for (Mechanism m : {Mechanism::entmax15, Mechanism::sparsemax, Mechanism::entmax13, Mechanism::sieve_exact}) {
+      SCOPED_TRACE(shape.name + " " + name_of(m));
+      RunConfig cfg;
+      cfg.mechanism = m;
+      cfg.dtype = DType::bfloat16;
+      cfg.keep_support = is_entmax(m);
+      auto run_with_pool = [&](const char* floats) {
+        CudaPlacement gpu;
+        RunConfig c = cfg;
+        c.placement = &gpu;
+        const ScopedEnv pool("WINNOW_SEARCH_LIST_POOL", floats);
+        return run_with_switch("WINNOW_ENTMAX_CHECK_COUNTS", problem, c);
+      };
+      CudaPlacement gpu;
+      cfg.placement = &gpu;
+      const Results published = run_with_switch("WINNOW_ENTMAX_CHECK_COUNTS", problem, cfg);
+      for (const char* floats : {"0", "700"}) {
+        SCOPED_TRACE(std::string("pool of ") + floats + " floats");
+        const Results other = run_with_pool(floats);
+        EXPECT_EQ(other.stat, published.stat);
+        EXPECT_EQ(other.out, published.out);
+        if (cfg.keep_support) expect_same_support_record(published.support, other.support, shape);
+      }
+    }
+  }
+}
+
 // Queries and keys whose scores peak near the diagonal and fall off with distance, as a
 // trained model's local heads do: q_j . k_i = A^2 sum_f cos(w_f (j - i)) (positions
 // bottom-right aligned per sequence, w_f up to pi / 16) plus noise. Entmax's support and

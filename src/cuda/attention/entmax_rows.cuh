@@ -11,7 +11,9 @@
 //                        otherwise ThresholdSearch::start, its bracket's left end raised to
 //                        a floor found from the row's largest scores
 //   ThresholdCollectRows the keys above the floor, kept in shared memory, and the search run
-//                        to its end on them: one sweep settles every row whose keys fit
+//                        to its end on them, by solve_published_lists_kernel right after the
+//                        sweep (the lists published to global memory) or at the sweep's end:
+//                        one sweep settles every row whose keys fit
 //   ThresholdStepRows    one step; raises `unfinished` while some row of the problem still
 //                        moves. A block whose rows have all settled returns at once, so late
 //                        sweeps cost only the blocks still searching (rows whose lists
@@ -50,6 +52,15 @@ struct SavedSearch {
     s.f_lo = ends.x, s.u_lo = ends.y, s.f_hi = ends.z, s.u_hi = ends.w;
   }
   __device__ __forceinline__ bool settled() const { return !(bracket.y > bracket.x); }
+};
+
+// A row whose search the collect sweep left to solve_published_lists_kernel: each of its quad's
+// four threads' lists as a stretch of ThresholdCudaConfig::list_pool. count[0] = -1: the sweep
+// searched the row itself (or the row overflowed its lists). Rows the first sweep settled, in
+// blocks the collect sweep skips, have none written: their SavedSearch says settled.
+struct PublishedList {
+  int offset[4];
+  int count[4];
 };
 
 // Visits a thread's scores of one tile, (n, i) for s[n][i], with alpha's family fixed at compile
@@ -117,6 +128,13 @@ struct ThresholdCudaConfig {
   // collect sweep those it settles. The host reads them with the collect sweep's flag, so that
   // entmax's backward knows the support record's totals without reading it back.
   int* support_totals = nullptr;
+  // Given (the collect sweep): the pool its warps publish their lists to (ThresholdCollectRows::
+  // publish), pool_capacity floats, pool_used the floats reserved (from zero), and a
+  // PublishedList per row. Null: the collect sweep searches every row itself.
+  float* list_pool = nullptr;
+  int* pool_used = nullptr;
+  int pool_capacity = 0;
+  detail::Operand published;
 };
 
 // Adds a warp's rows' support sizes into support_totals (see ThresholdCudaConfig). `size`: the
@@ -329,12 +347,68 @@ struct ThresholdStepRows : ThresholdSweepRows {
   }
 };
 
+// One row's threshold from its quad's four lists of the keys above its floor (raw scores q . k:
+// the collect sweep's lists in shared memory, or as it published them), exactly as a sweep
+// would find it, since no key outside the lists lies above the floor: for sparsemax and
+// 1.5-entmax by math::entmax::ListThreshold (exact), for other alphas by the sweeps' bracketed
+// search (f and f' at K probes), the sums taken over the quad. A lane not `searching` takes part
+// in the quad's sums only. Every lane of the warp calls it, and all run the same number of steps.
+template <class Family, class List>
+__device__ __forceinline__ void solve_on_lists(Family family, CudaThresholdSearch& search, bool searching,
+                                               const List& list, float x_scale, float tolerance) {
+  namespace em = math::entmax;
+  constexpr em::Family F = Family::value;
+  constexpr int K = CudaThresholdSearch::kProbes;
+  if constexpr (F == em::Family::sparsemax || F == em::Family::entmax15) {
+    em::ListThreshold<F, float> list_search(search.tau());
+#pragma unroll 1
+    for (int step = 0; step < em::kMaxSearchSteps; ++step) {
+      const bool moving = searching && !list_search.done;
+      if (!__any_sync(0xffffffffu, moving)) break;
+      em::GapMoments<float> m;
+      if (moving) {
+        list.for_each([&](float v) { m.add(fmaf(v, x_scale, -list_search.tau)); });
+      }
+      m.count = tile::quad_sum(m.count);
+      m.sum = tile::quad_sum(m.sum);
+      if constexpr (F == em::Family::entmax15) m.sum_sq = tile::quad_sum(m.sum_sq);
+      m.min = tile::quad_min(m.min);
+      if (moving) list_search.step(m, tolerance);
+    }
+    // At the step limit tau is still a lower bound within Newton's reach of the root.
+    if (searching) search.settle(list_search.tau);
+  } else {
+#pragma unroll 1
+    for (int step = 0; step < em::kMaxSearchSteps; ++step) {
+      const bool moving = searching && !search.done();
+      if (!__any_sync(0xffffffffu, moving)) break;
+      float f[K] = {}, u[K] = {};
+      if (moving) {
+        list.for_each([&](float v) {
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            // One rounding, spelled out: left to contraction, the kernel and the sweep rounded
+            // x - probe differently (a last-bit difference in tau at alpha 1.3).
+            const auto w = em::weight_and_grad(family, fmaf(v, x_scale, -search.probe(k)));
+            f[k] += w.p;
+            u[k] += w.u;
+          }
+        });
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        f[k] = tile::quad_sum(f[k]);
+        u[k] = tile::quad_sum(u[k]);
+      }
+      if (moving) search.step(f, u);
+    }
+  }
+}
+
 // The second sweep: every visible key above the row's floor (the bracket's left end) goes to
-// the thread's list in shared memory; the threshold is then found on the lists, exactly as a
-// sweep would find it, since no key outside the lists lies above the floor: for sparsemax and
-// 1.5-entmax by math::entmax::ListThreshold (exact), for other alphas by the same bracketed
-// search as the sweeps (f and f' at K probes), the sums taken over the quad's four lists. A row
-// whose lists overflow keeps its bracket and goes on with step sweeps.
+// the thread's list in shared memory; the threshold is then found on the lists (solve_on_lists),
+// after the sweep (published to global memory for solve_published_lists_kernel) or at its end.
+// A row whose lists overflow keeps its bracket and goes on with step sweeps.
 struct ThresholdCollectRows : ThresholdSweepRows {
   static constexpr int K = CudaThresholdSearch::kProbes;
   // Per thread and row on Hopper. On random scores a thread's list at 16K keys averages about
@@ -430,76 +504,105 @@ struct ThresholdCollectRows : ThresholdSweepRows {
     }
   }
 
-  // Every thread of the warp runs the same number of steps (the sums are quad shuffles).
+  // The threshold search happens in finish_output, which has the config (the pool of
+  // published lists); finish has nothing to add to a sweep without values.
   template <int DT>
-  __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) {
+  __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) const {}
+
+  // A thread's list of a row in shared memory, for solve_on_lists.
+  struct SharedList {
+    std::uint32_t first, last, stride;
+    template <class Fn>
+    __device__ __forceinline__ void for_each(Fn&& fn) const {
+      for (std::uint32_t a = first; a < last; a += stride) fn(tile::ld_shared_f32(a));
+    }
+  };
+
+  // Where the warp's lists went: to the pool of published lists (ThresholdCudaConfig::
+  // list_pool), for solve_published_lists_kernel to search at full occupancy, where the search
+  // here runs with the matrix units idle and only the consumers' warps to hide its latency (an
+  // H200 profile at 4K keys: 29% of the consumers' stall samples in it). Returns whether the
+  // warp published (warp-uniform): every row of the warp still searching, or none, by one pool
+  // reservation for the warp; when the pool has no room left, the rows are searched here. A
+  // row published gets its four threads' stretches in its PublishedList.
+  template <class Tile>
+  __device__ __forceinline__ bool publish(const ThresholdCudaConfig& cfg, const Tile& qt, std::int64_t row0, int tig,
+                                          const bool (&searching)[2]) const {
+    if (cfg.list_pool == nullptr) return false;
+    int n[2], mine = 0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      n[half] = searching[half] ? static_cast<int>((next[half] - list[half]) / static_cast<std::uint32_t>(stride)) : 0;
+      mine += n[half];
+    }
+    const int lane = static_cast<int>(threadIdx.x & 31);
+    const int total = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(mine)));
+    if (total == 0) return false;
+    int base = 0;
+    if (lane == 0) base = atomicAdd(cfg.pool_used, total);
+    base = __shfl_sync(0xffffffffu, base, 0);
+    // (pool_used may pass the capacity by the reservations that failed: they stay under 2^31,
+    // every row's lists holding at most 4 x kListLength keys.)
+    if (base > cfg.pool_capacity - total) return false;
+    int before = mine;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int up = __shfl_up_sync(0xffffffffu, before, off);
+      if (lane >= off) before += up;
+    }
+    int at = base + before - mine;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (!searching[half]) continue;
+      PublishedList* const meta = cfg.published.at<PublishedList>(qt.b, qt.s.q_start + row0 + 8 * half, qt.h);
+      meta->offset[tig] = at;
+      meta->count[tig] = n[half];
+      for (std::uint32_t a = list[half]; a < next[half]; a += stride) cfg.list_pool[at++] = tile::ld_shared_f32(a);
+    }
+    return true;
+  }
+
+  // The rows' searches: published (see publish), or here, on the lists. Then the support sizes of
+  // the rows settled here: the candidates with a positive gap, tested as the output sweep tests
+  // them. Every lane of the warp calls it.
+  template <class T, int DT, class Tile>
+  __device__ __forceinline__ void finish_output(float (&)[DT][4], const AttentionParams&,
+                                                const ThresholdCudaConfig& cfg, const Tile& qt, std::int64_t row0,
+                                                int tig) {
+    bool searching[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const bool overflow = tile::quad_max(static_cast<float>(full[half])) > 0.f;
+      searching[half] = state[half] != nullptr && !overflow;
+    }
+    const bool published = publish(cfg, qt, row0, tig, searching);
     namespace em = math::entmax;
     em::with_family(alpha, [&](auto family) {
-      constexpr em::Family F = decltype(family)::value;
 #pragma unroll 1
       for (int half = 0; half < 2; ++half) {
         // Selects, not indexing by half: the loop is not unrolled, and an indexed member array
         // would live in local memory for the whole kernel.
-        const std::uint32_t first = half == 0 ? list[0] : list[1];
-        const std::uint32_t last = half == 0 ? next[0] : next[1];
+        const SharedList rows_list{half == 0 ? list[0] : list[1], half == 0 ? next[0] : next[1],
+                                   static_cast<std::uint32_t>(stride)};
         SavedSearch* const saved = half == 0 ? state[0] : state[1];
-        const bool overflow = tile::quad_max(static_cast<float>(half == 0 ? full[0] : full[1])) > 0.f;
-        const bool searching = saved != nullptr && !overflow;
+        const bool row_searching = half == 0 ? searching[0] : searching[1];
         CudaThresholdSearch search(alpha, tolerance);
         if (saved != nullptr) saved->restore(search);
-        if constexpr (F == em::Family::sparsemax || F == em::Family::entmax15) {
-          em::ListThreshold<F, float> list_search(search.tau());
-#pragma unroll 1
-          for (int step = 0; step < em::kMaxSearchSteps; ++step) {
-            const bool moving = searching && !list_search.done;
-            if (!__any_sync(0xffffffffu, moving)) break;
-            em::GapMoments<float> m;
-            if (moving) {
-              for (std::uint32_t a = first; a < last; a += stride) {
-                m.add(fmaf(tile::ld_shared_f32(a), x_scale, -list_search.tau));
-              }
-            }
-            m.count = tile::quad_sum(m.count);
-            m.sum = tile::quad_sum(m.sum);
-            if constexpr (F == em::Family::entmax15) m.sum_sq = tile::quad_sum(m.sum_sq);
-            m.min = tile::quad_min(m.min);
-            if (moving) list_search.step(m, tolerance);
-          }
-          // At the step limit tau is still a lower bound within Newton's reach of the root.
-          if (searching) search.settle(list_search.tau);
-        } else {
-#pragma unroll 1
-          for (int step = 0; step < em::kMaxSearchSteps; ++step) {
-            const bool moving = searching && !search.done();
-            if (!__any_sync(0xffffffffu, moving)) break;
-            float f[K] = {}, u[K] = {};
-            if (moving) {
-              for (std::uint32_t a = first; a < last; a += stride) {
-                const float x = tile::ld_shared_f32(a) * x_scale;
-#pragma unroll
-                for (int k = 0; k < K; ++k) {
-                  const auto w = em::weight_and_grad(family, x - search.probe(k));
-                  f[k] += w.p;
-                  u[k] += w.u;
-                }
-              }
-            }
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-              f[k] = tile::quad_sum(f[k]);
-              u[k] = tile::quad_sum(u[k]);
-            }
-            if (moving) search.step(f, u);
-          }
-        }
-        if (saved != nullptr && (threadIdx.x & 3) == 0) {
+        solve_on_lists(family, search, row_searching && !published, rows_list, x_scale, tolerance);
+        // A published row is left as it is: its search happens after this sweep. Every other
+        // row still searching (its lists overflowed) says so in its PublishedList.
+        const bool here = saved != nullptr && !(published && row_searching);
+        if (here && (threadIdx.x & 3) == 0) {
           saved->save(search);
           *(half == 0 ? result[0] : result[1]) = search.tau() * result_scale;
           if (!search.done()) atomicOr(unfinished, 1);
+          if (cfg.list_pool != nullptr) {
+            cfg.published.at<PublishedList>(qt.b, qt.s.q_start + row0 + 8 * half, qt.h)->count[0] = -1;
+          }
         }
         // The tau the output sweep reads (result_scale is 1 for entmax, the only counter). A
         // row still searching raises `unfinished`, and the host then does not take the count.
-        const float tau = saved != nullptr && search.done() ? search.tau() * result_scale : INFINITY;
+        const float tau = here && search.done() ? search.tau() * result_scale : INFINITY;
         if (half == 0) {
           count_tau[0] = tau;
         } else {
@@ -507,14 +610,6 @@ struct ThresholdCollectRows : ThresholdSweepRows {
         }
       }
     });
-  }
-
-  // The support sizes of the rows this sweep settled: the candidates with a positive gap,
-  // tested as the output sweep tests them.
-  template <class T, int DT, class Tile>
-  __device__ __forceinline__ void finish_output(float (&)[DT][4], const AttentionParams&,
-                                                const ThresholdCudaConfig& cfg, const Tile&, std::int64_t,
-                                                int tig) const {
     if (cfg.support_totals == nullptr) return;
     constexpr int kLength = static_cast<int>(entmax::kSupportListLength);
     int size = 0;
@@ -538,6 +633,202 @@ struct ThresholdCollectRows : ThresholdSweepRows {
                                               std::int64_t, std::int64_t, std::int64_t,
                                               std::int64_t, int) const {}
 };
+
+// The collect sweep on Hopper when the pool holds every row's lists (ThresholdCudaConfig::
+// list_pool, kListLength floats for each of a row's four threads): a thread files each key above
+// its row's floor straight into its stretch of the pool, so the sweep lends no shared memory to
+// lists and takes two key tiles a round over four stages, as the start sweep does (the lists in
+// shared memory take the room of those stages: ThresholdCollectRows). Every row it does not
+// leave to step sweeps is then searched by solve_published_lists_kernel.
+struct ThresholdCollectToPoolRows : ThresholdSweepRows {
+  static constexpr bool kPairsTiles = true;  // forward_sm90.cuh: two key tiles a round
+  static constexpr int kListLength = ThresholdCollectRows::kListLength;
+  static constexpr bool kSkipsSettledBlocks = true;
+  static constexpr bool kFinishesOutput = true;
+  template <class Tile>
+  __device__ __forceinline__ static bool settled(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                                 const Tile& qt, std::int64_t row) {
+    return ThresholdStepRows::settled(p, cfg, qt, row);
+  }
+
+  // The row's floor in raw scores q . k (+infinity: past the sequence or settled, nothing filed),
+  // the thread's stretch of the pool, the keys filed there and whether one found no room.
+  float floor[2] = {INFINITY, INFINITY};
+  float* list[2] = {nullptr, nullptr};
+  int count[2] = {0, 0};
+  int full[2] = {0, 0};
+
+  // Row (b, row, h)'s first float in the pool: rows in the order of its PublishedList.
+  template <class Tile>
+  __device__ __forceinline__ static float* stretch(const ThresholdCudaConfig& cfg, const Tile& qt, std::int64_t row,
+                                                  int tig) {
+    const PublishedList* const meta = cfg.published.at<const PublishedList>(qt.b, qt.s.q_start + row, qt.h);
+    const std::int64_t flat = meta - static_cast<const PublishedList*>(cfg.published.data);
+    return cfg.list_pool + (4 * flat + tig) * kListLength;
+  }
+
+  template <class Tile>
+  __device__ __forceinline__ ThresholdCollectToPoolRows(const AttentionParams& p, const ThresholdCudaConfig& cfg,
+                                                        const Tile& qt, std::int64_t row0) {
+    const float x_scale = static_cast<float>(p.scale) * (cfg.alpha - 1.f);
+    const int tig = static_cast<int>(threadIdx.x & 3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      if (row < qt.s.q_len) {
+        const SavedSearch* saved = cfg.state.at<const SavedSearch>(qt.b, qt.s.q_start + row, qt.h);
+        if (!saved->settled()) {
+          floor[half] = saved->bracket.x / x_scale;
+          list[half] = stretch(cfg, qt, row, tig);
+        }
+      }
+    }
+  }
+
+  template <bool Masked, int NT>
+  __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
+    // A thread files at most 2 NT keys per row and tile: with that much room in both lists the
+    // end test stays off the path of each key.
+    if (count[0] + 2 * NT <= kListLength && count[1] + 2 * NT <= kListLength) {
+      collect<Masked, false>(s, mask);
+    } else {
+      collect<Masked, true>(s, mask);
+    }
+  }
+
+  template <bool Masked, bool Checked, int NT>
+  __device__ __forceinline__ void collect(const float (&s)[NT][4], const RowMask& mask) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i / 2, e = i % 2;
+        const float v = s[n][i];
+        if (v > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
+          if (!Checked || count[half] < kListLength) {
+            tile::st_global_b32(reinterpret_cast<std::uint32_t*>(list[half] + count[half]), __float_as_uint(v));
+            ++count[half];
+          } else {
+            full[half] = 1;
+          }
+        }
+      }
+    }
+  }
+
+  template <int DT>
+  __device__ __forceinline__ void finish(float (&)[DT][4], float (&)[2]) const {}
+
+  // Each searching row's stretches into its PublishedList, for solve_published_lists_kernel; a
+  // row whose lists overflowed keeps its bracket for the step sweeps and says so there, as
+  // ThresholdCollectRows does. Every lane of the warp calls it.
+  template <class T, int DT, class Tile>
+  __device__ __forceinline__ void finish_output(float (&)[DT][4], const AttentionParams&,
+                                                const ThresholdCudaConfig& cfg, const Tile& qt, std::int64_t row0,
+                                                int tig) const {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const bool overflow = tile::quad_max(static_cast<float>(full[half])) > 0.f;
+      if (list[half] == nullptr) continue;
+      const std::int64_t row = qt.s.q_start + row0 + 8 * half;
+      PublishedList* const meta = cfg.published.at<PublishedList>(qt.b, row, qt.h);
+      if (!overflow) {
+        meta->offset[tig] = static_cast<int>(list[half] - cfg.list_pool);
+        meta->count[tig] = count[half];
+      } else if (tig == 0) {
+        CudaThresholdSearch search(cfg.alpha, cfg.tolerance);
+        cfg.state.at<const SavedSearch>(qt.b, row, qt.h)->restore(search);
+        *cfg.result.at<float>(qt.b, row, qt.h) = search.tau() * cfg.result_scale;
+        if (!search.done()) atomicOr(cfg.unfinished, 1);
+        meta->count[0] = -1;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store_extra(const AttentionParams&, const ThresholdCudaConfig&,
+                                              std::int64_t, std::int64_t, std::int64_t,
+                                              std::int64_t, int) const {}
+};
+
+// A thread's stretch of the pool (solve_published_lists_kernel), its first kHeldListEntries
+// entries in registers, loaded once and all at once, so that each step of the search goes over
+// them without a load (read from memory at every step, the kernel took 0.056 ms at 4K keys on
+// the H200, about what the search took in the sweep); the rest are read at each step. A
+// thread's list at 4K keys holds about 14 on random scores. Held entries past the list's end are
+// -infinity, a key below every threshold, which every use of an entry weighs at zero: the held
+// part runs without a test per entry. With one, its branches took a third of the kernel's
+// instructions, it needed 116 registers against 64 now, and the kernel took 0.103 ms at 4K keys
+// (B 4, 12 heads; H200, 2026-11-30) against 0.051 now.
+inline constexpr int kHeldListEntries = 16;
+struct HeldList {
+  float held[kHeldListEntries];
+  const float* first;
+  int n;
+  __device__ __forceinline__ void load(const float* list, int entries) {
+    first = list;
+    n = entries;
+#pragma unroll
+    for (int i = 0; i < kHeldListEntries; ++i) held[i] = i < n ? __ldg(first + i) : -INFINITY;
+  }
+  template <class Fn>
+  __device__ __forceinline__ void for_each(Fn&& fn) const {
+#pragma unroll
+    for (int i = 0; i < kHeldListEntries; ++i) fn(held[i]);
+    for (int i = kHeldListEntries; i < n; ++i) fn(__ldg(first + i));
+  }
+};
+
+// The searches the collect sweep published (ThresholdCollectRows::publish), a quad per row as
+// in the sweep: each thread reads its stretch of the pool, the quad sums. Then what the sweep
+// does for a row it settles: the state, the threshold, the flag when the search goes on, and
+// the support size when counted. A grid of (row blocks, heads, sequences). With the pool
+// collect sweep before it, entmax-1.5's forward kernels took 1.063-1.070 ms at 4K keys against
+// 1.101-1.104 with the search in the sweep, and 3.025 against 3.148 ms at 16K (H200,
+// 2026-11-30): the sweep 0.298 against 0.382, this kernel 0.051.
+inline constexpr int kSolveRowsPerBlock = 64;
+template <int RowsPerBlock = kSolveRowsPerBlock>
+__global__ void __launch_bounds__(4 * RowsPerBlock)
+    solve_published_lists_kernel(const AttentionParams p, const ThresholdCudaConfig cfg) {
+  const int tig = static_cast<int>(threadIdx.x & 3);
+  const std::int64_t b = blockIdx.z, h = blockIdx.y;
+  const SequenceExtent s = p.sequence(b);
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * RowsPerBlock + threadIdx.x / 4;
+  // Every lane stays to the end: the sums are quad shuffles, the support sizes a warp's.
+  SavedSearch* saved = nullptr;
+  const float* first = cfg.list_pool;
+  int entries = 0;
+  if (row < s.q_len) {
+    SavedSearch* const state = cfg.state.at<SavedSearch>(b, s.q_start + row, h);
+    if (!state->settled()) {
+      const PublishedList* const meta = cfg.published.at<const PublishedList>(b, s.q_start + row, h);
+      if (meta->count[0] >= 0) {
+        saved = state;
+        first = cfg.list_pool + meta->offset[tig];
+        entries = meta->count[tig];
+      }
+    }
+  }
+  HeldList list;
+  list.load(first, entries);
+  const float x_scale = static_cast<float>(p.scale) * (cfg.alpha - 1.f);
+  CudaThresholdSearch search(cfg.alpha, cfg.tolerance);
+  if (saved != nullptr) saved->restore(search);
+  math::entmax::with_family(cfg.alpha, [&](auto family) {
+    solve_on_lists(family, search, saved != nullptr, list, x_scale, cfg.tolerance);
+  });
+  if (saved != nullptr && tig == 0) {
+    saved->save(search);
+    *cfg.result.at<float>(b, s.q_start + row, h) = search.tau() * cfg.result_scale;
+    if (!search.done()) atomicOr(cfg.unfinished, 1);
+  }
+  if (cfg.support_totals == nullptr) return;
+  constexpr int kLength = static_cast<int>(entmax::kSupportListLength);
+  const float tau = saved != nullptr && search.done() ? search.tau() * cfg.result_scale : INFINITY;
+  int mine = 0;
+  if (tau < INFINITY) list.for_each([&](float v) { mine += fmaf(v, x_scale, -tau) > 0.f ? 1 : 0; });
+  const int row_size = static_cast<int>(tile::quad_sum(static_cast<float>(mine)));
+  add_support_sizes(cfg.support_totals, tig == 0 ? min(row_size, kLength) : 0, row_size > kLength);
+}
 
 // The output sweep: p = [x - tau]_+^(1 / (alpha - 1)) with the row's final tau (absolute
 // weights: no running maximum, no normalisation); the statistic is tau itself. With
