@@ -347,6 +347,30 @@ struct ThresholdStepRows : ThresholdSweepRows {
   }
 };
 
+// What both collect sweeps do with a tile's scores: each visible key above its row's floor (raw
+// scores q . k; the thread's rows row0 and row0 + 8 as half 0 and 1) goes to file(half, v), or,
+// when Checked and room(half) says the row's list is full, raises full[half] instead. Unchecked
+// where the caller knows both lists have room for the tile, so the test stays off each key's path.
+template <bool Masked, bool Checked, int NT, class Room, class File>
+__device__ __forceinline__ void file_above_floors(const float (&s)[NT][4], const RowMask& mask, const float (&floor)[2],
+                                                  int (&full)[2], Room&& room, File&& file) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int half = i / 2, e = i % 2;
+      const float v = s[n][i];
+      if (v > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
+        if (!Checked || room(half)) {
+          file(half, v);
+        } else {
+          full[half] = 1;
+        }
+      }
+    }
+  }
+}
+
 // One row's threshold from its quad's four lists of the keys above its floor (raw scores q . k:
 // the collect sweep's lists in shared memory, or as it published them), exactly as a sweep
 // would find it, since no key outside the lists lies above the floor: for sparsemax and
@@ -486,22 +510,12 @@ struct ThresholdCollectRows : ThresholdSweepRows {
 
   template <bool Masked, bool Checked, int NT>
   __device__ __forceinline__ void collect(const float (&s)[NT][4], const RowMask& mask) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i / 2, e = i % 2;
-        const float v = s[n][i];
-        if (v > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
-          if (!Checked || next[half] < end[half]) {
-            tile::st_shared_f32(next[half], v);
-            next[half] += stride;
-          } else {
-            full[half] = 1;
-          }
-        }
-      }
-    }
+    file_above_floors<Masked, Checked>(
+        s, mask, floor, full, [&](int half) { return next[half] < end[half]; },
+        [&](int half, float v) {
+          tile::st_shared_f32(next[half], v);
+          next[half] += stride;
+        });
   }
 
   // The threshold search happens in finish_output, which has the config (the pool of
@@ -544,13 +558,7 @@ struct ThresholdCollectRows : ThresholdSweepRows {
     // (pool_used may pass the capacity by the reservations that failed: they stay under 2^31,
     // every row's lists holding at most 4 x kListLength keys.)
     if (base > cfg.pool_capacity - total) return false;
-    int before = mine;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int up = __shfl_up_sync(0xffffffffu, before, off);
-      if (lane >= off) before += up;
-    }
-    int at = base + before - mine;
+    int at = base + tile::warp_exclusive_sum(mine);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if (!searching[half]) continue;
@@ -698,22 +706,12 @@ struct ThresholdCollectToPoolRows : ThresholdSweepRows {
 
   template <bool Masked, bool Checked, int NT>
   __device__ __forceinline__ void collect(const float (&s)[NT][4], const RowMask& mask) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i / 2, e = i % 2;
-        const float v = s[n][i];
-        if (v > floor[half] && (!Masked || mask.visible<8 * NT>(half, n, e))) {
-          if (!Checked || count[half] < kListLength) {
-            tile::st_global_b32(reinterpret_cast<std::uint32_t*>(list[half] + count[half]), __float_as_uint(v));
-            ++count[half];
-          } else {
-            full[half] = 1;
-          }
-        }
-      }
-    }
+    file_above_floors<Masked, Checked>(
+        s, mask, floor, full, [&](int half) { return count[half] < kListLength; },
+        [&](int half, float v) {
+          tile::st_global_b32(reinterpret_cast<std::uint32_t*>(list[half] + count[half]), __float_as_uint(v));
+          ++count[half];
+        });
   }
 
   template <int DT>

@@ -434,14 +434,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
             tile::red_add_global(sp.stats + 2, 1ull);
             tile::red_add_global(sp.stats + 3, static_cast<unsigned long long>(count));
           }
-          const int mine = __popcll(t.cand);
-          int before = mine;
-#pragma unroll
-          for (int off = 1; off < 32; off *= 2) {
-            const int up = __shfl_up_sync(0xffffffffu, before, off);
-            if (lane >= off) before += up;
-          }
-          int slot = listed + before - mine;
+          int slot = listed + tile::warp_exclusive_sum(__popcll(t.cand));
           for (std::uint64_t left = t.cand; left != 0; left &= left - 1) {
             const int idx = __ffsll(left) - 1;
             const int row = g + 8 * ((idx & 3) >> 1);

@@ -40,6 +40,19 @@ __device__ __forceinline__ float quad_min(float x) {
   return x;
 }
 
+// The sum of x over the warp's lanes before this one (an exclusive scan in lane order): where
+// each lane's items go in a list the warp fills together. Every lane of the warp must take part.
+__device__ __forceinline__ int warp_exclusive_sum(int x) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  int inclusive = x;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const int up = __shfl_up_sync(0xffffffffu, inclusive, off);
+    if (lane >= off) inclusive += up;
+  }
+  return inclusive - x;
+}
+
 // Quad-level scans of one value per thread, in thread order tig = 0 .. 3.
 struct QuadScan {
   float total;      // sum over the quad
