@@ -13,6 +13,7 @@ at once then read and reduce into every head's Q, dO and dQ instead of two or th
 (docs/performance.md, 2026-11-26).
 
     python3 tools/block_schedule.py --lengths 4096 8192 16384 32768 --tokens 32768 --heads 16
+    python3 tools/block_schedule.py --screen --lengths 2048 4096 16384 --tokens 16384 --heads 12
 """
 import argparse
 import heapq
@@ -37,6 +38,38 @@ def grid_order(length, pairs, heads_per_sweep):
     return order
 
 
+def screen_items(length, pairs):
+    """Key tiles (128 keys) of the int8 screen's items (128 query rows each, causal), heaviest
+    first over all (sequence, head) pairs: the order its resident blocks take them in."""
+    tiles = length // 128
+    return [tiles - t for t in range(tiles) for _ in range(pairs)]
+
+
+def snake_finish(items, sms, overhead):
+    """Block c takes item r sms + c in even rounds r and r sms + sms - 1 - c in odd ones."""
+    load = [0.0] * sms
+    for i, tiles in enumerate(items):
+        r, c = divmod(i, sms)
+        load[c if r % 2 == 0 else sms - 1 - c] += tiles + overhead
+    return max(load)
+
+
+def screen_table(args):
+    """The screen's schedules: a block per item in the old grid's order (each pair's tiles,
+    heaviest first, pair after pair), greedy over the heaviest-first order, and the resident
+    blocks' fixed snake. Overhead is per item, in key tiles."""
+    print("L      grid   greedy  snake   (finish over balanced)")
+    for length in args.lengths:
+        pairs = args.heads * max(1, args.tokens // length)
+        items = screen_items(length, pairs)
+        tiles = length // 128
+        grid = [tiles - t for _ in range(pairs) for t in range(tiles)]
+        balanced = sum(t + args.overhead for t in items) / args.sms
+        cells = [finish_time(grid, args.sms, args.overhead), finish_time(items, args.sms, args.overhead),
+                 snake_finish(items, args.sms, args.overhead)]
+        print(f"{length:<6} " + "  ".join(f"{c / balanced:6.3f}" for c in cells))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -46,7 +79,12 @@ def main():
     parser.add_argument("--overhead", type=float, default=1.0, help="per-block cost in tiles")
     parser.add_argument("--interleave", type=int, nargs="+", default=[1, 2, 4],
                         help="(head, sequence) pairs whose key blocks interleave; 1 is the landed order")
+    parser.add_argument("--screen", action="store_true",
+                        help="threshold attention's int8 screen (query-tile items) instead of the backward")
     args = parser.parse_args()
+    if args.screen:
+        screen_table(args)
+        return
     print("L      " + "  ".join(f"pairs {g}" for g in args.interleave) + "  all heads first")
     for length in args.lengths:
         pairs = args.heads * max(1, args.tokens // length)

@@ -875,6 +875,13 @@ class ScreenBuffer {
   ThresholdScreenParams params_;
 };
 
+// The screen's resident blocks: one per multiprocessor, or WINNOW_SCREEN_BLOCKS (at least 1;
+// read per call, so that tests can give each block many items).
+inline std::int64_t screen_blocks() {
+  if (const char* v = std::getenv("WINNOW_SCREEN_BLOCKS")) return std::max<std::int64_t>(1, std::atoll(v));
+  return multiprocessors();
+}
+
 template <class T, int D, int Views>
 void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams& sp) {
   using Shape = Sm90ScreenShape;
@@ -884,7 +891,11 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
   auto kernel = threshold_screen_sm90_kernel<T, D, Views>;
   const int smem = Sm90ScreenSmem<Views>::kBytes;
   allow_shared_memory(kernel, smem);
-  kernel<<<grid, Shape::kThreads, smem, stream_of(p)>>>(p, sp);
+  // The screen's blocks are resident and take the items (the query tiles of the grid above) in
+  // turn (ScreenItems): one per multiprocessor.
+  const std::int64_t items = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
+  const std::int64_t blocks = std::min<std::int64_t>(items, screen_blocks());
+  kernel<<<static_cast<unsigned>(blocks), Shape::kThreads, smem, stream_of(p)>>>(p, sp);
   check_launch("threshold_screen_sm90_kernel");
   threshold_candidates_kernel<T, D, Views><<<grid, 32 * Shape::kBQ / kScreenGroupRows, 0, stream_of(p)>>>(p, sp);
   check_launch("threshold_candidates_kernel");

@@ -295,7 +295,10 @@ auto with_screen(F&& f) {
 // The screened forward (Hopper; threshold_screen_sm90.cuh): beta = 1 leaves a few survivors
 // per row on random rows, which the screen finds and handles itself; beta = 0.7 leaves enough
 // that some warps' tiles are dense and others not; beta = 0.2 makes nearly every tile dense.
-// Each matches the reference, and the default (unscreened) forward.
+// Each matches the reference, and the default (unscreened) forward, with the screen's blocks
+// one per multiprocessor (here, one item each) and with one or two blocks taking every item in
+// turn (passed items, items the producer ends early, query tiles reloaded while the last
+// item's products run, the stages' phases carried from item to item).
 // Long enough rows that tau clears the screen's bound for most of them.
 TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
   int device = 0, major = 0;
@@ -321,6 +324,11 @@ TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
                        std::to_string(beta));
           EXPECT_LT(relative_error(out, want), tolerance(DType::bfloat16));
           EXPECT_LT(relative_error(out, dense), tolerance(DType::bfloat16));
+          for (const char* blocks : {"1", "2"}) {
+            const ScopedEnv few_blocks("WINNOW_SCREEN_BLOCKS", blocks);
+            const std::vector<double> taken_in_turn = with_screen([&] { return threshold_forward(x, {}, &gpu); });
+            EXPECT_EQ(taken_in_turn, out) << "WINNOW_SCREEN_BLOCKS=" << blocks;
+          }
           if (beta == 0.7 && power == 2.0) {
             // The screen's normalization pass writes the saved rows too (its own kernels): the
             // backward from them matches the one that normalizes again.
@@ -393,6 +401,8 @@ TEST(CudaSmall, ThresholdFusedAndSimplePaths) {
         // Saved rows (written by the screen's normalization in the screened pass) but at beta 1.2.
         const TensorView rows = gpu.place(saved_rows_record(x));
         const std::optional<TensorView> saved = beta == 1.2 ? std::nullopt : std::optional(rows);
+        // Two screen blocks, so that each takes several items in turn.
+        const ScopedEnv two_blocks("WINNOW_SCREEN_BLOCKS", "2");
         const std::vector<double> out = deterministic
                                             ? with_screen([&] { return threshold_forward(x, ctx, &gpu, saved); })
                                             : threshold_forward(x, ctx, &gpu, saved);

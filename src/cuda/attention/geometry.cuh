@@ -47,15 +47,17 @@ struct QueryTile {
   // tile of the last heads starts within a tile's run of the launch's end (an idle tail of
   // about 3% at L = 8192, B 4, 16 heads: tools/block_schedule.py); interleaved, the blocks
   // running at once still share a few heads' keys and values in L2.
-  __device__ __forceinline__ QueryTile(const AttentionParams& p) {
+  __device__ __forceinline__ QueryTile(const AttentionParams& p) : QueryTile(p, blockIdx) {}
+  // The tile a block at grid coordinates `block` has (a persistent kernel's work item).
+  __device__ __forceinline__ QueryTile(const AttentionParams& p, uint3 block) {
     const int group = p.heads_per_sweep;
-    b = blockIdx.z;
-    h = static_cast<std::int64_t>(blockIdx.y) * group + static_cast<int>(blockIdx.x) % group;
+    b = block.z;
+    h = static_cast<std::int64_t>(block.y) * group + static_cast<int>(block.x) % group;
     head_in_range = h < p.heads_q;
     hk = p.kv_head(h);
     s = p.sequence(b);
     const std::int64_t tiles = (s.q_len + BQ - 1) / BQ;
-    r0 = (tiles - 1 - static_cast<std::int64_t>(blockIdx.x) / group) * BQ;
+    r0 = (tiles - 1 - static_cast<std::int64_t>(block.x) / group) * BQ;
     first_limit = limit(p, r0);
     const std::int64_t last_row = (r0 + BQ < s.q_len ? r0 + BQ : s.q_len) - 1;
     const std::int64_t last_key = limit(p, last_row);

@@ -58,6 +58,13 @@ __device__ __forceinline__ P* opaque(P* p) {
   asm volatile("" : "+l"(p));
   return p;
 }
+// The same for a 32-bit value, and the other way round: a value the compiler cannot rebuild
+// stays in its register, where a loop would otherwise recompute it at each use (the int8
+// screen's shared base, which ptxas rebuilt from the CTA id in its consumers' loop).
+__device__ __forceinline__ std::uint32_t opaque(std::uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 
 // A value that every lane of the warp holds alike (a warpgroup's index, a ring's stage), passed
 // through the warp's reduction so that ptxas knows it is: REDUX writes a uniform register, and
@@ -147,9 +154,13 @@ __device__ __forceinline__ void mbar_init(std::uint64_t* bar, int count) {
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(bar)) : "memory");
+// By the barrier's shared address (the _at forms): for a hot loop that keeps its barriers'
+// addresses as integers, where converting a generic pointer makes ptxas rebuild the shared
+// window's base (S2UR of the CTA id) at each use.
+__device__ __forceinline__ void mbar_arrive_at(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) { mbar_arrive_at(smem_address(bar)); }
 // A waiter that may sleep up to `hint_ns` before checking again (the hardware wakes it when
 // the phase completes): for producer warps, which otherwise spin on the issue slots the
 // computing warps need.
@@ -164,17 +175,18 @@ __device__ __forceinline__ void mbar_wait_sleepy(std::uint64_t* bar, int parity,
       "r"(parity), "r"(hint_ns)
       : "memory");
 }
-__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, int parity) {
+__device__ __forceinline__ void mbar_wait_at(std::uint32_t bar, int parity) {
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "wait_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n"
-      "}\n" ::"r"(smem_address(bar)),
+      "}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
 }
+__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, int parity) { mbar_wait_at(smem_address(bar), parity); }
 
 // The mbarrier receives this thread's arrival once all its earlier cp.async copies have
 // landed; the thread itself goes on at once. (`noinc`: the arrival is one of the `count`.)

@@ -92,8 +92,13 @@ struct PanelTile {
   // 16 16-bit or 32 8-bit elements). The offsets go into the descriptor's low half (see
   // descriptor_low), so the tile's base is computed once for every k-step of a pass.
   __device__ __forceinline__ std::uint64_t k_major(int row0, int k0) const {
+    return k_major_at(smem_address(data), row0, k0);
+  }
+  // The same for a tile of this type at shared address `at`: for a loop that keeps its tiles'
+  // addresses as integers (see tile::mbar_wait_at).
+  static __device__ __forceinline__ std::uint64_t k_major_at(std::uint32_t at, int row0, int k0) {
     const int bytes = (k0 / kPanelCols) * kPanelBytes + row0 * 128 + (k0 % kPanelCols) * static_cast<int>(sizeof(T));
-    return descriptor_of(descriptor_low(smem_address(data), 16) + (bytes >> 4), 1024);
+    return descriptor_of(descriptor_low(at, 16) + (bytes >> 4), 1024);
   }
   // The tile as an MN-major operand whose k index runs along the rows, from row k0.
   __device__ __forceinline__ std::uint64_t mn_major(int k0) const {

@@ -23,6 +23,14 @@ __device__ __forceinline__ void st_shared_f32(std::uint32_t address, float v) {
 __device__ __forceinline__ void st_shared_b32(std::uint32_t address, std::uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(v));
 }
+__device__ __forceinline__ int ld_volatile_shared_s32(std::uint32_t address) {
+  int v;
+  asm volatile("ld.volatile.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(address) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_volatile_shared_s32(std::uint32_t address, int v) {
+  asm volatile("st.volatile.shared.s32 [%0], %1;\n" ::"r"(address), "r"(v) : "memory");
+}
 __device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(address));
