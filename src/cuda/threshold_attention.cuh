@@ -832,8 +832,10 @@ class ScreenBuffer {
                   aligned(q_rows_ * sizeof(float2)) + aligned(tiles_ * sizeof(float2))),
         bits_(aligned((dense_words_ + live_words_) * sizeof(std::uint32_t))),
         groups_(static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(row_groups(p))),
-        counts_(aligned(groups_ * sizeof(int))),
-        buffer_(p, views * per_view_ + bits_ + counts_ + groups_ * kGroupCandidates * sizeof(std::uint32_t)) {
+        items_(map_blocks(p)),
+        counts_(aligned((groups_ + 1 + items_) * sizeof(int))),
+        lists_(aligned(items_ * sizeof(int4))),
+        buffer_(p, views * per_view_ + bits_ + counts_ + lists_ + groups_ * kGroupCandidates * sizeof(std::uint32_t)) {
     auto* base = buffer_.as<unsigned char>();
     const RowGeometry q = query_rows(p), k = key_rows(p, kScreenRowBytes);
     RowGeometry q8 = q;
@@ -854,8 +856,14 @@ class ScreenBuffer {
     params_.q_blocks = map_query_blocks(p);
     params_.dense.bits = reinterpret_cast<std::uint32_t*>(base);
     params_.live_bits = params_.dense.bits + dense_words_;
+    // Cleared: the candidate counts, the listed blocks' count, the items' marks. Then the listed
+    // blocks and the candidates' lists.
     params_.candidate_counts = reinterpret_cast<int*>(base + bits_);
-    params_.candidates = reinterpret_cast<std::uint32_t*>(base + bits_ + counts_);
+    params_.groups = static_cast<int>(groups_);
+    params_.listed_block_count = params_.candidate_counts + groups_;
+    params_.item_marks = params_.listed_block_count + 1;
+    params_.listed_blocks = reinterpret_cast<int4*>(base + bits_ + counts_);
+    params_.candidates = reinterpret_cast<std::uint32_t*>(base + bits_ + counts_ + lists_);
     if (bits_ + counts_ > 0) {
       check(cudaMemsetAsync(base, 0, bits_ + counts_, stream_of(p)), "clearing the screen's tile bits and counts");
     }
@@ -870,7 +878,7 @@ class ScreenBuffer {
 
  private:
   static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-  std::size_t q_rows_, k_rows_, tiles_, dense_words_, live_words_, per_view_, bits_, groups_, counts_;
+  std::size_t q_rows_, k_rows_, tiles_, dense_words_, live_words_, per_view_, bits_, groups_, items_, counts_, lists_;
   DeviceBuffer buffer_;
   ThresholdScreenParams params_;
 };
@@ -897,7 +905,18 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
   const std::int64_t blocks = std::min<std::int64_t>(items, screen_blocks());
   kernel<<<static_cast<unsigned>(blocks), Shape::kThreads, smem, stream_of(p)>>>(p, sp);
   check_launch("threshold_screen_sm90_kernel");
-  threshold_candidates_kernel<T, D, Views><<<grid, 32 * Shape::kBQ / kScreenGroupRows, 0, stream_of(p)>>>(p, sp);
+  // The candidate pass: as many blocks as fit on the device at once, or as the row groups need.
+  auto candidates = threshold_candidates_kernel<T, D, Views>;
+  static const int per_multiprocessor = [&] {
+    int n = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, candidates, 32 * kCandidateWarps, 0),
+          "sizing the candidate pass");
+    return std::max(n, 1);
+  }();
+  std::int64_t candidate_blocks = std::min<std::int64_t>((sp.groups + kCandidateWarps - 1) / kCandidateWarps,
+                                                         multiprocessors() * per_multiprocessor);
+  if (const char* v = std::getenv("WINNOW_CANDIDATE_BLOCKS")) candidate_blocks = std::max<std::int64_t>(1, std::atoll(v));
+  candidates<<<static_cast<unsigned>(candidate_blocks), 32 * kCandidateWarps, 0, stream_of(p)>>>(p, sp);
   check_launch("threshold_candidates_kernel");
 }
 
@@ -944,6 +963,8 @@ bool screened_forward(const detail::AttentionParams& p, const ThresholdConfig& c
     ThresholdCudaConfig c = view_config(p, cfg, v);
     c.add_to_output = true;
     c.dense = sp.dense;
+    c.listed_blocks = sp.listed_blocks;
+    c.listed_block_count = sp.listed_block_count;
     launch_fused_forward<T, D, ScreenedThresholdRows>(view_params(p, views.view(v)), c, screen.live());
   }
   return true;

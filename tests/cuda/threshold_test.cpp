@@ -325,9 +325,11 @@ TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
           EXPECT_LT(relative_error(out, want), tolerance(DType::bfloat16));
           EXPECT_LT(relative_error(out, dense), tolerance(DType::bfloat16));
           for (const char* blocks : {"1", "2"}) {
+            // Few blocks of the screen and of its candidate pass: each takes many items in turn.
             const ScopedEnv few_blocks("WINNOW_SCREEN_BLOCKS", blocks);
+            const ScopedEnv few_candidate_blocks("WINNOW_CANDIDATE_BLOCKS", blocks);
             const std::vector<double> taken_in_turn = with_screen([&] { return threshold_forward(x, {}, &gpu); });
-            EXPECT_EQ(taken_in_turn, out) << "WINNOW_SCREEN_BLOCKS=" << blocks;
+            EXPECT_EQ(taken_in_turn, out) << "WINNOW_SCREEN_BLOCKS=WINNOW_CANDIDATE_BLOCKS=" << blocks;
           }
           if (beta == 0.7 && power == 2.0) {
             // The screen's normalization pass writes the saved rows too (its own kernels): the
@@ -401,8 +403,9 @@ TEST(CudaSmall, ThresholdFusedAndSimplePaths) {
         // Saved rows (written by the screen's normalization in the screened pass) but at beta 1.2.
         const TensorView rows = gpu.place(saved_rows_record(x));
         const std::optional<TensorView> saved = beta == 1.2 ? std::nullopt : std::optional(rows);
-        // Two screen blocks, so that each takes several items in turn.
+        // Two screen blocks, so that each takes several items in turn, and two of the candidate pass.
         const ScopedEnv two_blocks("WINNOW_SCREEN_BLOCKS", "2");
+        const ScopedEnv two_candidate_blocks("WINNOW_CANDIDATE_BLOCKS", "2");
         const std::vector<double> out = deterministic
                                             ? with_screen([&] { return threshold_forward(x, ctx, &gpu, saved); })
                                             : threshold_forward(x, ctx, &gpu, saved);

@@ -21,6 +21,10 @@
 //   halted(mask), finish(o, stat[2]), store_extra(...)
 //   kSkipsSettledBlocks,       optional: a block whose rows are all settled(...) returns before
 //   settled(p, cfg, qt, row)   loading anything (the threshold search's later sweeps)
+//   kListsBlocks,              optional: the launch's blocks take the tiles a list names, in
+//   listed_block<BQ>(p, cfg,   turn; listed_block (a static member) sets the block's grid
+//     &block)                  coordinates, or returns false for a block past the list's end
+//                              (the fused forward after threshold attention's screen)
 //   kWritesStats               optional (default true): false for mechanisms without a per-row
 //                              statistic (threshold attention); stats is then not touched
 //   kFinishesOutput,           optional: the policy may change the finished output before it
@@ -188,6 +192,20 @@ inline constexpr bool kSkipsSettledBlocks<Rows, std::void_t<decltype(Rows::kSkip
     Rows::kSkipsSettledBlocks;
 
 template <class Rows, class = void>
+inline constexpr bool kListsBlocks = false;
+template <class Rows>
+inline constexpr bool kListsBlocks<Rows, std::void_t<decltype(Rows::kListsBlocks)>> = Rows::kListsBlocks;
+
+// The grid coordinates of the block's query tile: its own, or the one its policy's list names;
+// false when the list has none for it (the block returns at once).
+template <class Rows, int BQ, class Config>
+__device__ __forceinline__ bool block_tile(const AttentionParams& p, const Config& cfg, uint3* block) {
+  *block = blockIdx;
+  if constexpr (kListsBlocks<Rows>) return Rows::template listed_block<BQ>(p, cfg, block);
+  return true;
+}
+
+template <class Rows, class = void>
 inline constexpr bool kNeedsEveryRow = false;
 template <class Rows>
 inline constexpr bool kNeedsEveryRow<Rows, std::void_t<decltype(Rows::kNeedsEveryRow)>> = Rows::kNeedsEveryRow;
@@ -267,7 +285,9 @@ __global__ void __launch_bounds__(32 * kForwardWarps, kForwardMinBlocks<(DK > DV
   auto k_tile = [&](int buf) { return tile::SmemTile<T, BK, DK>{k_base + buf * BK * DK}; };
   auto v_tile = [&](int buf) { return tile::SmemTile<T, BK, DV>{v_base + buf * BK * DV}; };
 
-  const QueryTile<BQ, BK> qt(p);
+  uint3 block;
+  if (!block_tile<Rows, BQ>(p, cfg, &block)) return;
+  const QueryTile<BQ, BK> qt(p, block);
   if (qt.empty() || block_settled<Rows, BQ>(p, cfg, qt)) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const std::int64_t row0 = qt.r0 + 16 * warp + g;  // this thread's rows: row0, row0 + 8

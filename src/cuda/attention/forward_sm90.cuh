@@ -129,7 +129,9 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
   volatile int* const end = reinterpret_cast<volatile int*>(v_empty + S);
   const tile::StageHaltFlags halted{end + S};
 
-  const QueryTile<BQ, BK> qt(p);
+  uint3 block;
+  if (!block_tile<Rows, BQ>(p, cfg, &block)) return;
+  const QueryTile<BQ, BK> qt(p, block);
   if (qt.empty() || block_settled<Rows, BQ>(p, cfg, qt)) return;
   const int tid = threadIdx.x;
   if (tid == 0) {

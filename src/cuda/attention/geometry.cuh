@@ -64,6 +64,14 @@ struct QueryTile {
     key_tiles = last_key < 0 ? 0 : static_cast<int>(last_key / BK + 1);
     first_tile = static_cast<int>(p.first_visible_key(r0 + s.q_offset()) / BK);
   }
+  // The grid coordinates of sequence b's query tile `tile` (counted from the left) of head h.
+  static __device__ __forceinline__ uint3 block_of(const AttentionParams& p, std::int64_t b, std::int64_t h,
+                                                   std::int64_t tile) {
+    const int group = p.heads_per_sweep;
+    const std::int64_t from_right = (p.sequence(b).q_len + BQ - 1) / BQ - 1 - tile;
+    return make_uint3(static_cast<unsigned>(from_right * group + h % group), static_cast<unsigned>(h / group),
+                      static_cast<unsigned>(b));
+  }
   // Blocks past the sequence's last query tile, or past the last head, have nothing to do.
   __device__ __forceinline__ bool empty() const { return !head_in_range || r0 < 0 || r0 >= s.q_len; }
 

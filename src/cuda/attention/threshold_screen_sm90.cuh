@@ -19,8 +19,8 @@
 //                               rows' weights for it, every other row's being zeroed there.
 // A consumer warpgroup whose warps are all dense on the first (diagonal) tile gives up on its
 // rows: every tile becomes dense for them (a low beta costs one 8-bit tile per block, not a
-// whole screen). The candidate pass writes the output's candidates' part; the fused forward
-// adds the dense tiles' part into it.
+// whole screen). A row group that listed candidates has its output rows written by the candidate
+// pass, every other one by the screen, as zeros; the fused forward adds the dense tiles' part.
 //
 // Block: resident, one per multiprocessor, taking work items in turn (ScreenItems: 128 query
 // rows of one head each), a producer warpgroup copying each item's 8-bit query tile and key
@@ -44,6 +44,7 @@ namespace winnow::cuda {
 inline constexpr int kScreenRowBytes = 128;  // int8 rows, zero past the head dimension
 inline constexpr int kSparseCandidates = 24;  // per warp and key tile, above which the tile is dense
 inline constexpr int kGroupCandidates = 256;  // per row group, over its key tiles; past them, dense
+inline constexpr int kCandidateWarps = 8;     // per block of the candidate pass
 
 struct ThresholdScreenParams {
   ThresholdCudaConfig view;  // power, dim, beta; lambda set for TDA (the second view's factor)
@@ -64,6 +65,22 @@ struct ThresholdScreenParams {
   // their count (cleared before the screen).
   std::uint32_t* candidates = nullptr;
   int* candidate_counts = nullptr;
+  // The row groups (group_index) per (sequence, head) whole blocks' worth: candidate_counts'
+  // extent. A row group that listed no candidate has its output rows written by the screen, as
+  // zeros; the candidate pass writes the others'.
+  int groups = 0;
+  // The items (query tiles) with a dense tile, as {sequence, head, tile from the left}, and how
+  // many, for the fused forward that adds them (ThresholdCudaConfig::listed_blocks); per item, how
+  // many of its warps have marked one (cleared before the screen), so that each is listed once.
+  int4* listed_blocks = nullptr;
+  int* listed_block_count = nullptr;
+  int* item_marks = nullptr;
+
+  template <class Tile>
+  __device__ __forceinline__ void list_block(const Tile& qt) const {
+    listed_blocks[atomicAdd(listed_block_count, 1)] =
+        make_int4(static_cast<int>(qt.b), static_cast<int>(qt.h), static_cast<int>(qt.r0 / Tile::kRows), 0);
+  }
   // Diagnostics (WINNOW_SCREEN_STATS): warp tiles screened, left dense, with candidates handled,
   // candidates handled. Null: not counted.
   unsigned long long* stats = nullptr;
@@ -71,6 +88,13 @@ struct ThresholdScreenParams {
   template <class Tile>
   __device__ __forceinline__ std::int64_t group_index(const AttentionParams& p, const Tile& qt, std::int64_t row) const {
     return (qt.b * p.heads_q + qt.h) * dense.row_groups + row / kScreenGroupRows;
+  }
+  // The query tile holding row group `group` (group_index's inverse), and the group's first row.
+  template <class Tile>
+  __device__ __forceinline__ Tile tile_of_group(const AttentionParams& p, std::int64_t group, std::int64_t* row) const {
+    const std::int64_t pair = group / dense.row_groups, b = pair / p.heads_q, h = pair % p.heads_q;
+    *row = (group % dense.row_groups) * kScreenGroupRows;
+    return Tile(p, Tile::block_of(p, b, h, *row / Tile::kRows));
   }
 
   // A query row's {scale, error radius}, and a key tile's largest.
@@ -187,6 +211,19 @@ struct ScreenItems {
   }
 };
 
+// A row group's output rows as zeros, written by the warp that screened them (quad g: rows g and
+// g + 8 of the group): the rows that listed no candidate, which the candidate pass leaves alone,
+// and to which the fused forward then adds the dense tiles' part.
+template <class T, int D, class Tile>
+__device__ __forceinline__ void store_zero_rows(const AttentionParams& p, const Tile& qt, std::int64_t row0, int tig) {
+  const float zero[D / 8][4] = {};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t row = row0 + 8 * half;
+    if (row < qt.s.q_len) tile::store_fragment_row<T>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h), zero, half, tig);
+  }
+}
+
 // Whether no row of the item can be screened on its diagonal tile (tau within the bound, as for
 // beta near 0): then the producer leaves every tile to the fused forward before loading
 // anything (each row group's tiles dense, the block's live, no candidates: the counts start at
@@ -294,6 +331,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         if (ptid < BQ / kScreenGroupRows) {
           mark_tiles_dense(sp.dense.group(p, qt, qt.r0 + kScreenGroupRows * ptid), sp.live_row(p, qt), n_tiles);
         }
+        if (ptid == 0) sp.list_block(qt);
         const int f = fill++;
         wait_free(f);
         if (ptid == 0) end[stage_of(f)] = 2 * (f + 1) + 1;
@@ -344,12 +382,16 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       const int item = items.of_round(r);
       if (item >= items.count) break;
       const QueryTile<BQ, BK> qt(p, items.block(item));
-      if (qt.empty() || qt.key_tiles == 0) continue;
+      if (qt.empty()) continue;
+      const std::int64_t group0 = qt.r0 + 64 * wg + 16 * warp;  // this warp's 16 rows
+      const std::int64_t row0 = group0 + g;                      // this thread's rows: row0, row0 + 8
+      if (qt.key_tiles == 0) {  // rows without keys (an empty key sequence): zero
+        store_zero_rows<T, D>(p, qt, row0, tig);
+        continue;
+      }
       const int n_tiles = qt.key_tiles;
       const int base = fill;  // the item's tile i is in fill base + i
       const int q = loaded & 1;  // its query tile (unless it is passed: then loaded stays)
-      const std::int64_t group0 = qt.r0 + 64 * wg + 16 * warp;  // this warp's 16 rows
-      const std::int64_t row0 = group0 + g;                      // this thread's rows: row0, row0 + 8
       std::uint32_t* const dense_row = sp.dense.group(p, qt, group0);
       std::uint32_t* const live_row = sp.live_row(p, qt);
 
@@ -391,7 +433,8 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       };
       const std::int64_t group = sp.group_index(p, qt, group0);
       std::uint32_t* const listed_candidates = sp.candidates + group * kGroupCandidates;
-      int listed = 0;  // the same in every lane
+      int listed = 0;        // the same in every lane
+      bool marked = false;   // whether this warp left a tile of the item dense (the same in every lane)
 
       // The products, one per key tile and view (j = Views i + v over tiles i = 0, 1, ...; tile i
       // is key tile n_tiles - 1 - i, in stage i % S), two an iteration into two accumulators:
@@ -548,6 +591,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
           }
         }
         if (dense && lane == 0) mark_dense(kt);
+        marked = marked || dense;
         if (counting && lane == 0) {
           tile::red_add_global(sp.stats, 1ull);
           if (dense) tile::red_add_global(sp.stats + 1, 1ull);
@@ -566,6 +610,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         if (stage_ready(0) < 0) {  // passed: no stage but this one was used, nothing to screen
           tile::mbar_arrive_at(empty_at(stage_of(base)));
           ++fill;
+          store_zero_rows<T, D>(p, qt, row0, tig);  // every tile dense: the fused forward adds them all
           continue;
         }
         ++loaded;
@@ -585,6 +630,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         // to the fused forward.
         done = tile::named_sync_and(kConsumerBarrier + wg, 128, dense);
         if (done && lane == 0) mark_tiles_dense(dense_row, live_row, n_tiles);
+        marked = marked || done;
       }
 
       // From tile 1 on: an iteration's products j + u (u = 0, 1) are of tiles i0 .. i0 + kTiles - 1,
@@ -639,90 +685,106 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       if (ended) tile::mbar_arrive_at(empty_at(stage_of(base + ended_at)));
       fill = base + (ended ? ended_at + 1 : n_tiles);
       tile::mbar_arrive_at(q_empty_at(q));
-      if (lane == 0) sp.candidate_counts[group] = listed;
+      // The item listed for the fused forward by the first of its warps that marked a tile dense.
+      if (marked && lane == 0 && atomicAdd(sp.item_marks + item, 1) == 0) sp.list_block(qt);
+      if (listed > 0) {
+        if (lane == 0) sp.candidate_counts[group] = listed;
+      } else {
+        store_zero_rows<T, D>(p, qt, row0, tig);
+      }
     }
   }
 #endif
 }
 
-// The candidates' part of the output, after the screen: it writes every output row of the
-// screened problem (zero where a row has no candidate), and the fused forward then adds the
-// dense tiles' part. Same grid as the screen, a warp per row group: each candidate (the
-// screen's list for the group) gets its exact score from the 16-bit rows and, where the weight
-// is nonzero, its weighted value row, handled by the quad that holds its row's output; per pass
-// every quad takes its next one, so up to eight candidates' rows are loaded at once.
+// The candidates' part of the output, after the screen: the rows of every row group that listed
+// candidates (the screen wrote every other row as zeros), to which the fused forward then adds
+// the dense tiles' part. Persistent warps: warp w takes row groups w, w + W, ... (W warps in the
+// launch, as many as fit on the device at once) and passes over those without candidates. In
+// that order the warps running at once share a few heads' rows in L2; in the order the screen
+// finished its groups (heads interleaved), TDA's pass was 20-35% slower (H200, session 83). The
+// full grid, a warp a row group, took 0.050 ms at both 4K and 16K for TRA (session 82). Each
+// candidate gets its exact score from the 16-bit rows and, where the weight is nonzero, its
+// weighted value row, handled by the quad that holds its row's output: the warp reads its list 32
+// entries at a time, and per pass every quad takes its next one, so up to eight candidates' rows
+// are loaded at once.
 template <class T, int D, int Views>
-__global__ void __launch_bounds__(32 * Sm90ScreenShape::kBQ / kScreenGroupRows)
+__global__ void __launch_bounds__(kCandidateWarps * 32)
     threshold_candidates_kernel(const AttentionParams p, const ThresholdScreenParams sp) {
   namespace mt = math::threshold;
-  const QueryTile<Sm90ScreenShape::kBQ, Sm90ScreenShape::kBK> qt(p);
-  if (qt.empty()) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
-  const std::int64_t group0 = qt.r0 + kScreenGroupRows * warp;
-  if (group0 >= qt.s.q_len) return;
-  const std::int64_t row0 = group0 + g;
-  const float beta = sp.view.beta[qt.h * sp.view.beta_head];
-  const float lambda = Views == 2 ? -sp.view.factor(qt.h) : 0.f;
-  float tau[2];
-  const T* q_rows[Views][2];
+  using Tile = QueryTile<Sm90ScreenShape::kBQ, Sm90ScreenShape::kBK>;
+  const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  const int stride = static_cast<int>(gridDim.x) * kCandidateWarps;
+  for (int group = static_cast<int>(blockIdx.x) * kCandidateWarps + static_cast<int>(threadIdx.x) / 32;
+       group < sp.groups; group += stride) {
+    const int count = min(sp.candidate_counts[group], kGroupCandidates);
+    if (count == 0) continue;
+    std::int64_t group0;
+    const Tile qt = sp.tile_of_group<Tile>(p, group, &group0);
+    const std::int64_t row0 = group0 + g;
+    const float beta = sp.view.beta[qt.h * sp.view.beta_head];
+    const float lambda = Views == 2 ? -sp.view.factor(qt.h) : 0.f;
+    float tau[2];
+    const T* q_rows[Views][2];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const std::int64_t row = row0 + 8 * half;
-    const std::int64_t limit = qt.limit(p, row);
-    tau[half] = beta * sp.view.unit(limit);
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      const std::int64_t limit = qt.limit(p, row);
+      tau[half] = beta * sp.view.unit(limit);
 #pragma unroll
-    for (int v = 0; v < Views; ++v) {
-      q_rows[v][half] = limit >= 0 ? sp.q_hat[v].at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
+      for (int v = 0; v < Views; ++v) {
+        q_rows[v][half] = limit >= 0 ? sp.q_hat[v].at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
+      }
     }
-  }
-  const std::int64_t group = sp.group_index(p, qt, group0);
-  const int count = min(sp.candidate_counts[group], kGroupCandidates);
-  const std::uint32_t* const list = sp.candidates + group * kGroupCandidates;
+    const std::uint32_t* const list = sp.candidates + static_cast<std::int64_t>(group) * kGroupCandidates;
 
-  float o[D / 8][4];
-  tile::zero(o);
-  int cursor = 0;
-  while (true) {
-    std::uint32_t entry = 0;
-    bool active = false;
-    for (; cursor < count; ++cursor) {
-      const std::uint32_t x = list[cursor];
-      if (static_cast<int>(x & 7u) == g) {
-        entry = x;
-        active = true;
-        ++cursor;
-        break;
+    float o[D / 8][4];
+    tile::zero(o);
+    for (int first = 0; first < count; first += 32) {
+      // Entry first + lane in this lane; `mine`: the lanes holding entries of this quad's rows
+      // (entry & 7 is its row's position in an eight-row half: quad g's rows are g and g + 8).
+      const bool held = first + lane < count;
+      const std::uint32_t x = held ? list[first + lane] : 0u;
+      unsigned mine = 0;
+#pragma unroll
+      for (int quad = 0; quad < 8; ++quad) {
+        const unsigned of_quad = __ballot_sync(0xffffffffu, held && static_cast<int>(x & 7u) == quad);
+        if (quad == g) mine = of_quad;
+      }
+      while (__any_sync(0xffffffffu, mine != 0)) {
+        const bool active = mine != 0;
+        const std::uint32_t entry = __shfl_sync(0xffffffffu, x, active ? __ffs(mine) - 1 : 0);
+        mine &= mine - 1;
+        const int half = static_cast<int>((entry >> 3) & 1u);
+        const std::int64_t key = static_cast<std::int64_t>(entry >> 4);
+        float w = 0.f;
+#pragma unroll
+        for (int v = 0; v < Views; ++v) {
+          const T* k = active ? sp.k_hat[v].at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
+          const float score = screen::quad_score<T, D>(half == 0 ? q_rows[v][0] : q_rows[v][1], k, active, tig);
+          const float wv = mt::weight(score - tau[half], sp.view.power);
+          w += v == 0 ? wv : -lambda * wv;
+        }
+        if (active && w != 0.f) {
+          const T* vrow = p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk);
+          const float w_lo = half == 0 ? w : 0.f, w_hi = half == 0 ? 0.f : w;
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            const float2 xv = screen::feature_pair(vrow, n, tig);
+            o[n][0] += w_lo * xv.x;
+            o[n][1] += w_lo * xv.y;
+            o[n][2] += w_hi * xv.x;
+            o[n][3] += w_hi * xv.y;
+          }
+        }
       }
     }
-    if (!__any_sync(0xffffffffu, active)) break;
-    const int half = static_cast<int>((entry >> 3) & 1u);
-    const std::int64_t key = static_cast<std::int64_t>(entry >> 4);
-    float w = 0.f;
 #pragma unroll
-    for (int v = 0; v < Views; ++v) {
-      const T* k = active ? sp.k_hat[v].at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
-      const float score = screen::quad_score<T, D>(half == 0 ? q_rows[v][0] : q_rows[v][1], k, active, tig);
-      const float wv = mt::weight(score - tau[half], sp.view.power);
-      w += v == 0 ? wv : -lambda * wv;
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = row0 + 8 * half;
+      if (row >= qt.s.q_len) continue;
+      tile::store_fragment_row<T>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h), o, half, tig);
     }
-    if (active && w != 0.f) {
-      const T* vrow = p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk);
-      const float w_lo = half == 0 ? w : 0.f, w_hi = half == 0 ? 0.f : w;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const float2 x = screen::feature_pair(vrow, n, tig);
-        o[n][0] += w_lo * x.x;
-        o[n][1] += w_lo * x.y;
-        o[n][2] += w_hi * x.x;
-        o[n][3] += w_hi * x.y;
-      }
-    }
-  }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const std::int64_t row = row0 + 8 * half;
-    if (row >= qt.s.q_len) continue;
-    tile::store_fragment_row<T>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h), o, half, tig);
   }
 }
 
