@@ -243,8 +243,13 @@ struct ScreenedThresholdRows : ThresholdRows {
                                                       uint3* block) {
     // The list holds the screen's 128-row tiles; a kernel of other tiles runs its whole grid.
     if (BQ != kCellRows || cfg.listed_blocks == nullptr) return true;
+    // Many listed (a low beta, most tiles dense): the grid's own order, in which the blocks
+    // running at once share a few heads' keys and values in L2; the list's order (the screen's:
+    // every head at once) would stream them all from memory.
+    const unsigned count = static_cast<unsigned>(*cfg.listed_block_count);
+    if (8 * count > gridDim.x * gridDim.y * gridDim.z) return true;
     const unsigned linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    if (linear >= static_cast<unsigned>(*cfg.listed_block_count)) return false;
+    if (linear >= count) return false;
     const int4 e = cfg.listed_blocks[linear];
     *block = QueryTile<BQ, kCellKeys>::block_of(p, e.x, e.y, e.z);
     return true;
