@@ -308,6 +308,9 @@ TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
   const std::vector<ProblemShape> shapes = {
       {"screen_d128", {{1100, 1100}}, false, 2, 1, 128, 128},
       {"screen_d64_varlen_suffix", {{700, 700}, {0, 0}, {390, 520}}, true, 2, 2, 64, 64},
+      // Batched, three heads: the normalization's query rows step 16 (batch row, head) pairs a
+      // pass, across rows and sequences.
+      {"screen_d128_batched_3_heads", {{330, 330}, {330, 330}}, false, 3, 3, 128, 128},
   };
   for (const ProblemShape& shape : shapes) {
     for (bool tda : {false, true}) {
