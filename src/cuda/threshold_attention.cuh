@@ -923,8 +923,12 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
 // The screen is opt-in (WINNOW_THRESHOLD_SCREEN set, WINNOW_DENSE_KEY_TILES not): on the H100 it
 // makes the forward at beta = 1 1.4x faster at L = 16384 but the one at beta = 0 12-22% slower
 // (docs/performance.md), and which one a model meets is known only from its data.
+// The candidates' list entries hold a key in 28 bits (key << 4 | row, threshold_screen_sm90.cuh):
+// longer key sequences take the unscreened forward.
+constexpr std::int64_t kScreenMaxKeys = std::int64_t{1} << 28;
 bool screen_requested(const detail::AttentionParams& p) {
-  return std::getenv("WINNOW_THRESHOLD_SCREEN") != nullptr && key_tile_skipping_enabled(p);
+  return std::getenv("WINNOW_THRESHOLD_SCREEN") != nullptr && key_tile_skipping_enabled(p) &&
+         p.max_len_k < kScreenMaxKeys;
 }
 
 // The screened forward where it runs (Hopper, requested): the screen lists the candidates and
