@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The parked screen patches, each against main (they do not stack), on the GPU machine:
+#
+#   tools/gpu_detached.sh start docs/parked/screen_patches.sh   # then tools/gpu_detached.sh poll
+#
+# For each patch in $PATCHES (default: the three parked in session 84, in the parked README's
+# order) an A/B in one build tree (tools/parked_ab.sh, $AB_ROUNDS rounds, back on main after
+# each), every round the kernel breakdown of the screened rows at beta 1 and 0 and
+# tools/screen_consistency.py; on the patched tree also the threshold tests (main's pass:
+# they run first, once). Results under $RESULTS (tools/gpu_detached.sh): ab-NAME/ per patch,
+# progress.txt with each A/B's summary and the screen's and candidate pass's kernel times.
+# About 5 minutes a patch after main's build (2-3), by session 84's timings.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+R=${RESULTS:-/tmp/winnow-results}
+P=$R/progress.txt
+mkdir -p "$R"
+START=$(date +%s)
+say() { echo "[$(( $(date +%s) - START )) s] $*" >> "$P"; }
+export BUILD_TARGETS=${BUILD_TARGETS:-"winnow_cuda_tests winnow_torch"}
+TESTS="build-gpu/tests/winnow_cuda_tests --gtest_filter='Threshold*:CudaSmall.*:*Screen*' --gtest_brief=1"
+BREAKDOWN="python3 bench/kernel_breakdown.py --lengths ${LENGTHS:-2048 4096 16384} --methods winnow_tra_beta1_screen \
+winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen --phases forward --calls 5"
+CONSISTENCY="python3 tools/screen_consistency.py --lengths 4096 16384 --repeats 3"
+first=1
+for patch in ${PATCHES:-screen-producer-cuts screen-two-blocks screen-dependent-launches}; do
+  # Main's tests once, in the first A/B's first main round; each patched tree's in its rounds.
+  command="if [ \"\$AB_TREE\" = patch ] || [ $first = 1 ]; then $TESTS > @AB_JSON@.tests.txt 2>&1; fi; \
+$BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.txt 2>&1"
+  say "A/B $patch"
+  OUT=$R/ab-$patch AB_END=main tools/parked_ab.sh "docs/parked/$patch.patch" -- bash -c "$command" \
+    > "$R/ab-$patch.txt" 2>&1
+  say "A/B $patch: rc $?"
+  first=0
+  grep -E '^build|^round|FAILED' "$R/ab-$patch/ab-summary.txt" >> "$P" 2>&1
+  for f in "$R"/ab-$patch/ab-*-[0-9].json.tests.txt; do
+    [[ -f $f ]] && say "  $(basename "$f" .json.tests.txt) tests: $(grep -E '^\[  (PASSED|FAILED)  \]' "$f" | tr '\n' ' ')"
+  done
+  for f in "$R"/ab-$patch/ab-*-[0-9].json.consistency.txt; do
+    [[ -f $f ]] && say "  $(basename "$f" .json.consistency.txt) consistency: $(grep -c MISMATCH "$f") mismatches"
+  done
+  for f in "$R"/ab-$patch/ab-*-[0-9].json.kernels.txt; do
+    [[ -f $f ]] || continue
+    echo "-- $(basename "$f" .json.kernels.txt)" >> "$P"
+    grep -E '^## |threshold_screen|threshold_candidates' "$f" | sed -E 's/ ms of kernels per call.*\(([0-9.]+) with.*/ kernels, \1 hidden/' \
+      | cut -c1-110 >> "$P"
+  done
+done
+say "screen_patches.sh done"
