@@ -883,11 +883,12 @@ class ScreenBuffer {
   ThresholdScreenParams params_;
 };
 
-// The screen's resident blocks: one per multiprocessor, or WINNOW_SCREEN_BLOCKS (at least 1;
-// read per call, so that tests can give each block many items).
-inline std::int64_t screen_blocks() {
-  if (const char* v = std::getenv("WINNOW_SCREEN_BLOCKS")) return std::max<std::int64_t>(1, std::atoll(v));
-  return multiprocessors();
+// A launch's block count: `blocks`, or the environment variable `name` where set (at least 1;
+// read per call, so that tests can give each of the screen's and the candidate pass's
+// persistent blocks many items).
+inline std::int64_t blocks_or_env(const char* name, std::int64_t blocks) {
+  if (const char* v = std::getenv(name)) return std::max<std::int64_t>(1, std::atoll(v));
+  return blocks;
 }
 
 template <class T, int D, int Views>
@@ -902,7 +903,7 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
   // The screen's blocks are resident and take the items (the query tiles of the grid above) in
   // turn (ScreenItems): one per multiprocessor.
   const std::int64_t items = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
-  const std::int64_t blocks = std::min<std::int64_t>(items, screen_blocks());
+  const std::int64_t blocks = std::min<std::int64_t>(items, blocks_or_env("WINNOW_SCREEN_BLOCKS", multiprocessors()));
   kernel<<<static_cast<unsigned>(blocks), Shape::kThreads, smem, stream_of(p)>>>(p, sp);
   check_launch("threshold_screen_sm90_kernel");
   // The candidate pass: as many blocks as fit on the device at once, or as the row groups need.
@@ -913,9 +914,9 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
           "sizing the candidate pass");
     return std::max(n, 1);
   }();
-  std::int64_t candidate_blocks = std::min<std::int64_t>((sp.groups + kCandidateWarps - 1) / kCandidateWarps,
-                                                         multiprocessors() * per_multiprocessor);
-  if (const char* v = std::getenv("WINNOW_CANDIDATE_BLOCKS")) candidate_blocks = std::max<std::int64_t>(1, std::atoll(v));
+  const std::int64_t candidate_blocks = blocks_or_env(
+      "WINNOW_CANDIDATE_BLOCKS", std::min<std::int64_t>((sp.groups + kCandidateWarps - 1) / kCandidateWarps,
+                                                        multiprocessors() * per_multiprocessor));
   candidates<<<static_cast<unsigned>(candidate_blocks), 32 * kCandidateWarps, 0, stream_of(p)>>>(p, sp);
   check_launch("threshold_candidates_kernel");
 }
