@@ -9,8 +9,9 @@ ROOT = Path(__file__).resolve().parents[2]
 READERS = ["src", "apps", "include", "python", "tests"]
 NAME = re.compile(r"\bWINNOW_[A-Z0-9_]+\b")
 # Reads: getenv("X") / os.environ.get("X") / os.environ["X"] directly, or a helper given the
-# name as a string literal (forced_by("X"), forced_scalar("X"), env_int("X", ...)).
-READ = re.compile(r"""(?:getenv|environ\.get|environ\[|forced_by|forced_scalar|env_int)\(?\s*["'](WINNOW_[A-Z0-9_]+)["']""")
+# name as a string literal (forced_by("X"), forced_scalar("X"), env_int("X", ...),
+# blocks_or_env("X", ...)).
+READ = re.compile(r"""(?:getenv|environ\.get|environ\[|forced_by|forced_scalar|env_int|blocks_or_env)\(?\s*["'](WINNOW_[A-Z0-9_]+)["']""")
 
 
 def names_read():
