@@ -3,8 +3,8 @@
 #
 #   tools/gpu_detached.sh start docs/parked/screen_patches.sh   # then tools/gpu_detached.sh poll
 #
-# For each patch in $PATCHES (default: the three parked in session 84, in the parked README's
-# order) an A/B in one build tree (tools/parked_ab.sh, $AB_ROUNDS rounds, back on main after
+# For each patch in $PATCHES (default: the one parked, screen-dependent-launches; names in the
+# parked README) an A/B in one build tree (tools/parked_ab.sh, $AB_ROUNDS rounds, back on main after
 # each), every round the kernel breakdown of the screened rows at beta 1 and 0 and
 # tools/screen_consistency.py; on the patched tree also the threshold tests (main's pass:
 # they run first, once). Results under $RESULTS (tools/gpu_detached.sh): ab-NAME/ per patch,
@@ -23,7 +23,7 @@ BREAKDOWN="python3 bench/kernel_breakdown.py --lengths ${LENGTHS:-2048 4096 1638
 winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen --phases forward --calls 5"
 CONSISTENCY="python3 tools/screen_consistency.py --lengths 4096 16384 --repeats 3"
 first=1
-for patch in ${PATCHES:-screen-producer-cuts screen-two-blocks screen-dependent-launches}; do
+for patch in ${PATCHES:-screen-dependent-launches}; do
   # Main's tests once, in the first A/B's first main round; each patched tree's in its rounds.
   command="if [ \"\$AB_TREE\" = patch ] || [ $first = 1 ]; then $TESTS > @AB_JSON@.tests.txt 2>&1; fi; \
 $BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.txt 2>&1"

@@ -151,7 +151,12 @@ struct Sm90ScreenSmem {
   // mbarriers k_full, k_empty [stages], q_empty [2]; end[stages]; the consumers' halt flags.
   static constexpr int kSyncBytes =
       16 * kStages + 16 + 4 * kStages + tile::StageHaltFlags::bytes(kStages);
-  static constexpr int kBytes = kSync + kSyncBytes + 1024;
+  // What the producer computes for the consumers, released with a stage's barrier: per query
+  // buffer, view and row the row's part of its cut (math::threshold::ScreenRowCut, two floats),
+  // with the item's first stage; per stage and view its key tile's {scale, error radius}.
+  static constexpr int kRowCuts = kSync + kSyncBytes;  // [q][v][row]
+  static constexpr int kTileBounds = kRowCuts + 2 * Views * Shape::kBQ * 8;  // [s][v]
+  static constexpr int kBytes = kTileBounds + kStages * Views * 8 + 1024;
   static_assert(kBytes <= 227 * 1024, "Hopper's shared memory for a block");
 };
 
@@ -227,19 +232,26 @@ __device__ __forceinline__ void store_zero_rows(const AttentionParams& p, const 
 // Whether no row of the item can be screened on its diagonal tile (tau within the bound, as for
 // beta near 0): then the producer leaves every tile to the fused forward before loading
 // anything (each row group's tiles dense, the block's live, no candidates: the counts start at
-// zero). Called by the producer's threads, one row each.
+// zero). Called by the producer's threads, one row each; `cut` gets the row's part of its cut
+// per view (math::threshold::screen_row_cut), which the consumers then read from shared memory
+// instead of loading the row's bounds themselves: offset +infinity for a row past the sequence,
+// whose cut is then above every product and which never makes a tile dense.
 template <int Views, class Tile>
 __device__ __forceinline__ bool item_unscreenable(const AttentionParams& p, const ThresholdScreenParams& sp,
-                                                  const Tile& qt, int ptid) {
+                                                  const Tile& qt, int ptid, float2 (&cut)[Views]) {
   static_assert(Tile::kRows == 128, "a producer thread per row");
   bool unscreenable = true;
   const std::int64_t row = qt.r0 + ptid, limit = qt.limit(p, row);
+#pragma unroll
+  for (int v = 0; v < Views; ++v) cut[v] = make_float2(INFINITY, 1.f);
   if (limit >= 0) {
     const float tau = sp.view.beta[qt.h * sp.view.beta_head] * sp.view.unit(limit);
 #pragma unroll
     for (int v = 0; v < Views; ++v) {
       const float2 q = sp.row_bound(v, p, qt, row), k = sp.tile_bound(v, p, qt, qt.key_tiles - 1);
       if (math::threshold::screen_cut(tau, q.y, q.x, k.y, k.x) >= 1.f) unscreenable = false;
+      const math::threshold::ScreenRowCut<float> c = math::threshold::screen_row_cut(tau, q.y, q.x);
+      cut[v] = make_float2(c.offset, c.factor);
     }
   }
   return tile::named_sync_and(kProducerBarrier, 128, unscreenable);
@@ -288,6 +300,12 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
   auto halted_at = [&](int s, int consumer) {
     return smem_at + static_cast<std::uint32_t>(kHalted + 4 * (2 * s + consumer));
   };
+  auto row_cut_at = [&](int q, int v, int row) {
+    return smem_at + static_cast<std::uint32_t>(Smem::kRowCuts + 8 * ((q * Views + v) * BQ + row));
+  };
+  auto tile_bound_at = [&](int s, int v) {
+    return smem_at + static_cast<std::uint32_t>(Smem::kTileBounds + 8 * (s * Views + v));
+  };
 
   const ScreenItems items(p, BQ);
   // Fill f (never negative) is in stage f % S, in its phase (f / S) & 1; unsigned, so that
@@ -297,7 +315,9 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      tile::mbar_init(&k_full[s], 128);
+      // Each producer thread arrives twice a stage: on its copies, and after its shared-memory
+      // stores (row cuts, the tile's bounds), which the plain arrival releases.
+      tile::mbar_init(&k_full[s], 256);
       tile::mbar_init(&k_empty[s], 256);
       end[s] = 0;
     }
@@ -327,7 +347,8 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       const QueryTile<BQ, BK> qt(p, items.block(item));
       if (qt.empty() || qt.key_tiles == 0) continue;
       const int n_tiles = qt.key_tiles;
-      if (item_unscreenable<Views>(p, sp, qt, ptid)) {
+      float2 cut[Views];
+      if (item_unscreenable<Views>(p, sp, qt, ptid, cut)) {
         if (ptid < BQ / kScreenGroupRows) {
           mark_tiles_dense(sp.dense.group(p, qt, qt.r0 + kScreenGroupRows * ptid), sp.live_row(p, qt), n_tiles);
         }
@@ -336,18 +357,27 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         wait_free(f);
         if (ptid == 0) end[stage_of(f)] = 2 * (f + 1) + 1;
         tile::mbar_arrive(&k_full[stage_of(f)]);
+        tile::mbar_arrive(&k_full[stage_of(f)]);
         continue;
       }
       // The query tile goes where the item before last had its: once its products are done.
       const int q = loaded & 1;
       if (loaded >= 2) tile::mbar_wait_sleepy(&q_empty[q], ((loaded >> 1) - 1) & 1);
       ++loaded;
+#pragma unroll
+      for (int v = 0; v < Views; ++v) {
+        tile::st_shared_v2_b32(row_cut_at(q, v, ptid), __float_as_uint(cut[v].x), __float_as_uint(cut[v].y));
+      }
       for (int i = 0, kt = n_tiles - 1; i < n_tiles; ++i, --kt) {
         const int f = fill++, s = stage_of(f);
+        // Thread v < Views: view v's bounds of this key tile, loaded while the stage frees.
+        float2 bound = make_float2(0.f, 0.f);
+        if (ptid < Views) bound = sp.tile_bound(ptid, p, qt, kt);
         wait_free(f);
         // The consumers' halt flags as they released this item's tile i - S from this stage.
         if (i >= S && tile::named_sync_or(kProducerBarrier, 128, ptid == 0 && halted.both(s))) {
           if (ptid == 0) end[s] = 2 * (f + 1);
+          tile::mbar_arrive(&k_full[s]);
           tile::mbar_arrive(&k_full[s]);
           break;
         }
@@ -368,7 +398,9 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
           k_tile(s, v).template load_rows_async<128>(ptid, k8.at<const std::int8_t>(qt.b, qt.s.k_start + key, qt.hk),
                                                      P * k8.row, valid);
         }
+        if (ptid < Views) tile::st_shared_v2_b32(tile_bound_at(s, ptid), __float_as_uint(bound.x), __float_as_uint(bound.y));
         tile::mbar_arrive_on_copies(&k_full[s]);
+        tile::mbar_arrive(&k_full[s]);
       }
     }
   } else {
@@ -395,32 +427,17 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       std::uint32_t* const dense_row = sp.dense.group(p, qt, group0);
       std::uint32_t* const live_row = sp.live_row(p, qt);
 
-      const float beta = sp.view.beta[qt.h * sp.view.beta_head];
       std::int64_t limit[2];
-      // Each row's part of its cut, once (math::threshold::screen_row_cut): the loop over key tiles
-      // then needs no division (an H200 profile of the divided form: 12% of the stall samples in
-      // the cut's IEEE divisions and their slow-path branches). A row past the sequence gets the
-      // offset +infinity: its cut is above every product, and it never makes a tile dense.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) limit[half] = qt.limit(p, row0 + 8 * half);
+      // Each row's part of its cut (math::threshold::screen_row_cut), so that the loop over key
+      // tiles needs no division (an H200 profile of the divided form: 12% of the stall samples
+      // in the cut's IEEE divisions and their slow-path branches): computed by the producer, which
+      // loads the rows' bounds for its own test of the item anyway, and read once tile 0's stage
+      // is there. The consumers loaded them themselves before, and the key tiles' bounds, each
+      // a round trip to L2 at the item's start (SASS: about four in series, and 740
+      // instructions before the first product).
       mt::ScreenRowCut<float> row_cut[Views][2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const std::int64_t row = row0 + 8 * half;
-        limit[half] = qt.limit(p, row);
-        const float tau = beta * sp.view.unit(limit[half]);
-#pragma unroll
-        for (int v = 0; v < Views; ++v) {
-          if (limit[half] >= 0) {
-            const float2 m = sp.row_bound(v, p, qt, row);
-            row_cut[v][half] = mt::screen_row_cut(tau, m.y, m.x);
-          } else {
-            row_cut[v][half] = {INFINITY, 1.f};
-          }
-        }
-      }
-      // The block's key tiles' bounds, tile kt at [kt].
-      const float2* tile_bounds[Views];
-#pragma unroll
-      for (int v = 0; v < Views; ++v) tile_bounds[v] = sp.tile_bounds(v, p, qt);
 
       bool done = false;  // this warpgroup gave its rows up to the fused forward
 
@@ -488,7 +505,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
       };
 
       // One key tile's screening, across its views: the tile's largest key scale and error radius
-      // (read an iteration ahead), each row's cut, whether the warp leaves the tile dense, whether
+      // (from beside its tile), each row's cut, whether the warp leaves the tile dense, whether
       // some row of the warp has a product above its cut (warp-uniform), and the candidates among
       // this thread's accumulator entries (bit 4 e + c), over the views.
       struct TileScreen {
@@ -497,9 +514,10 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         bool dense, over;
         std::uint64_t cand;
       };
+      // Tile i's bounds, as the producer put them beside it: once its stage is there.
       auto read_bounds = [&](TileScreen& t, int i) {
 #pragma unroll
-        for (int v = 0; v < Views; ++v) t.bounds[v] = tile_bounds[v][n_tiles - 1 - i];
+        for (int v = 0; v < Views; ++v) t.bounds[v] = tile::ld_shared_v2_f32(tile_bound_at(stage_of(base + i), v));
       };
       // Each row's cut; a row whose tau lies within the bound (a cut below 1, or NaN) makes the
       // tile dense. The conversion saturates: an infinite cut is INT_MAX.
@@ -606,7 +624,6 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         // first S tiles: tile 0's stage holds a tile unless the item is passed.
         const int kt = n_tiles - 1;
         const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
-        read_bounds(ts[0], 0);
         if (stage_ready(0) < 0) {  // passed: no stage but this one was used, nothing to screen
           tile::mbar_arrive_at(empty_at(stage_of(base)));
           ++fill;
@@ -614,6 +631,15 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
           continue;
         }
         ++loaded;
+#pragma unroll
+        for (int v = 0; v < Views; ++v) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float2 c = tile::ld_shared_v2_f32(row_cut_at(q, v, static_cast<int>(row0 + 8 * half - qt.r0)));
+            row_cut[v][half] = {c.x, c.y};
+          }
+        }
+        read_bounds(ts[0], 0);
         issue(acc0, 0, 0, true);
         if constexpr (Views == 2) issue(acc1, 0, 1, true);
         find_cuts(ts[0]);
@@ -633,35 +659,31 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 1)
         marked = marked || done;
       }
 
-      // From tile 1 on: an iteration's products j + u (u = 0, 1) are of tiles i0 .. i0 + kTiles - 1,
-      // product j + u's in ts[slot(u)] (j is a multiple of Views: TDA's two are one tile's views).
-      constexpr int kTiles = Views == 1 ? 2 : 1;
+      // From tile 1 on: an iteration's products j + u (u = 0, 1) are of two tiles (TRA) or of one
+      // tile's two views (TDA: j is a multiple of Views), product j + u's in ts[slot(u)].
       auto slot = [](int u) { return Views == 1 ? u : 0; };
-#pragma unroll
-      for (int u = 0; u < kTiles; ++u) {
-        if (1 + u < n_tiles) read_bounds(ts[u], 1 + u);
-      }
       bool ended = false;
       int ended_at = n_tiles;  // the tile whose stage ended the item instead
       for (int j = Views; j < products && !ended; j += 2) {
-        const int i0 = j / Views;
         bool real[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int i = (j + u) / Views, v = (j + u) % Views;
           real[u] = j + u < products && !ended;
-          if (real[u] && v == 0 && stage_ready(i) != 0) ended = true, ended_at = i, real[u] = false;
+          if (real[u] && v == 0) {
+            if (stage_ready(i) != 0) {
+              ended = true, ended_at = i, real[u] = false;
+            } else {
+              read_bounds(ts[slot(u)], i);
+            }
+          }
         }
         issue(acc0, j / Views, j % Views, real[0]);
         issue(acc1, (j + 1) / Views, (j + 1) % Views, real[1]);
-        // While they run: the tiles' cuts, then the next iteration's bounds.
+        // While they run: the tiles' cuts.
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           if (real[u] && (j + u) % Views == 0) find_cuts(ts[slot(u)]);
-        }
-#pragma unroll
-        for (int u = 0; u < kTiles; ++u) {
-          if (i0 + kTiles + u < n_tiles) read_bounds(ts[u], i0 + kTiles + u);
         }
         auto screen = [&](int u, const int (&acc)[64]) {
           const int i = (j + u) / Views, v = (j + u) % Views, kt = n_tiles - 1 - i;

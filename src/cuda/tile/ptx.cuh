@@ -36,6 +36,11 @@ __device__ __forceinline__ float ld_shared_f32(std::uint32_t address) {
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(address));
   return v;
 }
+__device__ __forceinline__ float2 ld_shared_v2_f32(std::uint32_t address) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(address));
+  return v;
+}
 __device__ __forceinline__ void st_shared_v2_b32(std::uint32_t address, std::uint32_t a, std::uint32_t b) {
   asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(address), "r"(a), "r"(b));
 }
