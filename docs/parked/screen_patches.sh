@@ -22,11 +22,14 @@ TESTS="build-gpu/tests/winnow_cuda_tests --gtest_filter='Threshold*:CudaSmall.*:
 BREAKDOWN="python3 bench/kernel_breakdown.py --lengths ${LENGTHS:-2048 4096 16384} --methods winnow_tra_beta1_screen \
 winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen --phases forward --calls 5"
 CONSISTENCY="python3 tools/screen_consistency.py --lengths 4096 16384 --repeats 3"
+# BENCH_METHODS (say "winnow_tra winnow_tra_beta1 winnow_tda winnow_tda_beta1"): also the threshold
+# bench of those rows every round, its JSON beside the round's (tools/issue_bars.py reads it).
+BENCH=${BENCH_METHODS:+"; python3 bench/gpu_threshold_bench.py --methods $BENCH_METHODS --json @AB_JSON@ > @AB_JSON@.bench.txt 2>&1"}
 first=1
 for patch in ${PATCHES:-screen-dependent-launches}; do
   # Main's tests once, in the first A/B's first main round; each patched tree's in its rounds.
   command="if [ \"\$AB_TREE\" = patch ] || [ $first = 1 ]; then $TESTS > @AB_JSON@.tests.txt 2>&1; fi; \
-$BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.txt 2>&1"
+$BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.txt 2>&1$BENCH"
   say "A/B $patch"
   OUT=$R/ab-$patch AB_END=main tools/parked_ab.sh "docs/parked/$patch.patch" -- bash -c "$command" \
     > "$R/ab-$patch.txt" 2>&1
@@ -39,6 +42,9 @@ $BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.tx
   for f in "$R"/ab-$patch/ab-*-[0-9].json.consistency.txt; do
     [[ -f $f ]] && say "  $(basename "$f" .json.consistency.txt) consistency: $(grep -c MISMATCH "$f") mismatches"
   done
+  for f in "$R"/ab-$patch/ab-*-[0-9].json; do
+    [[ -f $f ]] && { echo "-- $(basename "$f" .json) bars" >> "$P"; python3 tools/issue_bars.py "$f" 2>&1 | grep -i "beta" >> "$P"; }
+  done
   for f in "$R"/ab-$patch/ab-*-[0-9].json.kernels.txt; do
     [[ -f $f ]] || continue
     echo "-- $(basename "$f" .json.kernels.txt)" >> "$P"
@@ -46,4 +52,13 @@ $BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.tx
       | cut -c1-110 >> "$P"
   done
 done
+# SANITIZE_FILTER: then racecheck and memcheck over those tests on main's build (the tree is
+# back on main after the last A/B), each under SANITIZE_SECONDS (default 240).
+if [[ -n ${SANITIZE_FILTER:-} ]]; then
+  for tool in racecheck memcheck; do
+    timeout "${SANITIZE_SECONDS:-240}" compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/winnow_cuda_tests \
+      --gtest_filter="$SANITIZE_FILTER" --gtest_brief=1 > "$R/main-$tool.txt" 2>&1
+    say "main $tool over $SANITIZE_FILTER: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED)' "$R/main-$tool.txt" | tr '\n' ' ')"
+  done
+fi
 say "screen_patches.sh done"
