@@ -121,6 +121,10 @@ def threshold_bars(rows):
             # The forward at beta 1 against beta 0: time at beta 0 over time at beta 1.
             speedup = rows.ratio(f"winnow_{variant}", f"winnow_{variant}_beta1", length, 128, "fwd_ms")
             bars.append(Bar(14, f"{variant.upper()} forward at beta 1 x beta 0", shape, speedup, 3.0, True))
+            # The same with the int8 screen at beta 1 (WINNOW_THRESHOLD_SCREEN, opt-in: the default
+            # forward above does not screen), against the default forward at beta 0.
+            screened = rows.ratio(f"winnow_{variant}", f"winnow_{variant}_beta1_screen", length, 128, "fwd_ms")
+            bars.append(Bar(14, f"{variant.upper()} fwd, beta 1 screened x beta 0", shape, screened, 3.0, True))
     return bars
 
 

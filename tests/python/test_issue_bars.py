@@ -43,6 +43,13 @@ def test_a_bar_in_time_holds_below_its_bound(tmp_path):
     got = by_name(issue_bars.evaluate([path])[0])
     assert got[(14, "TDA f+b time x FA2's (beta 0)", "D 128, L 4096")].status == "met"  # 1.45 <= 1.5
     assert abs(got[(14, "TDA forward at beta 1 x beta 0", "D 128, L 4096")].measured - 2.9 / 0.5) < 1e-9
+    # The screened row (opt-in) is its own bar; without it in the file, not measured.
+    assert got[(14, "TDA fwd, beta 1 screened x beta 0", "D 128, L 4096")].status == "not measured"
+    screened = dict(rows[2], method="winnow_tda_beta1_screen", fwd_ms=0.3)
+    path.write_text(json.dumps({"device": "test", "results": rows + [screened], "zero_fractions": {}}))
+    bar = by_name(issue_bars.evaluate([path])[0])[(14, "TDA fwd, beta 1 screened x beta 0", "D 128, L 4096")]
+    assert abs(bar.measured - (2.9 / 4) / 0.3) < 1e-9 and bar.status == "MISSED"  # 2.42 < 3
+
     assert got[(14, "TRA forward TF/s x FA2 (beta 0)", "D 128, L 4096")].status == "met"  # 2.0 >= 1.2
     rows[1]["fwd_bwd_ms"] = 3.1
     path.write_text(json.dumps({"device": "test", "results": rows, "zero_fractions": {}}))
