@@ -921,9 +921,11 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
   check_launch("threshold_candidates_kernel");
 }
 
-// The screen is opt-in (WINNOW_THRESHOLD_SCREEN set, WINNOW_DENSE_KEY_TILES not): on the H100 it
-// makes the forward at beta = 1 1.4x faster at L = 16384 but the one at beta = 0 12-22% slower
-// (docs/performance.md), and which one a model meets is known only from its data.
+// The screen is opt-in (WINNOW_THRESHOLD_SCREEN set, WINNOW_DENSE_KEY_TILES not): on the H200
+// (bench/gpu_threshold_bench.py, session 84-85, docs/performance.md) it makes the forward at
+// beta = 1 on random inputs 1.4x (TRA) and 1.7x (TDA) faster at L = 16384, but the one at
+// beta = 0 28-38% slower (TRA, 16K and 4K), and which one a model meets is known only from its
+// data (beta is a device tensor: choosing per call would cost a synchronization).
 // The candidates' list entries hold a key in 28 bits (key << 4 | row, threshold_screen_sm90.cuh):
 // longer key sequences take the unscreened forward.
 constexpr std::int64_t kScreenMaxKeys = std::int64_t{1} << 28;
