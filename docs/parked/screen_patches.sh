@@ -3,8 +3,7 @@
 #
 #   tools/gpu_detached.sh start docs/parked/screen_patches.sh   # then tools/gpu_detached.sh poll
 #
-# For each patch in $PATCHES (default: the one parked, screen-dependent-launches; names in the
-# parked README) an A/B in one build tree (tools/parked_ab.sh, $AB_ROUNDS rounds, back on main after
+# For each patch in $PATCHES (names in the parked README) an A/B in one build tree (tools/parked_ab.sh, $AB_ROUNDS rounds, back on main after
 # each), every round the kernel breakdown of the screened rows at beta 1 and 0 and
 # tools/screen_consistency.py; on the patched tree also the threshold tests (main's pass:
 # they run first, once). Results under $RESULTS (tools/gpu_detached.sh): ab-NAME/ per patch,
@@ -19,14 +18,16 @@ START=$(date +%s)
 say() { echo "[$(( $(date +%s) - START )) s] $*" >> "$P"; }
 export BUILD_TARGETS=${BUILD_TARGETS:-"winnow_cuda_tests winnow_torch"}
 TESTS="build-gpu/tests/winnow_cuda_tests --gtest_filter='Threshold*:CudaSmall.*:*Screen*' --gtest_brief=1"
-BREAKDOWN="python3 bench/kernel_breakdown.py --lengths ${LENGTHS:-2048 4096 16384} --methods winnow_tra_beta1_screen \
-winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen --phases forward --calls 5"
+# BREAKDOWN_METHODS: the rows of the kernel breakdown (default the screened ones at beta 1 and 0).
+BREAKDOWN_METHODS=${BREAKDOWN_METHODS:-"winnow_tra_beta1_screen winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen"}
+BREAKDOWN="python3 bench/kernel_breakdown.py --lengths ${LENGTHS:-2048 4096 16384} --methods $BREAKDOWN_METHODS \
+--phases forward --calls 5"
 CONSISTENCY="python3 tools/screen_consistency.py --lengths 4096 16384 --repeats 3"
 # BENCH_METHODS (say "winnow_tra winnow_tra_beta1 winnow_tda winnow_tda_beta1"): also the threshold
 # bench of those rows every round, its JSON beside the round's (tools/issue_bars.py reads it).
 BENCH=${BENCH_METHODS:+"; python3 bench/gpu_threshold_bench.py --methods $BENCH_METHODS --json @AB_JSON@ > @AB_JSON@.bench.txt 2>&1"}
 first=1
-for patch in ${PATCHES:-screen-dependent-launches}; do
+for patch in ${PATCHES:?name the parked patches to measure}; do
   # Main's tests once, in the first A/B's first main round; each patched tree's in its rounds.
   command="if [ \"\$AB_TREE\" = patch ] || [ $first = 1 ]; then $TESTS > @AB_JSON@.tests.txt 2>&1; fi; \
 $BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.txt 2>&1$BENCH"
@@ -48,7 +49,7 @@ $BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.tx
   for f in "$R"/ab-$patch/ab-*-[0-9].json.kernels.txt; do
     [[ -f $f ]] || continue
     echo "-- $(basename "$f" .json.kernels.txt)" >> "$P"
-    grep -E '^## |threshold_screen|threshold_candidates' "$f" | sed -E 's/ ms of kernels per call.*\(([0-9.]+) with.*/ kernels, \1 hidden/' \
+    grep -E '^## |threshold_screen|threshold_candidates|attention_forward_sm90' "$f" | sed -E 's/ ms of kernels per call.*\(([0-9.]+) with.*/ kernels, \1 hidden/' \
       | cut -c1-110 >> "$P"
   done
 done
@@ -59,6 +60,21 @@ if [[ -n ${SANITIZE_FILTER:-} ]]; then
     timeout "${SANITIZE_SECONDS:-240}" compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/winnow_cuda_tests \
       --gtest_filter="$SANITIZE_FILTER" --gtest_brief=1 > "$R/main-$tool.txt" 2>&1
     say "main $tool over $SANITIZE_FILTER: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED)' "$R/main-$tool.txt" | tr '\n' ' ')"
+  done
+fi
+# NCU_RUNS: then Nsight Compute summaries (tools/ncu_summary.sh) on main's build, entries
+# separated by ';', each "NAME KERNEL_REGEX ARGS" with ARGS those of tools/profile_attention.py
+# (say "tra-beta1-16k attention_forward_sm90 --mechanism tra --beta 1 --length 16384"); each
+# under NCU_SECONDS (default 180), its summary in $R/ncu-NAME.txt.
+if [[ -n ${NCU_RUNS:-} ]]; then
+  IFS=';' read -ra runs <<< "$NCU_RUNS"
+  for run in "${runs[@]}"; do
+    read -r name regex args <<< "$run"
+    # shellcheck disable=SC2086
+    OUT=$R timeout "${NCU_SECONDS:-180}" tools/ncu_summary.sh "$name" "$regex" -- python3 tools/profile_attention.py $args \
+      > "$R/ncu-$name.txt" 2>&1
+    say "ncu $name: rc $?"
+    rm -f "$R/$name.ncu-rep"
   done
 fi
 say "screen_patches.sh done"
