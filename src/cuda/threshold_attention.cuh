@@ -922,9 +922,10 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
 }
 
 // The screen is opt-in (WINNOW_THRESHOLD_SCREEN set, WINNOW_DENSE_KEY_TILES not): on the H200
-// (bench/gpu_threshold_bench.py, session 84-85, docs/performance.md) it makes the forward at
-// beta = 1 on random inputs 1.4x (TRA) and 1.7x (TDA) faster at L = 16384, but the one at
-// beta = 0 28-38% slower (TRA, 16K and 4K), and which one a model meets is known only from its
+// (bench/gpu_threshold_bench.py, sessions 84-86, docs/performance.md) it makes the forward at
+// beta = 1 on random inputs 1.3x (TRA) and 1.5x (TDA) faster at L = 16384 (session 86, against
+// the unscreened forward's vote on the scores) and no faster at 4K, but the one at beta = 0
+// 28-38% slower (TRA, 16K and 4K, session 85), and which one a model meets is known only from its
 // data (beta is a device tensor: choosing per call would cost a synchronization).
 // The candidates' list entries hold a key in 28 bits (key << 4 | row, threshold_screen_sm90.cuh):
 // longer key sequences take the unscreened forward.

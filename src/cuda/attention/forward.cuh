@@ -41,6 +41,10 @@
 //                              rows (portable kernel) or a consumer's (Hopper) skips its P V
 //                              (threshold attention: weights are zeros below tau); the vote
 //                              costs a few instructions and a barrier a tile
+//   kPrescreens,               optional, with kSkipsZeroTiles (Hopper): the consumer votes on
+//   any_above(s, s2, key0)     the scores before weighing them, in rounds without a P V in
+//                              flight, and a zero tile skips its weights too
+//   kStages                    optional (Hopper): key and value stages, 2 by default
 //   kScratchBytes,             optional, sweeps without values only: shared memory the policy
 //   borrow_scratch(slot,       keeps per-thread lists in (entmax's candidate keys). It lies
 //     stride, capacity)        where V would; thread (local row r, tig) owns floats

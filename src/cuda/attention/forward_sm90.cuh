@@ -18,6 +18,8 @@
 // Given live key tiles (key_tiles.cuh), producer and consumers walk the same live tiles.
 // Zero tiles (Rows::kSkipsZeroTiles, threshold attention): a consumer whose P of a tile is all
 // exact zeros, by a vote over its warpgroup, skips that tile's P V (its V is loaded anyway).
+// A policy that can tell such a tile from its scores (Rows::kPrescreens) votes on them first in
+// the rounds without a P V in flight, and skips the weights too (kPrescreens, below).
 // Two views (Rows::kViews = 2, TDA): the block also holds the second view's queries, each stage
 // both views' keys, and a round issues both views' scores before the one P V; the policy's
 // weights2 combines them into P. Both views' score tiles and their keys fit only at 64 keys a
@@ -94,10 +96,31 @@ template <class Rows>
 inline constexpr bool kPairsTiles<Rows, std::void_t<decltype(Rows::kPairsTiles)>> =
     Rows::kPairsTiles && !Rows::kUsesValues && !Rows::kCanHalt && !kSkipsZeroTiles<Rows>;
 
+// A policy that skips zero tiles may also tell them from the scores, before its weights
+// (Rows::kPrescreens, rows.any_above(scores, second_scores, key0): whether some score of this
+// thread's can have a nonzero weight). In a round without P V in flight (the tile before was a
+// zero tile) the consumer votes on that first and skips the weights, their packing and the
+// vote on P where no thread's can: at a high threshold most rounds are such rounds (TRA at
+// beta = 1, 16K: the forward kernel 7-8% faster, H200, session 86). Only there: with a P V in
+// flight a vote would wait for it, and a barrier on a path the products are in flight across
+// may make ptxas serialize them (this one compiles without a C75xx warning).
+template <class Rows, class = void>
+inline constexpr bool kPrescreens = false;
+template <class Rows>
+inline constexpr bool kPrescreens<Rows, std::void_t<decltype(Rows::kPrescreens)>> =
+    Rows::kPrescreens && kSkipsZeroTiles<Rows> && !Rows::kCanHalt;
+
 // A pairing sweep consumes two stages a round: with four, the next round's tiles load while
 // this round's are weighed (with two, the second's load would start only as the round ends).
+// A policy may ask for more (Rows::kStages): threshold attention takes three, whose forward
+// at D = 128 they made 3-6% faster at beta = 0 and 1-3% at beta = 1 (H200, session 86;
+// docs/performance.md). Three stages at D = 128 are 226 of a block's 227 KB.
+template <class Rows, class = void>
+inline constexpr int kPolicyStages = Sm90ForwardShape::kStages;
 template <class Rows>
-inline constexpr int kSm90ForwardStages = kPairsTiles<Rows> ? 4 : Sm90ForwardShape::kStages;
+inline constexpr int kPolicyStages<Rows, std::void_t<decltype(Rows::kStages)>> = Rows::kStages;
+template <class Rows>
+inline constexpr int kSm90ForwardStages = kPairsTiles<Rows> ? 4 : kPolicyStages<Rows>;
 
 // The shared memory of a row policy's forward.
 template <class T, int D, class Rows>
@@ -390,6 +413,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         tile::fresh(sc);
         if constexpr (NV == 2) tile::fresh(sc2);
         tile::named_sync(my_turn, 256);
+        const bool with_pv = pv_live;
         if (pv_live) {
           issue_round(sc, sc2, s, prev, Rows::kUsesValues);
         } else {
@@ -399,13 +423,25 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         if constexpr (NV == 2) tile::pin(sc2);
         if (may_halt && wtid == 0) halted.publish(s, wg, done);
         tile::mbar_arrive(&k_empty[s]);
-        weigh(sc, sc2, kt);
+        // kPrescreens: nothing is in flight in a round without P V (issue_round waited for S).
+        bool zero_tile = false;
+        if constexpr (kPrescreens<Rows>) {
+          if (votes && !with_pv && !qt.needs_mask(kt)) {
+            const bool above = rows.any_above(sc, sc2, static_cast<std::int64_t>(kt) * BK);
+            zero_tile = !tile::named_sync_or(kConsumerBarrier + wg, 128, above);
+          }
+        }
+        if (!zero_tile) weigh(sc, sc2, kt);
         if constexpr (Rows::kUsesValues) {
           tile::wgmma_wait<0>();
           tile::pin(o);
           tile::mbar_arrive(&v_empty[prev]);
         }
-        after_weights(sc, kt);
+        if (zero_tile) {
+          pv_live = false;
+        } else {
+          after_weights(sc, kt);
+        }
       }
 
       // Last round: the last P with its V. Consumer 1 gives no turn back after it, so every

@@ -95,6 +95,11 @@ struct ThresholdRows {
   static constexpr bool kSkipsZeroTiles = true;
   static constexpr bool kWritesStats = false;
   static constexpr bool kFinishesOutput = true;
+  // Three key and value stages on Hopper (forward_sm90.cuh, kSm90ForwardStages).
+  static constexpr int kStages = 3;
+  // A tile's scores tell a zero tile before its weights do (forward_sm90.cuh): no score above
+  // its row's tau (a NaN score is not above it, and weighs zero too).
+  static constexpr bool kPrescreens = true;
   float tau[2], factor, power;
 
   template <class Tile>
@@ -135,6 +140,24 @@ struct ThresholdRows {
                                                            const Tile& qt, std::int64_t first_row) {
     const float tau = cfg.beta[qt.h * cfg.beta_head] * cfg.unit(qt.limit(p, first_row));
     return math::threshold::zero_tiles_likely(tau, cfg.dim);
+  }
+
+  // Whether some score of this thread's (an unmasked tile's) is above its row's tau: four
+  // maxima, one per row and parity of n, so that no chain is longer than NT / 2.
+  template <int NT>
+  __device__ __forceinline__ bool any_score_above(const float (&s)[NT][4]) const {
+    float m[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      m[0][n % 2] = fmaxf(m[0][n % 2], fmaxf(s[n][0], s[n][1]));
+      m[1][n % 2] = fmaxf(m[1][n % 2], fmaxf(s[n][2], s[n][3]));
+    }
+    return fmaxf(m[0][0], m[0][1]) > tau[0] || fmaxf(m[1][0], m[1][1]) > tau[1];
+  }
+  // The forward's question (forward_sm90.cuh, kPrescreens), for the tile of keys from key0.
+  template <int NT, class Second>
+  __device__ __forceinline__ bool any_above(const float (&s)[NT][4], const Second&, std::int64_t) const {
+    return any_score_above(s);
   }
 
   template <int DT>
@@ -198,6 +221,12 @@ struct ThresholdTwoViewRows : ThresholdRows {
   }
   static __device__ __forceinline__ const detail::Operand& second_keys(const ThresholdCudaConfig& cfg) {
     return cfg.k2_hat;
+  }
+
+  // Either view's score above tau.
+  template <int NT>
+  __device__ __forceinline__ bool any_above(const float (&s)[NT][4], const float (&s2)[NT][4], std::int64_t) const {
+    return any_score_above(s) || any_score_above(s2);
   }
 
   template <bool Masked, int NT>
@@ -268,6 +297,13 @@ struct ScreenedThresholdRows : ThresholdRows {
       if (group[w] != 0) return false;
     }
     return true;
+  }
+
+  // Only a tile the screen left dense for the row group has weights here.
+  template <int NT, class Second>
+  __device__ __forceinline__ bool any_above(const float (&s)[NT][4], const Second&, std::int64_t key0) const {
+    const std::int64_t cell = key0 / kCellKeys;
+    return ((dense_row[cell >> 5] >> (cell & 31)) & 1u) != 0 && any_score_above(s);
   }
 
   template <bool Masked, int NT>
