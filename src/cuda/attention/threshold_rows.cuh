@@ -299,17 +299,21 @@ struct ScreenedThresholdRows : ThresholdRows {
     return true;
   }
 
-  // Only a tile the screen left dense for the row group has weights here.
+  // Whether the screen left the tile of keys from key0 dense for this row group: only such a
+  // tile has weights here.
+  __device__ __forceinline__ bool dense_tile(std::int64_t key0) const {
+    const std::int64_t cell = key0 / kCellKeys;
+    return ((dense_row[cell >> 5] >> (cell & 31)) & 1u) != 0;
+  }
+
   template <int NT, class Second>
   __device__ __forceinline__ bool any_above(const float (&s)[NT][4], const Second&, std::int64_t key0) const {
-    const std::int64_t cell = key0 / kCellKeys;
-    return ((dense_row[cell >> 5] >> (cell & 31)) & 1u) != 0 && any_score_above(s);
+    return dense_tile(key0) && any_score_above(s);
   }
 
   template <bool Masked, int NT>
   __device__ __forceinline__ void weights(float (&s)[NT][4], const RowMask& mask) {
-    const std::int64_t cell = mask.key0 / kCellKeys;
-    if (((dense_row[cell >> 5] >> (cell & 31)) & 1u) == 0) {
+    if (!dense_tile(mask.key0)) {
       tile::zero(s);
       return;
     }
