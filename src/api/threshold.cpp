@@ -60,7 +60,7 @@ void* saved_rows_record(const AttentionCall& call, const detail::AttentionParams
   }
   const std::int64_t size = saved_rows_size<std::int64_t>(
       p.rows_q * p.heads_q, p.rows_k * p.heads_kv, p.dim_qk, static_cast<std::int64_t>(element_size(p.dtype)),
-      tda ? 2 : 1);
+      tda ? 2 : 1, saved_support_words<std::int64_t>(p.num_seqs, p.heads_q, p.rows_q, p.key_len_bound()));
   return call.flat("saved_rows", t, DType::int32, size);
 }
 

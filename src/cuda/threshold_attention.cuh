@@ -661,7 +661,8 @@ struct ViewRows {
 
 // Every view's normalized rows, laid out as the saved rows (winnow/threshold.h): in the
 // caller's record where the config has one (the forward fills it; a backward reads it and
-// normalizes nothing), else in scratch from the caller's allocator.
+// normalizes nothing), else in scratch from the caller's allocator. With a record, also its
+// support map (TileSupport), which the Hopper forward marks and the key-stationary backward reads.
 class NormalizedViews {
  public:
   NormalizedViews(const detail::AttentionParams& p, const ThresholdConfig& cfg)
@@ -672,7 +673,7 @@ class NormalizedViews {
                        ? 0
                        : 4 * static_cast<std::size_t>(threshold::saved_rows_size<std::int64_t>(
                                  q_.rows * q_.heads, k_.rows * k_.heads, q_.dim,
-                                 static_cast<std::int64_t>(element_size(p.dtype)), views_))) {
+                                 static_cast<std::int64_t>(element_size(p.dtype)), views_, 0))) {
     auto* base = static_cast<unsigned char*>(cfg.saved_rows != nullptr ? cfg.saved_rows : buffer_.as<void>());
     const auto segment = [&](std::int64_t bytes) {
       unsigned char* at = base;
@@ -689,6 +690,15 @@ class NormalizedViews {
       vr.q_inv = reinterpret_cast<float*>(segment(q_.rows * q_.heads * 4));
       vr.k_inv = reinterpret_cast<float*>(segment(k_.rows * k_.heads * 4));
     }
+    if (cfg.saved_rows != nullptr) {
+      const std::int64_t key_len = p.key_len_bound();
+      support_bytes_ = 4 * static_cast<std::size_t>(
+                               threshold::saved_support_words<std::int64_t>(p.num_seqs, p.heads_q, p.rows_q, key_len));
+      support_.flag = reinterpret_cast<int*>(base);
+      support_.bits = reinterpret_cast<std::uint32_t*>(base) + 64;
+      support_.row_tiles = threshold::saved_support_row_tiles<std::int64_t>(p.num_seqs, p.rows_q);
+      support_.words = static_cast<int>(threshold::saved_support_row_words<std::int64_t>(key_len));
+    }
   }
 
   template <class T>
@@ -704,11 +714,22 @@ class NormalizedViews {
   }
   // A forward keeping the saved rows writes every byte of the record: the normalization passes
   // its rows, this the padding between segments (none where each segment's size is a multiple of
-  // 256 bytes), so that the record is a function of the inputs.
-  void clear_padding(const detail::AttentionParams& p) const {
+  // 256 bytes) and the support map, which a Hopper forward then marks (its flag stays 0 on every
+  // other path: the backward visits every tile), so that the record is a function of the inputs.
+  void clear_padding_and_support(const detail::AttentionParams& p) const {
     for (const Padding& pad : padding_) {
       check(cudaMemsetAsync(pad.at, 0, pad.bytes, stream_of(p)), "clearing the saved rows' padding");
     }
+    if (support_bytes_ > 0) {
+      check(cudaMemsetAsync(support_.flag, 0, support_bytes_, stream_of(p)), "clearing the saved support map");
+    }
+  }
+  // The record's support map; bits == nullptr without a record.
+  const TileSupport& support() const { return support_; }
+  // The map for a forward to record: none where tile skipping is off (WINNOW_DENSE_KEY_TILES; the
+  // flag then stays 0 and the backward sweeps every tile).
+  TileSupport support_to_record(const detail::AttentionParams& p) const {
+    return key_tile_skipping_enabled(p) ? support_ : TileSupport{};
   }
   // The backward's rows: the saved ones where the call has them, else computed.
   template <class T>
@@ -759,6 +780,8 @@ class NormalizedViews {
   DeviceBuffer buffer_;
   ViewRows rows_[2];
   std::vector<Padding> padding_;
+  TileSupport support_;
+  std::size_t support_bytes_ = 0;
 };
 
 ThresholdCudaConfig view_config(const detail::AttentionParams& p, const ThresholdConfig& cfg, int view) {
@@ -809,10 +832,13 @@ void fused_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg,
     c.add_to_output = false;
     c.q2_hat = views.view(1).q_hat;
     c.k2_hat = views.view(1).k_hat;
+    c.support = views.support_to_record(p);
     if (launch_sm90_forward<T, D, ThresholdTwoViewRows>(view_params(p, views.view(0)), c, LiveKeyTiles{})) return;
   }
   for (int v = 0; v < views.count(); ++v) {
-    launch_fused_forward<T, D, ThresholdRows>(view_params(p, views.view(v)), view_config(p, cfg, v));
+    ThresholdCudaConfig c = view_config(p, cfg, v);
+    c.support = views.support_to_record(p);
+    launch_fused_forward<T, D, ThresholdRows>(view_params(p, views.view(v)), c);
   }
 }
 
@@ -948,6 +974,7 @@ bool screened_forward(const detail::AttentionParams& p, const ThresholdConfig& c
   ThresholdScreenParams& sp = screen.params();
   views.compute_screened<T>(p, cfg, sp);
   sp.view = view_config(p, cfg, views.count() - 1);
+  sp.view.support = views.support_to_record(p);
   const detail::AttentionParams first = view_params(p, views.view(0));
   const bool stats = std::getenv("WINNOW_SCREEN_STATS") != nullptr;
   DeviceBuffer counters(p, stats ? 4 * sizeof(unsigned long long) : 0);
@@ -973,6 +1000,7 @@ bool screened_forward(const detail::AttentionParams& p, const ThresholdConfig& c
     c.dense = sp.dense;
     c.listed_blocks = sp.listed_blocks;
     c.listed_block_count = sp.listed_block_count;
+    c.support = views.support_to_record(p);
     launch_fused_forward<T, D, ScreenedThresholdRows>(view_params(p, views.view(v)), c, screen.live());
   }
   return true;
@@ -1111,6 +1139,7 @@ bool keys_backward(const detail::AttentionParams& p, const detail::GradientParam
   BackwardBuffer buffer(p, views.count(), true, false, 0);
   const BackwardScratch& s = buffer.scratch();
   KeysBackwardBuffers buf = keys_backward_buffers(p);
+  buf.support = views.support();  // the forward's, with its saved rows
   const std::size_t rows = keys_backward_padded_rows(p, buf);
   // The rows' statistics, then TDA's first view's fp32 dV ([batch row][kv head][dim]).
   const std::size_t dv_floats = views.count() == 2 ? static_cast<std::size_t>(p.rows_k * p.heads_kv * p.dim_v) : 0;
@@ -1307,7 +1336,7 @@ bool decoded_forward(const detail::AttentionParams& p, const detail::ThresholdCo
 template <class T>
 void fused_forward_of_type(const detail::AttentionParams& p, const ThresholdConfig& cfg) {
   NormalizedViews views(p, cfg);
-  if (cfg.saved_rows != nullptr) views.clear_padding(p);
+  if (cfg.saved_rows != nullptr) views.clear_padding_and_support(p);
   dispatch_fused_dims<T>(p, FusedForward{p, cfg, views});
 }
 

@@ -13,7 +13,7 @@ void threshold_forward(const detail::AttentionParams& p, const detail::Threshold
     return p.dtype == DType::bfloat16 ? threshold_fused_forward_bf16(p, cfg) : threshold_fused_forward_fp16(p, cfg);
   }
   NormalizedViews views(p, cfg);
-  if (cfg.saved_rows != nullptr) views.clear_padding(p);
+  if (cfg.saved_rows != nullptr) views.clear_padding_and_support(p);
   if (decoded) return dispatch_simple(p, RowsOnly{p, cfg, views});
   dispatch_simple(p, SimpleForward{p, cfg, views});
 }

@@ -783,11 +783,19 @@ threshold::Views threshold_views(const char* op, const at::Tensor& beta, const O
   return v;
 }
 
-// The saved rows' length (winnow/threshold.h) for q's and k's sizes (ints or symbolic).
+// The saved rows' length (winnow/threshold.h) for q's and k's sizes (ints or symbolic), with the
+// sequences' count: batched inputs (B, L, H, D) have B, packed ones (T, H, D) cu_seqlens_q's
+// length (cu_q_len) less one.
 template <class Int, class Sizes>
-Int saved_rows_length(Sizes q_sizes, Sizes k_sizes, std::int64_t element_bytes, bool tda) {
+Int saved_rows_length(Sizes q_sizes, Sizes k_sizes, std::int64_t element_bytes, bool tda, Int cu_q_len) {
+  const bool batched = q_sizes.size() == 4;
+  const Int num_seqs = batched ? Int(q_sizes[0]) : cu_q_len - Int(1);
+  const Int heads_q = Int(q_sizes[q_sizes.size() - 2]);
+  const Int query_rows = rows_and_heads<Int>(q_sizes) / heads_q;
+  const Int key_len = Int(k_sizes.size() == 4 ? k_sizes[1] : k_sizes[0]);
   return threshold::saved_rows_size<Int>(rows_and_heads<Int>(q_sizes), rows_and_heads<Int>(k_sizes),
-                                         Int(q_sizes.back()), Int(element_bytes), Int(tda ? 2 : 1));
+                                         Int(q_sizes.back()), Int(element_bytes), Int(tda ? 2 : 1),
+                                         threshold::saved_support_words<Int>(num_seqs, heads_q, query_rows, key_len));
 }
 
 // nonzero: per query row, the keys kept in some view (int32), when count_nonzero; else empty.
@@ -805,7 +813,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> threshold_forward_op(
     at::Tensor nonzero = count_nonzero ? at::empty(stats_shape(q), q.options().dtype(at::kInt))
                                        : at::empty({0}, q.options().dtype(at::kInt));
     const std::int64_t rows =
-        keep_rows ? saved_rows_length<std::int64_t>(q.sizes(), k.sizes(), q.element_size(), lam.has_value()) : 0;
+        keep_rows ? saved_rows_length<std::int64_t>(q.sizes(), k.sizes(), q.element_size(), lam.has_value(),
+                                                    cu_q.has_value() ? cu_q->size(0) : std::int64_t(1))
+                  : 0;
     at::Tensor saved_rows = at::empty({rows}, q.options().dtype(at::kInt));
     const threshold::Options options{power, attend_current, clamp_lambda, norm_eps};
     threshold::Outputs outputs{view_of(out, op, "out"), std::nullopt, std::nullopt};
@@ -1873,12 +1883,13 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor&, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor> threshold_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
     const Opt<at::Tensor>& lam, const Opt<at::Tensor>&, const Opt<at::Tensor>&,
-    const Opt<at::Tensor>&, const Opt<at::Tensor>&, double, bool, bool, double,
+    const Opt<at::Tensor>& cu_q, const Opt<at::Tensor>&, double, bool, bool, double,
     bool count_nonzero, bool, bool keep_rows) {
   check_attention("winnow.threshold_attention_forward", q, k, v);
-  const c10::SymInt rows = keep_rows ? saved_rows_length<c10::SymInt>(q.sym_sizes(), k.sym_sizes(),
-                                                                      q.element_size(), lam.has_value())
-                                     : c10::SymInt(0);
+  const c10::SymInt rows =
+      keep_rows ? saved_rows_length<c10::SymInt>(q.sym_sizes(), k.sym_sizes(), q.element_size(), lam.has_value(),
+                                                 cu_q.has_value() ? cu_q->sym_sizes()[0] : c10::SymInt(1))
+                : c10::SymInt(0);
   return std::make_tuple(out(q, v), count_nonzero ? counts(q) : at::empty({0}, q.options().dtype(at::kInt)),
                          at::empty_symint({rows}, q.options().dtype(at::kInt)));
 }

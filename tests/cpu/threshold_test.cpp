@@ -422,7 +422,7 @@ TEST(ThresholdApi, SavedRowsAreForTheCudaRouteOnly) {
   out.fill(7.0);
   const std::int64_t dim = in.main.q.shape().back();
   HostTensor rows({threshold::saved_rows_size<std::int64_t>(in.main.q.numel() / dim, in.main.k.numel() / dim, dim, 8,
-                                                            in.tda ? 2 : 1)},
+                                                            in.tda ? 2 : 1, 0)},
                   DType::int32);
   for (const ExecContext& ctx : {reference(), ExecContext{}}) {
     expect_error([&] { threshold::forward(attention_inputs(in), views_of(in), in.options, {out.view(), std::nullopt, rows.view()}, ctx); },
@@ -440,12 +440,19 @@ TEST(ThresholdApi, SavedRowsAreForTheCudaRouteOnly) {
 }
 
 // The record's length: per view the normalized q and k rows and their inverse norms, each
-// segment rounded up to 256 bytes, in int32 elements.
+// segment rounded up to 256 bytes, then the support map, in int32 elements.
 TEST(ThresholdApi, SavedRowsSize) {
   // 10 query rows x 2 heads and 7 key rows x 1 head of D 64 in bf16, TDA: q 2560 bytes, k 896
   // -> 1024, inverse norms 80 -> 256 and 28 -> 256.
-  EXPECT_EQ(threshold::saved_rows_size<std::int64_t>(20, 7, 64, 2, 2), 2 * (2560 + 1024 + 256 + 256) / 4);
-  EXPECT_EQ(threshold::saved_rows_size<std::int64_t>(0, 0, 64, 2, 1), 0);
+  EXPECT_EQ(threshold::saved_rows_size<std::int64_t>(20, 7, 64, 2, 2, 5), 2 * (2560 + 1024 + 256 + 256) / 4 + 5);
+  EXPECT_EQ(threshold::saved_rows_size<std::int64_t>(0, 0, 64, 2, 1, 0), 0);
+  // The map: a flag padded to 256 bytes, then per head and row tile (sequences + ceil(rows / 64))
+  // a row of words, a bit per 128 keys. 2 sequences of 100 rows, 3 heads, 5000 keys: 2 + 4 row
+  // tiles, 40 cells in 2 words; 3 x 6 x 2 words = 144 bytes -> 256.
+  EXPECT_EQ(threshold::saved_support_words<std::int64_t>(2, 3, 200, 5000), 64 + 64);
+  // 4096 keys are 32 cells, one word; 4097 two.
+  EXPECT_EQ(threshold::saved_support_words<std::int64_t>(1, 64, 64, 4096), 64 + 2 * 64 * 1 * 4 / 4);
+  EXPECT_EQ(threshold::saved_support_words<std::int64_t>(1, 64, 64, 4097), 64 + 2 * 64 * 2 * 4 / 4);
 }
 
 // The CUDA kernels' per-score form (math::threshold::weight_and_slope, through relu) against the

@@ -83,9 +83,15 @@ Placed place(const ThresholdInputs& in, Placement* placement) {
 
 HostTensor saved_rows_record(const ThresholdInputs& in) {
   const std::int64_t dim = in.main.q.shape().back();
+  const std::vector<std::int64_t>& qs = in.main.q.shape();
+  const std::vector<std::int64_t>& ks = in.main.k.shape();
+  const std::int64_t heads_q = qs[qs.size() - 2];
+  const std::int64_t num_seqs = qs.size() == 4 ? qs[0] : in.main.cu_q->shape()[0] - 1;
+  const std::int64_t key_len = ks.size() == 4 ? ks[1] : ks[0];
   const std::int64_t size = threshold::saved_rows_size<std::int64_t>(
       in.main.q.numel() / dim, in.main.k.numel() / dim, dim,
-      static_cast<std::int64_t>(element_size(in.main.q.dtype())), in.tda ? 2 : 1);
+      static_cast<std::int64_t>(element_size(in.main.q.dtype())), in.tda ? 2 : 1,
+      threshold::saved_support_words<std::int64_t>(num_seqs, heads_q, in.main.q.numel() / dim / heads_q, key_len));
   HostTensor record({size}, DType::int32);
   record.fill(0);
   return record;

@@ -66,6 +66,11 @@ struct KeysBackwardBuffers {
   // the sweep; 0.1% with two), while the blocks running at once still share the Q, dO and dQ
   // of about three (head, sequence) pairs in L2.
   int heads_per_sweep = 1;
+  // Where the forward found weights that can be nonzero (TileSupport: a bit per 64 query rows
+  // and 128 keys, the kernel's tiles and blocks), recorded when its flag is set: a block then
+  // sweeps only the query tiles whose bit is, loads and products alike (threshold attention at
+  // a high beta, where most are exact zeros). bits == nullptr, or the flag 0: every tile.
+  TileSupport support;
 
   __device__ __forceinline__ std::int64_t row_index(const AttentionParams& p, std::int64_t h, std::int64_t b,
                                                     std::int64_t r) const {
@@ -123,7 +128,11 @@ struct Sm90KeysBackwardSmem {
   static constexpr int kDsBuffers = 3;  // dS^T of tiles i - 1 (dQ's, staggered) and i, and one in reuse
   static constexpr int kStats = kDS + kDsBuffers * GradTile::kBytes;
   static constexpr int kFlags = kStats + Shape::kStages * kStatsBytes;  // int per (dS buffer, consumer)
-  static constexpr int kSync = kFlags + 4 * 2 * kDsBuffers;
+  // The block's live query tiles (KeysBackwardBuffers::support), a bit each: a sweep of more
+  // tiles than this holds visits them all.
+  static constexpr int kLiveWords = 256;
+  static constexpr int kLive = kFlags + 4 * 2 * kDsBuffers;
+  static constexpr int kSync = kLive + 4 * kLiveWords;
   static constexpr int kSyncBytes = 8 * (1 + 2 * Shape::kStages);
   static constexpr int kBytes = kSync + kSyncBytes + 1024;
 };
@@ -191,6 +200,37 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
   const int tiles = group * tiles_per_head;
 
   const int tid = threadIdx.x;
+  // The tiles this block visits: all, or those the forward's support map marks for its keys
+  // (tile i: query head hk group + i / tiles_per_head, rows from (first_tile + i % tiles_per_head) BQ).
+  static_assert(BQ == kSupportRows && BK == kCellKeys, "a tile is a row tile of the support map, a block its cell");
+  std::uint32_t* const live_mask = reinterpret_cast<std::uint32_t*>(smem + Smem::kLive);
+  const bool sparse = buf.support.bits != nullptr && p.segment_len == 0 && tiles <= 32 * Smem::kLiveWords &&
+                      *buf.support.flag != 0;
+  if (sparse) {
+    const std::int64_t cell = k0 / kCellKeys;
+    for (int w = tid / 32; 32 * w < tiles; w += Shape::kThreads / 32) {
+      const int i = 32 * w + tid % 32;
+      bool live = false;
+      if (i < tiles) {
+        const std::uint32_t* row = buf.support.row(p, b, hk * group + i / tiles_per_head, seq,
+                                                   static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ);
+        live = ((row[cell >> 5] >> (cell & 31)) & 1u) != 0;
+      }
+      const std::uint32_t word = __ballot_sync(0xffffffffu, live);
+      if (tid % 32 == 0) live_mask[w] = word;
+    }
+  }
+  auto is_live = [&](int i) { return !sparse || ((live_mask[i >> 5] >> (i & 31)) & 1u) != 0; };
+  // The first visited tile at or after i, or tiles.
+  auto next_live = [&](int i) {
+    if (!sparse) return i < tiles ? i : tiles;
+    while (i < tiles) {
+      const std::uint32_t word = live_mask[i >> 5] >> (i & 31);
+      if (word != 0) return min(i + __ffs(word) - 1, tiles);
+      i = (i | 31) + 1;
+    }
+    return tiles;
+  };
   if (tid == 0) {
     // With tensor copies one thread arrives (and the copies' bytes complete the phase); with
     // cp.async each of the L producer threads arrives when its own copies land.
@@ -225,13 +265,15 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
         const std::int64_t head_step = p.num_seqs * buf.padded_len;
         const float* stat_a = buf.row_stats[0] + buf.row_index(p, hk * group, b, first_tile * BQ);
         const float* stat_b = buf.row_stats[1] + (stat_a - buf.row_stats[0]);
-        int i = 0;
+        int i = 0, n = 0;  // tile i, the n-th visited
         for (int j = 0; j < group; ++j, stat_a += head_step, stat_b += head_step) {
           const int h = static_cast<int>(hk * group + j);
           for (int t = 0; t < tiles_per_head; ++t, ++i) {
-            const int s = i % S;
+            if (!is_live(i)) continue;
+            const int s = n % S;
             const int r0 = (first_tile + t) * BQ;
-            if (i >= S) tile::mbar_wait_sleepy(&empty[s], ((i / S) - 1) & 1);
+            if (n >= S) tile::mbar_wait_sleepy(&empty[s], ((n / S) - 1) & 1);
+            ++n;
             // Recomputed each tile, as the consumers do: hoisted, the maps' axes and the
             // stages' addresses held more registers than the producer has, and spilled.
             tiles_at = tile::opaque(smem);
@@ -260,11 +302,11 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       tile::mbar_arrive_on_copies(kv_full);
     }
     const detail::Operand& q = keys.queries(p);
-    for (int i = 0; i < tiles; ++i) {
-      const int s = i % S;
+    for (int i = next_live(0), n = 0; i < tiles; i = next_live(i + 1), ++n) {
+      const int s = n % S;
       const std::int64_t h = hk * group + i / tiles_per_head;
       const std::int64_t r0 = static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ;
-      if (i >= S) tile::mbar_wait_sleepy(&empty[s], ((i / S) - 1) & 1);
+      if (n >= S) tile::mbar_wait_sleepy(&empty[s], ((n / S) - 1) & 1);
       const std::int64_t left = seq.q_len - r0 - r;
       const int valid = left <= 0 ? 0 : static_cast<int>((left + P - 1) / P);
       const std::int64_t row = r0 + r < seq.q_len ? r0 + r : 0;
@@ -291,11 +333,11 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
     tile::zero(dv);
     tile::zero(dk);
 
-    // S^T and dP^T of tile i (stage i % S), one commit group.
+    // S^T and dP^T of the n-th visited tile (stage n % S), one commit group.
     float sc[NT][4], dp[NT][4];
-    auto issue_scores = [&](int i) {
-      const int s = tile::warp_uniform(i % S);
-      tile::mbar_wait(&full[s], (i / S) & 1);
+    auto issue_scores = [&](int n) {
+      const int s = tile::warp_uniform(n % S);
+      tile::mbar_wait(&full[s], (n / S) & 1);
       tile::fence_to_async_proxy();  // the copies were ordinary writes; wgmma reads asynchronously
       tile::fresh(sc);
       tile::fresh(dp);
@@ -413,7 +455,8 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
     };
     auto tile_head = [&](int i) { return hk * group + i / tiles_per_head; };
     auto tile_row = [&](int i) { return static_cast<std::int64_t>(first_tile + i % tiles_per_head) * BQ; };
-    auto head_ends = [&](int i) { return i + 1 == tiles || (i + 1) / tiles_per_head != i / tiles_per_head; };
+    // Whether visited tile i is its head's last visited one (`next` the next visited).
+    auto head_ends = [&](int i, int next) { return next == tiles || next / tiles_per_head != i / tiles_per_head; };
 
     tile::mbar_wait(kv_full, 0);
     // The consumers take turns issuing (two named barriers, as the forward's): per tile i a
@@ -430,37 +473,46 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
     int* const flags = reinterpret_cast<int*>(smem + Smem::kFlags);  // [dS buffer][consumer] live
     float prev_f = 1.f;
     bool prev_votes = false, prev_live = true;
-    for (int i = 0; tiles > 0 && i <= tiles; ++i) {
-      const bool has_tile = i < tiles;
-      const int s = tile::warp_uniform(i % S);
+    // Visited tiles: n counts them (stages, dS^T buffers, turns), i is the n-th, prev the one before.
+    int visits = 0;
+    if (sparse) {
+      for (int w = 0; 32 * w < tiles; ++w) visits += __popc(live_mask[w]);
+    } else {
+      visits = tiles;
+    }
+    int i = next_live(0), prev = 0;
+    for (int n = 0; visits > 0 && n <= visits; ++n) {
+      const bool has_tile = n < visits;
+      const int s = tile::warp_uniform(n % S);
       const std::int64_t h = tile_head(has_tile ? i : 0), r0 = tile_row(has_tile ? i : 0);
+      const int next = has_tile ? next_live(i + 1) : tiles;
       tiles_at = tile::opaque(smem);
       bool votes = false, live = true;
       if (has_tile) {
         keys.begin(p, h);
-        if (i > 0 || wg == 1) tile::named_sync(my_turn, 256);
-        issue_scores(i);
+        if (n > 0 || wg == 1) tile::named_sync(my_turn, 256);
+        issue_scores(n);
         tile::named_arrive(other_turn, 256);
         tile::wgmma_wait<0>();
         tile::pin(sc);
         tile::pin(dp);
-        weigh(s, r0, ds_tile(i % Smem::kDsBuffers));
+        weigh(s, r0, ds_tile(n % Smem::kDsBuffers));
         votes = votes_on(s);
         live = vote_live(votes);
         if constexpr (kSkipsZeroTiles<Keys>) {
-          if (wtid == 0) flags[2 * (i % Smem::kDsBuffers) + wg] = live;
+          if (wtid == 0) flags[2 * (n % Smem::kDsBuffers) + wg] = live;
         }
       }
-      // dQ of tile i - 1: at D = 128 live where either consumer's dS^T was (their flags are
-      // in place, as their dS^T halves are).
+      // dQ of the tile before: at D = 128 live where either consumer's dS^T was (their flags
+      // are in place, as their dS^T halves are).
       tile::named_sync(my_turn, 256);
-      bool dq_live = i > 0;
-      if (i > 0 && prev_votes) {
-        const int* const f = flags + 2 * ((i - 1) % Smem::kDsBuffers);
+      bool dq_live = n > 0;
+      if (n > 0 && prev_votes) {
+        const int* const f = flags + 2 * ((n - 1) % Smem::kDsBuffers);
         dq_live = kShareDs ? (f[0] | f[1]) != 0 : prev_live;
       }
       const bool kv_live = has_tile && live;
-      const typename Smem::GradTile prev_ds = ds_tile((i + Smem::kDsBuffers - 1) % Smem::kDsBuffers);
+      const typename Smem::GradTile prev_ds = ds_tile((n + Smem::kDsBuffers - 1) % Smem::kDsBuffers);
       // Each branch issues its products whole and waits for the ones it reads: ptxas
       // serializes every product of the kernel for a branch around some of a sequence's
       // products (C7520), and for a read of an accumulator on a path where it could still
@@ -478,7 +530,7 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
         pass_turn();
         tile::wgmma_wait<1>();  // dV and dQ done, dK's product running
         tile::pin(dq);
-        reduce_dq(tile_row(i - 1), tile_head(i - 1), prev_f);  // recomputed: registers are short
+        reduce_dq(tile_row(prev), tile_head(prev), prev_f);  // recomputed: registers are short
       } else if (kv_live) {
         tile::wgmma_fence();
         issue_dv(s);
@@ -491,7 +543,7 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
         pass_turn();
         tile::wgmma_wait<0>();
         tile::pin(dq);
-        reduce_dq(tile_row(i - 1), tile_head(i - 1), prev_f);
+        reduce_dq(tile_row(prev), tile_head(prev), prev_f);
       } else {
         pass_turn();
       }
@@ -503,11 +555,13 @@ __global__ void __launch_bounds__(Sm90KeysBackwardShape::kThreads, 1)
       tile::pin(dsa);
       if (has_tile) {
         tile::mbar_arrive(&empty[s]);
-        if (head_ends(i)) keys.end(p, h);
+        if (head_ends(i, next)) keys.end(p, h);
       }
       prev_f = keys.dq_scale();
       prev_votes = votes;
       prev_live = live;
+      prev = i;
+      i = next;
     }
     // The block's keys' whole gradients, in T.
     keys.template store_keys<T, D>(p, g, dk, dv, b, seq, hk, my_key, tig);

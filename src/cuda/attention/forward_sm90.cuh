@@ -110,6 +110,18 @@ template <class Rows>
 inline constexpr bool kPrescreens<Rows, std::void_t<decltype(Rows::kPrescreens)>> =
     Rows::kPrescreens && kSkipsZeroTiles<Rows> && !Rows::kCanHalt;
 
+// A policy whose forward tells a tile's support from its scores (Rows::kRecordsSupport, with
+// kPrescreens' any_above) records it for the backward where cfg.support has bits: per consumer
+// (64 rows) and cell, a bit where some score of a warp's rows is above its tau (TileSupport). In
+// rounds with a P V in flight the test costs what the prescreen does, but only where a forward
+// keeps its support (a training step) and the rows vote (zero tiles likely); rows that do not
+// vote, and masked tiles, mark every cell they visit, untested.
+template <class Rows, class = void>
+inline constexpr bool kRecordsSupport = false;
+template <class Rows>
+inline constexpr bool kRecordsSupport<Rows, std::void_t<decltype(Rows::kRecordsSupport)>> =
+    Rows::kRecordsSupport && kPrescreens<Rows>;
+
 // A pairing sweep consumes two stages a round: with four, the next round's tiles load while
 // this round's are weighed (with two, the second's load would start only as the round ends).
 // A policy may ask for more (Rows::kStages): threshold attention takes three, whose forward
@@ -152,6 +164,12 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
   volatile int* const end = reinterpret_cast<volatile int*>(v_empty + S);
   const tile::StageHaltFlags halted{end + S};
 
+  if constexpr (kRecordsSupport<Rows>) {
+    // The map is whole once this launch ends: the backward, after it on the stream, reads the flag.
+    if (cfg.support.bits != nullptr && p.segment_len == 0 && blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) {
+      *cfg.support.flag = 1;
+    }
+  }
   uint3 block;
   if (!block_tile<Rows, BQ>(p, cfg, &block)) return;
   const QueryTile<BQ, BK> qt(p, block);
@@ -266,6 +284,29 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
     bool pv_live = true;
     bool votes = false;
     if constexpr (kSkipsZeroTiles<Rows>) votes = Rows::zero_tiles_likely(p, cfg, qt, qt.r0 + 64 * wg);
+    // kRecordsSupport: whether this consumer records its rows' support tile by tile (its row of
+    // the map found again at each mark: held across the loop, the pointer cost spills).
+    bool records_support = false;
+    auto support_row = [&](const auto& support) { return support.row(p, qt.b, qt.h, qt.s, qt.r0 + 64 * wg); };
+    if constexpr (kRecordsSupport<Rows>) {
+      static_assert(!kPairsTiles<Rows>, "the paired rounds record no support");
+      if (cfg.support.bits != nullptr && p.segment_len == 0 && qt.r0 + 64 * wg < qt.s.q_len) {
+        records_support = votes;
+        if (!votes && wtid == 0) {
+          const int keys = n_tiles > 0 ? (sweep.last() + 1) * BK : 0;
+          mark_support_cells(support_row(cfg.support), (keys + kCellKeys - 1) / kCellKeys);
+        }
+      }
+    }
+    // The tile's cell marked where some score of this warp's rows is above tau (`above`).
+    auto record_support = [&](int kt, bool above) {
+      if constexpr (kRecordsSupport<Rows>) {
+        if (records_support && __any_sync(0xffffffffu, above) && lane == 0) {
+          const int cell = kt * BK / kCellKeys;
+          atomicOr(support_row(cfg.support) + (cell >> 5), 1u << (cell & 31));
+        }
+      }
+    };
 
     // Products are issued on paths that every thread of the warpgroup takes, decided by the
     // loop alone: a product under a data-dependent branch makes the compiler serialise all of
@@ -367,6 +408,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       tile::mbar_arrive(&k_empty[0]);
       weigh(sc, sc2, kt);
       after_weights(sc, kt);
+      record_support(kt, true);
 
       i = 1;
       if constexpr (kPairsTiles<Rows>) {
@@ -424,12 +466,16 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         if (may_halt && wtid == 0) halted.publish(s, wg, done);
         tile::mbar_arrive(&k_empty[s]);
         // kPrescreens: nothing is in flight in a round without P V (issue_round waited for S).
+        // kRecordsSupport: the same test in every voting round, before the weights replace the
+        // scores (a P V may be in flight: no barrier, the warps' votes come after it).
         bool zero_tile = false;
+        bool above = true;
         if constexpr (kPrescreens<Rows>) {
-          if (votes && !with_pv && !qt.needs_mask(kt)) {
-            const bool above = rows.any_above(sc, sc2, static_cast<std::int64_t>(kt) * BK);
-            zero_tile = !tile::named_sync_or(kConsumerBarrier + wg, 128, above);
+          const bool tested = votes && !qt.needs_mask(kt);
+          if (tested && (!with_pv || records_support)) {
+            above = rows.any_above(sc, sc2, static_cast<std::int64_t>(kt) * BK);
           }
+          if (tested && !with_pv) zero_tile = !tile::named_sync_or(kConsumerBarrier + wg, 128, above);
         }
         if (!zero_tile) weigh(sc, sc2, kt);
         if constexpr (Rows::kUsesValues) {
@@ -437,6 +483,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
           tile::pin(o);
           tile::mbar_arrive(&v_empty[prev]);
         }
+        record_support(kt, above);
         if (zero_tile) {
           pv_live = false;
         } else {

@@ -86,6 +86,39 @@ struct SupportBits {
   LiveKeyTiles live() const { return {bits, q_blocks, words}; }
 };
 
+// Where a forward found weights that can be nonzero, for its backward (threshold attention's
+// saved rows, winnow/threshold.h: saved_support_words): per query head and row tile of
+// kSupportRows rows of a sequence, a bit per cell of kCellKeys keys; `flag` nonzero once a forward
+// recorded it whole. A bit is set where some score of the tile's rows in the cell is above its
+// row's threshold (or wherever the forward did not test): a superset of the cells with a nonzero
+// weight or slope, so that a backward may skip every other cell's tiles exactly. bits == nullptr:
+// not recorded.
+inline constexpr int kSupportRows = 64;
+struct TileSupport {
+  std::uint32_t* bits = nullptr;
+  int* flag = nullptr;
+  std::int64_t row_tiles = 0;  // per query head
+  int words = 0;               // per row tile
+
+  // Row tile of rows r .. of sequence b (r a multiple of kSupportRows): numbered b + first / 64 +
+  // r / 64, `first` the sequence's first row among all query rows, so that every layout's tiles
+  // fit in num_seqs + ceil(rows / 64).
+  __device__ __forceinline__ std::uint32_t* row(const AttentionParams& p, std::int64_t b, std::int64_t h,
+                                                const SequenceExtent& s, std::int64_t r) const {
+    const std::int64_t t = b + p.batch_row_q(b, s.q_start) / kSupportRows + r / kSupportRows;
+    return bits + (h * row_tiles + t) * words;
+  }
+};
+
+// Marks cells 0 .. cells - 1 of a support row (one thread), as when a forward does not test its
+// tiles.
+__device__ __forceinline__ void mark_support_cells(std::uint32_t* row, int cells) {
+  for (int w = 0; 32 * w < cells; ++w) {
+    const int left = cells - 32 * w;
+    atomicOr(row + w, left >= 32 ? 0xffffffffu : (1u << left) - 1u);
+  }
+}
+
 // Called by every thread of a warp per tile (key0: the tile's first key): sets the tile's
 // cell bit when some thread of the warp has a nonzero weight in it.
 __device__ __forceinline__ void mark_support(std::uint32_t* block_row, std::int64_t key0, bool any) {

@@ -65,6 +65,9 @@ struct ThresholdCudaConfig {
   // TDA's forward with both views in one launch (ThresholdTwoViewRows): the second view's
   // normalized queries and keys; lambda is set, and the launch's output is the whole of TDA's.
   detail::Operand q2_hat, k2_hat;
+  // Forward: where its weights can be nonzero, for the backward (forward_sm90.cuh,
+  // kRecordsSupport; the candidate pass). bits == nullptr: not recorded.
+  TileSupport support;
 
   __device__ __forceinline__ float factor(std::int64_t h) const {
     return lambda == nullptr ? 1.f : -math::threshold::lambda_used(lambda[h * lambda_head], clamp_lambda);
@@ -100,6 +103,8 @@ struct ThresholdRows {
   // A tile's scores tell a zero tile before its weights do (forward_sm90.cuh): no score above
   // its row's tau (a NaN score is not above it, and weighs zero too).
   static constexpr bool kPrescreens = true;
+  // The Hopper forward records cfg.support by the same test (any_above), for the backward.
+  static constexpr bool kRecordsSupport = true;
   float tau[2], factor, power;
 
   template <class Tile>

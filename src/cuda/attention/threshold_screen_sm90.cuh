@@ -759,6 +759,12 @@ __global__ void __launch_bounds__(kCandidateWarps * 32)
       }
     }
     const std::uint32_t* const list = sp.candidates + static_cast<std::int64_t>(group) * kGroupCandidates;
+    // The candidates' cells with a score above tau go into the forward's support record (the
+    // fused forward after this pass records the dense tiles').
+    std::uint32_t* const support_row =
+        sp.view.support.bits != nullptr && p.segment_len == 0
+            ? sp.view.support.row(p, qt.b, qt.h, qt.s, group0 / kSupportRows * kSupportRows)
+            : nullptr;
 
     float o[D / 8][4];
     tile::zero(o);
@@ -780,12 +786,18 @@ __global__ void __launch_bounds__(kCandidateWarps * 32)
         const int half = static_cast<int>((entry >> 3) & 1u);
         const std::int64_t key = static_cast<std::int64_t>(entry >> 4);
         float w = 0.f;
+        bool above = false;
 #pragma unroll
         for (int v = 0; v < Views; ++v) {
           const T* k = active ? sp.k_hat[v].at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
           const float score = screen::quad_score<T, D>(half == 0 ? q_rows[v][0] : q_rows[v][1], k, active, tig);
           const float wv = mt::weight(score - tau[half], sp.view.power);
           w += v == 0 ? wv : -lambda * wv;
+          above = above || score > tau[half];
+        }
+        if (support_row != nullptr && active && above && tig == 0) {
+          const std::int64_t cell = key / kCellKeys;
+          atomicOr(support_row + (cell >> 5), 1u << (cell & 31));
         }
         if (active && w != 0.f) {
           const T* vrow = p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk);
