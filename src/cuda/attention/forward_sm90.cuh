@@ -112,10 +112,9 @@ inline constexpr bool kPrescreens<Rows, std::void_t<decltype(Rows::kPrescreens)>
 
 // A policy whose forward tells a tile's support from its scores (Rows::kRecordsSupport, with
 // kPrescreens' any_above) records it for the backward where cfg.support has bits: per consumer
-// (64 rows) and cell, a bit where some score of a warp's rows is above its tau (TileSupport). In
-// rounds with a P V in flight the test costs what the prescreen does, but only where a forward
-// keeps its support (a training step) and the rows vote (zero tiles likely); rows that do not
-// vote, and masked tiles, mark every cell they visit, untested.
+// (64 rows) and cell, a bit for every tile but those its prescreen vote found without a score
+// above tau (TileSupport): the rounds with a P V in flight (after a tile with weights) and masked
+// tiles are marked untested, and rows that do not vote mark every cell they visit.
 template <class Rows, class = void>
 inline constexpr bool kRecordsSupport = false;
 template <class Rows>
@@ -298,10 +297,10 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         }
       }
     }
-    // The tile's cell marked where some score of this warp's rows is above tau (`above`).
-    auto record_support = [&](int kt, bool above) {
+    // The tile's cell marked (one thread: the warpgroup's 64 rows are a row tile of the map).
+    auto record_support = [&](int kt) {
       if constexpr (kRecordsSupport<Rows>) {
-        if (records_support && __any_sync(0xffffffffu, above) && lane == 0) {
+        if (records_support && wtid == 0) {
           const int cell = kt * BK / kCellKeys;
           atomicOr(support_row(cfg.support) + (cell >> 5), 1u << (cell & 31));
         }
@@ -408,7 +407,7 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
       tile::mbar_arrive(&k_empty[0]);
       weigh(sc, sc2, kt);
       after_weights(sc, kt);
-      record_support(kt, true);
+      record_support(kt);
 
       i = 1;
       if constexpr (kPairsTiles<Rows>) {
@@ -466,16 +465,12 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
         if (may_halt && wtid == 0) halted.publish(s, wg, done);
         tile::mbar_arrive(&k_empty[s]);
         // kPrescreens: nothing is in flight in a round without P V (issue_round waited for S).
-        // kRecordsSupport: the same test in every voting round, before the weights replace the
-        // scores (a P V may be in flight: no barrier, the warps' votes come after it).
         bool zero_tile = false;
-        bool above = true;
         if constexpr (kPrescreens<Rows>) {
-          const bool tested = votes && !qt.needs_mask(kt);
-          if (tested && (!with_pv || records_support)) {
-            above = rows.any_above(sc, sc2, static_cast<std::int64_t>(kt) * BK);
+          if (votes && !with_pv && !qt.needs_mask(kt)) {
+            const bool above = rows.any_above(sc, sc2, static_cast<std::int64_t>(kt) * BK);
+            zero_tile = !tile::named_sync_or(kConsumerBarrier + wg, 128, above);
           }
-          if (tested && !with_pv) zero_tile = !tile::named_sync_or(kConsumerBarrier + wg, 128, above);
         }
         if (!zero_tile) weigh(sc, sc2, kt);
         if constexpr (Rows::kUsesValues) {
@@ -483,10 +478,13 @@ __global__ void __launch_bounds__(Sm90ForwardShape::kThreads, 1)
           tile::pin(o);
           tile::mbar_arrive(&v_empty[prev]);
         }
-        record_support(kt, above);
+        // kRecordsSupport: every tile but the prescreen's zero tiles marked (rounds with a P V in
+        // flight untested: their own test, a warp vote on the scores, cost the beta = 1 forward
+        // kernel 5-9% and the beta = 0 one 1-4%, H200, session 87).
         if (zero_tile) {
           pv_live = false;
         } else {
+          record_support(kt);
           after_weights(sc, kt);
         }
       }

@@ -103,7 +103,8 @@ struct ThresholdRows {
   // A tile's scores tell a zero tile before its weights do (forward_sm90.cuh): no score above
   // its row's tau (a NaN score is not above it, and weighs zero too).
   static constexpr bool kPrescreens = true;
-  // The Hopper forward records cfg.support by the same test (any_above), for the backward.
+  // The Hopper forward records cfg.support for the backward: every tile but those the same test
+  // (any_above) found without a score above tau.
   static constexpr bool kRecordsSupport = true;
   float tau[2], factor, power;
 
