@@ -161,6 +161,11 @@ def samples(device="cpu", dtype=torch.float64, requires_grad=True, d=16) -> List
                               {"lam": lam, "q2": q2, "k2": k2, "keep_rows": True}, "tda keep_rows"))
             out.append(Sample("threshold_attention_backward", (q, k, v, beta, lam, q2, k2, dout),
                               {"saved_rows": rows}, "tda saved_rows"))
+            # Packed: the record's support map takes its row tiles from cu_seqlens_q's length.
+            pq, pk, pv, cu_q, cu_k = (t.detach() for t in _packed(d, dtype, device, False, gen))
+            out.append(Sample("threshold_attention_forward", (pq, pk, pv, beta),
+                              {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "keep_rows": True},
+                              "tra packed keep_rows"))
 
     # Screening (Multiscreen): s_w and s_r per query head or one for the layer, float32 (float64
     # for float64 inputs); d_K may differ from d_V.
