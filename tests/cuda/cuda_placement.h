@@ -15,6 +15,20 @@ inline void cuda_ok(cudaError_t status, const char* what) {
   ASSERT_EQ(status, cudaSuccess) << what << ": " << cudaGetErrorString(status);
 }
 
+// The current device's compute capability major (9: Hopper); 0, with the test failed, where it
+// cannot be read.
+inline int device_major() {
+  int device = 0, major = 0;
+  const cudaError_t status = cudaGetDevice(&device) == cudaSuccess
+                                 ? cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)
+                                 : cudaErrorInvalidDevice;
+  if (status != cudaSuccess) {
+    ADD_FAILURE() << "reading the device's compute capability: " << cudaGetErrorString(status);
+    return 0;
+  }
+  return major;
+}
+
 class CudaPlacement final : public Placement {
  public:
   ~CudaPlacement() override {

@@ -327,10 +327,7 @@ TEST(CudaBackward, TensorMapCopiesMatchTheReferenceAndCpAsync) {
       {"d128_one_sequence", {{300, 300}}, false, 4, 4, 128, 128},
       {"d64_one_head", {{200, 200}, {200, 200}}, false, 1, 1, 64, 64},
   };
-  int device = 0, major = 0;
-  cuda_ok(cudaGetDevice(&device), "cudaGetDevice");
-  cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
-  const bool hopper_kernels = major == 9 && std::getenv("WINNOW_PORTABLE_KERNELS") == nullptr;
+  const bool hopper_kernels = device_major() == 9 && std::getenv("WINNOW_PORTABLE_KERNELS") == nullptr;
   for (const ProblemShape& shape : shapes) {
     const Problem problem = Problem::random(shape, 23);
     for (DType dtype : {DType::bfloat16, DType::float16}) {

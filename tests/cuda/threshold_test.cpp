@@ -302,10 +302,7 @@ auto with_screen(F&& f) {
 // item's products run, the stages' phases carried from item to item).
 // Long enough rows that tau clears the screen's bound for most of them.
 TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
-  int device = 0, major = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
-  if (major != 9) GTEST_SKIP() << "the screen runs on Hopper only";
+  if (device_major() != 9) GTEST_SKIP() << "the screen runs on Hopper only";
   const std::vector<ProblemShape> shapes = {
       {"screen_d128", {{1100, 1100}}, false, 2, 1, 128, 128},
       {"screen_d64_varlen_suffix", {{700, 700}, {0, 0}, {390, 520}}, true, 2, 2, 64, 64},
@@ -358,10 +355,7 @@ TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
 // and lambda 1 weighs every pair zero (w1 - w2) while every gradient but dv is nonzero: its map
 // comes from the scores of either view, not from the weights.
 TEST(ThresholdCuda, BackwardSweepsTheForwardsSupport) {
-  int device = 0, major = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
-  if (major != 9) GTEST_SKIP() << "the Hopper forward records the support";
+  if (device_major() != 9) GTEST_SKIP() << "the Hopper forward records the support";
   const std::vector<ProblemShape> shapes = {
       {"support_d128_gqa", {{700, 700}, {700, 700}}, false, 4, 2, 128, 128},
       {"support_d64_varlen_suffix", {{390, 520}, {0, 0}, {600, 600}}, true, 2, 2, 64, 64},
