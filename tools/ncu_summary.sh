@@ -10,7 +10,7 @@ export WINNOW_LIBRARY=${WINNOW_LIBRARY:-$PWD/${BUILD:-build-gpu}/libwinnow_torch
 ncu --kernel-name-base "${NCU_NAME_BASE:-function}" --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 --set full \
     --import-source no -f -o "$OUT/$name" "$@" > "$OUT/$name.ncu.log" 2>&1 || { tail -20 "$OUT/$name.ncu.log"; exit 1; }
 ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/$name.details.txt" 2>&1
-grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|DRAM Throughput|Bank Conflicts|Shared Memory Configuration Size" "$OUT/$name.details.txt" | head -30
+grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|L2 Cache Throughput|L1/TEX Cache Throughput|Mem Busy|Max Bandwidth|DRAM Throughput|Bank Conflicts|Shared Memory Configuration Size" "$OUT/$name.details.txt" | head -40
 # Stall reasons (warp state) and the hottest SASS lines.
 ncu -i "$OUT/$name.ncu-rep" --page raw --csv --metrics \
   regex:smsp__pcsamp_warps_issue_stalled_.*,regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
