@@ -79,10 +79,10 @@ struct AttentionParams {
     }
     return s;
   }
-  // An operand row of sequence b (q_start + r or k_start + r; the starts are 0 in batched mode)
-  // as a row over the whole batch: the index that per-row buffers laid out [row][head] use.
   // The most keys a sequence can have, as the shapes tell: L_k batched, T_k packed.
   WINNOW_HD std::int64_t key_len_bound() const { return cu_seqlens_k != nullptr ? rows_k : len_k; }
+  // An operand row of sequence b (q_start + r or k_start + r; the starts are 0 in batched mode)
+  // as a row over the whole batch: the index that per-row buffers laid out [row][head] use.
   WINNOW_HD std::int64_t batch_row_q(std::int64_t b, std::int64_t row) const {
     return (cu_seqlens_q != nullptr ? 0 : b * len_q) + row;
   }
