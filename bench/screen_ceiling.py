@@ -90,6 +90,19 @@ _screen_tuned = triton.autotune(
     key=["L", "IS_INT8"])(_screen_kernel)
 
 
+_last_compiled = [None]  # the tuned kernel's last launch, for its registers and shared memory
+
+
+def kernel_resources():
+    """Registers, spills and shared memory of the tuned kernel last launched (Triton's compiled
+    kernel; None where this Triton does not say)."""
+    try:
+        c = _last_compiled[0]
+        return {"registers": c.n_regs, "spills": c.n_spills, "shared_bytes": c.metadata.shared}
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def screen(q, k, thr, tile=None):
     """q, k: (B, L, H, D) int8 or bf16, the same strides; thr: (B * H, L) int32 or float32.
     Returns (B * H, L) int32: per row, the number of key tiles with a score above thr. With
@@ -99,7 +112,8 @@ def screen(q, k, thr, tile=None):
     args = (q, k, thr, hits, L, H, q.stride(0), q.stride(1), q.stride(2))
     if tile is None:
         grid = lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _screen_tuned[grid](*args, D=D, IS_INT8=q.dtype == torch.int8)
+        compiled = _screen_tuned[grid](*args, D=D, IS_INT8=q.dtype == torch.int8)
+        _last_compiled[0] = compiled
     else:
         bm, bn, w = tile
         _screen_kernel[(triton.cdiv(L, bm), B * H)](*args, D=D, IS_INT8=q.dtype == torch.int8,
@@ -216,10 +230,10 @@ def main():
                     f"{row_name(dtype)} L={L}, tuned")
             row = {"L": L, "B": B, "H": H, "D": D, "dtype": row_name(dtype), "ms": ms,
                    "tops": ops / ms / 1e9, "of_peak": ops / ms / 1e9 / peak,
-                   "floor_ms": ops / peak / 1e9, "config": str(best)}
+                   "floor_ms": ops / peak / 1e9, "config": str(best), "resources": kernel_resources()}
             rows.append(row)
             print(f"  L {L:6d} {row['dtype']:9s} {ms:7.3f} ms {row['tops']:7.0f} TOPS  {row['of_peak']:5.1%} of peak "
-                  f"(peak's time {row['floor_ms']:.3f} ms)  [{best}]")
+                  f"(peak's time {row['floor_ms']:.3f} ms)  [{best}] {row['resources']}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "matrix_rates": rates, "screens": rows}
     if args.bench_json:

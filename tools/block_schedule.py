@@ -40,7 +40,7 @@ def grid_order(length, pairs, heads_per_sweep):
 
 def screen_items(length, pairs):
     """Key tiles (128 keys) of the int8 screen's items (128 query rows each, causal), heaviest
-    first over all (sequence, head) pairs: the order its resident blocks take them in."""
+    first over all (sequence, head) pairs: the order its blocks start in."""
     tiles = length // 128
     return [tiles - t for t in range(tiles) for _ in range(pairs)]
 
@@ -56,8 +56,9 @@ def snake_finish(items, sms, overhead):
 
 def screen_table(args):
     """The screen's schedules: a block per item in the old grid's order (each pair's tiles,
-    heaviest first, pair after pair), greedy over the heaviest-first order, and the resident
-    blocks' fixed snake. Overhead is per item, in key tiles."""
+    heaviest first, pair after pair), greedy over the heaviest-first order (the landed form since
+    session 89, two blocks a multiprocessor: --sms 264), and the fixed snake of the resident
+    blocks before it. Overhead is per item, in key tiles."""
     print("L      grid   greedy  snake   (finish over balanced)")
     for length in args.lengths:
         pairs = args.heads * max(1, args.tokens // length)

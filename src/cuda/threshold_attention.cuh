@@ -910,8 +910,8 @@ class ScreenBuffer {
 };
 
 // A launch's block count: `blocks`, or the environment variable `name` where set (at least 1;
-// read per call, so that tests can give each of the screen's and the candidate pass's
-// persistent blocks many items).
+// read per call, so that tests can give each of the candidate pass's persistent blocks many
+// row groups).
 inline std::int64_t blocks_or_env(const char* name, std::int64_t blocks) {
   if (const char* v = std::getenv(name)) return std::max<std::int64_t>(1, std::atoll(v));
   return blocks;
@@ -923,14 +923,12 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
   const dim3 grid(static_cast<unsigned>((p.max_len_q + Shape::kBQ - 1) / Shape::kBQ),
                   static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.num_seqs));
   if (grid.x == 0 || grid.z == 0) return;
+  // A block an item (the query tiles of the grid above, ScreenItems), two a multiprocessor.
+  const std::int64_t items = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
   auto kernel = threshold_screen_sm90_kernel<T, D, Views>;
   const int smem = Sm90ScreenSmem<Views>::kBytes;
   allow_shared_memory(kernel, smem);
-  // The screen's blocks are resident and take the items (the query tiles of the grid above) in
-  // turn (ScreenItems): one per multiprocessor.
-  const std::int64_t items = static_cast<std::int64_t>(grid.x) * grid.y * grid.z;
-  const std::int64_t blocks = std::min<std::int64_t>(items, blocks_or_env("WINNOW_SCREEN_BLOCKS", multiprocessors()));
-  kernel<<<static_cast<unsigned>(blocks), Shape::kThreads, smem, stream_of(p)>>>(p, sp);
+  kernel<<<static_cast<unsigned>(items), Shape::kThreads, smem, stream_of(p)>>>(p, sp);
   check_launch("threshold_screen_sm90_kernel");
   // The candidate pass: as many blocks as fit on the device at once, or as the row groups need.
   auto candidates = threshold_candidates_kernel<T, D, Views>;
@@ -948,11 +946,11 @@ void launch_screen(const detail::AttentionParams& p, const ThresholdScreenParams
 }
 
 // The screen is opt-in (WINNOW_THRESHOLD_SCREEN set, WINNOW_DENSE_KEY_TILES not): on the H200
-// (bench/gpu_threshold_bench.py, sessions 84-86, docs/performance.md) it makes the forward at
-// beta = 1 on random inputs 1.3x (TRA) and 1.5x (TDA) faster at L = 16384 (session 86, against
-// the unscreened forward's vote on the scores) and no faster at 4K, but the one at beta = 0
-// 28-38% slower (TRA, 16K and 4K, session 85), and which one a model meets is known only from its
-// data (beta is a device tensor: choosing per call would cost a synchronization).
+// (bench/gpu_threshold_bench.py, docs/performance.md) it makes the forward at beta = 1 on random
+// inputs 1.5x (TRA) and 1.55x (TDA) faster at L = 16384 than the unscreened forward with its vote
+// on the scores, and 1.05x at 4K (session 89), but the one at beta = 0 28-38% slower (TRA, 16K
+// and 4K, session 85), and which one a model meets is known only from its data (beta is a device
+// tensor: choosing per call would cost a synchronization).
 // The candidates' list entries hold a key in 28 bits (key << 4 | row, threshold_screen_sm90.cuh):
 // longer key sequences take the unscreened forward.
 constexpr std::int64_t kScreenMaxKeys = std::int64_t{1} << 28;

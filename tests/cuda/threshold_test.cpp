@@ -296,11 +296,10 @@ auto with_screen(F&& f) {
 // The screened forward (Hopper; threshold_screen_sm90.cuh): beta = 1 leaves a few survivors
 // per row on random rows, which the screen finds and handles itself; beta = 0.7 leaves enough
 // that some warps' tiles are dense and others not; beta = 0.2 makes nearly every tile dense.
-// Each matches the reference, and the default (unscreened) forward, with the screen's blocks
-// one per multiprocessor (here, one item each) and with one or two blocks taking every item in
-// turn (passed items, items the producer ends early, query tiles reloaded while the last
-// item's products run, the stages' phases carried from item to item).
-// Long enough rows that tau clears the screen's bound for most of them.
+// Each matches the reference, and the default (unscreened) forward, and does so again with one
+// or two blocks of the candidate pass taking every row group in turn. Long enough rows that tau
+// clears the screen's bound for most of them; items passed whole (beta 0.2), items whose
+// warpgroups both give up on the diagonal tile, and items with one warpgroup given up.
 TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
   if (device_major() != 9) GTEST_SKIP() << "the screen runs on Hopper only";
   const std::vector<ProblemShape> shapes = {
@@ -326,11 +325,10 @@ TEST(ThresholdCuda, ScreenedForwardMatchesTheReference) {
           EXPECT_LT(relative_error(out, want), tolerance(DType::bfloat16));
           EXPECT_LT(relative_error(out, dense), tolerance(DType::bfloat16));
           for (const char* blocks : {"1", "2"}) {
-            // Few blocks of the screen and of its candidate pass: each takes many items in turn.
-            const ScopedEnv few_blocks("WINNOW_SCREEN_BLOCKS", blocks);
+            // Few blocks of the candidate pass: each takes many row groups in turn.
             const ScopedEnv few_candidate_blocks("WINNOW_CANDIDATE_BLOCKS", blocks);
             const std::vector<double> taken_in_turn = with_screen([&] { return threshold_forward(x, {}, &gpu); });
-            EXPECT_EQ(taken_in_turn, out) << "WINNOW_SCREEN_BLOCKS=WINNOW_CANDIDATE_BLOCKS=" << blocks;
+            EXPECT_EQ(taken_in_turn, out) << "WINNOW_CANDIDATE_BLOCKS=" << blocks;
           }
           if (beta == 0.7 && power == 2.0) {
             // The screen's normalization pass writes the saved rows too (its own kernels): the
@@ -512,8 +510,7 @@ TEST(CudaSmall, ThresholdFusedAndSimplePaths) {
         // Saved rows (written by the screen's normalization in the screened pass) but at beta 1.2.
         const TensorView rows = gpu.place(saved_rows_record(x));
         const std::optional<TensorView> saved = beta == 1.2 ? std::nullopt : std::optional(rows);
-        // Two screen blocks, so that each takes several items in turn, and two of the candidate pass.
-        const ScopedEnv two_blocks("WINNOW_SCREEN_BLOCKS", "2");
+        // Two blocks of the candidate pass, so that each takes several row groups in turn.
         const ScopedEnv two_candidate_blocks("WINNOW_CANDIDATE_BLOCKS", "2");
         const std::vector<double> out = deterministic
                                             ? with_screen([&] { return threshold_forward(x, ctx, &gpu, saved); })
