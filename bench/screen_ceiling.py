@@ -198,7 +198,18 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--bench-json", help="bench/gpu_threshold_bench.py's JSON from the same machine")
     ap.add_argument("--from-json", help="this script's JSON: print the bar's budget from it, measure nothing")
+    ap.add_argument("--fixed", type=int, nargs=3, metavar=("BLOCK_M", "BLOCK_N", "WARPS"),
+                    help="only run that int8 configuration (3 stages) three times at the first length, "
+                         "untuned and unchecked: for a profiler")
     args = ap.parse_args()
+    if args.fixed:
+        L = args.lengths[0]
+        q, k, thr = quantized_inputs(args.tokens // L, L, args.heads, 128, torch.int8,
+                                     torch.Generator(device="cuda").manual_seed(14))
+        for _ in range(3):
+            screen(q, k, thr, tuple(args.fixed))
+        torch.cuda.synchronize()
+        return
     if args.from_json:
         with open(args.from_json) as f:
             result = json.load(f)

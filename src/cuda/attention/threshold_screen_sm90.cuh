@@ -224,7 +224,7 @@ __device__ __forceinline__ bool row_unscreenable(const AttentionParams& p, const
 // session 82): this one is 10-20% faster at 2K to 16K (docs/performance.md, 2026-12-01). The
 // smallest screen written the same way in Triton (bench/screen_ceiling.py: a row's maximum
 // against a per-row cut, nothing listed) runs at 58% of the H200's int8 peak at L = 16384; this
-// kernel at 45%.
+// kernel at 46%, with about 1.75x its instructions a tile (Nsight Compute, session 89).
 struct Sm90ScreenShape {
   static constexpr int kBQ = 128, kBK = 128, kThreads = 256;
 };
@@ -282,15 +282,23 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
   };
   // Tile i (key tile n_tiles - 1 - i, the diagonal first) into stage i % S; a group committed
   // for every i, copies or not, so that the wait below counts the same in every iteration.
+  // load_keys takes i = 0, 1, 2, ... in turn, so each view's source walks down from the diagonal
+  // tile by a fixed step; only that first tile can end past the sequence's keys. (The address
+  // and the valid rows computed per tile from the key index were about 40 of the loop's 180
+  // instructions in SASS.)
+  const std::int64_t first_key = static_cast<std::int64_t>(n_tiles - 1) * BK + r0;
+  const int first_valid = rows_valid(qt.s.k_len - first_key);
+  const std::int8_t* key_src[Views];
+#pragma unroll
+  for (int v = 0; v < Views; ++v) key_src[v] = sp.k8[v].at<const std::int8_t>(qt.b, qt.s.k_start + first_key, qt.hk);
   auto load_keys = [&](int i) {
     if (i < n_tiles) {
-      const std::int64_t key = static_cast<std::int64_t>(n_tiles - 1 - i) * BK + r0;
-      const int valid = rows_valid(qt.s.k_len - key);
+      const int valid = i == 0 ? first_valid : BK;
 #pragma unroll
       for (int v = 0; v < Views; ++v) {
-        const detail::Operand& k8 = sp.k8[v];
-        KTile{smem + k_off(i % S, v)}.template load_rows_async<NT>(
-            tid, k8.at<const std::int8_t>(qt.b, qt.s.k_start + key, qt.hk), P * k8.row, valid);
+        const std::int64_t row = sp.k8[v].row;
+        KTile{smem + k_off(i % S, v)}.template load_rows_async<NT>(tid, key_src[v], P * row, valid);
+        key_src[v] -= BK * row;
       }
     }
     tile::cp_async_commit();
