@@ -18,6 +18,10 @@ With --bench-json (bench/gpu_threshold_bench.py's JSON from the same machine) it
 issue 14's bar leaves: the beta = 1 forward's time budget (a third of the beta = 0 forward's)
 against the screen's measured time.
 
+--fixed BLOCK_M BLOCK_N WARPS runs one int8 configuration three times and nothing else, for a
+profiler (tools/ncu_summary.sh NAME _screen_kernel -- python3 bench/screen_ceiling.py --lengths
+16384 --fixed 128 128 8).
+
 Shapes as the threshold bench: D = 128, 12 heads, B * L = 16384, L in {4096, 16384}; TDA
 screens two views, so twice the screen's time. Writes JSON (--json) and prints a table.
 """
