@@ -255,8 +255,9 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
   const std::uint32_t smem_pad = (1024 - (tile::smem_address(smem_raw) & 1023)) & 1023;
   unsigned char* const smem = smem_raw + smem_pad;
   const std::uint32_t smem_at = tile::smem_address(smem_raw) + smem_pad;
-  auto q_at = [&](int v) { return smem_at + static_cast<std::uint32_t>(Smem::kQ + v * Smem::QTile::kBytes); };
+  auto q_off = [](int v) { return Smem::kQ + v * Smem::QTile::kBytes; };
   auto k_off = [](int s, int v) { return Smem::kK + (s * Views + v) * KTile::kBytes; };
+  auto q_at = [&](int v) { return smem_at + static_cast<std::uint32_t>(q_off(v)); };
   float2* const row_cuts = reinterpret_cast<float2*>(smem + Smem::kRowCuts);
 
   // Item blockIdx.x, heaviest first (ScreenItems' order, one item a block).
@@ -308,7 +309,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
 #pragma unroll
     for (int v = 0; v < Views; ++v) {
       const detail::Operand& q8 = sp.q8[v];
-      typename Smem::QTile{smem + Smem::kQ + v * Smem::QTile::kBytes}.template load_rows_async<NT>(
+      typename Smem::QTile{smem + q_off(v)}.template load_rows_async<NT>(
           tid, q8.at<const std::int8_t>(qt.b, qt.s.q_start + qt.r0 + r0, qt.h), P * q8.row, valid);
     }
   }
@@ -398,6 +399,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
         if (v == 0) {
 #pragma unroll
           for (int u = 0; u < Views; ++u) {
+            // An approximate reciprocal: its error of an ulp or two is inside the cut's slack.
             const float inv_scale_k = __fdividef(1.f, bounds[u].x);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -410,6 +412,8 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
         }
         tile::wgmma_wait<0>();
         tile::pin(acc);
+        // continue, not break: `dense` is a warp's, and every warp of the warpgroup must issue
+        // each view's product.
         if (dense) continue;
         // The products against the rows' cuts: where some row of the warp is over, the
         // candidates among the visible keys.
@@ -421,6 +425,8 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
         }
         if (__any_sync(0xffffffffu, max(m[0][0], m[0][1]) > cut[v][0] || max(m[1][0], m[1][1]) > cut[v][1])) {
           over = true;
+          // Entry (e, c) is key key0 + 2 tig + 8 e + (c & 1): visible to its row when 8 e + (c & 1)
+          // is at most visible[c / 2], a 32-bit offset against compile-time columns.
           int visible[2];
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
