@@ -53,16 +53,32 @@ $BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.tx
       | cut -c1-110 >> "$P"
   done
 done
-# SANITIZE_FILTER: then racecheck and memcheck over those tests on main's build (the tree is
-# back on main after the last A/B), each under SANITIZE_SECONDS (default 240).
+# FINAL_TREE=patch: what follows runs on the last patch's tree instead of main's (applied and
+# built here), and FINAL_BENCH_METHODS (say "winnow_tra winnow_tra_beta1_screen") runs the
+# threshold bench once there, with tools/issue_bars.py on it.
+final=main
+if [[ ${FINAL_TREE:-main} == patch ]]; then
+  git apply "docs/parked/$patch.patch" && OUT=$R/build-final timeout 600 tools/gpu_check.sh build > "$R/build-final.txt" 2>&1
+  say "final tree: the patch $patch applied and built: rc $?"
+  final=patch
+fi
+if [[ -n ${FINAL_BENCH_METHODS:-} ]]; then
+  # shellcheck disable=SC2086
+  WINNOW_LIBRARY=$PWD/build-gpu/libwinnow_torch.so timeout 400 python3 bench/gpu_threshold_bench.py \
+    --methods $FINAL_BENCH_METHODS --json "$R/bench-$final.json" > "$R/bench-$final.txt" 2>&1
+  say "bench on $final: rc $?"
+  python3 tools/issue_bars.py "$R/bench-$final.json" 2>&1 | grep -i "beta" >> "$P"
+fi
+# SANITIZE_FILTER: then racecheck and memcheck over those tests on that tree's build, each
+# under SANITIZE_SECONDS (default 240).
 if [[ -n ${SANITIZE_FILTER:-} ]]; then
   for tool in racecheck memcheck; do
     timeout "${SANITIZE_SECONDS:-240}" compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/winnow_cuda_tests \
-      --gtest_filter="$SANITIZE_FILTER" --gtest_brief=1 > "$R/main-$tool.txt" 2>&1
-    say "main $tool over $SANITIZE_FILTER: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED)' "$R/main-$tool.txt" | tr '\n' ' ')"
+      --gtest_filter="$SANITIZE_FILTER" --gtest_brief=1 > "$R/$final-$tool.txt" 2>&1
+    say "$final $tool over $SANITIZE_FILTER: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED)' "$R/$final-$tool.txt" | tr '\n' ' ')"
   done
 fi
-# NCU_RUNS: then Nsight Compute summaries (tools/ncu_summary.sh) on main's build, entries
+# NCU_RUNS: then Nsight Compute summaries (tools/ncu_summary.sh) on that tree's build, entries
 # separated by ';', each "NAME KERNEL_REGEX ARGS" with ARGS those of tools/profile_attention.py
 # (say "tra-beta1-16k attention_forward_sm90 --mechanism tra --beta 1 --length 16384"); each
 # under NCU_SECONDS (default 180), its summary in $R/ncu-NAME.txt.
