@@ -212,11 +212,9 @@ __device__ __forceinline__ float largest_magnitude(const float (&a)[8]) {
   return m;
 }
 
-// The lane's eight features as int8 with `scale` into q8 + 8 * sub (and zeros at dim + 8 * sub:
-// the screen's rows are kScreenRowBytes long, zero past dim); returns the lane's part of the
-// row's squared error radius. `largest`: the |a| the scale was taken from.
-template <int kLanes>
-__device__ __forceinline__ float quantize_packed_row(const float (&a)[8], float largest, std::int8_t* q8, int sub) {
+// The lane's eight features as int8 with the scale of `largest` (the |a| the scale was taken
+// from), as two words in feature order; returns the lane's part of the row's squared error radius.
+__device__ __forceinline__ float quantize_lane(const float (&a)[8], float largest, uint2* words) {
   const float scale = mt::screen_scale(largest), inverse_scale = mt::screen_inverse_scale(largest);
   std::uint32_t word[2] = {0u, 0u};
   float err = 0.f;
@@ -227,12 +225,36 @@ __device__ __forceinline__ float quantize_packed_row(const float (&a)[8], float 
     const float e = a[j] - scale * static_cast<float>(c);
     err += e * e;
   }
-  *reinterpret_cast<uint2*>(q8 + 8 * sub) = make_uint2(word[0], word[1]);
-  if constexpr (8 * kLanes < kScreenRowBytes) {
-    static_assert(2 * 8 * kLanes == kScreenRowBytes, "the padding is one more lane's eight bytes per lane");
-    *reinterpret_cast<uint2*>(q8 + 8 * kLanes + 8 * sub) = make_uint2(0u, 0u);
-  }
+  *words = make_uint2(word[0], word[1]);
   return err;
+}
+
+// The screen's rows are kScreenRowBytes long, zero past dim: with kLanes lanes of eight features
+// a row, lane `sub` holds bytes 8 sub .. 8 sub + 7 and, for dim 64, the zeros at 8 (kLanes + sub).
+template <int kLanes>
+inline constexpr bool kLanePads = 8 * kLanes < kScreenRowBytes;
+template <int kLanes>
+__device__ __forceinline__ void check_lane_padding() {
+  static_assert(!kLanePads<kLanes> || 2 * 8 * kLanes == kScreenRowBytes,
+                "the padding is one more lane's eight bytes per lane");
+}
+
+// The lane's eight features as int8 into the query row q8 (and the row's padding); returns the
+// lane's part of the row's squared error radius.
+template <int kLanes>
+__device__ __forceinline__ float quantize_packed_row(const float (&a)[8], float largest, std::int8_t* q8, int sub) {
+  check_lane_padding<kLanes>();
+  uint2 words;
+  const float err = quantize_lane(a, largest, &words);
+  *reinterpret_cast<uint2*>(q8 + 8 * sub) = words;
+  if constexpr (kLanePads<kLanes>) *reinterpret_cast<uint2*>(q8 + 8 * kLanes + 8 * sub) = make_uint2(0u, 0u);
+  return err;
+}
+
+// Eight bytes of a key row at byte 8 sub of row `row` of a key tile in the screen's layout
+// (ScreenKeyTile: the shared-memory tile's, so that the screen copies a tile as one block).
+__device__ __forceinline__ void store_key_tile_lane(std::int8_t* tile, int row, int sub, uint2 words) {
+  *reinterpret_cast<uint2*>(tile + ScreenKeyTile::offset_of(row, sub / 2) + 8 * (sub % 2)) = words;
 }
 
 // kLanes lanes per (batch row, head) of the queries: normalized, quantized with the row's own
@@ -257,13 +279,14 @@ __global__ void normalize_quantize_queries_kernel(const Operand src, const Opera
 }
 
 // A block per (key tile, kv head, sequence): the tile's keys normalized, then quantized with one
-// scale, the tile's (so that the screen's cut is exact in the keys' scale); tile_meta = {scale,
+// scale, the tile's (so that the screen's cut is exact in the keys' scale), into k8_tiles' tile
+// in the screen's shared-memory layout, rows past the sequence zero; tile_meta = {scale,
 // largest error radius}. Each lane keeps its rows' normalized features in registers between
 // the two steps: kCellKeys / (kWarpsPerBlock * 32 / kLanes) rows, all loaded before the first
 // is normalized (load_packed_row says why).
 template <class T, int kLanes>
 __global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParams p, const Operand src, const Operand hat,
-                                                    float* inv_norm, const Operand k8, float2* tile_meta, int key_tiles,
+                                                    float* inv_norm, std::int8_t* k8_tiles, float2* tile_meta, int key_tiles,
                                                     float eps) {
   constexpr int kRowsPerPass = kWarpsPerBlock * (32 / kLanes), kPasses = kCellKeys / kRowsPerPass;
   static_assert(kCellKeys % kRowsPerPass == 0, "whole passes over a key tile");
@@ -296,13 +319,17 @@ __global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParam
 #pragma unroll
   for (int w = 0; w < kWarpsPerBlock; ++w) largest = fmaxf(largest, largest_of[w]);
   const float scale = mt::screen_scale(largest);
+  check_lane_padding<kLanes>();
+  std::int8_t* const tile_dst = k8_tiles + ((b * p.heads_kv + hk) * key_tiles + t) * kScreenTileBytes;
   float err = 0.f;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
-    const std::int64_t key = first + i * kRowsPerPass;
-    const bool valid = key < s.k_len;
+    const int row = warp * (32 / kLanes) + lane / kLanes + i * kRowsPerPass;
+    uint2 words = make_uint2(0u, 0u);
     float row_err = 0.f;
-    if (valid) row_err = quantize_packed_row<kLanes>(a[i], largest, k8.at<std::int8_t>(b, s.k_start + key, hk), sub);
+    if (first + i * kRowsPerPass < s.k_len) row_err = quantize_lane(a[i], largest, &words);
+    store_key_tile_lane(tile_dst, row, sub, words);
+    if constexpr (kLanePads<kLanes>) store_key_tile_lane(tile_dst, row, kLanes + sub, make_uint2(0u, 0u));
     err = fmaxf(err, sqrtf(tile::lanes_sum<kLanes>(row_err)));
   }
   err = tile::lanes_max<32>(err);
@@ -842,19 +869,18 @@ void fused_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg,
   }
 }
 
-// The screen's scratch: per view the int8 rows and their bounds, the dense / live tile bits
-// (cleared), and per row group its candidates and their count (cleared), carved from one buffer
-// of the caller's allocator.
+// The screen's scratch: per view the int8 query rows and key tiles and their bounds, the dense /
+// live tile bits (cleared), and per row group its candidates and their count (cleared), carved
+// from one buffer of the caller's allocator.
 class ScreenBuffer {
  public:
   ScreenBuffer(const detail::AttentionParams& p, int views)
       : q_rows_(static_cast<std::size_t>(p.rows_q * p.heads_q)),
-        k_rows_(static_cast<std::size_t>(p.rows_k * p.heads_kv)),
         tiles_(static_cast<std::size_t>(p.num_seqs * p.heads_kv) * static_cast<std::size_t>(map_cells(p))),
         dense_words_(static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(row_groups(p)) *
                      static_cast<std::size_t>(map_words(p))),
         live_words_(map_blocks(p) * static_cast<std::size_t>(map_words(p))),
-        per_view_(aligned(q_rows_ * kScreenRowBytes) + aligned(k_rows_ * kScreenRowBytes) +
+        per_view_(aligned(q_rows_ * kScreenRowBytes) + aligned(tiles_ * kScreenTileBytes) +
                   aligned(q_rows_ * sizeof(float2)) + aligned(tiles_ * sizeof(float2))),
         bits_(aligned((dense_words_ + live_words_) * sizeof(std::uint32_t))),
         groups_(static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(row_groups(p))),
@@ -863,14 +889,14 @@ class ScreenBuffer {
         lists_(aligned(items_ * sizeof(int4))),
         buffer_(p, views * per_view_ + bits_ + counts_ + lists_ + groups_ * kGroupCandidates * sizeof(std::uint32_t)) {
     auto* base = buffer_.as<unsigned char>();
-    const RowGeometry q = query_rows(p), k = key_rows(p, kScreenRowBytes);
+    const RowGeometry q = query_rows(p);
     RowGeometry q8 = q;
     q8.dim = kScreenRowBytes;
     for (int v = 0; v < views; ++v) {
       params_.q8[v] = contiguous(base, q8);
       base += aligned(q_rows_ * kScreenRowBytes);
-      params_.k8[v] = contiguous(base, k);
-      base += aligned(k_rows_ * kScreenRowBytes);
+      params_.k8[v] = reinterpret_cast<std::int8_t*>(base);
+      base += aligned(tiles_ * kScreenTileBytes);
       params_.q_meta[v] = reinterpret_cast<float2*>(base);
       base += aligned(q_rows_ * sizeof(float2));
       params_.tile_meta[v] = reinterpret_cast<float2*>(base);
@@ -904,7 +930,7 @@ class ScreenBuffer {
 
  private:
   static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-  std::size_t q_rows_, k_rows_, tiles_, dense_words_, live_words_, per_view_, bits_, groups_, items_, counts_, lists_;
+  std::size_t q_rows_, tiles_, dense_words_, live_words_, per_view_, bits_, groups_, items_, counts_, lists_;
   DeviceBuffer buffer_;
   ThresholdScreenParams params_;
 };

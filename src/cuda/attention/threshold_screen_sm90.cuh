@@ -23,8 +23,9 @@
 // pass, every other one by the screen, as zeros; the fused forward adds the dense tiles' part.
 //
 // Block: one work item (ScreenItems: 128 query rows of one head), two warpgroups of 64 rows
-// that copy the item's 8-bit query tile and key tiles (natural key order, 128 keys x 128 bytes)
-// themselves, a few stages ahead of their products, and two blocks a multiprocessor. Views = 2
+// that copy the item's 8-bit query tile themselves and get its key tiles (natural key order,
+// 128 keys x 128 bytes) by bulk copies a few stages ahead of their products, and two blocks a
+// multiprocessor. Views = 2
 // (TDA) screens both views' products; a candidate of either view gets both exact scores and the
 // weight w1 - lambda w2.
 #pragma once
@@ -32,6 +33,7 @@
 #include <climits>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/attention/forward_sm90.cuh"
 #include "cuda/attention/key_tiles.cuh"
@@ -42,16 +44,22 @@
 namespace winnow::cuda {
 
 inline constexpr int kScreenRowBytes = 128;  // int8 rows, zero past the head dimension
+// A key tile of the screen as the normalization writes it and the screen's shared memory holds
+// it (128 keys of 128 bytes, swizzled), so that one bulk copy moves it.
+using ScreenKeyTile = tile::PanelTile<std::int8_t, kCellKeys, kScreenRowBytes>;
+inline constexpr int kScreenTileBytes = ScreenKeyTile::kBytes;
 inline constexpr int kSparseCandidates = 24;  // per warp and key tile, above which the tile is dense
 inline constexpr int kGroupCandidates = 256;  // per row group, over its key tiles; past them, dense
 inline constexpr int kCandidateWarps = 8;     // per block of the candidate pass
 
 struct ThresholdScreenParams {
   ThresholdCudaConfig view;  // power, dim, beta; lambda set for TDA (the second view's factor)
-  // Per view: the 16-bit normalized rows (the kernels' scores), the int8 rows
-  // ([batch row][head][128 bytes]), per query row its {scale, error radius} ([batch row][head]),
-  // per key tile the largest scale and error radius of its keys ([sequence][kv head][tile]).
-  detail::Operand q_hat[2], k_hat[2], q8[2], k8[2];
+  // Per view: the 16-bit normalized rows (the kernels' scores), the int8 query rows
+  // ([batch row][head][128 bytes]) and key tiles ([sequence][kv head][tile], ScreenKeyTile's
+  // layout), per query row its {scale, error radius} ([batch row][head]), per key tile the
+  // largest scale and error radius of its keys ([sequence][kv head][tile]).
+  detail::Operand q_hat[2], k_hat[2], q8[2];
+  std::int8_t* k8[2] = {nullptr, nullptr};
   float2* q_meta[2] = {nullptr, nullptr};  // written by the normalization, read by the screen
   float2* tile_meta[2] = {nullptr, nullptr};
   int key_tiles = 0;  // tiles per (sequence, kv head) in tile_meta
@@ -110,6 +118,11 @@ struct ThresholdScreenParams {
   __device__ __forceinline__ float2 tile_bound(int v, const AttentionParams& p, const Tile& qt, int kt) const {
     return tile_bounds(v, p, qt)[kt];
   }
+  // Key tile 0 of the query tile's (sequence, kv head); tile kt follows at kt * kScreenTileBytes.
+  template <class Tile>
+  __device__ __forceinline__ const std::int8_t* key_tiles_of(int v, const AttentionParams& p, const Tile& qt) const {
+    return k8[v] + (qt.b * p.heads_kv + qt.hk) * key_tiles * kScreenTileBytes;
+  }
   template <class Tile>
   __device__ __forceinline__ std::uint32_t* live_row(const AttentionParams& p, const Tile& qt) const {
     return live_bits + map_block(qt.b, qt.h, p.heads_q, q_blocks, qt.r0) * dense.words;
@@ -151,6 +164,14 @@ __device__ __forceinline__ float quad_score(const T* q, const T* k, bool active,
     }
   }
   return tile::quad_sum(part);
+}
+
+// f(std::integral_constant<int, s>{}) for s = 0, 1, ... while it returns true: a loop over a
+// ring's stages unrolled, so that each stage's shared addresses are constants. Returns whether
+// every call returned true.
+template <class F, int... s>
+__device__ __forceinline__ bool each_stage_while(F&& f, std::integer_sequence<int, s...>) {
+  return (f(std::integral_constant<int, s>{}) && ...);
 }
 
 }  // namespace screen
@@ -215,30 +236,38 @@ __device__ __forceinline__ bool row_unscreenable(const AttentionParams& p, const
   return unscreenable;
 }
 // The kernel's form: no producer warps and no resident blocks (session 89). A block of two
-// warpgroups screens one item and copies its own tiles with cp.async, every thread a share, a
-// ring of stages ahead of the products; two blocks share a multiprocessor (128 registers a
-// thread, one accumulator), so each scheduler has four warps whose products and screening
-// interleave across blocks. The form before it, one resident block a multiprocessor with a
-// producer warpgroup and two consumer warpgroups of two accumulators each, left each scheduler
-// two warps waiting on their own chains of about 210 instructions a tile (Nsight Compute,
-// session 82): this one is 10-20% faster at 2K to 16K (docs/performance.md, 2026-12-01). The
-// smallest screen written the same way in Triton (bench/screen_ceiling.py: a row's maximum
-// against a per-row cut, nothing listed) runs at 58% of the H200's int8 peak at L = 16384; this
-// kernel at 46%, with about 1.75x its instructions a tile (Nsight Compute, session 89).
+// warpgroups screens one item, two blocks a multiprocessor (128 registers a thread, one
+// accumulator), so each scheduler has four warps whose products and screening interleave across
+// blocks. The form before it, one resident block a multiprocessor with a producer warpgroup and
+// two consumer warpgroups of two accumulators each, left each scheduler two warps waiting on
+// their own chains of about 210 instructions a tile (Nsight Compute, session 82): this one is
+// 10-20% faster at 2K to 16K (docs/performance.md, 2026-12-01). The smallest screen written the
+// same way in Triton (bench/screen_ceiling.py: a row's maximum against a per-row cut, nothing
+// listed) runs at 58% of the H200's int8 peak at L = 16384.
+// Key tiles come as one bulk copy each (the normalization writes them in the shared-memory
+// layout), S tiles ahead, into a ring of stages with a full barrier each; the last warp done with
+// a stage's products issues the copy of the tile after them into it, so no warp waits on another
+// tile by tile (with each thread copying its share by cp.async behind a block barrier a tile, the
+// copies' addresses were about 40 of the loop's 180 instructions a thread, and the barrier the
+// largest stall, 31% of Nsight Compute's samples, session 89). The loop is unrolled over the
+// stages, so that each stage's descriptors and barrier are constants.
 struct Sm90ScreenShape {
-  static constexpr int kBQ = 128, kBK = 128, kThreads = 256;
+  static constexpr int kBQ = 128, kBK = 128, kThreads = 256, kWarps = kThreads / 32;
 };
 
 template <int Views>
 struct Sm90ScreenSmem {
   using QTile = tile::PanelTile<std::int8_t, Sm90ScreenShape::kBQ, kScreenRowBytes>;
-  using KTile = tile::PanelTile<std::int8_t, Sm90ScreenShape::kBK, kScreenRowBytes>;
+  using KTile = ScreenKeyTile;
+  static_assert(KTile::kBytes == Sm90ScreenShape::kBK * kScreenRowBytes, "a key tile a stage");
   // Two blocks a multiprocessor: TRA 16 + 48 KB, TDA 32 + 64 KB.
   static constexpr int kStages = Views == 1 ? 3 : 2;
   static constexpr int kQ = 0;                                    // view v at kQ + v * QTile::kBytes
   static constexpr int kK = Views * QTile::kBytes;                // stage s, view v at kK + (s * Views + v) * KTile::kBytes
   static constexpr int kRowCuts = kK + kStages * Views * KTile::kBytes;  // [v][row], float2
-  static constexpr int kBytes = kRowCuts + Views * Sm90ScreenShape::kBQ * 8 + 1024;
+  static constexpr int kFull = kRowCuts + Views * Sm90ScreenShape::kBQ * 8;  // [stage] mbarriers
+  static constexpr int kDone = kFull + kStages * 8;                          // [stage] warps done, unsigned
+  static constexpr int kBytes = kDone + kStages * 4 + 1024;
   static_assert(2 * kBytes <= 227 * 1024, "two blocks a multiprocessor");
 };
 
@@ -259,6 +288,8 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
   auto k_off = [](int s, int v) { return Smem::kK + (s * Views + v) * KTile::kBytes; };
   auto q_at = [&](int v) { return smem_at + static_cast<std::uint32_t>(q_off(v)); };
   float2* const row_cuts = reinterpret_cast<float2*>(smem + Smem::kRowCuts);
+  std::uint64_t* const full = reinterpret_cast<std::uint64_t*>(smem + Smem::kFull);
+  unsigned* const warps_done = reinterpret_cast<unsigned*>(smem + Smem::kDone);
 
   // Item blockIdx.x, heaviest first (ScreenItems' order, one item a block).
   const ScreenItems items(p, BQ);
@@ -274,47 +305,41 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
   }
   const int n_tiles = qt.key_tiles;
   const bool counting = sp.stats != nullptr;
+  const int wg_uniform = tile::warp_uniform(wg);  // the query tile's descriptors in uniform registers
 
-  // The copies: thread tid takes rows r0, r0 + P, ... of each tile, one 16-byte chunk of each.
-  constexpr int P = KTile::template row_stride_of<NT>();
-  const int r0 = KTile::template first_row_of<NT>(tid);
-  auto rows_valid = [&](std::int64_t left) {
-    return left <= 0 ? 0 : static_cast<int>(left < BK ? (left + P - 1) / P : BK);
-  };
-  // Tile i (key tile n_tiles - 1 - i, the diagonal first) into stage i % S; a group committed
-  // for every i, copies or not, so that the wait below counts the same in every iteration.
-  // load_keys takes i = 0, 1, 2, ... in turn, so each view's source walks down from the diagonal
-  // tile by a fixed step; only that first tile can end past the sequence's keys. (The address
-  // and the valid rows computed per tile from the key index were about 40 of the loop's 180
-  // instructions in SASS.)
-  const std::int64_t first_key = static_cast<std::int64_t>(n_tiles - 1) * BK + r0;
-  const int first_valid = rows_valid(qt.s.k_len - first_key);
-  const std::int8_t* key_src[Views];
+  // Tile i (key tile n_tiles - 1 - i, the diagonal first) into stage s = i % S, by one thread.
+  auto load_keys = [&](int i, int s) {
+    tile::mbar_arrive_expecting(full + s, Views * kScreenTileBytes);
 #pragma unroll
-  for (int v = 0; v < Views; ++v) key_src[v] = sp.k8[v].at<const std::int8_t>(qt.b, qt.s.k_start + first_key, qt.hk);
-  auto load_keys = [&](int i) {
-    if (i < n_tiles) {
-      const int valid = i == 0 ? first_valid : BK;
-#pragma unroll
-      for (int v = 0; v < Views; ++v) {
-        const std::int64_t row = sp.k8[v].row;
-        KTile{smem + k_off(i % S, v)}.template load_rows_async<NT>(tid, key_src[v], P * row, valid);
-        key_src[v] -= BK * row;
-      }
+    for (int v = 0; v < Views; ++v) {
+      tile::bulk_load(smem + k_off(s, v), sp.key_tiles_of(v, p, qt) + static_cast<std::int64_t>(n_tiles - 1 - i) * kScreenTileBytes,
+                      kScreenTileBytes, full + s);
     }
-    tile::cp_async_commit();
   };
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      tile::mbar_init(full + s, 1);
+      warps_done[s] = 0;
+    }
+    tile::mbar_init_fence();
+    for (int i = 0; i < S && i < n_tiles; ++i) load_keys(i, i);
+  }
+  // The query tile by cp.async, every thread a share: rows r0, r0 + P, ...
   {
-    const int valid = rows_valid(qt.s.q_len - qt.r0 - r0);
+    using QTile = typename Smem::QTile;
+    constexpr int P = QTile::template row_stride_of<NT>();
+    const int r0 = QTile::template first_row_of<NT>(tid);
+    const std::int64_t left = qt.s.q_len - qt.r0 - r0;
+    const int valid = left <= 0 ? 0 : static_cast<int>(left < BQ ? (left + P - 1) / P : BQ);
 #pragma unroll
     for (int v = 0; v < Views; ++v) {
       const detail::Operand& q8 = sp.q8[v];
-      typename Smem::QTile{smem + q_off(v)}.template load_rows_async<NT>(
+      QTile{smem + q_off(v)}.template load_rows_async<NT>(
           tid, q8.at<const std::int8_t>(qt.b, qt.s.q_start + qt.r0 + r0, qt.h), P * q8.row, valid);
     }
+    tile::cp_async_commit();
   }
-#pragma unroll
-  for (int i = 0; i < S - 1; ++i) load_keys(i);
 
   // While the first tiles come: each row's part of its cut, and whether the item can be screened
   // at all.
@@ -325,13 +350,19 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
 #pragma unroll
     for (int v = 0; v < Views; ++v) row_cuts[v * BQ + tid] = cut[v];
   }
+  tile::cp_async_wait<0>();
+  tile::fence_to_async_proxy();
+  // Waits on the bulk copies still in flight (tiles first .. last - 1): none may outlive the block.
+  auto drain = [&](int first, int last) {
+    for (int i = first; i < last && i < n_tiles; ++i) tile::mbar_wait(full + i % S, (i / S) & 1);
+  };
   if (__syncthreads_and(unscreenable)) {
     if (tid < BQ / kScreenGroupRows) {
       mark_tiles_dense(sp.dense.group(p, qt, qt.r0 + kScreenGroupRows * tid), sp.live_row(p, qt), n_tiles);
     }
     if (tid == 0) sp.list_block(qt);
     store_zero_rows<T, D>(p, qt, row0, tig);  // every tile dense: the fused forward adds them all
-    tile::cp_async_wait<0>();
+    drain(0, S);
     return;
   }
 
@@ -361,16 +392,24 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
 #pragma unroll
   for (int v = 0; v < Views; ++v) bounds_next[v] = sp.tile_bound(v, p, qt, n_tiles - 1);
 
+  // This warp is done reading stage s (tile i): the last of the block's warps to be so copies
+  // tile i + S into it. A relaxed count is enough: each warp counts only after waiting for its
+  // products to complete, so no read of the stage is left when the copy is issued (an acq_rel
+  // one put a MEMBAR before each count, which also waits for the bounds' load in flight).
+  auto release = [&](int i, int s) {
+    if (lane == 0 && atomicAdd(warps_done + s, 1u) % Shape::kWarps == Shape::kWarps - 1 && i + S < n_tiles) {
+      load_keys(i + S, s);
+    }
+  };
+
   int acc[64];
-  for (int i = 0; i < n_tiles; ++i) {
-    const int kt = n_tiles - 1 - i, s = i % S;
+  // Tile i in stage s (s == i % S, a constant in each copy of the unrolled loop below); false
+  // where the whole block gave its rows up on the diagonal tile.
+  auto screen_tile = [&](int i, auto stage) -> bool {
+    const int s = stage;
+    const int kt = n_tiles - 1 - i;
     const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
-    // Tile i's copies (this thread's), then everyone's: the barrier also tells that every
-    // product of tile i - 1 is done, so its stage takes tile i + S - 1.
-    tile::cp_async_wait<S - 2>();
-    tile::fence_to_async_proxy();
-    __syncthreads();
-    load_keys(i + S - 1);
+    tile::mbar_wait_at(smem_at + static_cast<std::uint32_t>(Smem::kFull + 8 * s), (i / S) & 1);
     float2 bounds[Views];
 #pragma unroll
     for (int v = 0; v < Views; ++v) {
@@ -378,7 +417,9 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
       if (kt > 0) bounds_next[v] = sp.tile_bound(v, p, qt, kt - 1);
     }
     bool tile_dense = false;
-    if (!done) {
+    if (done) {
+      release(i, s);
+    } else {
       // Each row's cut for this tile; a row whose tau lies within the bound (a cut below 1, or
       // NaN) makes the tile dense. The conversion saturates: an infinite cut is INT_MAX.
       int cut[Views][2];
@@ -391,7 +432,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
         tile::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kScreenRowBytes / 32; ++ks) {
-          tile::wgmma_ss_s8_n128(acc, KTile::k_major_at(q_at(v), 64 * wg, 32 * ks),
+          tile::wgmma_ss_s8_n128(acc, KTile::k_major_at(q_at(v), 64 * wg_uniform, 32 * ks),
                                  KTile::k_major_at(smem_at + static_cast<std::uint32_t>(k_off(s, v)), 0, 32 * ks),
                                  ks > 0);
         }
@@ -412,6 +453,7 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
         }
         tile::wgmma_wait<0>();
         tile::pin(acc);
+        if (v == Views - 1) release(i, s);  // the stage is read
         // continue, not break: `dense` is a warp's, and every warp of the warpgroup must issue
         // each view's product.
         if (dense) continue;
@@ -481,10 +523,27 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
       done = tile::named_sync_and(kConsumerBarrier + wg, 128, tile_dense);
       if (done && lane == 0) mark_tiles_dense(dense_row, live_row, n_tiles);
       marked = marked || done;
-      if (__syncthreads_and(done)) break;
+      if (__syncthreads_and(done)) {
+        drain(1, S + 1);  // tile S was copied at tile 0's release, where there is one
+        return false;
+      }
+    }
+    return true;
+  };
+  // TRA's loop unrolled over its stages (spills 12 / 12 bytes, rolled 36 / 68); TDA's not (its
+  // two views' descriptors: spills 48 / 80 bytes, unrolled 128 / 236).
+  if constexpr (Views == 1) {
+    bool going = true;
+    for (int i0 = 0; going && i0 < n_tiles; i0 += S) {
+      going = screen::each_stage_while(
+          [&](auto stage) { return i0 + stage() < n_tiles && screen_tile(i0 + stage(), stage); },
+          std::make_integer_sequence<int, S>{});
+    }
+  } else {
+    for (int i = 0; i < n_tiles; ++i) {
+      if (!screen_tile(i, i % S)) break;
     }
   }
-  tile::cp_async_wait<0>();  // no copy outlives the block
   // The item listed for the fused forward by the first of its warps that marked a tile dense.
   if (marked && lane == 0 && atomicAdd(sp.item_marks + blockIdx.x, 1) == 0) sp.list_block(qt);
   if (listed > 0) {

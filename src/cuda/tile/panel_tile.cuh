@@ -27,9 +27,10 @@ struct PanelTile {
   static constexpr int kChunks = Cols / kChunkElems;  // 16-byte chunks per row
   unsigned char* data;                      // 1024-byte aligned
 
-  __device__ __forceinline__ int offset(int row, int chunk) const {
+  static __device__ __forceinline__ int offset_of(int row, int chunk) {
     return (chunk >> 3) * kPanelBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
   }
+  __device__ __forceinline__ int offset(int row, int chunk) const { return offset_of(row, chunk); }
   // For stores in a hot loop: the shared address of row `row` of the first panel with its
   // swizzle in bits 4-6 (row % 8, which `swizzle` must equal), so that its chunk c < 8 is at
   // chunk_address(row_address(..), c): one XOR where offset() costs a computation per chunk.
