@@ -280,8 +280,9 @@ __global__ void normalize_quantize_queries_kernel(const Operand src, const Opera
 
 // A block per (key tile, kv head, sequence): the tile's keys normalized, then quantized with one
 // scale, the tile's (so that the screen's cut is exact in the keys' scale), into k8_tiles' tile
-// in the screen's shared-memory layout, rows past the sequence zero; tile_meta = {scale,
-// largest error radius}. Each lane keeps its rows' normalized features in registers between
+// in the screen's shared-memory layout, rows past the sequence zero; tile_meta = {1 / scale,
+// largest error radius} (the screen's cut takes the reciprocal: one division a tile here, none
+// a tile in the screen's loop). Each lane keeps its rows' normalized features in registers between
 // the two steps: kCellKeys / (kWarpsPerBlock * 32 / kLanes) rows, all loaded before the first
 // is normalized (load_packed_row says why).
 template <class T, int kLanes>
@@ -338,7 +339,7 @@ __global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParam
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 0; w < kWarpsPerBlock; ++w) err = fmaxf(err, largest_of[w]);
-    tile_meta[(b * p.heads_kv + hk) * key_tiles + t] = make_float2(scale, err);
+    tile_meta[(b * p.heads_kv + hk) * key_tiles + t] = make_float2(1.f / scale, err);
   }
 }
 

@@ -57,7 +57,7 @@ struct ThresholdScreenParams {
   // Per view: the 16-bit normalized rows (the kernels' scores), the int8 query rows
   // ([batch row][head][128 bytes]) and key tiles ([sequence][kv head][tile], ScreenKeyTile's
   // layout), per query row its {scale, error radius} ([batch row][head]), per key tile the
-  // largest scale and error radius of its keys ([sequence][kv head][tile]).
+  // reciprocal of its keys' scale and their largest error radius ([sequence][kv head][tile]).
   detail::Operand q_hat[2], k_hat[2], q8[2];
   std::int8_t* k8[2] = {nullptr, nullptr};
   float2* q_meta[2] = {nullptr, nullptr};  // written by the normalization, read by the screen
@@ -105,7 +105,7 @@ struct ThresholdScreenParams {
     return Tile(p, Tile::block_of(p, b, h, *row / Tile::kRows));
   }
 
-  // A query row's {scale, error radius}, and a key tile's largest.
+  // A query row's {scale, error radius}, and a key tile's {1 / scale, largest error radius}.
   template <class Tile>
   __device__ __forceinline__ float2 row_bound(int v, const AttentionParams& p, const Tile& qt, std::int64_t row) const {
     return q_meta[v][p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h];
@@ -228,8 +228,8 @@ __device__ __forceinline__ bool row_unscreenable(const AttentionParams& p, const
 #pragma unroll
     for (int v = 0; v < Views; ++v) {
       const float2 q = sp.row_bound(v, p, qt, row), k = sp.tile_bound(v, p, qt, qt.key_tiles - 1);
-      if (math::threshold::screen_cut(tau, q.y, q.x, k.y, k.x) >= 1.f) unscreenable = false;
       const math::threshold::ScreenRowCut<float> c = math::threshold::screen_row_cut(tau, q.y, q.x);
+      if (math::threshold::screen_tile_cut(c, k.y, k.x) >= 1.f) unscreenable = false;
       cut[v] = make_float2(c.offset, c.factor);
     }
   }
@@ -403,13 +403,14 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
   };
 
   int acc[64];
-  // Tile i in stage s (s == i % S, a constant in each copy of the unrolled loop below); false
-  // where the whole block gave its rows up on the diagonal tile.
-  auto screen_tile = [&](int i, auto stage) -> bool {
+  // Tile i in stage s (s == i % S, a constant in each copy of the unrolled loop below), the
+  // stage's phase `parity` ((i / S) % 2); false where the whole block gave its rows up on the
+  // diagonal tile.
+  auto screen_tile = [&](int i, auto stage, int parity) -> bool {
     const int s = stage;
     const int kt = n_tiles - 1 - i;
     const std::int64_t key0 = static_cast<std::int64_t>(kt) * BK;
-    tile::mbar_wait_at(smem_at + static_cast<std::uint32_t>(Smem::kFull + 8 * s), (i / S) & 1);
+    tile::mbar_wait_at(smem_at + static_cast<std::uint32_t>(Smem::kFull + 8 * s), parity);
     float2 bounds[Views];
 #pragma unroll
     for (int v = 0; v < Views; ++v) {
@@ -440,11 +441,9 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
         if (v == 0) {
 #pragma unroll
           for (int u = 0; u < Views; ++u) {
-            // An approximate reciprocal: its error of an ulp or two is inside the cut's slack.
-            const float inv_scale_k = __fdividef(1.f, bounds[u].x);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-              const float c = mt::screen_tile_cut(row_cut[u][half], bounds[u].y, inv_scale_k);
+              const float c = mt::screen_tile_cut(row_cut[u][half], bounds[u].y, bounds[u].x);
               dense = dense || !(c >= 1.f);
               cut[u][half] = __float2int_rz(c);
             }
@@ -530,18 +529,19 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
     }
     return true;
   };
-  // TRA's loop unrolled over its stages (spills 12 / 12 bytes, rolled 36 / 68); TDA's not (its
-  // two views' descriptors: spills 48 / 80 bytes, unrolled 128 / 236).
+  // TRA's loop unrolled over its stages (spills 8 / 8 bytes; rolled, 36 / 68 before the stored
+  // reciprocal); TDA's not (its two views' descriptors: spills 48 / 80 bytes, unrolled 128 / 236).
   if constexpr (Views == 1) {
     bool going = true;
-    for (int i0 = 0; going && i0 < n_tiles; i0 += S) {
+    for (int i0 = 0, parity = 0; going && i0 < n_tiles; i0 += S, parity ^= 1) {
       going = screen::each_stage_while(
-          [&](auto stage) { return i0 + stage() < n_tiles && screen_tile(i0 + stage(), stage); },
+          [&](auto stage) { return i0 + stage() < n_tiles && screen_tile(i0 + stage(), stage, parity); },
           std::make_integer_sequence<int, S>{});
     }
   } else {
-    for (int i = 0; i < n_tiles; ++i) {
-      if (!screen_tile(i, i % S)) break;
+    for (int i = 0, s = 0, parity = 0; i < n_tiles; ++i) {
+      if (!screen_tile(i, s, parity)) break;
+      if (++s == S) s = 0, parity ^= 1;
     }
   }
   // The item listed for the fused forward by the first of its warps that marked a tile dense.
