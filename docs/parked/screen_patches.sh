@@ -20,8 +20,9 @@ export BUILD_TARGETS=${BUILD_TARGETS:-"winnow_cuda_tests winnow_torch"}
 TESTS="build-gpu/tests/winnow_cuda_tests --gtest_filter='Threshold*:CudaSmall.*:*Screen*' --gtest_brief=1"
 # BREAKDOWN_METHODS: the rows of the kernel breakdown (default the screened ones at beta 1 and 0).
 BREAKDOWN_METHODS=${BREAKDOWN_METHODS:-"winnow_tra_beta1_screen winnow_tda_beta1_screen winnow_tra_screen winnow_tda_screen"}
+# HOST_TRACE=N: each row's breakdown also prints one call's first N host and GPU events.
 BREAKDOWN="python3 bench/kernel_breakdown.py --lengths ${LENGTHS:-2048 4096 16384} --methods $BREAKDOWN_METHODS \
---phases forward --calls 5"
+--phases forward --calls 5 --host-trace ${HOST_TRACE:-0}"
 CONSISTENCY="python3 tools/screen_consistency.py --lengths 4096 16384 --repeats 3"
 # BENCH_METHODS (say "winnow_tra winnow_tra_beta1 winnow_tda winnow_tda_beta1"): also the threshold
 # bench of those rows every round, its JSON beside the round's (tools/issue_bars.py reads it).
