@@ -199,11 +199,9 @@ unsigned packed_blocks(const RowGeometry& r) {
   return static_cast<unsigned>((r.rows * r.heads + rows_per_block - 1) / rows_per_block);
 }
 
-// The screen's rows, in the packed kernels' layout (kLanes = dim / 8 lanes a row, eight
-// features a lane, one 16-byte access each way; dim 64 or 128, rows as aligned_rows requires).
-// A warp a row with 8-byte accesses, as these kernels were first written, took 0.08 ms per
-// view and tensor at 16K tokens and 12 heads (H200, 2026-11-30): three times the packed
-// normalization's time, and 19% of the screened TRA forward at 16K (35% of TDA's at 4K).
+// The screen's rows (dim 64 or 128, rows as aligned_rows requires). A warp a row with 8-byte
+// accesses, as these kernels were first written, took 0.08 ms per view and tensor at 16K tokens
+// and 12 heads (H200, 2026-11-30), 19% of the screened TRA forward at 16K.
 
 __device__ __forceinline__ float largest_magnitude(const float (&a)[8]) {
   float m = 0.f;
@@ -212,10 +210,10 @@ __device__ __forceinline__ float largest_magnitude(const float (&a)[8]) {
   return m;
 }
 
-// The lane's eight features as int8 with the scale of `largest` (the |a| the scale was taken
-// from), as two words in feature order; returns the lane's part of the row's squared error radius.
-__device__ __forceinline__ float quantize_lane(const float (&a)[8], float largest, uint2* words) {
-  const float scale = mt::screen_scale(largest), inverse_scale = mt::screen_inverse_scale(largest);
+// Eight features as int8 with `scale` (mt::screen_scale and screen_inverse_scale of the largest
+// |a| of the row or tile), as two words in feature order; returns their part of the row's squared
+// error radius.
+__device__ __forceinline__ float quantize_lane(const float (&a)[8], float scale, float inverse_scale, uint2* words) {
   std::uint32_t word[2] = {0u, 0u};
   float err = 0.f;
 #pragma unroll
@@ -229,51 +227,143 @@ __device__ __forceinline__ float quantize_lane(const float (&a)[8], float larges
   return err;
 }
 
-// The screen's rows are kScreenRowBytes long, zero past dim: with kLanes lanes of eight features
-// a row, lane `sub` holds bytes 8 sub .. 8 sub + 7 and, for dim 64, the zeros at 8 (kLanes + sub).
-template <int kLanes>
-inline constexpr bool kLanePads = 8 * kLanes < kScreenRowBytes;
-template <int kLanes>
-__device__ __forceinline__ void check_lane_padding() {
-  static_assert(!kLanePads<kLanes> || 2 * 8 * kLanes == kScreenRowBytes,
-                "the padding is one more lane's eight bytes per lane");
+// The screen's normalization takes rows four lanes a row, lane `sub` holding the row's packs of
+// eight features sub, sub + 4, ... (kPacks = dim / 32 of them, one 16-byte access each), so that
+// a lane's fixed work (its row's indices and addresses, the norm's reciprocal square root, the
+// scales' reciprocals, the reductions' shuffles) is spread over four packs. With a pack a lane
+// (dim / 8 lanes a row, as the plain normalization), the queries' kernel executed about 420
+// instructions a lane and was bound by issuing them: 79% of issue slots busy, 33% of the memory
+// bandwidth, 0.052 ms per view at 16K tokens and 12 heads (Nsight Compute, H200, 2026-12-02).
+inline constexpr int kWideLanes = 4;
+
+// A row's packs as `sub` holds them, loaded before any store (load_packed_row says why).
+template <class T, int kPacks>
+__device__ __forceinline__ void load_wide_row(const T* row, int sub, bool valid, Pack<T, 8> (&in)[kPacks]) {
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) in[j] = load_packed_row(row + 8 * (sub + kWideLanes * j), valid);
 }
 
-// The lane's eight features as int8 into the query row q8 (and the row's padding); returns the
-// lane's part of the row's squared error radius.
-template <int kLanes>
-__device__ __forceinline__ float quantize_packed_row(const float (&a)[8], float largest, std::int8_t* q8, int sub) {
-  check_lane_padding<kLanes>();
-  uint2 words;
-  const float err = quantize_lane(a, largest, &words);
-  *reinterpret_cast<uint2*>(q8 + 8 * sub) = words;
-  if constexpr (kLanePads<kLanes>) *reinterpret_cast<uint2*>(q8 + 8 * kLanes + 8 * sub) = make_uint2(0u, 0u);
-  return err;
+// The sum over a row of per-pack partial sums, added in the order in which lanes_sum<dim / 8>
+// adds them in the one-pack-a-lane layout (pairs 4 kPacks / 2 packs apart first, then ever
+// closer), so that the result is that layout's to the bit: the screened forward then scores the
+// rows the unscreened one normalizes (normalize_rows_packed_kernel). Each lane of a butterfly
+// adds its own value and its partner's, and a + b == b + a in IEEE arithmetic.
+template <int kPacks>
+__device__ __forceinline__ float wide_row_sum(float (&part)[kPacks]) {
+#pragma unroll
+  for (int m = kPacks / 2; m > 0; m /= 2) {
+#pragma unroll
+    for (int j = 0; j < m; ++j) part[j] += part[j + m];
+  }
+  return tile::lanes_sum<kWideLanes>(part[0]);
 }
 
-// Eight bytes of a key row at byte 8 sub of row `row` of a key tile in the screen's layout
+// normalize_packed_row for a row in the wide layout: the features normalized and rounded to T
+// into `out`, stored into hat_row where valid; *inv_norm the signed inverse norm.
+template <class T, int kPacks>
+__device__ __forceinline__ void normalize_wide_row(const Pack<T, 8> (&in)[kPacks], T* hat_row, int sub, bool valid,
+                                                   float eps, Pack<T, 8> (&out)[kPacks], float* inv_norm) {
+  float part[kPacks];
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float x = valid ? widen(in[j].v[e]) : 0.f;
+      sum += x * x;
+    }
+    part[j] = sum;
+  }
+  const float sum = wide_row_sum<kPacks>(part);
+  const float inv = math::inverse_norm(sum, eps);
+  *inv_norm = math::norm_clipped(sum, eps) ? -inv : inv;
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[j].v[e] = narrow_to<T>((valid ? widen(in[j].v[e]) : 0.f) * inv);
+    if (valid) store_pack<T, 8>(hat_row + 8 * (sub + kWideLanes * j), out[j]);
+  }
+}
+
+// The normalized row as the kernels score it: `out` widened, zeros where not valid.
+template <class T, int kPacks>
+__device__ __forceinline__ void widen_row(const Pack<T, 8> (&out)[kPacks], bool valid, float (&a)[kPacks][8]) {
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a[j][e] = valid ? widen(out[j].v[e]) : 0.f;
+  }
+}
+
+template <int kPacks>
+__device__ __forceinline__ float largest_magnitude(const float (&a)[kPacks][8]) {
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) m = fmaxf(m, largest_magnitude(a[j]));
+  return m;
+}
+
+// The screen's rows are kScreenRowBytes long, zero past dim: a lane's packs of codes (eight
+// bytes each) are the row's packs sub + 4 j, j < kPacks; the padding's (dim 64) those with
+// kPacks <= j < kScreenRowBytes / 32.
+inline constexpr int kScreenPacksPerLane = kScreenRowBytes / 8 / kWideLanes;
+
+// The row's codes with the scale of `largest` into the lane's packs: codes(j, words) stores pack
+// j's eight codes, pad(j) pack j of the padding. Returns the row's error radius, its squares
+// summed in wide_row_sum's order.
+template <int kPacks, class Codes, class Pad>
+__device__ __forceinline__ float quantize_wide_row(const float (&a)[kPacks][8], float largest, bool valid, Codes&& codes,
+                                                   Pad&& pad) {
+  static_assert(kPacks <= kScreenPacksPerLane, "a screen row holds the head dimension");
+  const float scale = mt::screen_scale(largest), inverse_scale = mt::screen_inverse_scale(largest);
+  float part[kPacks];
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    uint2 words = make_uint2(0u, 0u);
+    part[j] = valid ? quantize_lane(a[j], scale, inverse_scale, &words) : 0.f;
+    codes(j, words);
+  }
+#pragma unroll
+  for (int j = kPacks; j < kScreenPacksPerLane; ++j) pad(j);
+  return sqrtf(wide_row_sum<kPacks>(part));
+}
+
+// The rows of the wide layout a block of kWarpsPerBlock warps takes.
+inline constexpr int kWideRowsPerBlock = kWarpsPerBlock * (32 / kWideLanes);
+unsigned wide_blocks(const RowGeometry& r) {
+  return static_cast<unsigned>((r.rows * r.heads + kWideRowsPerBlock - 1) / kWideRowsPerBlock);
+}
+
+// Eight bytes of a key row at byte 8 pack of row `row` of a key tile in the screen's layout
 // (ScreenKeyTile: the shared-memory tile's, so that the screen copies a tile as one block).
-__device__ __forceinline__ void store_key_tile_lane(std::int8_t* tile, int row, int sub, uint2 words) {
-  *reinterpret_cast<uint2*>(tile + ScreenKeyTile::offset_of(row, sub / 2) + 8 * (sub % 2)) = words;
+__device__ __forceinline__ void store_key_tile_pack(std::int8_t* tile, int row, int pack, uint2 words) {
+  *reinterpret_cast<uint2*>(tile + ScreenKeyTile::offset_of(row, pack / 2) + 8 * (pack % 2)) = words;
 }
 
-// kLanes lanes per (batch row, head) of the queries: normalized, quantized with the row's own
-// scale; meta = {scale, error radius}. It takes 0.060 ms per view at 16K tokens, 12 heads
-// (H200, 2026-11-30), twice the plain normalization's 0.029 for a quarter more traffic; two rows
-// a lane with both loads ahead, and the largest |a| reduced beside the norm, measured 0.061.
-template <class T, int kLanes>
+// The queries, four lanes a row (kPacks = dim / 32): normalized, quantized with the row's own
+// scale; meta = {scale, error radius}.
+template <class T, int kPacks>
 __global__ void normalize_quantize_queries_kernel(const Operand src, const Operand hat, float* inv_norm,
                                                   const Operand q8, float2* meta, const RowGeometry r, float eps) {
-  const PackedRowLane<kLanes> l(r);
-  float a[8], inv;
-  normalize_packed_row<T, kLanes>(load_packed_row(src.at<const T>(l.b, l.at, l.h) + 8 * l.sub, l.valid),
-                                  hat.at<T>(l.b, l.at, l.h) + 8 * l.sub, l.valid, eps, a, &inv);
-  const float largest = tile::lanes_max<kLanes>(largest_magnitude(a)), scale = mt::screen_scale(largest);
-  float err = 0.f;
-  if (l.valid) err = quantize_packed_row<kLanes>(a, largest, q8.at<std::int8_t>(l.b, l.at, l.h), l.sub);
-  err = sqrtf(tile::lanes_sum<kLanes>(err));
+  const PackedRowLane<kWideLanes> l(r);
+  Pack<T, 8> in[kPacks];
+  load_wide_row<T, kPacks>(src.at<const T>(l.b, l.at, l.h), l.sub, l.valid, in);
+  Pack<T, 8> out[kPacks];
+  float a[kPacks][8], inv;
+  normalize_wide_row<T, kPacks>(in, hat.at<T>(l.b, l.at, l.h), l.sub, l.valid, eps, out, &inv);
+  widen_row<T, kPacks>(out, l.valid, a);
+  const float largest = tile::lanes_max<kWideLanes>(largest_magnitude<kPacks>(a));
+  std::int8_t* const row8 = q8.at<std::int8_t>(l.b, l.at, l.h);
+  const float err = quantize_wide_row<kPacks>(
+      a, largest, l.valid,
+      [&](int j, uint2 words) {
+        if (l.valid) *reinterpret_cast<uint2*>(row8 + 8 * (l.sub + kWideLanes * j)) = words;
+      },
+      [&](int j) {
+        if (l.valid) *reinterpret_cast<uint2*>(row8 + 8 * (l.sub + kWideLanes * j)) = make_uint2(0u, 0u);
+      });
   if (l.valid && l.sub == 0) {
-    meta[l.idx] = make_float2(scale, err);
+    meta[l.idx] = make_float2(mt::screen_scale(largest), err);
     inv_norm[l.idx] = inv;
   }
 }
@@ -282,64 +372,48 @@ __global__ void normalize_quantize_queries_kernel(const Operand src, const Opera
 // scale, the tile's (so that the screen's cut is exact in the keys' scale), into k8_tiles' tile
 // in the screen's shared-memory layout, rows past the sequence zero; tile_meta = {1 / scale,
 // largest error radius} (the screen's cut takes the reciprocal: one division a tile here, none
-// a tile in the screen's loop). Each lane keeps its rows' normalized features in registers between
-// the two steps: kCellKeys / (kWarpsPerBlock * 32 / kLanes) rows, all loaded before the first
-// is normalized (load_packed_row says why).
-template <class T, int kLanes>
-__global__ void normalize_quantize_key_tiles_kernel(const detail::AttentionParams p, const Operand src, const Operand hat,
-                                                    float* inv_norm, std::int8_t* k8_tiles, float2* tile_meta, int key_tiles,
-                                                    float eps) {
-  constexpr int kRowsPerPass = kWarpsPerBlock * (32 / kLanes), kPasses = kCellKeys / kRowsPerPass;
-  static_assert(kCellKeys % kRowsPerPass == 0, "whole passes over a key tile");
-  __shared__ float largest_of[kWarpsPerBlock];
-  const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane % kLanes;
+// a tile in the screen's loop). Four lanes a key as the queries' kernel, so a block of
+// kKeyTileWarps warps a tile, each key's normalized features kept in registers between the two
+// steps. With a pack a lane and eight keys a lane (a block of eight warps), the kernel held 102
+// registers a thread, ran at 23% occupancy and took 0.059 ms per view at 16K tokens, 12 heads
+// (Nsight Compute, H200, 2026-12-02).
+inline constexpr int kKeyTileWarps = kCellKeys / (32 / kWideLanes);
+template <class T, int kPacks>
+__global__ void __launch_bounds__(32 * kKeyTileWarps) normalize_quantize_key_tiles_kernel(
+    const detail::AttentionParams p, const Operand src, const Operand hat, float* inv_norm, std::int8_t* k8_tiles,
+    float2* tile_meta, int key_tiles, float eps) {
+  __shared__ float largest_of[kKeyTileWarps];
+  const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane % kWideLanes;
   const std::int64_t hk = blockIdx.y, b = blockIdx.z;
   const detail::SequenceExtent s = p.sequence(b);
-  const std::int64_t first = static_cast<std::int64_t>(t) * kCellKeys + warp * (32 / kLanes) + lane / kLanes;
-  Pack<T, 8> in[kPasses];
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const std::int64_t key = first + i * kRowsPerPass;
-    in[i] = load_packed_row(src.at<const T>(b, s.k_start + key, hk) + 8 * sub, key < s.k_len);
-  }
-  float a[kPasses][8];
-  float largest = 0.f;
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const std::int64_t key = first + i * kRowsPerPass;
-    const bool valid = key < s.k_len;
-    const std::int64_t row = s.k_start + (valid ? key : 0);
-    float inv;
-    normalize_packed_row<T, kLanes>(in[i], hat.at<T>(b, row, hk) + 8 * sub, valid, eps, a[i], &inv);
-    largest = fmaxf(largest, largest_magnitude(a[i]));
-    if (valid && sub == 0) inv_norm[p.batch_row_k(b, row) * p.heads_kv + hk] = inv;
-  }
-  largest = tile::lanes_max<32>(largest);
+  const int tile_row = static_cast<int>(threadIdx.x) / kWideLanes;
+  const std::int64_t key = static_cast<std::int64_t>(t) * kCellKeys + tile_row;
+  const bool valid = key < s.k_len;
+  const std::int64_t row = s.k_start + (valid ? key : 0);
+  Pack<T, 8> in[kPacks];
+  load_wide_row<T, kPacks>(src.at<const T>(b, row, hk), sub, valid, in);
+  Pack<T, 8> out[kPacks];
+  float a[kPacks][8], inv;
+  normalize_wide_row<T, kPacks>(in, hat.at<T>(b, row, hk), sub, valid, eps, out, &inv);
+  widen_row<T, kPacks>(out, valid, a);
+  if (valid && sub == 0) inv_norm[p.batch_row_k(b, row) * p.heads_kv + hk] = inv;
+  float largest = tile::lanes_max<32>(largest_magnitude<kPacks>(a));
   if (lane == 0) largest_of[warp] = largest;
   __syncthreads();
 #pragma unroll
-  for (int w = 0; w < kWarpsPerBlock; ++w) largest = fmaxf(largest, largest_of[w]);
-  const float scale = mt::screen_scale(largest);
-  check_lane_padding<kLanes>();
+  for (int w = 0; w < kKeyTileWarps; ++w) largest = fmaxf(largest, largest_of[w]);
   std::int8_t* const tile_dst = k8_tiles + ((b * p.heads_kv + hk) * key_tiles + t) * kScreenTileBytes;
-  float err = 0.f;
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int row = warp * (32 / kLanes) + lane / kLanes + i * kRowsPerPass;
-    uint2 words = make_uint2(0u, 0u);
-    float row_err = 0.f;
-    if (first + i * kRowsPerPass < s.k_len) row_err = quantize_lane(a[i], largest, &words);
-    store_key_tile_lane(tile_dst, row, sub, words);
-    if constexpr (kLanePads<kLanes>) store_key_tile_lane(tile_dst, row, kLanes + sub, make_uint2(0u, 0u));
-    err = fmaxf(err, sqrtf(tile::lanes_sum<kLanes>(row_err)));
-  }
+  float err = quantize_wide_row<kPacks>(
+      a, largest, valid,
+      [&](int j, uint2 words) { store_key_tile_pack(tile_dst, tile_row, sub + kWideLanes * j, words); },
+      [&](int j) { store_key_tile_pack(tile_dst, tile_row, sub + kWideLanes * j, make_uint2(0u, 0u)); });
   err = tile::lanes_max<32>(err);
   __syncthreads();  // every warp has read largest_of
   if (lane == 0) largest_of[warp] = err;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarpsPerBlock; ++w) err = fmaxf(err, largest_of[w]);
-    tile_meta[(b * p.heads_kv + hk) * key_tiles + t] = make_float2(1.f / scale, err);
+    for (int w = 0; w < kKeyTileWarps; ++w) err = fmaxf(err, largest_of[w]);
+    tile_meta[(b * p.heads_kv + hk) * key_tiles + t] = make_float2(1.f / mt::screen_scale(largest), err);
   }
 }
 
@@ -776,8 +850,8 @@ class NormalizedViews {
       screen.k_hat[v] = rows_[v].k_hat;
       if (q_.rows * q_.heads > 0) {
         with_packed_lanes(q_.dim, [&](auto lanes) {
-          normalize_quantize_queries_kernel<T, decltype(lanes)::value><<<packed_blocks(q_), 32 * kWarpsPerBlock, 0,
-                                                                         stream_of(p)>>>(
+          normalize_quantize_queries_kernel<T, decltype(lanes)::value / kWideLanes>
+              <<<wide_blocks(q_), 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
               q_src, rows_[v].q_hat, rows_[v].q_inv, screen.q8[v], screen.q_meta[v], q_, eps);
         });
         check_launch("threshold normalize_quantize_queries_kernel");
@@ -786,7 +860,8 @@ class NormalizedViews {
                       static_cast<unsigned>(p.num_seqs));
       if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
         with_packed_lanes(k_.dim, [&](auto lanes) {
-          normalize_quantize_key_tiles_kernel<T, decltype(lanes)::value><<<grid, 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
+          normalize_quantize_key_tiles_kernel<T, decltype(lanes)::value / kWideLanes>
+              <<<grid, 32 * kKeyTileWarps, 0, stream_of(p)>>>(
               p, k_src, rows_[v].k_hat, rows_[v].k_inv, screen.k8[v], screen.tile_meta[v], screen.key_tiles, eps);
         });
         check_launch("threshold normalize_quantize_key_tiles_kernel");
