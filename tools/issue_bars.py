@@ -125,6 +125,10 @@ def threshold_bars(rows):
             # forward above does not screen), against the default forward at beta 0.
             screened = rows.ratio(f"winnow_{variant}", f"winnow_{variant}_beta1_screen", length, 128, "fwd_ms")
             bars.append(Bar(14, f"{variant.upper()} fwd, beta 1 screened x beta 0", shape, screened, 3.0, True))
+            # The same back to back (fwd_steady_ms: the host's dispatch hidden behind the calls
+            # before, as in a model), beside the from-idle timing above, not instead of it.
+            steady = rows.ratio(f"winnow_{variant}", f"winnow_{variant}_beta1_screen", length, 128, "fwd_steady_ms")
+            bars.append(Bar(14, f"{variant.upper()} fwd, b1 screened x b0, steady", shape, steady, 3.0, True))
     return bars
 
 
