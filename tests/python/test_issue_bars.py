@@ -52,10 +52,10 @@ def test_a_bar_in_time_holds_below_its_bound(tmp_path):
     # Back to back (fwd_steady_ms) its own bar beside it, read from its own field.
     steady_name = (14, "TDA fwd, b1 screened x b0, steady", "D 128, L 4096")
     assert by_name(issue_bars.evaluate([path])[0])[steady_name].status == "not measured"
-    rows[1]["fwd_steady_ms"], screened["fwd_steady_ms"] = 0.6, 0.2
+    rows[1]["fwd_steady_ms"], screened["fwd_steady_ms"] = 0.6, 0.15
     path.write_text(json.dumps({"device": "test", "results": rows + [screened], "zero_fractions": {}}))
     steady = by_name(issue_bars.evaluate([path])[0])[steady_name]
-    assert abs(steady.measured - 3.0) < 1e-9 and steady.status == "met"
+    assert abs(steady.measured - 4.0) < 1e-9 and steady.status == "met"
 
     assert got[(14, "TRA forward TF/s x FA2 (beta 0)", "D 128, L 4096")].status == "met"  # 2.0 >= 1.2
     rows[1]["fwd_bwd_ms"] = 3.1
