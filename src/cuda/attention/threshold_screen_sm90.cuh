@@ -554,45 +554,88 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
 #endif
 }
 
+namespace screen {
+
+// A thread's slice of a 16-bit row in the candidate pass: features (D / 4) tig .. (D / 4) (tig +
+// 1) - 1, contiguous, as D / 32 words of 16 bytes, so that a quad moves a row with 16-byte
+// accesses (rows are 16-byte aligned on the fused path, the normalized ones contiguous).
+template <int D>
+inline constexpr int kSliceWords = D / 32;
+
+template <int D>
+__device__ __forceinline__ void load_slice(const void* row, int tig, uint4 (&x)[kSliceWords<D>]) {
+  const uint4* at = reinterpret_cast<const uint4*>(row) + tig * kSliceWords<D>;
+#pragma unroll
+  for (int j = 0; j < kSliceWords<D>; ++j) x[j] = at[j];
+}
+
+__device__ __forceinline__ std::uint32_t word_of(const uint4& x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+// The slice's part of a score, features in order.
+template <class T, int D>
+__device__ __forceinline__ float slice_dot(const uint4 (&a)[kSliceWords<D>], const uint4 (&b)[kSliceWords<D>]) {
+  float part = 0.f;
+#pragma unroll
+  for (int j = 0; j < kSliceWords<D>; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float a0, a1, b0, b1;
+      tile::unpack2<T>(word_of(a[j], i), a0, a1);
+      tile::unpack2<T>(word_of(b[j], i), b0, b1);
+      part += a0 * b0 + a1 * b1;
+    }
+  }
+  return part;
+}
+
+}  // namespace screen
+
 // The candidates' part of the output, after the screen: the rows of every row group that listed
 // candidates (the screen wrote every other row as zeros), to which the fused forward then adds
 // the dense tiles' part. Persistent warps: warp w takes row groups w, w + W, ... (W warps in the
 // launch, as many as fit on the device at once) and passes over those without candidates. In
 // that order the warps running at once share a few heads' rows in L2; in the order the screen
-// finished its groups (heads interleaved), TDA's pass was 20-35% slower (H200, session 83). The
-// full grid, a warp a row group, took 0.050 ms at both 4K and 16K for TRA (session 82). Each
-// candidate gets its exact score from the 16-bit rows and, where the weight is nonzero, its
-// weighted value row, handled by the quad that holds its row's output: the warp reads its list 32
-// entries at a time, and per pass every quad takes its next one, so up to eight candidates' rows
-// are loaded at once.
+// finished its groups (heads interleaved), TDA's pass was 20-35% slower (H200, session 83).
+//
+// A group in two steps. First its candidates' weights: each quad takes kTake entries of the list
+// at a time, whichever rows they are of, loads their query and key rows (a thread a quarter of
+// each, 16 bytes an access) before any arithmetic, and sums the exact scores over the quad; the
+// entries with a nonzero weight go, in a fixed order, into the warp's list of survivors in shared
+// memory. Then the survivors' value rows, each added by the quad that holds its row's output, and
+// the group's rows stored. Most candidates score at or below tau (the screen's cut leaves room
+// for its bound), so most groups need one round trip for their key rows and one for a few value
+// rows. The form before it handled a candidate at a time in the quad of its row, its key row and
+// then its value row loaded four bytes an access: 42 / 112 us of TRA's / TDA's forward at 16K
+// tokens, 12 heads, latency-bound (42% of stall samples on global loads, 20% occupancy;
+// Nsight Compute, H200, 2026-12-02).
+template <int Views>
+inline constexpr int kCandidatesTaken = Views == 1 ? 2 : 1;  // entries per quad and step (registers)
+
 template <class T, int D, int Views>
 __global__ void __launch_bounds__(kCandidateWarps * 32)
     threshold_candidates_kernel(const AttentionParams p, const ThresholdScreenParams sp) {
   namespace mt = math::threshold;
   using Tile = QueryTile<Sm90ScreenShape::kBQ, Sm90ScreenShape::kBK>;
-  const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  constexpr int kTake = kCandidatesTaken<Views>, kWords = screen::kSliceWords<D>;
+  struct Survivor {
+    std::uint32_t entry;
+    float weight;
+  };
+  __shared__ Survivor survivors_of[kCandidateWarps][kGroupCandidates];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+  Survivor* const survivors = survivors_of[warp];
   const int stride = static_cast<int>(gridDim.x) * kCandidateWarps;
-  for (int group = static_cast<int>(blockIdx.x) * kCandidateWarps + static_cast<int>(threadIdx.x) / 32;
-       group < sp.groups; group += stride) {
+  for (int group = static_cast<int>(blockIdx.x) * kCandidateWarps + warp; group < sp.groups; group += stride) {
     const int count = min(sp.candidate_counts[group], kGroupCandidates);
     if (count == 0) continue;
     std::int64_t group0;
     const Tile qt = sp.tile_of_group<Tile>(p, group, &group0);
-    const std::int64_t row0 = group0 + g;
-    const float beta = sp.view.beta[qt.h * sp.view.beta_head];
     const float lambda = Views == 2 ? -sp.view.factor(qt.h) : 0.f;
-    float tau[2];
-    const T* q_rows[Views][2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const std::int64_t row = row0 + 8 * half;
-      const std::int64_t limit = qt.limit(p, row);
-      tau[half] = beta * sp.view.unit(limit);
-#pragma unroll
-      for (int v = 0; v < Views; ++v) {
-        q_rows[v][half] = limit >= 0 ? sp.q_hat[v].at<const T>(qt.b, qt.s.q_start + row, qt.h) : nullptr;
-      }
-    }
+    // Lane r < 16 holds tau of the group's row r, for the quads to fetch by shuffles.
+    const float tau_of_lane =
+        sp.view.beta[qt.h * sp.view.beta_head] * sp.view.unit(qt.limit(p, group0 + (lane % kScreenGroupRows)));
     const std::uint32_t* const list = sp.candidates + static_cast<std::int64_t>(group) * kGroupCandidates;
     // The candidates' cells with a score above tau go into the forward's support record (the
     // fused forward after this pass records the dense tiles').
@@ -601,58 +644,107 @@ __global__ void __launch_bounds__(kCandidateWarps * 32)
             ? sp.view.support.row(p, qt.b, qt.h, qt.s, group0 / kSupportRows * kSupportRows)
             : nullptr;
 
-    float o[D / 8][4];
-    tile::zero(o);
-    for (int first = 0; first < count; first += 32) {
-      // Entry first + lane in this lane; `mine`: the lanes holding entries of this quad's rows
-      // (entry & 7 is its row's position in an eight-row half: quad g's rows are g and g + 8).
-      const bool held = first + lane < count;
-      const std::uint32_t x = held ? list[first + lane] : 0u;
-      unsigned mine = 0;
+    // Step 1: the weights; entry e = key << 4 | row within the group.
+    int survivor_count = 0;
+    for (int first = 0; first < count; first += 8 * kTake) {
+      std::uint32_t entry[kTake];
+      bool active[kTake];
+      uint4 q_slice[kTake][Views][kWords], k_slice[kTake][Views][kWords];
 #pragma unroll
-      for (int quad = 0; quad < 8; ++quad) {
-        const unsigned of_quad = __ballot_sync(0xffffffffu, held && static_cast<int>(x & 7u) == quad);
-        if (quad == g) mine = of_quad;
+      for (int u = 0; u < kTake; ++u) {
+        const int at = first + g * kTake + u;
+        active[u] = at < count;
+        // An inactive entry reads the group's first row and key 0, which exist (the group listed
+        // a candidate), and its weight is not kept.
+        entry[u] = active[u] ? list[at] : 0u;
+        const std::int64_t row = group0 + (entry[u] & 15u), key = entry[u] >> 4;
+#pragma unroll
+        for (int v = 0; v < Views; ++v) {
+          screen::load_slice<D>(sp.q_hat[v].at<const T>(qt.b, qt.s.q_start + row, qt.h), tig, q_slice[u][v]);
+          screen::load_slice<D>(sp.k_hat[v].at<const T>(qt.b, qt.s.k_start + key, qt.hk), tig, k_slice[u][v]);
+        }
       }
-      while (__any_sync(0xffffffffu, mine != 0)) {
-        const bool active = mine != 0;
-        const std::uint32_t entry = __shfl_sync(0xffffffffu, x, active ? __ffs(mine) - 1 : 0);
-        mine &= mine - 1;
-        const int half = static_cast<int>((entry >> 3) & 1u);
-        const std::int64_t key = static_cast<std::int64_t>(entry >> 4);
+#pragma unroll
+      for (int u = 0; u < kTake; ++u) {
+        const float tau = __shfl_sync(0xffffffffu, tau_of_lane, static_cast<int>(entry[u] & 15u));
         float w = 0.f;
         bool above = false;
 #pragma unroll
         for (int v = 0; v < Views; ++v) {
-          const T* k = active ? sp.k_hat[v].at<const T>(qt.b, qt.s.k_start + key, qt.hk) : nullptr;
-          const float score = screen::quad_score<T, D>(half == 0 ? q_rows[v][0] : q_rows[v][1], k, active, tig);
-          const float wv = mt::weight(score - tau[half], sp.view.power);
+          const float score = tile::quad_sum(screen::slice_dot<T, D>(q_slice[u][v], k_slice[u][v]));
+          const float wv = mt::weight(score - tau, sp.view.power);
           w += v == 0 ? wv : -lambda * wv;
-          above = above || score > tau[half];
+          above = above || score > tau;
         }
-        if (support_row != nullptr && active && above && tig == 0) {
-          const std::int64_t cell = key / kCellKeys;
+        if (support_row != nullptr && active[u] && above && tig == 0) {
+          const std::int64_t cell = static_cast<std::int64_t>(entry[u] >> 4) / kCellKeys;
           atomicOr(support_row + (cell >> 5), 1u << (cell & 31));
         }
-        if (active && w != 0.f) {
-          const T* vrow = p.v.at<const T>(qt.b, qt.s.k_start + key, qt.hk);
-          const float w_lo = half == 0 ? w : 0.f, w_hi = half == 0 ? 0.f : w;
+        // Quads in turn within step u (entries first + g kTake + u, ascending in g for each u: list
+        // order for kTake = 1): a fixed order, so each row's sum is the same from call to call.
+        const bool keep = active[u] && w != 0.f;
+        const unsigned kept = __ballot_sync(0xffffffffu, keep && tig == 0);
+        if (keep && tig == 0) survivors[survivor_count + __popc(kept & ((1u << lane) - 1u))] = {entry[u], w};
+        survivor_count += __popc(kept);
+      }
+    }
+    __syncwarp();
+
+    // Step 2: the survivors' value rows into their rows' outputs (quad g: rows g and g + 8).
+    float o[2][8 * kWords];
 #pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            const float2 xv = screen::feature_pair(vrow, n, tig);
-            o[n][0] += w_lo * xv.x;
-            o[n][1] += w_lo * xv.y;
-            o[n][2] += w_hi * xv.x;
-            o[n][3] += w_hi * xv.y;
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int f = 0; f < 8 * kWords; ++f) o[half][f] = 0.f;
+    }
+    for (int first = 0; first < survivor_count; first += 32) {
+      const bool held = first + lane < survivor_count;
+      const Survivor mine_entry = held ? survivors[first + lane] : Survivor{0u, 0.f};
+      unsigned mine = 0;
+#pragma unroll
+      for (int quad = 0; quad < 8; ++quad) {
+        const unsigned of_quad = __ballot_sync(0xffffffffu, held && static_cast<int>(mine_entry.entry & 7u) == quad);
+        if (quad == g) mine = of_quad;
+      }
+      while (__any_sync(0xffffffffu, mine != 0)) {
+        const bool active = mine != 0;
+        const int from = active ? __ffs(mine) - 1 : 0;
+        const std::uint32_t entry = __shfl_sync(0xffffffffu, mine_entry.entry, from);
+        const float w = __shfl_sync(0xffffffffu, mine_entry.weight, from);
+        mine &= mine - 1;
+        if (active) {
+          uint4 v_slice[kWords];
+          screen::load_slice<D>(p.v.at<const T>(qt.b, qt.s.k_start + (entry >> 4), qt.hk), tig, v_slice);
+          const int half = static_cast<int>((entry >> 3) & 1u);
+#pragma unroll
+          for (int j = 0; j < kWords; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              float x0, x1;
+              tile::unpack2<T>(screen::word_of(v_slice[j], i), x0, x1);
+              // Both halves' registers touched, one by zero: no dynamic register index.
+              const float w_lo = half == 0 ? w : 0.f, w_hi = half == 0 ? 0.f : w;
+              o[0][8 * j + 2 * i] += w_lo * x0;
+              o[0][8 * j + 2 * i + 1] += w_lo * x1;
+              o[1][8 * j + 2 * i] += w_hi * x0;
+              o[1][8 * j + 2 * i + 1] += w_hi * x1;
+            }
           }
         }
       }
     }
+    __syncwarp();  // the survivors' list is read before the next group writes it
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const std::int64_t row = row0 + 8 * half;
+      const std::int64_t row = group0 + g + 8 * half;
       if (row >= qt.s.q_len) continue;
-      tile::store_fragment_row<T>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h), o, half, tig);
+      uint4* const out = reinterpret_cast<uint4*>(p.out.at<T>(qt.b, qt.s.q_start + row, qt.h)) + tig * kWords;
+#pragma unroll
+      for (int j = 0; j < kWords; ++j) {
+        const float* x = o[half] + 8 * j;
+        out[j] = make_uint4(tile::pack2<T>(x[0], x[1]), tile::pack2<T>(x[2], x[3]), tile::pack2<T>(x[4], x[5]),
+                            tile::pack2<T>(x[6], x[7]));
+      }
     }
   }
 }
