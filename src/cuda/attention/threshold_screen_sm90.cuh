@@ -143,27 +143,38 @@ __device__ __forceinline__ void mark_tiles_dense(std::uint32_t* dense_row, std::
 
 namespace screen {
 
-// Features 8 n + 2 tig + 0..1 of a 16-bit row (a thread's accumulator columns), as floats.
-template <class T>
-__device__ __forceinline__ float2 feature_pair(const T* row, int n, int tig) {
-  const std::uint32_t bits = *reinterpret_cast<const std::uint32_t*>(row + 8 * n + 2 * tig);
-  const T* e = reinterpret_cast<const T*>(&bits);
-  return make_float2(tile::to_float(e[0]), tile::to_float(e[1]));
+// A thread's slice of a 16-bit row in the candidate pass: features (D / 4) tig .. (D / 4) (tig +
+// 1) - 1, contiguous, as D / 32 words of 16 bytes, so that a quad moves a row with 16-byte
+// accesses (rows are 16-byte aligned on the fused path, the normalized ones contiguous).
+template <int D>
+inline constexpr int kSliceWords = D / 32;
+
+template <int D>
+__device__ __forceinline__ void load_slice(const void* row, int tig, uint4 (&x)[kSliceWords<D>]) {
+  const uint4* at = reinterpret_cast<const uint4*>(row) + tig * kSliceWords<D>;
+#pragma unroll
+  for (int j = 0; j < kSliceWords<D>; ++j) x[j] = at[j];
 }
 
-// The exact score of (row, key) from the 16-bit rows, summed over a quad: each of its four
-// threads takes the features of its accumulator columns.
+__device__ __forceinline__ std::uint32_t word_of(const uint4& x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+// The slice's part of a score, features in order.
 template <class T, int D>
-__device__ __forceinline__ float quad_score(const T* q, const T* k, bool active, int tig) {
+__device__ __forceinline__ float slice_dot(const uint4 (&a)[kSliceWords<D>], const uint4 (&b)[kSliceWords<D>]) {
   float part = 0.f;
-  if (active) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      const float2 a = feature_pair(q, n, tig), b = feature_pair(k, n, tig);
-      part += a.x * b.x + a.y * b.y;
+  for (int j = 0; j < kSliceWords<D>; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float a0, a1, b0, b1;
+      tile::unpack2<T>(word_of(a[j], i), a0, a1);
+      tile::unpack2<T>(word_of(b[j], i), b0, b1);
+      part += a0 * b0 + a1 * b1;
     }
   }
-  return tile::quad_sum(part);
+  return part;
 }
 
 // f(std::integral_constant<int, s>{}) for s = 0, 1, ... while it returns true: a loop over a
@@ -553,44 +564,6 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
   }
 #endif
 }
-
-namespace screen {
-
-// A thread's slice of a 16-bit row in the candidate pass: features (D / 4) tig .. (D / 4) (tig +
-// 1) - 1, contiguous, as D / 32 words of 16 bytes, so that a quad moves a row with 16-byte
-// accesses (rows are 16-byte aligned on the fused path, the normalized ones contiguous).
-template <int D>
-inline constexpr int kSliceWords = D / 32;
-
-template <int D>
-__device__ __forceinline__ void load_slice(const void* row, int tig, uint4 (&x)[kSliceWords<D>]) {
-  const uint4* at = reinterpret_cast<const uint4*>(row) + tig * kSliceWords<D>;
-#pragma unroll
-  for (int j = 0; j < kSliceWords<D>; ++j) x[j] = at[j];
-}
-
-__device__ __forceinline__ std::uint32_t word_of(const uint4& x, int i) {
-  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
-}
-
-// The slice's part of a score, features in order.
-template <class T, int D>
-__device__ __forceinline__ float slice_dot(const uint4 (&a)[kSliceWords<D>], const uint4 (&b)[kSliceWords<D>]) {
-  float part = 0.f;
-#pragma unroll
-  for (int j = 0; j < kSliceWords<D>; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float a0, a1, b0, b1;
-      tile::unpack2<T>(word_of(a[j], i), a0, a1);
-      tile::unpack2<T>(word_of(b[j], i), b0, b1);
-      part += a0 * b0 + a1 * b1;
-    }
-  }
-  return part;
-}
-
-}  // namespace screen
 
 // The candidates' part of the output, after the screen: the rows of every row group that listed
 // candidates (the screen wrote every other row as zeros), to which the fused forward then adds
