@@ -308,12 +308,11 @@ __device__ __forceinline__ float largest_magnitude(const float (&a)[kPacks][8]) 
 // kPacks <= j < kScreenRowBytes / 32.
 inline constexpr int kScreenPacksPerLane = kScreenRowBytes / 8 / kWideLanes;
 
-// The row's codes with the scale of `largest` into the lane's packs: codes(j, words) stores pack
-// j's eight codes, pad(j) pack j of the padding. Returns the row's error radius, its squares
-// summed in wide_row_sum's order.
-template <int kPacks, class Codes, class Pad>
-__device__ __forceinline__ float quantize_wide_row(const float (&a)[kPacks][8], float largest, bool valid, Codes&& codes,
-                                                   Pad&& pad) {
+// The row's codes with the scale of `largest` into the lane's packs: store(j, words) stores the
+// eight codes of the lane's pack j, zeros for the padding's (j >= kPacks). Returns the row's
+// error radius, its squares summed in wide_row_sum's order.
+template <int kPacks, class Store>
+__device__ __forceinline__ float quantize_wide_row(const float (&a)[kPacks][8], float largest, bool valid, Store&& store) {
   static_assert(kPacks <= kScreenPacksPerLane, "a screen row holds the head dimension");
   const float scale = mt::screen_scale(largest), inverse_scale = mt::screen_inverse_scale(largest);
   float part[kPacks];
@@ -321,10 +320,10 @@ __device__ __forceinline__ float quantize_wide_row(const float (&a)[kPacks][8], 
   for (int j = 0; j < kPacks; ++j) {
     uint2 words = make_uint2(0u, 0u);
     part[j] = valid ? quantize_lane(a[j], scale, inverse_scale, &words) : 0.f;
-    codes(j, words);
+    store(j, words);
   }
 #pragma unroll
-  for (int j = kPacks; j < kScreenPacksPerLane; ++j) pad(j);
+  for (int j = kPacks; j < kScreenPacksPerLane; ++j) store(j, make_uint2(0u, 0u));
   return sqrtf(wide_row_sum<kPacks>(part));
 }
 
@@ -354,14 +353,9 @@ __global__ void normalize_quantize_queries_kernel(const Operand src, const Opera
   widen_row<T, kPacks>(out, l.valid, a);
   const float largest = tile::lanes_max<kWideLanes>(largest_magnitude<kPacks>(a));
   std::int8_t* const row8 = q8.at<std::int8_t>(l.b, l.at, l.h);
-  const float err = quantize_wide_row<kPacks>(
-      a, largest, l.valid,
-      [&](int j, uint2 words) {
-        if (l.valid) *reinterpret_cast<uint2*>(row8 + 8 * (l.sub + kWideLanes * j)) = words;
-      },
-      [&](int j) {
-        if (l.valid) *reinterpret_cast<uint2*>(row8 + 8 * (l.sub + kWideLanes * j)) = make_uint2(0u, 0u);
-      });
+  const float err = quantize_wide_row<kPacks>(a, largest, l.valid, [&](int j, uint2 words) {
+    if (l.valid) *reinterpret_cast<uint2*>(row8 + 8 * (l.sub + kWideLanes * j)) = words;
+  });
   if (l.valid && l.sub == 0) {
     meta[l.idx] = make_float2(mt::screen_scale(largest), err);
     inv_norm[l.idx] = inv;
@@ -403,10 +397,9 @@ __global__ void __launch_bounds__(32 * kKeyTileWarps) normalize_quantize_key_til
 #pragma unroll
   for (int w = 0; w < kKeyTileWarps; ++w) largest = fmaxf(largest, largest_of[w]);
   std::int8_t* const tile_dst = k8_tiles + ((b * p.heads_kv + hk) * key_tiles + t) * kScreenTileBytes;
-  float err = quantize_wide_row<kPacks>(
-      a, largest, valid,
-      [&](int j, uint2 words) { store_key_tile_pack(tile_dst, tile_row, sub + kWideLanes * j, words); },
-      [&](int j) { store_key_tile_pack(tile_dst, tile_row, sub + kWideLanes * j, make_uint2(0u, 0u)); });
+  float err = quantize_wide_row<kPacks>(a, largest, valid, [&](int j, uint2 words) {
+    store_key_tile_pack(tile_dst, tile_row, sub + kWideLanes * j, words);
+  });
   err = tile::lanes_max<32>(err);
   __syncthreads();  // every warp has read largest_of
   if (lane == 0) largest_of[warp] = err;
