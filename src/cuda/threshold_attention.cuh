@@ -130,19 +130,6 @@ struct PackedRowLane {
   }
 };
 
-// A lane's eight features of a row, loaded apart from the arithmetic below so that a kernel
-// taking several rows a lane issues all their loads before its first store: the compiler may
-// not move a load past a store to `hat`, which could alias it. The key-tile kernel normalized
-// eight rows a lane with load, sums, store in turn, eight memory round trips in series, and took
-// 0.088 ms per view at 16K tokens, 12 heads (H200, 2026-11-30); with its loads ahead, 0.071.
-// Not read where not valid.
-template <class T>
-__device__ __forceinline__ Pack<T, 8> load_packed_row(const T* x, bool valid) {
-  Pack<T, 8> in;
-  if (valid) in = load_pack<T, 8>(x);
-  return in;
-}
-
 // A lane's eight features `in` normalized, rounded to T and stored into hat when valid, and
 // returned as read back (what the kernels score): the one normalization of the packed kernels,
 // the screen's included, so the screened forward scores the rows the unscreened one would.
@@ -199,167 +186,10 @@ unsigned packed_blocks(const RowGeometry& r) {
   return static_cast<unsigned>((r.rows * r.heads + rows_per_block - 1) / rows_per_block);
 }
 
-// The screen's rows (dim 64 or 128, rows as aligned_rows requires). A warp a row with 8-byte
-// accesses, as these kernels were first written, took 0.08 ms per view and tensor at 16K tokens
-// and 12 heads (H200, 2026-11-30), 19% of the screened TRA forward at 16K.
-
-__device__ __forceinline__ float largest_magnitude(const float (&a)[8]) {
-  float m = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(a[j]));
-  return m;
-}
-
-// Eight features as int8 with `scale` (mt::screen_scale and screen_inverse_scale of the largest
-// |a| of the row or tile), as two words in feature order; returns their part of the row's squared
-// error radius.
-__device__ __forceinline__ float quantize_lane(const float (&a)[8], float scale, float inverse_scale, uint2* words) {
-  std::uint32_t word[2] = {0u, 0u};
-  float err = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int c = mt::screen_quantize(a[j], inverse_scale);
-    word[j / 4] |= (static_cast<std::uint32_t>(c) & 0xffu) << (8 * (j % 4));
-    const float e = a[j] - scale * static_cast<float>(c);
-    err += e * e;
-  }
-  *words = make_uint2(word[0], word[1]);
-  return err;
-}
-
-// The screen's normalization takes rows four lanes a row, lane `sub` holding the row's packs of
-// eight features sub, sub + 4, ... (kPacks = dim / 32 of them, one 16-byte access each), so that
-// a lane's fixed work (its row's indices and addresses, the norm's reciprocal square root, the
-// scales' reciprocals, the reductions' shuffles) is spread over four packs. With a pack a lane
-// (dim / 8 lanes a row, as the plain normalization), the queries' kernel executed about 420
-// instructions a lane and was bound by issuing them: 79% of issue slots busy, 33% of the memory
-// bandwidth, 0.052 ms per view at 16K tokens and 12 heads (Nsight Compute, H200, 2026-12-02).
-inline constexpr int kWideLanes = 4;
-
-// A row's packs as `sub` holds them, loaded before any store (load_packed_row says why).
-template <class T, int kPacks>
-__device__ __forceinline__ void load_wide_row(const T* row, int sub, bool valid, Pack<T, 8> (&in)[kPacks]) {
-#pragma unroll
-  for (int j = 0; j < kPacks; ++j) in[j] = load_packed_row(row + 8 * (sub + kWideLanes * j), valid);
-}
-
-// The sum over a row of per-pack partial sums, added in the order in which lanes_sum<dim / 8>
-// adds them in the one-pack-a-lane layout (pairs 4 kPacks / 2 packs apart first, then ever
-// closer), so that the result is that layout's to the bit: the screened forward then scores the
-// rows the unscreened one normalizes (normalize_rows_packed_kernel). Each lane of a butterfly
-// adds its own value and its partner's, and a + b == b + a in IEEE arithmetic.
-template <int kPacks>
-__device__ __forceinline__ float wide_row_sum(float (&part)[kPacks]) {
-#pragma unroll
-  for (int m = kPacks / 2; m > 0; m /= 2) {
-#pragma unroll
-    for (int j = 0; j < m; ++j) part[j] += part[j + m];
-  }
-  return tile::lanes_sum<kWideLanes>(part[0]);
-}
-
-// normalize_packed_row for a row in the wide layout: the features normalized and rounded to T
-// into `out`, stored into hat_row where valid; *inv_norm the signed inverse norm.
-template <class T, int kPacks>
-__device__ __forceinline__ void normalize_wide_row(const Pack<T, 8> (&in)[kPacks], T* hat_row, int sub, bool valid,
-                                                   float eps, Pack<T, 8> (&out)[kPacks], float* inv_norm) {
-  float part[kPacks];
-#pragma unroll
-  for (int j = 0; j < kPacks; ++j) {
-    float sum = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float x = valid ? widen(in[j].v[e]) : 0.f;
-      sum += x * x;
-    }
-    part[j] = sum;
-  }
-  const float sum = wide_row_sum<kPacks>(part);
-  const float inv = math::inverse_norm(sum, eps);
-  *inv_norm = math::norm_clipped(sum, eps) ? -inv : inv;
-#pragma unroll
-  for (int j = 0; j < kPacks; ++j) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) out[j].v[e] = narrow_to<T>((valid ? widen(in[j].v[e]) : 0.f) * inv);
-    if (valid) store_pack<T, 8>(hat_row + 8 * (sub + kWideLanes * j), out[j]);
-  }
-}
-
-// The normalized row as the kernels score it: `out` widened, zeros where not valid.
-template <class T, int kPacks>
-__device__ __forceinline__ void widen_row(const Pack<T, 8> (&out)[kPacks], bool valid, float (&a)[kPacks][8]) {
-#pragma unroll
-  for (int j = 0; j < kPacks; ++j) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) a[j][e] = valid ? widen(out[j].v[e]) : 0.f;
-  }
-}
-
-template <int kPacks>
-__device__ __forceinline__ float largest_magnitude(const float (&a)[kPacks][8]) {
-  float m = 0.f;
-#pragma unroll
-  for (int j = 0; j < kPacks; ++j) m = fmaxf(m, largest_magnitude(a[j]));
-  return m;
-}
-
-// The screen's rows are kScreenRowBytes long, zero past dim: a lane's packs of codes (eight
-// bytes each) are the row's packs sub + 4 j, j < kPacks; the padding's (dim 64) those with
-// kPacks <= j < kScreenRowBytes / 32.
-inline constexpr int kScreenPacksPerLane = kScreenRowBytes / 8 / kWideLanes;
-
-// The row's codes with the scale of `largest` into the lane's packs: store(j, words) stores the
-// eight codes of the lane's pack j, zeros for the padding's (j >= kPacks). Returns the row's
-// error radius, its squares summed in wide_row_sum's order.
-template <int kPacks, class Store>
-__device__ __forceinline__ float quantize_wide_row(const float (&a)[kPacks][8], float largest, bool valid, Store&& store) {
-  static_assert(kPacks <= kScreenPacksPerLane, "a screen row holds the head dimension");
-  const float scale = mt::screen_scale(largest), inverse_scale = mt::screen_inverse_scale(largest);
-  float part[kPacks];
-#pragma unroll
-  for (int j = 0; j < kPacks; ++j) {
-    uint2 words = make_uint2(0u, 0u);
-    part[j] = valid ? quantize_lane(a[j], scale, inverse_scale, &words) : 0.f;
-    store(j, words);
-  }
-#pragma unroll
-  for (int j = kPacks; j < kScreenPacksPerLane; ++j) store(j, make_uint2(0u, 0u));
-  return sqrtf(wide_row_sum<kPacks>(part));
-}
-
-// The rows of the wide layout a block of kWarpsPerBlock warps takes.
-inline constexpr int kWideRowsPerBlock = kWarpsPerBlock * (32 / kWideLanes);
-unsigned wide_blocks(const RowGeometry& r) {
-  return static_cast<unsigned>((r.rows * r.heads + kWideRowsPerBlock - 1) / kWideRowsPerBlock);
-}
-
 // Eight bytes of a key row at byte 8 pack of row `row` of a key tile in the screen's layout
 // (ScreenKeyTile: the shared-memory tile's, so that the screen copies a tile as one block).
 __device__ __forceinline__ void store_key_tile_pack(std::int8_t* tile, int row, int pack, uint2 words) {
   *reinterpret_cast<uint2*>(tile + ScreenKeyTile::offset_of(row, pack / 2) + 8 * (pack % 2)) = words;
-}
-
-// The queries, four lanes a row (kPacks = dim / 32): normalized, quantized with the row's own
-// scale; meta = {scale, error radius}.
-template <class T, int kPacks>
-__global__ void normalize_quantize_queries_kernel(const Operand src, const Operand hat, float* inv_norm,
-                                                  const Operand q8, float2* meta, const RowGeometry r, float eps) {
-  const PackedRowLane<kWideLanes> l(r);
-  Pack<T, 8> in[kPacks];
-  load_wide_row<T, kPacks>(src.at<const T>(l.b, l.at, l.h), l.sub, l.valid, in);
-  Pack<T, 8> out[kPacks];
-  float a[kPacks][8], inv;
-  normalize_wide_row<T, kPacks>(in, hat.at<T>(l.b, l.at, l.h), l.sub, l.valid, eps, out, &inv);
-  widen_row<T, kPacks>(out, l.valid, a);
-  const float largest = tile::lanes_max<kWideLanes>(largest_magnitude<kPacks>(a));
-  std::int8_t* const row8 = q8.at<std::int8_t>(l.b, l.at, l.h);
-  const float err = quantize_wide_row<kPacks>(a, largest, l.valid, [&](int j, uint2 words) {
-    if (l.valid) *reinterpret_cast<uint2*>(row8 + 8 * (l.sub + kWideLanes * j)) = words;
-  });
-  if (l.valid && l.sub == 0) {
-    meta[l.idx] = make_float2(mt::screen_scale(largest), err);
-    inv_norm[l.idx] = inv;
-  }
 }
 
 // A block per (key tile, kv head, sequence): the tile's keys normalized, then quantized with one
@@ -831,24 +661,19 @@ class NormalizedViews {
   void compute_unless_saved(const detail::AttentionParams& p, const ThresholdConfig& cfg) {
     if (cfg.saved_rows == nullptr) compute<T>(p, cfg);
   }
-  // The forward's rows for the screen: normalized (as compute writes them) and quantized into
-  // `screen`'s int8 rows and bounds.
+  // The forward's rows for the screen: the keys normalized (as compute writes them) and quantized
+  // into `screen`'s int8 tiles and bounds; the queries, which the screen normalizes itself, named.
   template <class T>
   void compute_screened(const detail::AttentionParams& p, const ThresholdConfig& cfg, ThresholdScreenParams& screen) {
     const float eps = static_cast<float>(cfg.norm_eps);
+    screen.eps = eps;
     for (int v = 0; v < views_; ++v) {
       const Operand& q_src = v == 0 ? p.q : cfg.q2;
       const Operand& k_src = v == 0 ? p.k : cfg.k2;
       screen.q_hat[v] = rows_[v].q_hat;
       screen.k_hat[v] = rows_[v].k_hat;
-      if (q_.rows * q_.heads > 0) {
-        with_packed_lanes(q_.dim, [&](auto lanes) {
-          normalize_quantize_queries_kernel<T, decltype(lanes)::value / kWideLanes>
-              <<<wide_blocks(q_), 32 * kWarpsPerBlock, 0, stream_of(p)>>>(
-              q_src, rows_[v].q_hat, rows_[v].q_inv, screen.q8[v], screen.q_meta[v], q_, eps);
-        });
-        check_launch("threshold normalize_quantize_queries_kernel");
-      }
+      screen.queries[v] = q_src;
+      screen.q_inv[v] = rows_[v].q_inv;
       const dim3 grid(static_cast<unsigned>(screen.key_tiles), static_cast<unsigned>(p.heads_kv),
                       static_cast<unsigned>(p.num_seqs));
       if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
@@ -949,8 +774,7 @@ class ScreenBuffer {
         dense_words_(static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(row_groups(p)) *
                      static_cast<std::size_t>(map_words(p))),
         live_words_(map_blocks(p) * static_cast<std::size_t>(map_words(p))),
-        per_view_(aligned(q_rows_ * kScreenRowBytes) + aligned(tiles_ * kScreenTileBytes) +
-                  aligned(q_rows_ * sizeof(float2)) + aligned(tiles_ * sizeof(float2))),
+        per_view_(aligned(tiles_ * kScreenTileBytes) + aligned(tiles_ * sizeof(float2))),
         bits_(aligned((dense_words_ + live_words_) * sizeof(std::uint32_t))),
         groups_(static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(row_groups(p))),
         items_(map_blocks(p)),
@@ -958,16 +782,9 @@ class ScreenBuffer {
         lists_(aligned(items_ * sizeof(int4))),
         buffer_(p, views * per_view_ + bits_ + counts_ + lists_ + groups_ * kGroupCandidates * sizeof(std::uint32_t)) {
     auto* base = buffer_.as<unsigned char>();
-    const RowGeometry q = query_rows(p);
-    RowGeometry q8 = q;
-    q8.dim = kScreenRowBytes;
     for (int v = 0; v < views; ++v) {
-      params_.q8[v] = contiguous(base, q8);
-      base += aligned(q_rows_ * kScreenRowBytes);
       params_.k8[v] = reinterpret_cast<std::int8_t*>(base);
       base += aligned(tiles_ * kScreenTileBytes);
-      params_.q_meta[v] = reinterpret_cast<float2*>(base);
-      base += aligned(q_rows_ * sizeof(float2));
       params_.tile_meta[v] = reinterpret_cast<float2*>(base);
       base += aligned(tiles_ * sizeof(float2));
     }

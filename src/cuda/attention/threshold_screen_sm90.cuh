@@ -23,9 +23,10 @@
 // pass, every other one by the screen, as zeros; the fused forward adds the dense tiles' part.
 //
 // Block: one work item (ScreenItems: 128 query rows of one head), two warpgroups of 64 rows
-// that copy the item's 8-bit query tile themselves and get its key tiles (natural key order,
-// 128 keys x 128 bytes) by bulk copies a few stages ahead of their products, and two blocks a
-// multiprocessor. Views = 2
+// that normalize and quantize the item's queries themselves (the only block to read them) and
+// get its key tiles (natural key order, 128 keys x 128 bytes, quantized by a kernel before the
+// screen, as every query tile of the head reads them) by bulk copies a few stages ahead of
+// their products, and two blocks a multiprocessor. Views = 2
 // (TDA) screens both views' products; a candidate of either view gets both exact scores and the
 // weight w1 - lambda w2.
 #pragma once
@@ -38,12 +39,12 @@
 #include "cuda/attention/forward_sm90.cuh"
 #include "cuda/attention/key_tiles.cuh"
 #include "cuda/attention/threshold_rows.cuh"
+#include "cuda/attention/threshold_screen_rows.cuh"
 #include "cuda/tile/hopper.cuh"
 #include "cuda/tile/panel_tile.cuh"
 
 namespace winnow::cuda {
 
-inline constexpr int kScreenRowBytes = 128;  // int8 rows, zero past the head dimension
 // A key tile of the screen as the normalization writes it and the screen's shared memory holds
 // it (128 keys of 128 bytes, swizzled), so that one bulk copy moves it.
 using ScreenKeyTile = tile::PanelTile<std::int8_t, kCellKeys, kScreenRowBytes>;
@@ -54,13 +55,16 @@ inline constexpr int kCandidateWarps = 8;     // per block of the candidate pass
 
 struct ThresholdScreenParams {
   ThresholdCudaConfig view;  // power, dim, beta; lambda set for TDA (the second view's factor)
-  // Per view: the 16-bit normalized rows (the kernels' scores), the int8 query rows
-  // ([batch row][head][128 bytes]) and key tiles ([sequence][kv head][tile], ScreenKeyTile's
-  // layout), per query row its {scale, error radius} ([batch row][head]), per key tile the
-  // reciprocal of its keys' scale and their largest error radius ([sequence][kv head][tile]).
-  detail::Operand q_hat[2], k_hat[2], q8[2];
+  // Per view: the 16-bit normalized rows (the kernels' scores), the int8 key tiles ([sequence][kv
+  // head][tile], ScreenKeyTile's layout) and per key tile the reciprocal of its keys' scale and
+  // their largest error radius ([sequence][kv head][tile]), both from the keys' normalization.
+  // The screen normalizes the queries itself: from the caller's rows (queries) into q_hat, their
+  // signed inverse norms into q_inv ([batch row][head]) with eps, their int8 codes into its
+  // shared memory only.
+  detail::Operand q_hat[2], k_hat[2], queries[2];
+  float* q_inv[2] = {nullptr, nullptr};
+  float eps = 0.f;
   std::int8_t* k8[2] = {nullptr, nullptr};
-  float2* q_meta[2] = {nullptr, nullptr};  // written by the normalization, read by the screen
   float2* tile_meta[2] = {nullptr, nullptr};
   int key_tiles = 0;  // tiles per (sequence, kv head) in tile_meta
   // The warps' dense tiles, and the blocks' live tiles in LiveKeyTiles' layout (as many words
@@ -105,11 +109,7 @@ struct ThresholdScreenParams {
     return Tile(p, Tile::block_of(p, b, h, *row / Tile::kRows));
   }
 
-  // A query row's {scale, error radius}, and a key tile's {1 / scale, largest error radius}.
-  template <class Tile>
-  __device__ __forceinline__ float2 row_bound(int v, const AttentionParams& p, const Tile& qt, std::int64_t row) const {
-    return q_meta[v][p.batch_row_q(qt.b, qt.s.q_start + row) * p.heads_q + qt.h];
-  }
+  // A key tile's {1 / scale, largest error radius}.
   template <class Tile>
   __device__ __forceinline__ const float2* tile_bounds(int v, const AttentionParams& p, const Tile& qt) const {
     return tile_meta[v] + (qt.b * p.heads_kv + qt.hk) * key_tiles;
@@ -222,13 +222,16 @@ __device__ __forceinline__ void store_zero_rows(const AttentionParams& p, const 
 // Whether a row of the item cannot be screened on its diagonal tile (tau within the bound, as
 // for beta near 0). Where no row can, the block leaves every tile to the fused forward (each row
 // group's tiles dense, the block's live, no candidates: the counts start at zero). Called by
-// one thread a row; `cut` gets the row's part of its cut per view
-// (math::threshold::screen_row_cut), which the warps screening the row read from shared memory:
-// offset +infinity for a row past the sequence, whose cut is then above every product and which
-// never makes a tile dense.
+// one thread a row, with the row's {scale, error radius} per view in `cut`, which then gets the
+// row's part of its cut per view (math::threshold::screen_row_cut), which the warps screening
+// the row read from shared memory: offset +infinity for a row past the sequence, whose cut is
+// then above every product and which never makes a tile dense.
 template <int Views, class Tile>
 __device__ __forceinline__ bool row_unscreenable(const AttentionParams& p, const ThresholdScreenParams& sp,
                                                  const Tile& qt, int ptid, float2 (&cut)[Views]) {
+  float2 bound[Views];
+#pragma unroll
+  for (int v = 0; v < Views; ++v) bound[v] = cut[v];
   static_assert(Tile::kRows == 128, "a thread per row");
   bool unscreenable = true;
   const std::int64_t row = qt.r0 + ptid, limit = qt.limit(p, row);
@@ -238,7 +241,7 @@ __device__ __forceinline__ bool row_unscreenable(const AttentionParams& p, const
     const float tau = sp.view.beta[qt.h * sp.view.beta_head] * sp.view.unit(limit);
 #pragma unroll
     for (int v = 0; v < Views; ++v) {
-      const float2 q = sp.row_bound(v, p, qt, row), k = sp.tile_bound(v, p, qt, qt.key_tiles - 1);
+      const float2 q = bound[v], k = sp.tile_bound(v, p, qt, qt.key_tiles - 1);
       const math::threshold::ScreenRowCut<float> c = math::threshold::screen_row_cut(tau, q.y, q.x);
       if (math::threshold::screen_tile_cut(c, k.y, k.x) >= 1.f) unscreenable = false;
       cut[v] = make_float2(c.offset, c.factor);
@@ -310,7 +313,46 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
   const int warp = wtid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const std::int64_t group0 = qt.r0 + 64 * wg + 16 * warp;  // this warp's 16 rows
   const std::int64_t row0 = group0 + g;                      // this thread's rows: row0, row0 + 8
+  // The item's queries, normalized here rather than by a kernel of their own before the screen
+  // (which wrote int8 rows that this block then copied in, 0.037 ms per view at 16K tokens and
+  // 12 heads on the H200, 2026-12-02): four lanes a row (rows tid / 4 and 64 + tid / 4), each
+  // view's rows into q_hat and q_inv for the kernels after the screen, their codes into the
+  // block's query tile, their {scale, error radius} into row_cuts for row_unscreenable. Both
+  // rows' loads are issued before either's stores (load_wide_row says why).
+  auto normalize_queries = [&] {
+    constexpr int kPacks = D / 32, kPassRows = NT / kWideLanes;
+    static_assert(2 * kPassRows == BQ, "two rows a lane");
+    using QTile = typename Smem::QTile;
+    const int sub = tid % kWideLanes;
+#pragma unroll
+    for (int v = 0; v < Views; ++v) {
+      Pack<T, 8> in[2][kPacks];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tile_row = tid / kWideLanes + kPassRows * r;
+        load_wide_row<T, kPacks>(sp.queries[v].at<const T>(qt.b, qt.s.q_start + qt.r0 + tile_row, qt.h), sub,
+                                 qt.r0 + tile_row < qt.s.q_len, in[r]);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tile_row = tid / kWideLanes + kPassRows * r;
+        const std::int64_t at = qt.s.q_start + qt.r0 + tile_row;
+        const bool valid = qt.r0 + tile_row < qt.s.q_len;
+        unsigned char* const codes = smem + q_off(v);
+        const float3 m = normalize_quantize_wide_row<T, kPacks>(
+            in[r], sp.q_hat[v].at<T>(qt.b, at, qt.h), sub, valid, sp.eps, [&](int j, uint2 words) {
+              const int pack = sub + kWideLanes * j;
+              *reinterpret_cast<uint2*>(codes + QTile::offset_of(tile_row, pack / 2) + 8 * (pack % 2)) = words;
+            });
+        if (sub == 0) {
+          if (valid) sp.q_inv[v][p.batch_row_q(qt.b, at) * p.heads_q + qt.h] = m.x;
+          row_cuts[v * BQ + tile_row] = make_float2(m.y, m.z);
+        }
+      }
+    }
+  };
   if (qt.key_tiles == 0) {  // rows without keys (an empty key sequence): zero
+    normalize_queries();
     store_zero_rows<T, D>(p, qt, row0, tig);
     return;
   }
@@ -336,33 +378,21 @@ __global__ void __launch_bounds__(Sm90ScreenShape::kThreads, 2)
     tile::mbar_init_fence();
     for (int i = 0; i < S && i < n_tiles; ++i) load_keys(i, i);
   }
-  // The query tile by cp.async, every thread a share: rows r0, r0 + P, ...
-  {
-    using QTile = typename Smem::QTile;
-    constexpr int P = QTile::template row_stride_of<NT>();
-    const int r0 = QTile::template first_row_of<NT>(tid);
-    const std::int64_t left = qt.s.q_len - qt.r0 - r0;
-    const int valid = left <= 0 ? 0 : static_cast<int>(left < BQ ? (left + P - 1) / P : BQ);
-#pragma unroll
-    for (int v = 0; v < Views; ++v) {
-      const detail::Operand& q8 = sp.q8[v];
-      QTile{smem + q_off(v)}.template load_rows_async<NT>(
-          tid, q8.at<const std::int8_t>(qt.b, qt.s.q_start + qt.r0 + r0, qt.h), P * q8.row, valid);
-    }
-    tile::cp_async_commit();
-  }
+  normalize_queries();
+  __syncthreads();  // row_cuts holds every row's bound
 
   // While the first tiles come: each row's part of its cut, and whether the item can be screened
   // at all.
   bool unscreenable = true;
   if (tid < BQ) {
     float2 cut[Views];
+#pragma unroll
+    for (int v = 0; v < Views; ++v) cut[v] = row_cuts[v * BQ + tid];
     unscreenable = row_unscreenable<Views>(p, sp, qt, tid, cut);
 #pragma unroll
     for (int v = 0; v < Views; ++v) row_cuts[v * BQ + tid] = cut[v];
   }
-  tile::cp_async_wait<0>();
-  tile::fence_to_async_proxy();
+  tile::fence_to_async_proxy();  // the query tile's codes were ordinary stores; wgmma reads them asynchronously
   // Waits on the bulk copies still in flight (tiles first .. last - 1): none may outlive the block.
   auto drain = [&](int first, int last) {
     for (int i = first; i < last && i < n_tiles; ++i) tile::mbar_wait(full + i % S, (i / S) & 1);
