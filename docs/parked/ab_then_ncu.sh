@@ -4,7 +4,7 @@
 # of the TRA call at L = 16384 in tools/profile_attention.py), in one detached run on the GPU
 # machine:
 #
-#   PATCHES='...' NCU_KERNELS='normalize_quantize_queries normalize_quantize_key_tiles' \
+#   PATCHES='...' NCU_KERNELS='threshold_screen_sm90 normalize_quantize_key_tiles' \
 #   tools/gpu_detached.sh start docs/parked/ab_then_ncu.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1

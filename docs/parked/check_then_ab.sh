@@ -8,7 +8,10 @@
 # 1. docs/parked/quick.sh on the tree as it is (its variables: the build, the C++ CUDA tests in
 #    shards, the sanitizers, the Python CUDA tests), its logs under $RESULTS/quick;
 # 2. when PATCHES names parked patches, docs/parked/screen_patches.sh on them (its variables),
-#    in the same build tree.
+#    in the same build tree; otherwise, when BENCH_METHODS names rows of the threshold bench
+#    (say "winnow_tra winnow_tra_beta1_screen"), that bench on the tree as it is, its JSON in
+#    $RESULTS/bench.json and tools/issue_bars.py's beta rows in progress.txt, then
+#    tools/screen_consistency.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 R=${RESULTS:-/tmp/winnow-results}
@@ -18,4 +21,15 @@ echo "[quick.sh] rc $?" >> "$R/progress.txt"
 cat "$R/quick/progress.txt" >> "$R/progress.txt" 2> /dev/null
 if [[ -n ${PATCHES:-} ]]; then
   RESULTS=$R docs/parked/screen_patches.sh
+fi
+if [[ -z ${PATCHES:-} && -n ${BENCH_METHODS:-} ]]; then
+  export WINNOW_LIBRARY=$PWD/build-gpu/libwinnow_torch.so
+  # shellcheck disable=SC2086  # the methods are words
+  timeout 300 python3 bench/gpu_threshold_bench.py --methods $BENCH_METHODS --json "$R/bench.json" \
+    > "$R/bench.txt" 2>&1
+  echo "[bench] rc $?" >> "$R/progress.txt"
+  grep -E '^ +[0-9]+ ' "$R/bench.txt" >> "$R/progress.txt"
+  python3 tools/issue_bars.py "$R/bench.json" 2>&1 | grep -i "beta" >> "$R/progress.txt"
+  timeout 120 python3 tools/screen_consistency.py --lengths 4096 16384 --repeats 3 > "$R/consistency.txt" 2>&1
+  echo "[consistency] rc $?, $(grep -c MISMATCH "$R/consistency.txt") mismatches" >> "$R/progress.txt"
 fi
