@@ -10,7 +10,7 @@
 # 2. when PATCHES names parked patches, docs/parked/screen_patches.sh on them (its variables),
 #    in the same build tree; otherwise, when BENCH_METHODS names rows of the threshold bench
 #    (say "winnow_tra winnow_tra_beta1_screen"), that bench on the tree as it is, its JSON in
-#    $RESULTS/bench.json and tools/issue_bars.py's beta rows in progress.txt, then
+#    $RESULTS/bench.json and tools/issue_bars.py's issue 14 rows in progress.txt, then
 #    tools/screen_consistency.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -29,7 +29,7 @@ if [[ -z ${PATCHES:-} && -n ${BENCH_METHODS:-} ]]; then
     > "$R/bench.txt" 2>&1
   echo "[bench] rc $?" >> "$R/progress.txt"
   grep -E '^ +[0-9]+ ' "$R/bench.txt" >> "$R/progress.txt"
-  python3 tools/issue_bars.py "$R/bench.json" 2>&1 | grep -i "beta" >> "$R/progress.txt"
+  python3 tools/issue_bars.py "$R/bench.json" 2>&1 | grep -E '^ +14 ' >> "$R/progress.txt"
   timeout 120 python3 tools/screen_consistency.py --lengths 4096 16384 --repeats 3 > "$R/consistency.txt" 2>&1
   echo "[consistency] rc $?, $(grep -c MISMATCH "$R/consistency.txt") mismatches" >> "$R/progress.txt"
 fi

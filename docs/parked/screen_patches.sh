@@ -45,7 +45,7 @@ $BREAKDOWN > @AB_JSON@.kernels.txt 2>&1; $CONSISTENCY > @AB_JSON@.consistency.tx
     [[ -f $f ]] && say "  $(basename "$f" .json.consistency.txt) consistency: $(grep -c MISMATCH "$f") mismatches"
   done
   for f in "$R"/ab-$patch/ab-*-[0-9].json; do
-    [[ -f $f ]] && { echo "-- $(basename "$f" .json) bars" >> "$P"; python3 tools/issue_bars.py "$f" 2>&1 | grep -i "beta" >> "$P"; }
+    [[ -f $f ]] && { echo "-- $(basename "$f" .json) bars" >> "$P"; python3 tools/issue_bars.py "$f" 2>&1 | grep -E '^ +14 ' >> "$P"; }
   done
   for f in "$R"/ab-$patch/ab-*-[0-9].json.kernels.txt; do
     [[ -f $f ]] || continue
@@ -68,7 +68,7 @@ if [[ -n ${FINAL_BENCH_METHODS:-} ]]; then
   WINNOW_LIBRARY=$PWD/build-gpu/libwinnow_torch.so timeout 400 python3 bench/gpu_threshold_bench.py \
     --methods $FINAL_BENCH_METHODS --json "$R/bench-$final.json" > "$R/bench-$final.txt" 2>&1
   say "bench on $final: rc $?"
-  python3 tools/issue_bars.py "$R/bench-$final.json" 2>&1 | grep -i "beta" >> "$P"
+  python3 tools/issue_bars.py "$R/bench-$final.json" 2>&1 | grep -E '^ +14 ' >> "$P"
 fi
 # SANITIZE_FILTER: then racecheck and memcheck over those tests on that tree's build, each
 # under SANITIZE_SECONDS (default 240).

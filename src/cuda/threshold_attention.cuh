@@ -769,8 +769,7 @@ void fused_forward(const detail::AttentionParams& p, const ThresholdConfig& cfg,
 class ScreenBuffer {
  public:
   ScreenBuffer(const detail::AttentionParams& p, int views)
-      : q_rows_(static_cast<std::size_t>(p.rows_q * p.heads_q)),
-        tiles_(static_cast<std::size_t>(p.num_seqs * p.heads_kv) * static_cast<std::size_t>(map_cells(p))),
+      : tiles_(static_cast<std::size_t>(p.num_seqs * p.heads_kv) * static_cast<std::size_t>(map_cells(p))),
         dense_words_(static_cast<std::size_t>(p.num_seqs * p.heads_q) * static_cast<std::size_t>(row_groups(p)) *
                      static_cast<std::size_t>(map_words(p))),
         live_words_(map_blocks(p) * static_cast<std::size_t>(map_words(p))),
@@ -816,7 +815,7 @@ class ScreenBuffer {
 
  private:
   static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-  std::size_t q_rows_, tiles_, dense_words_, live_words_, per_view_, bits_, groups_, items_, counts_, lists_;
+  std::size_t tiles_, dense_words_, live_words_, per_view_, bits_, groups_, items_, counts_, lists_;
   DeviceBuffer buffer_;
   ThresholdScreenParams params_;
 };
